@@ -1,0 +1,21 @@
+"""The mechanism ladder: one module per rung, each the complete engine as of its mechanism.
+
+Standard library only.  Import a rung directly (``import mechserve.spec.m11_parallelism``);
+``RUNGS`` names them in order without importing any.
+"""
+
+RUNGS = (
+    "m00_engine_loop",
+    "m01_continuous_batching",
+    "m02_token_budget",
+    "m03_paged_state",
+    "m04_chunked_prefill",
+    "m05_preemption",
+    "m06_prefix_hash",
+    "m07_radix_cache",
+    "m08_cache_aware_scheduling",
+    "m09_speculative_decode",
+    "m10_executor_boundary",
+    "m11_parallelism",
+)
+TOP = RUNGS[-1]

@@ -1,0 +1,388 @@
+"""m05 — Preemption.
+
+Key question: when the page pool runs dry, who gives its state back, and what
+does that request still own afterwards?
+
+Residency no longer fails when the free list is short.  It first checks the
+*anchor* (the first scheduled request): if even the whole pool cannot hold
+it, the step raises ``Irreducible``.  Otherwise it frees pages by preempting
+*victims*, scanning the request list from the end::
+
+    requests:  [a (anchor), b, c, d]      victim scan  <── d, c, b  (never a)
+    victim:    RUNNING, not the anchor, holding pages or scheduled this step
+    preempt:   release its pages, computed := 0, drop its work item
+
+A victim keeps its logical history (``generated`` and so ``target``); it is
+an ordinary running request again from the next step, recomputes its prompt
+and generated tokens (possibly in chunks) and then samples its *next* token.
+The budget a victim held is not handed on.  The rules are in
+``mech-notes/05-preemption.md``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Any
+
+TITLE = "Preemption"
+KEY_QUESTION = "When the page pool runs dry, who gives its state back, and what does that request still own afterwards?"
+NOTE = "05-preemption.md"
+
+
+class OutOfPages(Exception):
+    """The pages a step needs exceed the free pages and no victim is left."""
+
+
+class Irreducible(OutOfPages):
+    """The anchor alone needs more pages than the whole pool holds."""
+
+
+class RequestState(Enum):
+    WAITING = "WAITING"
+    RUNNING = "RUNNING"
+    FINISHED = "FINISHED"
+
+
+class FinishReason(Enum):
+    LENGTH = "LENGTH"
+    EOS = "EOS"
+
+
+class Sample(Enum):
+    """What one sample produced: a real token, or the end-of-sequence marker."""
+
+    TOKEN = "TOKEN"
+    EOS = "EOS"
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    ``prompt_len`` and ``max_new_tokens`` are token counts.  ``eos_after`` is
+    the fake model's EOS trigger: once ``generated >= eos_after`` the next
+    sample is EOS.  ``computed`` counts leading positions whose state exists.
+    """
+
+    request_id: str
+    prompt_len: int
+    max_new_tokens: int
+    arrival_step: int = 0
+    eos_after: int | None = None
+    state: RequestState = RequestState.WAITING
+    finish_reason: FinishReason | None = None
+    generated: int = 0
+    computed: int = 0
+    page_table: list[int] = field(default_factory=list)  # m03: page ids, position order
+
+    @property
+    def target(self) -> int:
+        """Positions that should be computed: the prompt plus every sampled token."""
+        return self.prompt_len + self.generated
+
+    @property
+    def remaining(self) -> int:
+        """Positions still owed (tokens)."""
+        return self.target - self.computed
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages needed to hold ``tokens`` positions: ceil(tokens / page_size)."""
+    return -(-tokens // page_size)
+
+
+def translate(page_table: Sequence[int], pos: int, page_size: int) -> tuple[int, int]:
+    """The slot ``(page_id, offset)`` that backs position ``pos``."""
+    return page_table[pos // page_size], pos % page_size
+
+
+class PagePool:
+    """Pages ``0 .. num_pages-1``, each with an owner and ``page_size`` slots.
+
+    The free list starts ascending; ``take`` removes from the front and
+    ``release`` appends to the back.  A slot holds ``(request_id, position)``.
+    """
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.free: deque[int] = deque(range(num_pages))
+        self.owner: list[str | None] = [None] * num_pages
+        self.slots: list[list[tuple[str, int] | None]] = [[None] * page_size for _ in range(num_pages)]
+
+    def can_fit(self, pages: int) -> bool:
+        return pages <= len(self.free)
+
+    def take(self, owner: str) -> int:
+        page = self.free.popleft()
+        self.owner[page] = owner
+        return page
+
+    def release(self, page: int) -> None:
+        self.owner[page] = None
+        self.slots[page] = [None] * self.page_size
+        self.free.append(page)
+
+
+def _frozen(d: dict[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(d))
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step decided.  Dict fields keep the insertion order of the step.
+
+    ``explain`` holds one plain sentence per decision; it is not a trace field.
+    """
+
+    step: int
+    admitted: tuple[str, ...] = ()
+    scheduled: tuple[str, ...] = ()
+    executed: Mapping[str, int] = field(default_factory=lambda: _frozen({}))
+    sampled: Mapping[str, Sample] = field(default_factory=lambda: _frozen({}))
+    finished: Mapping[str, FinishReason] = field(default_factory=lambda: _frozen({}))
+    preempted: tuple[str, ...] = ()  # m05
+    explain: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as a JSON-ready dict, trace fields in contract order."""
+        return {
+            "step": self.step,
+            "admitted": list(self.admitted),
+            "scheduled": list(self.scheduled),
+            "executed": dict(self.executed),
+            "sampled": {k: v.value for k, v in self.sampled.items()},
+            "finished": {k: v.value for k, v in self.finished.items()},
+            "preempted": list(self.preempted),
+        }
+
+
+class Engine:
+    """The complete engine as of m05.
+
+    ``max_step_tokens`` is the per-step token budget; the pool has
+    ``num_pages`` pages of ``page_size`` slots.  Raises ``ValueError`` if
+    ``max_step_tokens <= 0``, a request has ``prompt_len <= 0`` or
+    ``max_new_tokens <= 0``, or ``num_pages <= 0`` or ``page_size <= 0``
+    (checked in that order).
+    """
+
+    def __init__(self, requests: Sequence[Request], max_step_tokens: int, page_size: int, num_pages: int) -> None:
+        if max_step_tokens <= 0:
+            raise ValueError("max_step_tokens must be > 0")
+        for r in requests:
+            if r.prompt_len <= 0:
+                raise ValueError(f"request {r.request_id!r}: prompt_len must be > 0")
+            if r.max_new_tokens <= 0:
+                raise ValueError(f"request {r.request_id!r}: max_new_tokens must be > 0")
+        if num_pages <= 0:
+            raise ValueError("num_pages must be > 0")
+        if page_size <= 0:
+            raise ValueError("page_size must be > 0")
+        self.pool = PagePool(num_pages, page_size)
+        self.requests = list(requests)
+        self.max_step_tokens = max_step_tokens
+        self.step_counter = 0
+        self._why: list[str] = []
+
+    def step(self) -> StepRecord:
+        """Run one tick and return its record; the counter advances afterwards."""
+        self._why = []
+        admitted = self._admit()
+        work = self._schedule()
+        scheduled = tuple(r.request_id for r, _ in work)
+        preempted = self._ensure_residency(work)
+        executed = self._execute(work)
+        sampled: dict[str, Sample] = {}
+        finished: dict[str, FinishReason] = {}
+        for r, _ in work:
+            # m04: a slice that ends inside the prompt is not ready to sample.
+            if r.computed == r.target:
+                self._sample(r, sampled, finished)
+        record = StepRecord(
+            step=self.step_counter,
+            admitted=tuple(admitted),
+            scheduled=scheduled,
+            executed=_frozen(executed),
+            sampled=_frozen(sampled),
+            finished=_frozen(finished),
+            preempted=tuple(preempted),
+            explain=tuple(self._why),
+        )
+        self.step_counter += 1
+        return record
+
+    def run(self, on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+        """Step until every request is FINISHED; return all records.
+
+        ``on_step`` (optional) sees each record as soon as it exists, so a
+        caller can show the steps that led to an error.  ``OutOfPages``
+        propagates.
+        """
+        records = []
+        while any(r.state is not RequestState.FINISHED for r in self.requests):
+            record = self.step()
+            records.append(record)
+            if on_step is not None:
+                on_step(record)
+        return records
+
+    def _admit(self) -> list[str]:
+        admitted = []
+        for r in self.requests:
+            if r.state is RequestState.WAITING and r.arrival_step <= self.step_counter:
+                r.state = RequestState.RUNNING
+                admitted.append(r.request_id)
+                self._why.append(f"{r.request_id} arrived (arrival_step {r.arrival_step}) and was admitted.")
+        return admitted
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        # m01: the batch is a temporary of the step, rebuilt from request states.
+        # m04: each request gets min(remaining, what is left); only the last is cut.
+        work = []
+        budget = self.max_step_tokens
+        for r in self.requests:
+            if budget == 0:
+                break
+            if r.state is not RequestState.RUNNING:
+                continue
+            take = min(r.remaining, budget)
+            if take > 0:
+                work.append((r, take))
+                budget -= take
+                if take < r.remaining:
+                    self._why.append(
+                        f"{r.request_id} was cut to {take} of the {r.remaining} token(s) it owes: the budget ran out."
+                    )
+        return work
+
+    def _ensure_residency(self, work: list[tuple[Request, int]]) -> list[str]:
+        """Back every work item's positions with pages, preempting if needed.
+
+        Removes victims' items from ``work`` and returns the victims' ids in
+        the order they were chosen.  Raises ``Irreducible`` when the anchor
+        alone needs more than the whole pool, and ``OutOfPages`` when no
+        victim is left.
+        """
+        ps = self.pool.page_size
+        preempted: list[str] = []
+        if not work:
+            return preempted
+        # m05: the anchor is never a victim, so it must fit the pool on its own.
+        anchor, anchor_n = work[0]
+        if pages_for(anchor.computed + anchor_n, ps) > self.pool.num_pages:
+            raise Irreducible(
+                f"{anchor.request_id} needs {pages_for(anchor.computed + anchor_n, ps)} page(s) "
+                f"but the pool has {self.pool.num_pages}"
+            )
+        while True:
+            need = sum(max(0, pages_for(r.computed + n, ps) - len(r.page_table)) for r, n in work)
+            if self.pool.can_fit(need):
+                break
+            victim = self._choose_victim(anchor, work)
+            if victim is None:
+                raise OutOfPages(f"step {self.step_counter} needs {need} page(s), only {len(self.pool.free)} free")
+            self._why.append(
+                f"{need} page(s) needed but only {len(self.pool.free)} free: "
+                f"{victim.request_id} (the last eligible request in the list) was preempted."
+            )
+            self._preempt(victim, work)
+            preempted.append(victim.request_id)
+        for r, n in work:
+            taken = [self.pool.take(r.request_id) for _ in range(pages_for(r.computed + n, ps) - len(r.page_table))]
+            r.page_table += taken
+            if taken:
+                self._why.append(
+                    f"{r.request_id} took free page(s) {taken} to back positions up to {r.computed + n - 1}."
+                )
+        return preempted
+
+    def _choose_victim(self, anchor: Request, work: list[tuple[Request, int]]) -> Request | None:
+        """The last RUNNING request, not the anchor, that holds pages or has work."""
+        in_work = {r.request_id for r, _ in work}
+        for r in reversed(self.requests):
+            if r is anchor or r.state is not RequestState.RUNNING:
+                continue
+            if r.page_table or r.request_id in in_work:
+                return r
+        return None
+
+    def _preempt(self, victim: Request, work: list[tuple[Request, int]]) -> None:
+        """Release the victim's pages and forget its computed state; keep its history."""
+        self._release(victim)
+        victim.computed = 0
+        work[:] = [(r, n) for r, n in work if r is not victim]
+
+    def _execute(self, work: list[tuple[Request, int]]) -> dict[str, int]:
+        executed = {}
+        for r, n in work:
+            for pos in range(r.computed, r.computed + n):
+                page, offset = translate(r.page_table, pos, self.pool.page_size)
+                self.pool.slots[page][offset] = (r.request_id, pos)
+            r.computed += n
+            executed[r.request_id] = n
+            self._why.append(f"{r.request_id} computed {n} token(s), positions {r.computed - n}..{r.computed - 1}.")
+        return executed
+
+    def _sample(self, r: Request, sampled: dict[str, Sample], finished: dict[str, FinishReason]) -> None:
+        """Rule S: EOS once ``generated >= eos_after``, else a TOKEN; LENGTH at the cap."""
+        if r.eos_after is not None and r.generated >= r.eos_after:
+            sampled[r.request_id] = Sample.EOS
+            r.finish_reason = FinishReason.EOS
+        else:
+            sampled[r.request_id] = Sample.TOKEN
+            r.generated += 1
+            if r.generated >= r.max_new_tokens:
+                r.finish_reason = FinishReason.LENGTH
+        if r.finish_reason is not None:
+            r.state = RequestState.FINISHED
+            finished[r.request_id] = r.finish_reason
+            self._why.append(f"{r.request_id} finished ({r.finish_reason.value}) after {r.generated} token(s).")
+            self._release(r)
+
+    def _release(self, r: Request) -> None:
+        """Give every page of ``r`` back, in page-table order."""
+        for page in r.page_table:
+            self.pool.release(page)
+        if r.page_table:
+            self._why.append(f"{r.request_id} gave back page(s) {r.page_table}.")
+        r.page_table = []
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` unless the pool is consistent.
+
+        Every page is free or owned, never both; every owned page sits in its
+        owner's page table exactly once; every unfinished request's page table
+        backs its computed positions.
+        """
+        free = set(self.pool.free)
+        assert len(free) == len(self.pool.free), "a page is on the free list twice"
+        tables = {r.request_id: r for r in self.requests}
+        in_tables = [p for r in self.requests for p in r.page_table]
+        assert len(in_tables) == len(set(in_tables)), "a page is in two page tables"
+        for page, owner in enumerate(self.pool.owner):
+            assert (owner is None) == (page in free), f"page {page}: owner {owner!r} vs free list"
+            if owner is not None:
+                assert page in tables[owner].page_table, f"page {page} owned by {owner!r} but not in its table"
+        for r in self.requests:
+            if r.state is not RequestState.FINISHED:
+                assert len(r.page_table) >= pages_for(r.computed, self.pool.page_size), (
+                    f"{r.request_id}: unbacked positions"
+                )
+
+    def summary(self) -> list[dict[str, Any]]:
+        """One entry per request, list order: state, generated, computed, finish_reason."""
+        return [
+            {
+                "request_id": r.request_id,
+                "state": r.state.value,
+                "generated": r.generated,
+                "computed": r.computed,
+                "finish_reason": r.finish_reason.value if r.finish_reason else None,
+            }
+            for r in self.requests
+        ]
