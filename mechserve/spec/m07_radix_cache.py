@@ -424,11 +424,11 @@ class Engine:
 
     def _choose_victim(self, anchor: Request, work: list[tuple[Request, int]]) -> Request | None:
         """The last RUNNING request, not the anchor, that holds pages or has work."""
-        in_work = {r.request_id for r, _ in work}
+        in_work = {id(r) for r, _ in work}
         for r in reversed(self.requests):
             if r is anchor or r.state is not RequestState.RUNNING:
                 continue
-            if r.page_table or r.request_id in in_work:
+            if r.page_table or id(r) in in_work:
                 return r
         return None
 
@@ -482,13 +482,15 @@ class Engine:
         """
         free = set(self.pool.free)
         assert len(free) == len(self.pool.free), "a page is on the free list twice"
-        tables = {r.request_id: r for r in self.requests}
         in_tables = [p for r in self.requests for p in r.page_table]
         assert len(in_tables) == len(set(in_tables)), "a page is in two page tables"
+        holder = {p: r.request_id for r in self.requests for p in r.page_table}
         for page, owner in enumerate(self.pool.owner):
             assert (owner is None) == (page in free), f"page {page}: owner {owner!r} vs free list"
             if owner is not None:
-                assert page in tables[owner].page_table, f"page {page} owned by {owner!r} but not in its table"
+                assert holder.get(page) == owner, f"page {page} owned by {owner!r} but not in its table"
+        for page, rid in holder.items():
+            assert self.pool.owner[page] == rid, f"{rid}'s page table holds page {page}, which it does not own"
         for r in self.requests:
             if r.state is not RequestState.FINISHED:
                 assert len(r.page_table) >= pages_for(r.computed, self.pool.page_size), (

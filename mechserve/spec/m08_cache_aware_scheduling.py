@@ -529,11 +529,11 @@ class Engine:
 
     def _choose_victim(self, anchor: Request, work: list[tuple[Request, int]]) -> Request | None:
         """The last RUNNING request, not the anchor, that holds pages or has work."""
-        in_work = {r.request_id for r, _ in work}
+        in_work = {id(r) for r, _ in work}
         for r in reversed(self.requests):
             if r is anchor or r.state is not RequestState.RUNNING:
                 continue
-            if r.page_table or r.request_id in in_work:
+            if r.page_table or id(r) in in_work:
                 return r
         return None
 

@@ -748,11 +748,11 @@ class Engine:
 
     def _choose_victim(self, anchor: Request, work: list[tuple[Request, int]]) -> Request | None:
         """The last RUNNING request, not the anchor, that holds pages or has work."""
-        in_work = {r.request_id for r, _ in work}
+        in_work = {id(r) for r, _ in work}
         for r in reversed(self.requests):
             if r is anchor or r.state is not RequestState.RUNNING:
                 continue
-            if r.page_table or r.request_id in in_work:
+            if r.page_table or id(r) in in_work:
                 return r
         return None
 
@@ -843,9 +843,9 @@ class Engine:
         Returns ``(drafted, accepted, rolled_back, sampled_ids)``: one entry per
         decode window in work order, and the id each sampling request sampled.
         Prompt and recompute chunks record nothing.  Raises
-        ``BoundaryViolation`` without verdicts.
+        ``BoundaryViolation`` when a work item has no verdict.
         """
-        if verdicts is None:
+        if verdicts is None or any(r.request_id not in verdicts for r, _ in work):
             raise BoundaryViolation("resolve called without verdicts")
         drafted: dict[str, int] = {}
         accepted: dict[str, int] = {}
