@@ -1,0 +1,37 @@
+"""``mechserve demo``: the canned workload of MECHANISMS 4.1, printed like ``run``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from mechserve.cli.run import add_output_arguments, execute
+from mechserve.workload import fit_rung, load_rung, parse_workload
+
+# Three requests with staggered arrivals, chunked prefill, page contention and a
+# scripted speculative verdict, on a 4-rank executor group.
+DEMO_WORKLOAD: dict[str, Any] = {
+    "engine": {"max_step_tokens": 8, "page_size": 4, "num_pages": 8, "spec_len": 3, "world_size": 4},
+    "requests": [
+        {"request_id": "r0", "prompt_len": 6, "max_new_tokens": 4},
+        {"request_id": "r1", "prompt_len": 4, "max_new_tokens": 3, "arrival_step": 1},
+        {"request_id": "r2", "prompt_len": 10, "max_new_tokens": 5, "arrival_step": 2, "accept_script": [1, 2]},
+    ],
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--mech``, ``--json`` and ``--explain``."""
+    add_output_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo on the chosen rung.
+
+    A rung without speculative decoding or parallelism runs the demo without
+    them (the text view says so).  Raises ``WorkloadError`` for an unknown
+    rung and ``CliError`` if the engine fails.
+    """
+    rung = load_rung(args.mech)
+    workload, notes = fit_rung(rung, parse_workload(DEMO_WORKLOAD))
+    return execute(rung, workload, as_json=args.json, explain=args.explain, notes=notes)

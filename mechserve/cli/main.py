@@ -1,0 +1,90 @@
+"""The ``mechserve`` command: ``mechs``, ``demo``, ``run``, ``diff`` and ``generate``.
+
+Every problem, from a usage error to an engine exception part-way through a
+run, is printed as one ``mechserve: error: ...`` line on stderr with exit
+status 2 (departure D3).  Importing this module never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from mechserve import __version__
+from mechserve.cli import demo, diff, lazy, mechs, run
+from mechserve.cli.errors import CliError, report
+from mechserve.cli.parser import Parser
+from mechserve.workload import WorkloadError
+
+COMMANDS = (
+    ("mechs", mechs, "list the mechanisms of the ladder and the question each answers"),
+    ("demo", demo, "run the canned demo workload and print its step trace"),
+    ("run", run, "run a workload (--spec FILE or --request flags) and print its step trace"),
+    ("diff", diff, "show what one rung adds to another (a diff of their sources)"),
+    ("generate", lazy, lazy.GENERATE_HELP),
+)
+PASSTHROUGH = {"generate"}
+# Set to get a traceback instead of the one-line report for unexpected errors.
+TRACEBACK_ENV = "MECHSERVE_TRACEBACK"
+
+
+def build_parser() -> Parser:
+    """The top-level parser with one subparser per command."""
+    parser = Parser(
+        prog="mechserve", description="An LLM serving engine whose scheduler is an executable specification."
+    )
+    parser.add_argument("--version", action="version", version=f"mechserve {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module, help_text in COMMANDS:
+        sub = commands.add_parser(name, help=help_text, description=help_text, add_help=name not in PASSTHROUGH)
+        module.add_arguments(sub)
+        sub.set_defaults(handler=module.run, parser=sub)
+    return parser
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse the command line; a pass-through command keeps the arguments it did not declare.
+
+    Raises ``UsageError`` for anything argparse rejects.
+    """
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command not in PASSTHROUGH:
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.passthrough = extra
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``mechserve`` command line; return the exit status (0, or 2 on any error)."""
+    try:
+        args = parse(argv)
+        return int(args.handler(args) or 0)
+    except SystemExit as exc:  # --help and --version
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else report(str(exc.code))
+    except (CliError, WorkloadError) as exc:
+        return report(str(exc))
+    except BrokenPipeError:
+        _silence_stdout()
+        return 141
+    except KeyboardInterrupt:
+        return report("interrupted", code=130)
+    except Exception as exc:
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        return report(f"internal error: {type(exc).__name__}: {exc} (set {TRACEBACK_ENV}=1 for a traceback)")
+
+
+def _silence_stdout() -> None:
+    """After the reader of stdout went away, send the rest of the output nowhere."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

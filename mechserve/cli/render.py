@@ -1,0 +1,155 @@
+"""How a run is printed: JSON lines (the fixed contract) or a readable rich view (D5).
+
+Both views receive each step record as soon as the engine produces it
+(``Engine.run(on_step=view.step)``), so the steps before an engine error are
+already printed when the error is reported; ``finish`` prints the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, TextIO
+
+from rich.console import Console
+from rich.text import Text
+
+
+class View(Protocol):
+    """Something that shows a run: a header, each step as it completes, then the summary."""
+
+    def start(self, header: str, notes: Sequence[str]) -> None: ...
+
+    def step(self, record: Any) -> None: ...
+
+    def finish(self, summary: Sequence[Mapping[str, Any]]) -> None: ...
+
+
+class JsonView:
+    """One ``json.dumps`` line per step (the record's ``to_json()``), then ``{"summary": [...]}``.
+
+    With ``explain`` each step line ends with an ``"explain"`` key holding the
+    engine's sentences.  The header and notes are not printed: stdout stays
+    pure JSON lines.
+    """
+
+    def __init__(self, explain: bool = False, out: TextIO | None = None) -> None:
+        self.explain = explain
+        self.out = out or sys.stdout
+
+    def start(self, header: str, notes: Sequence[str]) -> None:
+        pass
+
+    def step(self, record: Any) -> None:
+        line = record.to_json()
+        if self.explain:
+            line["explain"] = list(record.explain)
+        self._write(line)
+
+    def finish(self, summary: Sequence[Mapping[str, Any]]) -> None:
+        self._write({"summary": list(summary)})
+
+    def _write(self, obj: Mapping[str, Any]) -> None:
+        self.out.write(json.dumps(obj) + "\n")
+        self.out.flush()
+
+
+def format_value(value: Any) -> str:
+    """A trace value as text: ``a, b`` for lists, ``a=6, b=TOKEN`` for maps, ``[1, 2]`` for id lists in maps."""
+    if isinstance(value, Mapping):
+        return ", ".join(f"{key}={_inner(item)}" for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return ", ".join(str(item) for item in value)
+    return str(value)
+
+
+def _inner(value: Any) -> str:
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(str(item) for item in value) + "]"
+    return str(value)
+
+
+class TextView:
+    """The readable view: a header, then per step its non-empty fields by name, then a summary table.
+
+    Values come from the record's ``to_json()``, so they read ``TOKEN``,
+    ``EOS``, ``LENGTH``, never an enum repr.  With ``explain`` the engine's own
+    sentences follow each step's fields.  Long values wrap under themselves;
+    no line ends in spaces.
+    """
+
+    def __init__(self, explain: bool = False, console: Console | None = None) -> None:
+        self.explain = explain
+        self.console = console or Console(file=sys.stdout, highlight=False)
+
+    def start(self, header: str, notes: Sequence[str]) -> None:
+        self._print(Text(header, style="bold"))
+        for note in notes:
+            self._print(Text(f"note: {note}", style="yellow"))
+
+    def step(self, record: Any) -> None:
+        fields = {name: value for name, value in record.to_json().items() if name != "step" and value}
+        title = Text(f"step {record.step}", style="bold cyan")
+        if not fields:
+            title.append("  (nothing to do: no request arrived or had work)", style="dim")
+        lines = [title]
+        width = max(map(len, fields), default=0)
+        for name, value in fields.items():
+            lines.append(self._hanging(f"  {name:<{width}}  ", format_value(value), "green"))
+        if self.explain:
+            lines += [self._hanging("    - ", sentence, "dim", style="italic") for sentence in record.explain]
+        self._print(Text("\n").join(lines))
+
+    def _hanging(self, lead: str, body: str, lead_style: str, style: str = "") -> Text:
+        """``lead`` then ``body`` wrapped to the console width, continuation lines indented under it."""
+        lines = wrap_words(body, max(20, self.console.width - len(lead)))
+        text = Text(lead, style=lead_style)
+        text.append(("\n" + " " * len(lead)).join(lines), style=style)
+        return text
+
+    def finish(self, summary: Sequence[Mapping[str, Any]]) -> None:
+        self._print(Text(""))
+        if not summary:
+            self._print(Text("no requests", style="dim"))
+            return
+        header, *rows = summary_lines(summary)
+        self._print(Text("\n").join([Text(header, style="bold"), Text("\n".join(rows))]))
+
+    def _print(self, text: Text) -> None:
+        self.console.print(text, soft_wrap=True)
+
+
+def wrap_words(text: str, width: int) -> list[str]:
+    """``text`` split at spaces into lines of at most ``width`` characters (a longer word keeps its own line)."""
+    lines: list[str] = []
+    line = ""
+    for word in text.split():
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return [*lines, line]
+
+
+SUMMARY_COLUMNS = (
+    ("request", "request_id", "<"),
+    ("state", "state", "<"),
+    ("finish", "finish_reason", "<"),
+    ("generated", "generated", ">"),
+    ("computed", "computed", ">"),
+)
+
+
+def summary_lines(summary: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A header and one aligned row per request: state, finish reason, generated, computed."""
+    rows = [[title for title, _, _ in SUMMARY_COLUMNS]]
+    rows += [[_cell(entry[key]) for _, key, _ in SUMMARY_COLUMNS] for entry in summary]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(SUMMARY_COLUMNS))]
+    aligns = [align for _, _, align in SUMMARY_COLUMNS]
+    return ["  ".join(f"{cell:{a}{w}}" for cell, a, w in zip(row, aligns, widths)).rstrip() for row in rows]
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)

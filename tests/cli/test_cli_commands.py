@@ -1,0 +1,226 @@
+"""``mechs``, ``diff``, the text view, ``--explain``, ``generate`` and the console script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cli_support import DATA, assert_one_error_line, load_example
+
+from mechserve.spec import RUNGS
+from mechserve.workload import load_rung
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_mechs_prints_twelve_aligned_lines(cli) -> None:
+    result = cli("mechs")
+    assert result.code == 0
+    lines = result.lines
+    assert len(lines) == len(RUNGS) == 12
+    rungs = [load_rung(name) for name in RUNGS]
+    note_width = max(len(r.NOTE) for r in rungs)
+    title_width = max(len(r.TITLE) for r in rungs)
+    for line, rung in zip(lines, rungs):
+        assert line == f"{rung.NOTE.ljust(note_width)}  {rung.TITLE.ljust(title_width)}  {rung.KEY_QUESTION}"
+        assert line[note_width : note_width + 2] == "  "
+        assert not line.endswith(" ")
+    assert lines[0].startswith("00-engine-loop.md")
+    assert lines[11].startswith("11-parallelism.md")
+
+
+def test_diff_m04_m05_shows_preemption(cli) -> None:
+    result = cli("diff", "m04", "m05")
+    assert result.code == 0
+    lines = result.lines
+    assert lines[0] == "--- mechserve/spec/m04_chunked_prefill.py"
+    assert lines[1] == "+++ mechserve/spec/m05_preemption.py"
+    assert any(line.startswith("@@ ") for line in lines)
+    added = [line for line in lines if line.startswith("+") and not line.startswith("+++")]
+    assert any("class Irreducible" in line for line in added)
+    assert any("preempt" in line for line in added)
+    assert "\x1b[" not in result.out  # not a terminal: plain text
+
+
+def test_diff_accepts_every_rung_spelling(cli) -> None:
+    assert cli("diff", "4", "m05_preemption").out == cli("diff", "m04", "05").out
+
+
+def test_diff_of_a_rung_with_itself_is_empty(cli) -> None:
+    result = cli("diff", "m07", "m07")
+    assert (result.code, result.out) == (0, "")
+
+
+def test_diff_unknown_rung(cli) -> None:
+    assert_one_error_line(cli("diff", "m04", "m42"), "unknown rung", "m05_preemption")
+
+
+def test_text_view_names_values(cli) -> None:
+    result = cli("demo")
+    assert result.code == 0 and result.err == ""
+    out = result.out
+    assert "step 0" in out and "step 5" in out
+    assert "TOKEN" in out and "LENGTH" in out
+    assert "r0=6" in out
+    assert "rolled_back  r2=2" in out
+    for forbidden in ("Sample.", "FinishReason.", "RequestState.", "MappingProxy", "{", "'"):
+        assert forbidden not in out
+    assert all(not line.endswith(" ") for line in result.lines)
+
+
+def test_text_view_shows_only_non_empty_fields(cli) -> None:
+    result = cli("demo")
+    step0 = result.out.split("step 1")[0]
+    assert "executed" in step0 and "published" in step0
+    assert "preempted" not in step0 and "evicted" not in step0 and "drafted" not in step0
+
+
+def test_text_view_summary_table(cli) -> None:
+    lines = cli("demo").lines
+    header = lines.index(next(line for line in lines if line.startswith("request")))
+    assert lines[header].split() == ["request", "state", "finish", "generated", "computed"]
+    assert lines[header + 1].split() == ["r0", "FINISHED", "LENGTH", "4", "9"]
+    assert lines[header + 3].split() == ["r2", "FINISHED", "LENGTH", "5", "14"]
+
+
+def test_text_view_lists_pages_and_idle_steps(cli, spec_file) -> None:
+    example = load_example(DATA / "examples" / "02-preemption-anchor.json")
+    out = cli("run", "--spec", spec_file(example["workload"])).out
+    assert "\n  evicted      5, 4\n" in out
+    assert "\n  preempted    c, b\n" in out
+    idle = cli("run", "--request", "late:2:1:2").out
+    assert "step 0  (nothing to do" in idle
+
+
+def test_text_view_unfinished_request_has_no_finish_reason(cli, spec_file) -> None:
+    example = load_example(DATA / "examples" / "07-error-irreducible.json")
+    result = cli("run", "--spec", spec_file(example["workload"]))
+    assert_one_error_line(result, "Irreducible", "step 2")
+    assert "step 1" in result.out and "step 2" not in result.out
+    assert "request" not in result.out.splitlines()[-1]  # no summary after an error
+
+
+def test_explain_prints_the_engines_sentences(cli) -> None:
+    plain = cli("demo").out
+    explained = cli("demo", "--explain").out
+    assert "r0 arrived (arrival_step 0) and was admitted." in explained
+    assert "rolled back" in explained
+    assert "arrived" not in plain
+
+
+def test_run_on_a_lower_rung(cli) -> None:
+    result = cli("run", "--request", "a:3:2", "--request", "b:2:2", "--mech", "m00", "--json")
+    assert result.code == 0
+    first = result.json_lines()[0]
+    assert list(first) == ["step", "admitted", "scheduled", "executed", "sampled", "finished"]
+    assert first["executed"] == {"a": 3, "b": 2}
+
+
+def test_demo_runs_on_rungs_without_speculation(cli) -> None:
+    result = cli("demo", "--mech", "m05")
+    assert result.code == 0
+    assert "no speculative decoding" in result.out
+    assert "drafted" not in result.out
+
+
+def test_help_lists_every_command(cli) -> None:
+    result = cli("--help")
+    assert result.code == 0
+    for command in ("mechs", "demo", "run", "diff", "generate"):
+        assert command in result.out
+
+
+def test_generate_without_its_module_is_one_error_line(cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mechserve.cli.lazy.GENERATE_MODULE", "mechserve.cli.no_such_generate_module")
+    assert_one_error_line(cli("generate", "--prompt", "hi"), "generate")
+
+
+def test_generate_passes_its_arguments_to_the_module(cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    seen = {}
+    module = types.ModuleType("fake_generate")
+    module.add_arguments = lambda parser: parser.add_argument("--prompt")  # type: ignore[attr-defined]
+
+    def run(args) -> int:
+        seen["prompt"] = args.prompt
+        return 0
+
+    module.run = run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_generate", module)
+    monkeypatch.setattr("mechserve.cli.lazy.GENERATE_MODULE", "fake_generate")
+    assert cli("generate", "--prompt", "hello").code == 0
+    assert seen == {"prompt": "hello"}
+    assert_one_error_line(cli("generate", "--bogus"), "--bogus")
+
+
+def test_importing_the_cli_does_not_import_torch() -> None:
+    code = "import sys, mechserve.cli.main; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_spec_commands_do_not_import_torch() -> None:
+    code = (
+        "import sys, io, contextlib\n"
+        "from mechserve.cli.main import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+        "    for argv in (['mechs'], ['demo'], ['demo', '--json'], ['run', '--request', 'a:3:2'], ['diff', 'm04', 'm05']):\n"
+        "        assert main(argv) == 0, argv\n"
+        "sys.exit('torch' in sys.modules)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_diff_colours_by_line_kind() -> None:
+    from mechserve.cli.diff import colour
+
+    assert colour("+added").style == "green"
+    assert colour("-removed").style == "red"
+    assert colour("@@ -1,2 +1,3 @@").style == "cyan"
+    assert colour("+++ b").style == colour("--- a").style == "bold"
+    assert colour(" context").style == ""
+
+
+def test_diff_is_coloured_on_a_terminal(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from mechserve.cli.main import main
+
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert main(["diff", "m04", "m05"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b[32m+" in out and "\x1b[31m-" in out and "\x1b[36m@@" in out
+
+
+def test_console_script_demo_json() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "mechserve", "demo", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    demo = load_example(DATA / "demo.json")
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(lines) == len(demo["trace"]) + 1
+    assert lines[-1] == {"summary": demo["summary"]}
+
+
+@pytest.mark.skipif(not (Path(sys.executable).parent / "mechserve").exists(), reason="console script not installed")
+def test_installed_console_script_demo_json() -> None:
+    script = Path(sys.executable).parent / "mechserve"
+    proc = subprocess.run([str(script), "demo", "--json"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])["summary"][0]["request_id"] == "r0"
+
+
+def test_console_script_error_is_one_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "mechserve", "run", "--request", "a:0:1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("mechserve: error: ")
+    assert "Traceback" not in proc.stderr

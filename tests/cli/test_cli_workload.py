@@ -1,0 +1,178 @@
+"""``mechserve.workload``: parsing, synthetic prompts, rung names and building any rung's engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_support import DATA, load_example
+
+from mechserve.spec import RUNGS
+from mechserve.workload import (
+    ENGINE_DEFAULTS,
+    UnknownRung,
+    WorkloadError,
+    build_engine,
+    fit_rung,
+    load_rung,
+    load_workload,
+    parse_request_flag,
+    parse_workload,
+    rung_label,
+    with_engine,
+    workload_from_flags,
+)
+
+
+def test_defaults_fill_the_engine() -> None:
+    assert parse_workload({}).engine == dict(ENGINE_DEFAULTS)
+    assert dict(ENGINE_DEFAULTS) == {
+        "max_step_tokens": 8,
+        "page_size": 4,
+        "num_pages": 8,
+        "spec_len": 0,
+        "world_size": 1,
+    }
+    assert parse_workload({"engine": {"page_size": 2}}).engine["page_size"] == 2
+
+
+def test_synthetic_prompts_count_every_position() -> None:
+    workload = parse_workload(
+        {
+            "requests": [
+                {"request_id": "a", "prompt_len": 3, "max_new_tokens": 1},
+                {"request_id": "b", "tokens": [7, 8], "max_new_tokens": 1},
+                {"request_id": "c", "prompt_len": 2, "max_new_tokens": 1},
+            ]
+        }
+    )
+    assert [r.tokens for r in workload.requests] == [(0, 1, 2), (7, 8), (2000, 2001)]
+
+
+def test_request_flags_get_synthetic_prompts() -> None:
+    workload = workload_from_flags(["a:2:3", "b:3:1:4:0"])
+    a, b = workload.requests
+    assert (a.request_id, a.tokens, a.max_new_tokens, a.arrival_step, a.eos_after) == ("a", (0, 1), 3, 0, None)
+    assert (b.tokens, b.arrival_step, b.eos_after) == ((1000, 1001, 1002), 4, 0)
+    assert workload.engine == dict(ENGINE_DEFAULTS)
+    assert parse_request_flag("x: 5:1", 0).prompt_len == 5  # fields go through int()
+
+
+def test_integer_request_ids_pass_through_str() -> None:
+    workload = parse_workload({"requests": [{"request_id": 7, "prompt_len": 1, "max_new_tokens": 1}]})
+    assert workload.requests[0].request_id == "7"
+
+
+def test_workload_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match=r"requests\[0\]\.max_new_tokens"):
+        parse_workload({"requests": [{"request_id": "a", "prompt_len": 1, "max_new_tokens": 0}]})
+
+
+def test_load_workload_reports_position_of_bad_json() -> None:
+    with pytest.raises(WorkloadError, match=r"spec\.json: malformed JSON: .*line 1 column"):
+        load_workload("{", source="spec.json")
+
+
+def test_with_engine_overrides_and_validates() -> None:
+    workload = with_engine(parse_workload({"engine": {"num_pages": 3}}), {"num_pages": 5})
+    assert workload.engine["num_pages"] == 5
+    with pytest.raises(WorkloadError, match="--num-pages: must be an integer > 0, got 0"):
+        with_engine(workload, {"num_pages": 0}, {"num_pages": "--num-pages"})
+
+
+@pytest.mark.parametrize("spelling", ["m05", "5", "05", "m05_preemption", "M05", " m5 "])
+def test_load_rung_spellings(spelling: str) -> None:
+    rung = load_rung(spelling)
+    assert rung.__name__ == "mechserve.spec.m05_preemption"
+    assert rung_label(rung) == "m05"
+
+
+@pytest.mark.parametrize("spelling", ["m12", "12", "preemption", "", "m05_preempt", "-1"])
+def test_load_rung_unknown(spelling: str) -> None:
+    with pytest.raises(UnknownRung, match=r"m00_engine_loop.*m11_parallelism"):
+        load_rung(spelling)
+
+
+def test_unknown_rung_is_a_workload_error() -> None:
+    assert issubclass(UnknownRung, WorkloadError)
+
+
+@pytest.mark.parametrize("name", RUNGS)
+def test_build_engine_on_every_rung(name: str) -> None:
+    rung = load_rung(name)
+    workload = parse_workload(
+        {
+            "engine": {"max_step_tokens": 16, "num_pages": 16},
+            "requests": [
+                {"request_id": "a", "tokens": [1, 2, 3, 4, 5], "max_new_tokens": 2},
+                {"request_id": "b", "prompt_len": 3, "max_new_tokens": 3, "arrival_step": 1, "eos_after": 1},
+            ],
+        }
+    )
+    engine = build_engine(rung, workload)
+    engine.run()
+    summary = engine.summary()
+    assert [s["finish_reason"] for s in summary] == ["LENGTH", "EOS"]
+    assert [s["generated"] for s in summary] == [2, 1]
+    assert summary[0]["computed"] == 6  # 5 prompt tokens (the tokens' length below m08) + 2 - 1
+
+
+def test_build_engine_gives_each_engine_its_own_scripts() -> None:
+    rung = load_rung("m09")
+    workload = parse_workload(
+        {
+            "engine": {"spec_len": 2},
+            "requests": [{"request_id": "a", "prompt_len": 2, "max_new_tokens": 6, "accept_script": [0, 0]}],
+        }
+    )
+    first = build_engine(rung, workload)
+    first.run()
+    assert first.requests[0].accept_script == []  # m09 consumes the request's own list
+    assert workload.requests[0].accept_script == (0, 0)
+    second = build_engine(rung, workload)
+    assert [r.to_json() for r in second.run()] == [r.to_json() for r in build_engine(rung, workload).run()]
+
+
+@pytest.mark.parametrize(
+    ("name", "engine", "script", "needle"),
+    [
+        ("m08", {"spec_len": 1}, None, "spec_len 1 needs m09"),
+        ("m00", {"spec_len": 3}, None, "spec_len"),
+        ("m05", {}, [1], "accept_script"),
+        ("m10", {"world_size": 4}, None, "world_size 4 needs m11"),
+    ],
+)
+def test_rung_without_the_feature_rejects_the_workload(name, engine, script, needle) -> None:
+    request = {"request_id": "a", "prompt_len": 2, "max_new_tokens": 1, "accept_script": script}
+    workload = parse_workload({"engine": engine, "requests": [request]})
+    with pytest.raises(WorkloadError, match=needle):
+        build_engine(load_rung(name), workload)
+
+
+def test_empty_accept_script_is_allowed_on_every_rung() -> None:
+    request = {"request_id": "a", "prompt_len": 2, "max_new_tokens": 1, "accept_script": []}
+    build_engine(load_rung("m00"), parse_workload({"requests": [request]})).run()
+
+
+def test_fit_rung_drops_what_the_rung_lacks() -> None:
+    demo = parse_workload(load_example(DATA / "demo.json")["workload"])
+    fitted, notes = fit_rung(load_rung("m05"), demo)
+    assert fitted.engine["spec_len"] == 0 and fitted.engine["world_size"] == 1
+    assert all(r.accept_script is None for r in fitted.requests)
+    assert len(notes) == 2
+    assert fit_rung(load_rung("m11"), demo) == (demo, ())
+    fitted, notes = fit_rung(load_rung("m09"), demo)
+    assert fitted.engine["spec_len"] == 3 and notes == ("m09 has no parallelism: running with world_size 1",)
+
+
+def test_explicit_tokens_reduce_to_their_length_below_m08() -> None:
+    with_tokens = {"requests": [{"request_id": "a", "tokens": [9, 9, 9], "max_new_tokens": 2}]}
+    with_len = {"requests": [{"request_id": "a", "prompt_len": 3, "max_new_tokens": 2}]}
+    rung = load_rung("m07")
+    traces = [[r.to_json() for r in build_engine(rung, parse_workload(w)).run()] for w in (with_tokens, with_len)]
+    assert traces[0] == traces[1]
+
+
+def test_every_example_workload_parses() -> None:
+    for path in sorted((DATA / "examples").glob("*.json")):
+        parse_workload(json.loads(path.read_text())["workload"])
