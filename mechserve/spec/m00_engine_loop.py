@@ -20,6 +20,8 @@ the standard library.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -124,6 +126,11 @@ class Engine:
             if r.max_new_tokens <= 0:
                 raise ValueError(f"request {r.request_id!r}: max_new_tokens must be > 0")
         self.requests = list(requests)
+        # Queues in list order: a step costs what is running or due, not every request ever seen.
+        self._position = {id(r): i for i, r in enumerate(self.requests)}
+        self.waiting: list[tuple[int, int, Request]] = [(r.arrival_step, i, r) for i, r in enumerate(self.requests)]
+        heapq.heapify(self.waiting)
+        self.running: list[Request] = []
         self.step_counter = 0
         self._why: list[str] = []
 
@@ -156,7 +163,7 @@ class Engine:
         ``on_step`` (optional) sees each record as soon as it exists, so a
         caller can show the steps that led to an error."""
         records = []
-        while any(r.state is not RequestState.FINISHED for r in self.requests):
+        while self.waiting or self.running:
             record = self.step()
             records.append(record)
             if on_step is not None:
@@ -164,16 +171,21 @@ class Engine:
         return records
 
     def _admit(self) -> list[str]:
-        admitted = []
-        for r in self.requests:
-            if r.state is RequestState.WAITING and r.arrival_step <= self.step_counter:
-                r.state = RequestState.RUNNING
-                admitted.append(r.request_id)
-                self._why.append(f"{r.request_id} arrived (arrival_step {r.arrival_step}) and was admitted.")
-        return admitted
+        arrived = []
+        while self.waiting and self.waiting[0][0] <= self.step_counter:
+            arrived.append(heapq.heappop(self.waiting)[2])
+        arrived.sort(key=self._list_position)
+        for r in arrived:
+            r.state = RequestState.RUNNING
+            bisect.insort(self.running, r, key=self._list_position)
+            self._why.append(f"{r.request_id} arrived (arrival_step {r.arrival_step}) and was admitted.")
+        return [r.request_id for r in arrived]
+
+    def _list_position(self, r: Request) -> int:
+        return self._position[id(r)]
 
     def _schedule(self) -> list[Request]:
-        return [r for r in self.requests if r.state is RequestState.RUNNING]
+        return list(self.running)
 
     def _execute(self, r: Request) -> int:
         n = r.remaining
@@ -193,6 +205,7 @@ class Engine:
                 r.finish_reason = FinishReason.LENGTH
         if r.finish_reason is not None:
             r.state = RequestState.FINISHED
+            self.running.remove(r)
             finished[r.request_id] = r.finish_reason
             self._why.append(f"{r.request_id} finished ({r.finish_reason.value}) after {r.generated} token(s).")
 

@@ -21,6 +21,8 @@ The budget a victim held is not handed on.  The rules are in
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -185,6 +187,11 @@ class Engine:
             raise ValueError("page_size must be > 0")
         self.pool = PagePool(num_pages, page_size)
         self.requests = list(requests)
+        # Queues in list order: a step costs what is running or due, not every request ever seen.
+        self._position = {id(r): i for i, r in enumerate(self.requests)}
+        self.waiting: list[tuple[int, int, Request]] = [(r.arrival_step, i, r) for i, r in enumerate(self.requests)]
+        heapq.heapify(self.waiting)
+        self.running: list[Request] = []
         self.max_step_tokens = max_step_tokens
         self.step_counter = 0
         self._why: list[str] = []
@@ -224,7 +231,7 @@ class Engine:
         propagates.
         """
         records = []
-        while any(r.state is not RequestState.FINISHED for r in self.requests):
+        while self.waiting or self.running:
             record = self.step()
             records.append(record)
             if on_step is not None:
@@ -232,24 +239,27 @@ class Engine:
         return records
 
     def _admit(self) -> list[str]:
-        admitted = []
-        for r in self.requests:
-            if r.state is RequestState.WAITING and r.arrival_step <= self.step_counter:
-                r.state = RequestState.RUNNING
-                admitted.append(r.request_id)
-                self._why.append(f"{r.request_id} arrived (arrival_step {r.arrival_step}) and was admitted.")
-        return admitted
+        arrived = []
+        while self.waiting and self.waiting[0][0] <= self.step_counter:
+            arrived.append(heapq.heappop(self.waiting)[2])
+        arrived.sort(key=self._list_position)
+        for r in arrived:
+            r.state = RequestState.RUNNING
+            bisect.insort(self.running, r, key=self._list_position)
+            self._why.append(f"{r.request_id} arrived (arrival_step {r.arrival_step}) and was admitted.")
+        return [r.request_id for r in arrived]
+
+    def _list_position(self, r: Request) -> int:
+        return self._position[id(r)]
 
     def _schedule(self) -> list[tuple[Request, int]]:
         # m01: the batch is a temporary of the step, rebuilt from request states.
         # m04: each request gets min(remaining, what is left); only the last is cut.
         work = []
         budget = self.max_step_tokens
-        for r in self.requests:
+        for r in self.running:
             if budget == 0:
                 break
-            if r.state is not RequestState.RUNNING:
-                continue
             take = min(r.remaining, budget)
             if take > 0:
                 work.append((r, take))
@@ -304,8 +314,8 @@ class Engine:
     def _choose_victim(self, anchor: Request, work: list[tuple[Request, int]]) -> Request | None:
         """The last RUNNING request, not the anchor, that holds pages or has work."""
         in_work = {id(r) for r, _ in work}
-        for r in reversed(self.requests):
-            if r is anchor or r.state is not RequestState.RUNNING:
+        for r in reversed(self.running):
+            if r is anchor:
                 continue
             if r.page_table or id(r) in in_work:
                 return r
@@ -340,6 +350,7 @@ class Engine:
                 r.finish_reason = FinishReason.LENGTH
         if r.finish_reason is not None:
             r.state = RequestState.FINISHED
+            self.running.remove(r)
             finished[r.request_id] = r.finish_reason
             self._why.append(f"{r.request_id} finished ({r.finish_reason.value}) after {r.generated} token(s).")
             self._release(r)

@@ -26,6 +26,8 @@ request) so a real executor's run can be replayed.  The rules are in
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -491,6 +493,11 @@ class Engine:
         for r in requests:
             r.prompt_keys = prefix_keys(r.tokens, page_size, self.namespace)
         self.requests = list(requests)
+        # Queues in list order: a step costs what is running or due, not every request ever seen.
+        self._position = {id(r): i for i, r in enumerate(self.requests)}
+        self.waiting: list[tuple[int, int, Request]] = [(r.arrival_step, i, r) for i, r in enumerate(self.requests)]
+        heapq.heapify(self.waiting)
+        self.running: list[Request] = []
         self.max_step_tokens = max_step_tokens
         self.spec_len = spec_len
         # m10: the executor holds the same script lists, so consumption shows on the request.
@@ -553,7 +560,7 @@ class Engine:
         propagates.
         """
         records = []
-        while any(r.state is not RequestState.FINISHED for r in self.requests):
+        while self.waiting or self.running:
             record = self.step()
             records.append(record)
             if on_step is not None:
@@ -561,21 +568,26 @@ class Engine:
         return records
 
     def _admit(self) -> list[str]:
-        admitted = []
-        for r in self.requests:
-            if r.state is RequestState.WAITING and r.arrival_step <= self.step_counter:
-                r.state = RequestState.RUNNING
-                admitted.append(r.request_id)
-                self._why.append(f"{r.request_id} arrived (arrival_step {r.arrival_step}) and was admitted.")
-        return admitted
+        arrived = []
+        while self.waiting and self.waiting[0][0] <= self.step_counter:
+            arrived.append(heapq.heappop(self.waiting)[2])
+        arrived.sort(key=self._list_position)
+        for r in arrived:
+            r.state = RequestState.RUNNING
+            bisect.insort(self.running, r, key=self._list_position)
+            self._why.append(f"{r.request_id} arrived (arrival_step {r.arrival_step}) and was admitted.")
+        return [r.request_id for r in arrived]
+
+    def _list_position(self, r: Request) -> int:
+        return self._position[id(r)]
 
     def _reuse(self) -> dict[str, int]:
         """Cold requests adopt their longest cached prompt prefix; returns tokens reused."""
         # m08: at most (prompt_len-1)//page_size blocks, so one prompt token is always computed.
         reused = {}
         ps = self.pool.page_size
-        for r in self.requests:
-            if r.state is not RequestState.RUNNING or r.computed != 0 or r.page_table:
+        for r in self.running:
+            if r.computed != 0 or r.page_table:
                 continue
             hit = self.cache.match(r.prompt_keys)
             usable = min(len(hit), (r.prompt_len - 1) // ps)
@@ -592,9 +604,7 @@ class Engine:
     def _draft(self) -> None:
         """Set ``draft_len`` for every running request (list order)."""
         # m09 (D1): only a request caught up except for its last sampled token drafts.
-        for r in self.requests:
-            if r.state is not RequestState.RUNNING:
-                continue
+        for r in self.running:
             if r.generated >= 1 and r.computed == r.target - 1:
                 r.draft_len = min(self.spec_len, r.max_new_tokens - r.generated - 1)
             else:
@@ -605,11 +615,9 @@ class Engine:
         # m04: each request gets min(remaining, what is left); only the last is cut.
         work = []
         budget = self.max_step_tokens
-        for r in self.requests:
+        for r in self.running:
             if budget == 0:
                 break
-            if r.state is not RequestState.RUNNING:
-                continue
             take = min(r.remaining, budget)
             if take > 0:
                 work.append((r, take))
@@ -673,7 +681,7 @@ class Engine:
 
     def _reclaim(self, k: int) -> list[int]:
         """Evict up to ``k`` unreferenced cache leaves, one search each; return their pages."""
-        referenced = {p for r in self.requests if r.state is not RequestState.FINISHED for p in r.page_table}
+        referenced = {p for r in self.running for p in r.page_table}
         freed: list[int] = []
         while len(freed) < k:
             leaf = next((key for key, node in self.cache.leaves() if node.block not in referenced), None)
@@ -687,8 +695,8 @@ class Engine:
     def _choose_victim(self, anchor: Request, work: list[tuple[Request, int]]) -> Request | None:
         """The last RUNNING request, not the anchor, that holds pages or has work."""
         in_work = {id(r) for r, _ in work}
-        for r in reversed(self.requests):
-            if r is anchor or r.state is not RequestState.RUNNING:
+        for r in reversed(self.running):
+            if r is anchor:
                 continue
             if r.page_table or id(r) in in_work:
                 return r
@@ -871,6 +879,7 @@ class Engine:
                 r.finish_reason = FinishReason.LENGTH
         if r.finish_reason is not None:
             r.state = RequestState.FINISHED
+            self.running.remove(r)
             finished[r.request_id] = r.finish_reason
             self._why.append(f"{r.request_id} finished ({r.finish_reason.value}) after {r.generated} token(s).")
             self._release(r)
