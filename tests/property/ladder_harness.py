@@ -1,0 +1,345 @@
+"""Run a workload on one rung with every per-step check switched on, and compare traces across rungs.
+
+``execute(rung, workload)`` builds the rung's engine (``strategies.build``), runs it through
+``Engine.run(on_step=...)`` and, after every step, checks what must hold on every rung where it
+applies (``check_step``, ``check_frontiers``): the token budget, page conservation and
+``check_invariants()``, the request bounds, the work list against the rung's scheduling rule, how every
+frontier moved, the victims' order, D2's own-chain invariant, the trace's internal shape.  A check
+failure or a run past a generous step bound raises ``AssertionError``; an engine exception is
+captured in ``Run.error`` so the property can decide whether it is the documented one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+
+from mechserve.conformance.strategies import build, cli_valid, engine_of, prompt_len
+from mechserve.spec import RUNGS
+
+MODULES: dict[str, ModuleType] = {name: importlib.import_module(f"mechserve.spec.{name}") for name in RUNGS}
+INDEX = {name: i for i, name in enumerate(RUNGS)}
+
+CONTRACT = (
+    "step",
+    "admitted",
+    "scheduled",
+    "executed",
+    "sampled",
+    "finished",
+    "preempted",
+    "reused",
+    "published",
+    "evicted",
+    "drafted",
+    "accepted",
+    "rolled_back",
+)
+"""The 13 trace fields in contract order (MECHANISMS 4.3)."""
+
+CI = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+"""Settings for the default (CI) run: the whole property suite stays well under a minute on 2 cores."""
+
+SLOW = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+"""Settings for the ``slow`` variants."""
+
+
+def rung_index(rung: str) -> int:
+    return INDEX[rung]
+
+
+def fields_of(rung: str) -> tuple[str, ...]:
+    """The JSON keys of the rung's records, in order: its share of the 13, plus ``tokens`` from m10."""
+    i = INDEX[rung]
+    n = 6 if i < 5 else 7 if i < 8 else 10 if i < 9 else 13
+    return CONTRACT[:n] + (("tokens",) if i >= 10 else ())
+
+
+def step_bound(workload: dict[str, Any]) -> int:
+    """A generous bound on the steps of any terminating run.
+
+    After the last arrival the first RUNNING request in list order (the anchor) is never preempted and
+    computes at least one position per step, so it finishes within ``prompt + max_new`` steps.
+    """
+    reqs = workload.get("requests") or []
+    last = max((max(0, int(r.get("arrival_step") or 0)) for r in reqs), default=0)
+    return 2 * (last + sum(prompt_len(r) + int(r["max_new_tokens"]) for r in reqs)) + 10
+
+
+class StepBoundExceeded(AssertionError):
+    """The run went on past ``step_bound``: a livelock."""
+
+
+@dataclass
+class Run:
+    """One run: the records produced (also those before an error), the error, the engine after it."""
+
+    rung: str
+    workload: dict[str, Any]
+    engine: Any
+    records: list[Any] = field(default_factory=list)
+    error: Exception | None = None
+
+    @property
+    def trace(self) -> list[dict[str, Any]]:
+        return [rec.to_json() for rec in self.records]
+
+    @property
+    def error_name(self) -> str | None:
+        return None if self.error is None else type(self.error).__name__
+
+    def project(self, names: tuple[str, ...]) -> list[dict[str, Any]]:
+        """The trace restricted to ``names``."""
+        return [{k: rec[k] for k in names} for rec in self.trace]
+
+    def outcome(self, names: tuple[str, ...] | None = None) -> tuple[list[dict[str, Any]], str | None]:
+        """``(trace projected on names, error type name)``: what two runs must agree on."""
+        return self.project(names or fields_of(self.rung)), self.error_name
+
+
+def execute(rung: str, workload: dict[str, Any], *, check: bool = True) -> Run:
+    """Run ``workload`` on ``rung`` with the per-step checks (``check``) and the step bound.
+
+    A valid workload goes through the CLI's loader (``mechserve.workload``); one with negative
+    ``arrival_step``/``eos_after`` (legal for the engines, rejected by D4) is built directly.
+    """
+    module = MODULES[rung]
+    engine = build(module, workload, validate=cli_valid(workload))
+    run = Run(rung, workload, engine)
+    bound = step_bound(workload)
+    before = snapshot(engine)
+
+    def on_step(record: Any) -> None:
+        nonlocal before
+        run.records.append(record)
+        if check:
+            check_step(rung, engine, record, len(run.records) - 1)
+            check_frontiers(rung, engine, record, before)
+            before = snapshot(engine)
+        if len(run.records) > bound:
+            raise StepBoundExceeded(f"{rung}: still running after {bound} steps")
+
+    try:
+        engine.run(on_step=on_step)
+    except AssertionError:
+        raise
+    except Exception as exc:  # the engine's own error; the property decides whether it is documented
+        run.error = exc
+    return run
+
+
+# ---- per-step checks -------------------------------------------------------------------------------------
+
+
+def _in_order(sub: list[str], seq: list[str]) -> bool:
+    it = iter(seq)
+    return all(x in it for x in sub)
+
+
+def cache_blocks(engine: Any) -> list[int]:
+    """Every page the radix cache holds (m08+; empty below)."""
+    cache = getattr(engine, "cache", None)
+    if cache is None:
+        return []
+    blocks: list[int] = []
+    stack = [cache.root]
+    while stack:
+        for node in stack.pop().values():
+            blocks.append(node.block)
+            stack.append(node.children)
+    return blocks
+
+
+def check_pages(engine: Any) -> None:
+    """Page conservation, computed independently of ``check_invariants``.
+
+    free + request-owned + cache-owned == num_pages; no page is in two of those sets, on the free list
+    twice, cached twice, or privately held by two page tables; a private page is in its owner's table.
+    """
+    pool = engine.pool
+    free = list(pool.free)
+    private = {p: o for p, o in enumerate(pool.owner) if isinstance(o, str)}
+    cached = cache_blocks(engine)
+    assert len(free) == len(set(free)), f"free list repeats a page: {free}"
+    assert len(cached) == len(set(cached)), f"a page is cached twice: {cached}"
+    assert not set(free) & set(private), "a free page has an owner"
+    assert not set(free) & set(cached), "a cached page is on the free list"
+    assert not set(private) & set(cached), "a cached page has a request owner"
+    assert len(free) + len(private) + len(cached) == pool.num_pages, (
+        f"pages not conserved: {len(free)} free + {len(private)} private + {len(cached)} cached != {pool.num_pages}"
+    )
+    holders: dict[int, str] = {}
+    for r in engine.requests:
+        for page in r.page_table:
+            if page in private:
+                assert private[page] == r.request_id, f"{r.request_id} holds page {page} owned by {private[page]}"
+                assert page not in holders, f"page {page} privately held twice"
+                holders[page] = r.request_id
+            else:
+                assert page in cached, f"{r.request_id} holds page {page}, neither its own nor cached"
+    assert set(holders) == set(private), "a request-owned page is in no page table"
+
+
+def check_step(rung: str, engine: Any, record: Any, index: int) -> None:
+    """Everything that must hold after every step of ``rung``."""
+    i = INDEX[rung]
+    rec = record.to_json()
+    assert rec["step"] == index
+    executed, scheduled = list(rec["executed"]), rec["scheduled"]
+    assert all(v >= 1 for v in rec["executed"].values()), rec["executed"]
+    assert _in_order(executed, scheduled), (executed, scheduled)
+    assert _in_order(list(rec["sampled"]), executed)
+    assert _in_order(list(rec["finished"]), list(rec["sampled"]))
+    by_id = {r.request_id: r for r in engine.requests}
+    assert all(by_id[rid].state.value == "FINISHED" for rid in rec["finished"])
+    if i >= 2:  # m02: the token budget
+        assert sum(rec["executed"].values()) <= engine.max_step_tokens, (rec["executed"], engine.max_step_tokens)
+    if i >= 3:  # m03: pages
+        engine.check_invariants()
+        check_pages(engine)
+    # The post-preemption work is the scheduled work less the victims, in work order.
+    assert executed == [rid for rid in scheduled if rid not in rec.get("preempted", ())], (executed, rec)
+    if i >= 5:  # m05: victims come from the list end, once each, never the anchor
+        order = [r.request_id for r in engine.requests]
+        victims = [order.index(rid) for rid in rec["preempted"]]
+        assert victims == sorted(set(victims), reverse=True), rec["preempted"]
+        assert not scheduled or scheduled[0] not in rec["preempted"], rec
+        for r in engine.requests[victims[0] + 1 :] if victims else ():
+            if r.state.value == "RUNNING":  # it was passed over, so it held nothing and had no work
+                assert r.request_id not in rec["executed"] and not r.page_table, (r.request_id, rec)
+    if i >= 8:  # m08
+        ps = engine.pool.page_size
+        assert all(v > 0 and v % ps == 0 for v in rec["reused"].values()), rec["reused"]
+        assert all(v > 0 for v in rec["published"].values()), rec["published"]
+        assert len(set(rec["evicted"])) == len(rec["evicted"])
+        assert _in_order(list(rec["published"]), executed)
+        for rid, blocks in rec["published"].items():
+            assert blocks <= by_id[rid].prompt_len // ps, "a block holding generated tokens was published"
+        check_own_chain(engine)
+    if i >= 9:  # m09: one entry per decode window, in all three dicts
+        assert list(rec["drafted"]) == list(rec["accepted"]) == list(rec["rolled_back"])
+        assert _in_order(list(rec["drafted"]), executed)
+        for rid, d in rec["drafted"].items():
+            a, b = rec["accepted"][rid], rec["rolled_back"][rid]
+            assert d == rec["executed"][rid] - 1 and d <= engine.spec_len, (rid, rec)
+            assert 0 <= a <= d and d == a + b, (rid, d, a, b)
+    if i >= 10:  # m10: ids travel back for every sampling request
+        assert list(rec["tokens"]) == list(rec["sampled"])
+        for rid, ids in rec["tokens"].items():
+            assert len(ids) == rec["accepted"].get(rid, 0) + 1
+            assert (ids[-1] == MODULES[rung].EOS_TOKEN_ID) == (rec["sampled"][rid] == "EOS")
+    for r in engine.requests:
+        draft = getattr(r, "draft_len", 0)
+        assert 0 <= r.computed <= r.target + draft, (r.request_id, r.computed, r.target, draft)
+        assert 0 <= r.generated <= r.max_new_tokens, (r.request_id, r.generated, r.max_new_tokens)
+        assert (r.state.value == "FINISHED") == (r.finish_reason is not None)
+        if i >= 3 and r.state.value == "FINISHED":
+            assert not r.page_table, f"{r.request_id} finished holding pages {r.page_table}"
+
+
+def check_own_chain(engine: Any) -> None:
+    """D2: a live request's cached pages lead its page table and are its own prompt's chain in the trie."""
+    cached = set(cache_blocks(engine))
+    for r in engine.requests:
+        if r.state.value == "FINISHED":
+            continue
+        shared = [p for p in r.page_table if p in cached]
+        assert r.page_table[: len(shared)] == shared, f"{r.request_id}: a cached page after a private one"
+        assert engine.cache.match(r.prompt_keys)[: len(shared)] == shared, f"{r.request_id}: not its own chain"
+
+
+def snapshot(engine: Any) -> dict[str, tuple[int, int, str]]:
+    """``request_id -> (computed, generated, state)`` between steps."""
+    return {r.request_id: (r.computed, r.generated, r.state.value) for r in engine.requests}
+
+
+def expected_work(rung: str, engine: Any, rec: dict[str, Any], before: dict[str, tuple[int, int, str]]) -> list:
+    """The work list the rung's scheduler must build, ``[(request_id, n)]``, from the state before the step.
+
+    m00/m01: every RUNNING request, whole.  m02/m03: whole requests that fit what is left of the
+    budget, skipping those that do not.  m04+: ``min(remaining, left)`` each, stopping at 0.  The
+    frontier is taken after reuse (m08); ``remaining`` includes the draft (m09, D1).
+    """
+    i = INDEX[rung]
+    k = getattr(engine, "spec_len", 0)
+    budget = getattr(engine, "max_step_tokens", None)
+    work = []
+    for r in engine.requests:
+        computed, generated, state = before[r.request_id]
+        if state != "RUNNING" and r.request_id not in rec["admitted"]:
+            continue
+        start = rec.get("reused", {}).get(r.request_id, computed)
+        target = r.prompt_len + generated
+        draft = min(k, r.max_new_tokens - generated - 1) if generated >= 1 and start == target - 1 else 0
+        remaining = target - start + draft
+        if i < 2:
+            work.append((r.request_id, remaining))
+        elif i < 4:
+            if remaining <= budget:
+                work.append((r.request_id, remaining))
+                budget -= remaining
+        elif budget > 0:
+            work.append((r.request_id, min(remaining, budget)))
+            budget -= min(remaining, budget)
+    return work
+
+
+def check_frontiers(rung: str, engine: Any, record: Any, before: dict[str, tuple[int, int, str]]) -> None:
+    """The step scheduled exactly what the rung's scheduler rule gives, and moved every frontier as recorded.
+
+    ``scheduled`` and every executed ``n`` match ``expected_work``; an executed request keeps what
+    resolve did not roll back and is ready (samples) exactly when it reached its target; a victim is
+    back at 0; nobody else moves but by reuse, which only a cold request gets and never for its whole
+    prompt; ``generated`` grows by the accepted guesses plus one per TOKEN.
+    """
+    rec = record.to_json()
+    reused, rolled, accepted = rec.get("reused", {}), rec.get("rolled_back", {}), rec.get("accepted", {})
+    work = expected_work(rung, engine, rec, before)
+    assert rec["scheduled"] == [rid for rid, _ in work], (rec["scheduled"], work)
+    assert rec["executed"] == {rid: n for rid, n in work if rid in rec["executed"]}, (rec["executed"], work)
+    for r in engine.requests:
+        rid = r.request_id
+        computed, generated, _ = before[rid]
+        start = reused.get(rid, computed)
+        if rid in reused:
+            ps = engine.pool.page_size
+            assert computed == 0 and reused[rid] <= (r.prompt_len - 1) // ps * ps, (rid, computed, reused)
+        target = r.prompt_len + generated
+        acc = accepted.get(rid, 0)
+        assert r.generated == generated + acc + (rec["sampled"].get(rid) == "TOKEN"), (rid, rec)
+        if rid in rec.get("preempted", ()):
+            assert r.computed == 0, (rid, r.computed)
+        elif rid in rec["executed"]:
+            end = start + rec["executed"][rid] - rolled.get(rid, 0)
+            assert r.computed == end, (rid, r.computed, end)
+            assert (rid in rec["sampled"]) == (end == target + acc), (rid, end, target, acc, rec)
+        else:
+            assert r.computed == start, (rid, r.computed, start)
+
+
+def check_summary(run: Run) -> None:
+    """A finished request's end state follows rule S (MECHANISMS 1.5)."""
+    for r, spec in zip(run.engine.requests, run.workload.get("requests") or []):
+        if r.state.value != "FINISHED":
+            continue
+        eos = spec.get("eos_after")
+        if r.finish_reason.value == "LENGTH":
+            assert r.generated == r.max_new_tokens
+            assert eos is None or eos >= r.max_new_tokens
+            assert r.computed == prompt_len(spec) + r.generated - 1
+        else:
+            assert eos is not None and r.generated == max(0, eos) < r.max_new_tokens
+            assert r.computed == prompt_len(spec) + r.generated
+
+
+def anchor_of(engine: Any) -> Any:
+    """The first RUNNING request in list order: the anchor of the step that failed."""
+    return next(r for r in engine.requests if r.state.value == "RUNNING")
+
+
+def num_pages(workload: dict[str, Any]) -> int:
+    return engine_of(workload)["num_pages"]
