@@ -457,7 +457,9 @@ class Engine:
     guesses a decode window may carry; ``namespace`` scopes the prefix keys
     (default ``"engine"``).  ``executor`` runs each step's plan (default: a
     ``LocalExecutor`` over the requests' accept scripts and ``eos_after``);
-    a sampled id in ``eos_token_ids`` finishes a request with EOS.  Raises ``ValueError`` if ``spec_len < 0``,
+    a sampled id in ``eos_token_ids`` (default: the scripted
+    ``EOS_TOKEN_ID`` with the built-in executor, none with yours) finishes
+    a request with EOS.  Raises ``ValueError`` if ``spec_len < 0``,
     ``max_step_tokens <= 0``, a request has an empty token list or
     ``max_new_tokens <= 0``, or ``num_pages <= 0`` or ``page_size <= 0``
     (checked in that order).
@@ -472,7 +474,7 @@ class Engine:
         spec_len: int = 0,
         namespace: str | None = None,
         executor: Executor | None = None,
-        eos_token_ids: Sequence[int] = (EOS_TOKEN_ID,),
+        eos_token_ids: Sequence[int] | None = None,
     ) -> None:
         if spec_len < 0:
             raise ValueError("spec_len must be >= 0")
@@ -505,6 +507,9 @@ class Engine:
             {r.request_id: r.accept_script for r in requests if r.accept_script is not None},
             {r.request_id: r.eos_after for r in requests if r.eos_after is not None},
         )
+        # The scripted model's EOS id is 0; a real vocabulary's 0 is an ordinary token.
+        if eos_token_ids is None:
+            eos_token_ids = () if executor else (EOS_TOKEN_ID,)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.step_counter = 0
         self._why: list[str] = []

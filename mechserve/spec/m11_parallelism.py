@@ -510,7 +510,8 @@ class Engine:
     each plan reaches; ``namespace`` scopes the prefix keys (default
     ``"engine"``).  ``executors`` are the rank executors, one per rank
     (default: ``world_size`` ``LocalExecutor``s, each over its own deep copy
-    of the accept scripts); a sampled id in ``eos_token_ids`` finishes a
+    of the accept scripts); a sampled id in ``eos_token_ids`` (default: the scripted
+    ``EOS_TOKEN_ID`` with the built-in executor, none with yours) finishes a
     request with EOS.  Raises ``ValueError`` if ``spec_len < 0``,
     ``max_step_tokens <= 0``, a request has an empty token list or
     ``max_new_tokens <= 0``, or ``num_pages <= 0`` or ``page_size <= 0``
@@ -528,7 +529,7 @@ class Engine:
         world_size: int = 1,
         namespace: str | None = None,
         executors: Sequence[Executor] | None = None,
-        eos_token_ids: Sequence[int] = (EOS_TOKEN_ID,),
+        eos_token_ids: Sequence[int] | None = None,
     ) -> None:
         if spec_len < 0:
             raise ValueError("spec_len must be >= 0")
@@ -567,6 +568,9 @@ class Engine:
         self.executor = ExecutorGroup(
             executors or [LocalExecutor(copy.deepcopy(scripts), eos_after) for _ in range(world_size)]
         )
+        # The scripted model's EOS id is 0; a real vocabulary's 0 is an ordinary token.
+        if eos_token_ids is None:
+            eos_token_ids = () if executors else (EOS_TOKEN_ID,)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.step_counter = 0
         self._why: list[str] = []

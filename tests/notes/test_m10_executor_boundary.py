@@ -363,7 +363,9 @@ def test_m10_n17_the_eos_clamp_and_rollback_stay_on_the_control_side() -> None:
 
 def test_m10_n18_an_eos_id_cuts_the_accepted_run() -> None:
     a = R("a", [1, 2], 9)
-    eng = m.Engine([a], 8, 1, 10, spec_len=3, executor=RealModel([a], (11, EOS, 13, 14), accepted=3))
+    eng = m.Engine(
+        [a], 8, 1, 10, spec_len=3, executor=RealModel([a], (11, EOS, 13, 14), accepted=3), eos_token_ids=(EOS,)
+    )
     eng.step()
     first = a.output_ids[0]
     s1 = eng.step()
@@ -372,6 +374,11 @@ def test_m10_n18_an_eos_id_cuts_the_accepted_run() -> None:
     assert (a.computed, a.generated) == (4, 2)
     assert a.output_ids == [first, 11, EOS]  # 13 and 14 are not kept
     assert dict(s1.tokens) == {"a": (11, EOS)}
+    # the scripted EOS id is an ordinary token for a caller's executor unless named
+    c = R("c", [1, 2], 9)
+    plain = m.Engine([c], 8, 1, 10, spec_len=3, executor=RealModel([c], (11, EOS, 13, 14), accepted=3))
+    plain.step()
+    assert plain.step().accepted["c"] == 3 and c.generated == 5
     # any configured stop id works the same way
     b = R("b", [1, 2], 9)
     eng = m.Engine([b], 8, 1, 10, spec_len=3, executor=RealModel([b], (11, 12, 77, 14), 3), eos_token_ids=(77,))

