@@ -333,7 +333,8 @@ class Engine:
 
     ``max_step_tokens`` is the per-step token budget; the pool has
     ``num_pages`` pages of ``page_size`` slots; ``namespace`` scopes the
-    prefix keys (default ``"engine"``).  Raises ``ValueError`` if
+    prefix keys (default ``"engine"``; with ``prefix_caching=False`` nothing
+    is reused or published).  Raises ``ValueError`` if
     ``max_step_tokens <= 0``, a request has an empty token list or
     ``max_new_tokens <= 0``, or ``num_pages <= 0`` or ``page_size <= 0``
     (checked in that order).
@@ -346,6 +347,7 @@ class Engine:
         page_size: int,
         num_pages: int,
         namespace: str | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         if max_step_tokens <= 0:
             raise ValueError("max_step_tokens must be > 0")
@@ -361,6 +363,7 @@ class Engine:
         self.pool = PagePool(num_pages, page_size)
         self.cache = RadixCache()  # m08
         self.namespace = "engine" if namespace is None else namespace
+        self.prefix_caching = prefix_caching
         for r in requests:
             r.prompt_keys = prefix_keys(r.tokens, page_size, self.namespace)
         self.requests = list(requests)
@@ -438,7 +441,9 @@ class Engine:
     def _reuse(self) -> dict[str, int]:
         """Cold requests adopt their longest cached prompt prefix; returns tokens reused."""
         # m08: at most (prompt_len-1)//page_size blocks, so one prompt token is always computed.
-        reused = {}
+        reused: dict[str, int] = {}
+        if not self.prefix_caching:
+            return reused
         ps = self.pool.page_size
         for r in self.running:
             if r.computed != 0 or r.page_table:
@@ -574,7 +579,9 @@ class Engine:
         the request's table points at the resident page and its own copy is
         freed at once (departure D2).
         """
-        published = {}
+        published: dict[str, int] = {}
+        if not self.prefix_caching:
+            return published
         ps = self.pool.page_size
         for r, _ in work:
             c = min(r.computed, r.prompt_len) // ps

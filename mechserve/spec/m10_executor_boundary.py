@@ -455,7 +455,8 @@ class Engine:
     ``max_step_tokens`` is the per-step token budget; the pool has
     ``num_pages`` pages of ``page_size`` slots; ``spec_len`` is the most
     guesses a decode window may carry; ``namespace`` scopes the prefix keys
-    (default ``"engine"``).  ``executor`` runs each step's plan (default: a
+    (default ``"engine"``;
+    with ``prefix_caching=False`` nothing is reused or published).  ``executor`` runs each step's plan (default: a
     ``LocalExecutor`` over the requests' accept scripts and ``eos_after``);
     a sampled id in ``eos_token_ids`` (default: the scripted
     ``EOS_TOKEN_ID`` with the built-in executor, none with yours) finishes
@@ -473,6 +474,7 @@ class Engine:
         num_pages: int,
         spec_len: int = 0,
         namespace: str | None = None,
+        prefix_caching: bool = True,
         executor: Executor | None = None,
         eos_token_ids: Sequence[int] | None = None,
     ) -> None:
@@ -492,6 +494,7 @@ class Engine:
         self.pool = PagePool(num_pages, page_size)
         self.cache = RadixCache()  # m08
         self.namespace = "engine" if namespace is None else namespace
+        self.prefix_caching = prefix_caching
         for r in requests:
             r.prompt_keys = prefix_keys(r.tokens, page_size, self.namespace)
         self.requests = list(requests)
@@ -589,7 +592,9 @@ class Engine:
     def _reuse(self) -> dict[str, int]:
         """Cold requests adopt their longest cached prompt prefix; returns tokens reused."""
         # m08: at most (prompt_len-1)//page_size blocks, so one prompt token is always computed.
-        reused = {}
+        reused: dict[str, int] = {}
+        if not self.prefix_caching:
+            return reused
         ps = self.pool.page_size
         for r in self.running:
             if r.computed != 0 or r.page_table:
@@ -843,7 +848,9 @@ class Engine:
         the request's table points at the resident page and its own copy is
         freed at once (departure D2).
         """
-        published = {}
+        published: dict[str, int] = {}
+        if not self.prefix_caching:
+            return published
         ps = self.pool.page_size
         for r, _ in work:
             c = min(r.computed, r.prompt_len) // ps

@@ -374,3 +374,19 @@ def test_m08_n15_out_of_pages_is_unreachable_when_every_request_fits(spec: dict)
         eng.step()  # an OutOfPages here fails the property
         eng.check_invariants()
     assert all(r.state is m.RequestState.FINISHED for r in reqs)
+
+
+def test_m08_n16_prefix_caching_off_is_m05() -> None:
+    from mechserve.spec import m05_preemption as m05
+
+    prompts = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9], [1, 2, 3, 4, 5, 6, 7]]
+    on = m.Engine([R(f"r{i}", list(p), 3) for i, p in enumerate(prompts)], 6, 2, 7)
+    off = m.Engine([R(f"r{i}", list(p), 3) for i, p in enumerate(prompts)], 6, 2, 7, prefix_caching=False)
+    ref = m05.Engine([m05.Request(f"r{i}", len(p), 3) for i, p in enumerate(prompts)], 6, 2, 7)
+    assert any(t.reused for t in on.run())  # the workload does share prefixes
+    trace = off.run()
+    assert not any(t.reused or t.published or t.evicted for t in trace)
+    assert off.cache.size == 0 and m.CACHE not in off.pool.owner
+    expected = [t.to_json() for t in ref.run()]
+    assert [{k: t.to_json()[k] for k in expected[0]} for t in trace] == expected
+    assert off.summary() == ref.summary()
