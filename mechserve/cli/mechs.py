@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def lines() -> list[str]:
-    """The 12 lines: three left-aligned columns, two spaces apart, padded to the widest entry."""
+    """One line per rung of ``RUNGS``: three left-aligned columns, two spaces apart, padded to the widest entry."""
     rows = [(rung.NOTE, rung.TITLE, rung.KEY_QUESTION) for rung in map(load_rung, RUNGS)]
     note_width = max(len(note) for note, _, _ in rows)
     title_width = max(len(title) for _, title, _ in rows)

@@ -20,5 +20,6 @@ class Parser(argparse.ArgumentParser):
     """
 
     def error(self, message: str) -> NoReturn:
-        """Raises ``UsageError`` carrying ``message`` and where to find help."""
-        raise UsageError(f"{message} (see '{self.prog} --help')")
+        """Raises ``UsageError`` carrying ``message`` (``--flag: ...``, without argparse's "argument ") and
+        where to find help."""
+        raise UsageError(f"{message.removeprefix('argument ')} (see '{self.prog} --help')")

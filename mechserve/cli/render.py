@@ -15,13 +15,23 @@ from typing import Any, Protocol, TextIO
 from rich.console import Console
 from rich.text import Text
 
+# What an empty step means when no request is running (the usual case: a gap before an arrival).
+IDLE = "nothing to do (waiting for arrivals)"
+
 
 class View(Protocol):
-    """Something that shows a run: a header, each step as it completes, then the summary."""
+    """Something that shows a run: a header, each step as it completes, then the summary.
+
+    ``idle`` says why a step with no decisions did nothing.  ``flush`` prints
+    anything held back (the text view collapses runs of idle steps); ``finish``
+    flushes too.
+    """
 
     def start(self, header: str, notes: Sequence[str]) -> None: ...
 
-    def step(self, record: Any) -> None: ...
+    def step(self, record: Any, idle: str = IDLE) -> None: ...
+
+    def flush(self) -> None: ...
 
     def finish(self, summary: Sequence[Mapping[str, Any]]) -> None: ...
 
@@ -41,11 +51,14 @@ class JsonView:
     def start(self, header: str, notes: Sequence[str]) -> None:
         pass
 
-    def step(self, record: Any) -> None:
+    def step(self, record: Any, idle: str = IDLE) -> None:
         line = record.to_json()
         if self.explain:
             line["explain"] = list(record.explain)
         self._write(line)
+
+    def flush(self) -> None:
+        pass
 
     def finish(self, summary: Sequence[Mapping[str, Any]]) -> None:
         self._write({"summary": list(summary)})
@@ -74,32 +87,53 @@ class TextView:
     """The readable view: a header, then per step its non-empty fields by name, then a summary table.
 
     Values come from the record's ``to_json()``, so they read ``TOKEN``,
-    ``EOS``, ``LENGTH``, never an enum repr.  With ``explain`` the engine's own
-    sentences follow each step's fields.  Long values wrap under themselves;
-    no line ends in spaces.
+    ``EOS``, ``LENGTH``, never an enum repr; a rejection reads
+    ``big=NEVER_FITS``.  Consecutive steps with nothing in them become one
+    line (``steps 3–999: nothing to do (waiting for arrivals)``), so a long
+    gap before an arrival costs one line (``--json`` still prints every step).
+    With ``explain`` the engine's own sentences follow each step's fields.
+    Long values wrap under themselves; no line ends in spaces.
     """
 
     def __init__(self, explain: bool = False, console: Console | None = None) -> None:
         self.explain = explain
         self.console = console or Console(file=sys.stdout, highlight=False)
+        self._idle: tuple[int, int, str] | None = None  # first step, last step, why: held back until it ends
+        self._reasons: dict[str, list[str]] = {}  # request id -> rejection reasons, door order
 
     def start(self, header: str, notes: Sequence[str]) -> None:
         self._print(Text(header, style="bold"))
         for note in notes:
             self._print(Text(f"note: {note}", style="yellow"))
 
-    def step(self, record: Any) -> None:
+    def step(self, record: Any, idle: str = IDLE) -> None:
         fields = {name: value for name, value in record.to_json().items() if name != "step" and value}
-        title = Text(f"step {record.step}", style="bold cyan")
-        if not fields:
-            title.append("  (nothing to do: no request arrived or had work)", style="dim")
-        lines = [title]
+        for request_id, reason in fields.get("rejected", ()):
+            self._reasons.setdefault(request_id, []).append(reason)
+        if not fields and not (self.explain and record.explain):
+            if self._idle is not None and self._idle[1] == record.step - 1 and self._idle[2] == idle:
+                self._idle = (self._idle[0], record.step, idle)
+            else:
+                self.flush()
+                self._idle = (record.step, record.step, idle)
+            return
+        self.flush()
+        lines = [Text(f"step {record.step}", style="bold cyan")]
         width = max(map(len, fields), default=0)
         for name, value in fields.items():
-            lines.append(self._hanging(f"  {name:<{width}}  ", format_value(value), "green"))
+            lines.append(self._hanging(f"  {name:<{width}}  ", format_field(name, value), "green"))
         if self.explain:
             lines += [self._hanging("    - ", sentence, "dim", style="italic") for sentence in record.explain]
         self._print(Text("\n").join(lines))
+
+    def flush(self) -> None:
+        """Print the pending run of idle steps as one line."""
+        if self._idle is None:
+            return
+        first, last, why = self._idle
+        self._idle = None
+        title = f"step {first}" if first == last else f"steps {first}–{last}"
+        self._print(Text(title, style="bold cyan") + Text(f": {why}", style="dim"))
 
     def _hanging(self, lead: str, body: str, lead_style: str, style: str = "") -> Text:
         """``lead`` then ``body`` wrapped to the console width, continuation lines indented under it."""
@@ -109,15 +143,30 @@ class TextView:
         return text
 
     def finish(self, summary: Sequence[Mapping[str, Any]]) -> None:
+        self.flush()
         self._print(Text(""))
         if not summary:
             self._print(Text("no requests", style="dim"))
             return
-        header, *rows = summary_lines(summary)
+        reasons = {rid: list(found) for rid, found in self._reasons.items()}
+        shown = []
+        for entry in summary:
+            found = reasons.get(entry["request_id"])
+            if entry["state"] == "REJECTED" and found:
+                entry = {**entry, "state": f"REJECTED ({found.pop(0)})"}
+            shown.append(entry)
+        header, *rows = summary_lines(shown)
         self._print(Text("\n").join([Text(header, style="bold"), Text("\n".join(rows))]))
 
     def _print(self, text: Text) -> None:
         self.console.print(text, soft_wrap=True)
+
+
+def format_field(name: str, value: Any) -> str:
+    """A trace field's JSON value as text; ``rejected``'s ``[id, reason]`` pairs read ``id=REASON``."""
+    if name == "rejected":
+        return ", ".join(f"{request_id}={reason}" for request_id, reason in value)
+    return format_value(value)
 
 
 def wrap_words(text: str, width: int) -> list[str]:

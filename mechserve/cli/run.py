@@ -7,11 +7,13 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from mechserve.cli.errors import CliError
-from mechserve.cli.render import JsonView, TextView, View
+from mechserve.cli.errors import CliError, engine_failure
+from mechserve.cli.render import IDLE, JsonView, TextView, View
 from mechserve.spec import TOP
 from mechserve.workload import (
     ENGINE_DEFAULTS,
+    ENGINE_KEYS,
+    ENGINE_LIMITS,
     REQUEST_FLAG,
     Workload,
     WorkloadError,
@@ -20,18 +22,21 @@ from mechserve.workload import (
     load_rung,
     load_workload,
     rung_label,
+    rung_range,
     with_engine,
     workload_from_flags,
 )
 
 # engine value -> its flag
-ENGINE_FLAGS = {name: "--" + name.replace("_", "-") for name in ENGINE_DEFAULTS}
+ENGINE_FLAGS = {name: "--" + name.replace("_", "-") for name in ENGINE_KEYS}
+# Why a step with nothing in it did nothing, when some request is running (m02/m03's never-fits step).
+STUCK = "nothing could be scheduled for the running requests"
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """``--mech``, ``--json`` and ``--explain``, shared by ``run`` and ``demo``."""
     parser.add_argument(
-        "--mech", metavar="mNN", default=TOP, help=f"the rung to run: m00 .. m11 or a full name (default: {TOP})"
+        "--mech", metavar="mNN", default=TOP, help=f"the rung to run: {rung_range()} or a full name (default: {TOP})"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object per step, then the summary")
     parser.add_argument("--explain", action="store_true", help="add the engine's own sentences to every step")
@@ -48,9 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one request with a synthetic prompt (repeatable)",
     )
     for name, flag in ENGINE_FLAGS.items():
-        parser.add_argument(
-            flag, type=int, metavar="N", help=f"override the engine's {name} (default {ENGINE_DEFAULTS[name]})"
-        )
+        if name in ENGINE_DEFAULTS:
+            text = f"override the engine's {name} (default {ENGINE_DEFAULTS[name]}"
+        else:
+            text = f"set the engine's {name} (m12 or later; default: no limit"
+        parser.add_argument(flag, type=int, metavar="N", help=f"{text}; at most {ENGINE_LIMITS[name]})")
     add_output_arguments(parser)
 
 
@@ -118,24 +125,16 @@ def execute(rung: ModuleType, workload: Workload, *, as_json: bool, explain: boo
         raise CliError(f"the {rung_label(rung)} engine rejected the workload: {exc}") from exc
     view: View = JsonView(explain) if as_json else TextView(explain)
     view.start(header(rung, workload), notes)
+
+    def show(record: object) -> None:
+        view.step(record, STUCK if engine.running else IDLE)
+
     try:
-        engine.run(on_step=view.step)
+        engine.run(on_step=show)
     except BrokenPipeError:
         raise
     except Exception as exc:  # any engine failure is reported, never a traceback (D3)
+        view.flush()
         raise CliError(engine_failure(exc, engine.step_counter)) from exc
     view.finish(engine.summary())
     return 0
-
-
-def engine_failure(exc: Exception, step_counter: int) -> str:
-    """The error line for an exception out of ``Engine.run``.
-
-    A ``RuntimeError`` is the never-fits check of m02/m03, which ``run()``
-    raises after the step it judges (MECHANISMS 3); everything else is raised
-    inside the step the counter names.
-    """
-    name = type(exc).__name__
-    if isinstance(exc, RuntimeError):
-        return f"{name} after step {step_counter - 1}: {exc}"
-    return f"{name} during step {step_counter}: {exc}"

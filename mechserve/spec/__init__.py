@@ -17,5 +17,6 @@ RUNGS = (
     "m09_speculative_decode",
     "m10_executor_boundary",
     "m11_parallelism",
+    "m12_admission_control",
 )
 TOP = RUNGS[-1]

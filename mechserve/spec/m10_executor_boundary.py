@@ -728,7 +728,9 @@ class Engine:
         for r, n in work:
             start = r.computed
             decode = r.generated >= 1 and start == r.prompt_len + r.generated - 1
-            history = r.tokens + r.output_ids
+            end = min(start + n, r.target)
+            # E1: the known ids of [start, end): prompt ids, then ids sampled earlier
+            known = r.tokens[start:end] + r.output_ids[max(0, start - r.prompt_len) : max(0, end - r.prompt_len)]
             plan.append(
                 PlanItem(
                     request_id=r.request_id,
@@ -737,7 +739,7 @@ class Engine:
                     draft_len=r.draft_len,
                     decode=decode,
                     placements=tuple((p, *translate(r.page_table, p, ps)) for p in range(start, start + n)),
-                    token_ids=tuple(history[start : min(start + n, r.target)]),
+                    token_ids=tuple(known),
                     sample=decode or start + n == r.target,
                     generated=r.generated,
                     page_table=tuple(r.page_table),

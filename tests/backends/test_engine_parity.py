@@ -1,4 +1,4 @@
-"""Greedy ids through the m11 engine and the torch executor equal transformers' ``generate``."""
+"""Greedy ids through the m12 engine and the torch executor equal transformers' ``generate``."""
 
 from __future__ import annotations
 

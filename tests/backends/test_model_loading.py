@@ -123,3 +123,46 @@ def test_conversion_runs_once_and_says_so(
     err = capsys.readouterr().err
     assert err.count("mechserve: converting the embedded SmolLM2") == 1
     assert [p.name for p in cache.iterdir()] == [models._CONVERTED_NAME]
+
+
+@pytest.mark.parametrize("where", ["proc", "file", "file-parent"])
+def test_cache_path_that_cannot_be_a_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str) -> None:
+    monkeypatch.setattr(models, "embedded_gguf", lambda: tmp_path / "fake.gguf")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    cache = {"proc": "/proc/nope", "file": str(blocker), "file-parent": str(blocker / "sub")}[where]
+    monkeypatch.setenv("MECHSERVE_CACHE", cache)
+    with pytest.raises(ModelLoadError) as info:
+        resolve_model("smollm2")
+    message = str(info.value)
+    assert f"cannot use the model cache {cache} (MECHSERVE_CACHE={cache})" in message
+    assert "set MECHSERVE_CACHE to a writable directory" in message
+    if where != "proc":
+        assert "a file is in the way" in message or "Not a directory" in message
+
+
+def test_unwritable_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(models, "embedded_gguf", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setenv("MECHSERVE_CACHE", str(tmp_path / "cache"))
+
+    def denied(*args: object, **kwargs: object) -> str:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(models.tempfile, "mkdtemp", denied)
+    with pytest.raises(
+        ModelLoadError, match=r"cannot use the model cache .*cache \(MECHSERVE_CACHE=.*\): Permission denied"
+    ):
+        resolve_model("smollm2")
+
+
+def test_cache_error_through_the_cli(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mechserve.cli.main import main
+
+    monkeypatch.setattr(models, "embedded_gguf", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setenv("MECHSERVE_CACHE", "/proc/nope")
+    assert main(["generate", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mechserve: error: cannot use the model cache /proc/nope")
+    assert "MECHSERVE_CACHE" in err and "Traceback" not in err

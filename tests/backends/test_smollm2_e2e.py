@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import json
+import shlex
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from mechserve.backends.engine import EngineConfig, generate
 from mechserve.backends.models import LoadedModel, load_model
-from mechserve.cli import generate as generate_cli
+from mechserve.cli.main import main
 
 pytestmark = pytest.mark.e2e
 
@@ -63,9 +64,32 @@ def test_greedy_ids_equal_transformers(smollm2: LoadedModel, reference: dict[str
 
 
 def test_cli_json(reference: dict[str, list[int]], capsys: pytest.CaptureFixture[str]) -> None:
-    parser = argparse.ArgumentParser(prog="mechserve generate")
-    generate_cli.add_arguments(parser)
     prompt = PROMPTS[0]
-    assert generate_cli.run(parser.parse_args([prompt, "--max-tokens", str(NEW), "--json"])) == 0
+    assert main(["generate", prompt, "--max-tokens", str(NEW), "--json"]) == 0
     final = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert final["token_ids"] == reference[prompt]
+    assert final["outputs"][0]["token_ids"] == reference[prompt]
+    assert final["summary"][0]["generated"] == NEW
+
+
+def test_cli_quiet_is_the_text(smollm2: LoadedModel, reference: dict[str, list[int]], capsys) -> None:
+    prompt = PROMPTS[2]
+    assert main(["generate", prompt, "--max-tokens", str(NEW), "-q"]) == 0
+    assert capsys.readouterr().out == smollm2.tokenizer.decode(reference[prompt]) + "\n"
+
+
+def test_readme_generate_command(capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (line,) = [line for line in readme.splitlines() if line.startswith("mechserve generate ")]
+    argv = shlex.split(line, comments=True)
+    assert main(argv[1:]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert "prefill" in last and "decode" in last and "finished" in last
+
+
+def test_prompt_past_the_context_is_rejected(smollm2: LoadedModel, capsys: pytest.CaptureFixture[str]) -> None:
+    """SmolLM2's max_position_embeddings is 8192: nothing past it is ever computed (no silent garbage)."""
+    prompt = "word " * 8200
+    assert main(["generate", prompt, "--max-tokens", "4"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("mechserve: error: request rejected: TOO_LONG") and "context of 8192 positions" in err

@@ -16,11 +16,11 @@ from mechserve.workload import load_rung
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_mechs_prints_twelve_aligned_lines(cli) -> None:
+def test_mechs_prints_one_aligned_line_per_rung(cli) -> None:
     result = cli("mechs")
     assert result.code == 0
     lines = result.lines
-    assert len(lines) == len(RUNGS) == 12
+    assert len(lines) == len(RUNGS) == 13
     rungs = [load_rung(name) for name in RUNGS]
     note_width = max(len(r.NOTE) for r in rungs)
     title_width = max(len(r.TITLE) for r in rungs)
@@ -30,6 +30,7 @@ def test_mechs_prints_twelve_aligned_lines(cli) -> None:
         assert not line.endswith(" ")
     assert lines[0].startswith("00-engine-loop.md")
     assert lines[11].startswith("11-parallelism.md")
+    assert lines[12].startswith("12-admission-control.md")
 
 
 def test_diff_m04_m05_shows_preemption(cli) -> None:
@@ -49,9 +50,18 @@ def test_diff_accepts_every_rung_spelling(cli) -> None:
     assert cli("diff", "4", "m05_preemption").out == cli("diff", "m04", "05").out
 
 
-def test_diff_of_a_rung_with_itself_is_empty(cli) -> None:
-    result = cli("diff", "m07", "m07")
-    assert (result.code, result.out) == (0, "")
+def test_diff_of_a_rung_with_itself_says_so(cli) -> None:
+    for argv in (("diff", "m04", "m04"), ("diff", "m07", "7")):
+        result = cli(*argv)
+        assert result.code == 0 and result.err == ""
+        assert len(result.lines) == 1
+        assert "are the same rung" in result.out and "nothing to diff" in result.out
+
+
+def test_diff_m11_m12_shows_admission_control(cli) -> None:
+    added = [line for line in cli("diff", "m11", "m12").lines if line.startswith("+")]
+    assert any("def add_request" in line for line in added)
+    assert any("def abort" in line for line in added)
 
 
 def test_diff_unknown_rung(cli) -> None:
@@ -92,12 +102,72 @@ def test_text_view_lists_pages_and_idle_steps(cli, spec_file) -> None:
     assert "\n  evicted      5, 4\n" in out
     assert "\n  preempted    c, b\n" in out
     idle = cli("run", "--request", "late:2:1:2").out
-    assert "step 0  (nothing to do" in idle
+    assert "\nsteps 0–1: nothing to do (waiting for arrivals)\nstep 2\n" in idle
+
+
+def test_text_view_collapses_a_long_idle_gap(cli) -> None:
+    text = cli("run", "--request", "a:2:1", "--request", "late:2:1:1000")
+    assert text.code == 0, text.err
+    assert "\nsteps 1–999: nothing to do (waiting for arrivals)\nstep 1000\n" in text.out
+    assert len(text.lines) < 30
+    single = cli("run", "--request", "a:2:1", "--request", "late:2:1:2").out
+    assert "\nstep 1: nothing to do (waiting for arrivals)\nstep 2\n" in single
+    as_json = cli("run", "--request", "a:2:1", "--request", "late:2:1:1000", "--json")
+    assert [line["step"] for line in as_json.json_lines()[:-1]] == list(range(1001))  # the contract: every step
+
+
+def test_text_view_idle_step_before_an_engine_error(cli) -> None:
+    result = cli("run", "--mech", "m02", "--request", "big:9:1", "--request", "small:2:1")
+    assert_one_error_line(result, "never fits after step 1")
+    assert result.lines[-1] == "step 1: nothing could be scheduled for the running requests"
+
+
+def test_text_view_shows_rejections_and_the_summary_state(cli, spec_file) -> None:
+    example = load_example(DATA / "examples" / "07-error-irreducible.json")
+    result = cli("run", "--spec", spec_file(example["workload"]))
+    assert result.code == 0, result.err
+    assert "\n  rejected   big=NEVER_FITS\n" in result.out
+    assert "[" not in result.out.split("rejected")[1].splitlines()[0]
+    rows = {line.split()[0]: line for line in result.lines if line.startswith(("big ", "small "))}
+    assert rows["big"].split() == ["big", "REJECTED", "(NEVER_FITS)", "-", "0", "0"]
+    assert rows["small"].split() == ["small", "FINISHED", "LENGTH", "2", "4"]
+
+
+def test_text_view_shows_aborts() -> None:
+    import io
+
+    from rich.console import Console
+
+    from mechserve.cli.render import TextView
+    from mechserve.spec import m12_admission_control as m12
+
+    engine = m12.Engine([m12.Request("a", [1, 2, 3], 5), m12.Request("b", [4, 5], 5)], 8, 4, 8)
+    out = io.StringIO()
+    view = TextView(console=Console(file=out, width=100, highlight=False))
+    view.step(engine.step())
+    engine.abort("a")
+    view.step(engine.step())
+    view.finish(engine.summary())
+    text = out.getvalue()
+    assert ["aborted", "a"] in [line.split() for line in text.splitlines()]
+    assert [line.split() for line in text.splitlines() if line.startswith("a ")] == [["a", "ABORTED", "-", "1", "3"]]
+
+
+def test_help_names_the_ladder_from_rungs(cli) -> None:
+    from mechserve.cli.main import build_parser
+
+    for command in ("run", "demo"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+    for command in (["run", "--help"], ["demo", "--help"]):
+        out = cli(*command).out
+        assert f"m00 .. {RUNGS[-1][:3]}" in " ".join(out.split())
+        assert "m00 .. m11 " not in out
 
 
 def test_text_view_unfinished_request_has_no_finish_reason(cli, spec_file) -> None:
     example = load_example(DATA / "examples" / "07-error-irreducible.json")
-    result = cli("run", "--spec", spec_file(example["workload"]))
+    result = cli("run", "--spec", spec_file(example["workload"]), "--mech", "m11")
     assert_one_error_line(result, "Irreducible", "step 2")
     assert "step 1" in result.out and "step 2" not in result.out
     assert "request" not in result.out.splitlines()[-1]  # no summary after an error

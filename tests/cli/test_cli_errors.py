@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 from cli_support import DATA, assert_one_error_line, load_example
 
+from mechserve.spec import RUNGS
+
 
 def request(**fields: Any) -> dict[str, Any]:
     return {"request_id": "a", "prompt_len": 4, "max_new_tokens": 2, **fields}
@@ -118,7 +120,7 @@ def test_non_integer_request_value(cli, spec_file, field: str, value: Any) -> No
 def test_non_integer_message_names_the_value(cli, spec_file) -> None:
     workload = {"requests": [request(), request(request_id="b"), request(request_id="c", max_new_tokens="x")]}
     line = assert_one_error_line(run_spec(cli, spec_file, workload))
-    assert line == 'mechserve: error: requests[2].max_new_tokens: must be an integer > 0, got "x"'
+    assert line == 'mechserve: error: requests[2].max_new_tokens: must be an integer >= 0, got "x"'
 
 
 @pytest.mark.parametrize("name", ["max_step_tokens", "page_size", "num_pages", "spec_len", "world_size"])
@@ -139,15 +141,48 @@ def test_negative_arrival_or_eos_after_flag(cli, field: str) -> None:
     assert_one_error_line(cli("run", "--request", flag), "--request", ">= 0")
 
 
-@pytest.mark.parametrize(("field", "value"), [("prompt_len", 0), ("max_new_tokens", 0), ("max_new_tokens", -3)])
-def test_request_size_not_positive(cli, spec_file, field: str, value: int) -> None:
+@pytest.mark.parametrize(("field", "value", "bound"), [("prompt_len", 0, "> 0"), ("max_new_tokens", -3, ">= 0")])
+def test_request_size_out_of_range(cli, spec_file, field: str, value: int, bound: str) -> None:
     result = run_spec(cli, spec_file, {"requests": [request(**{field: value})]})
-    assert_one_error_line(result, f"requests[0].{field}", "> 0")
+    assert_one_error_line(result, f"requests[0].{field}", bound)
 
 
-def test_empty_token_list(cli, spec_file) -> None:
-    result = run_spec(cli, spec_file, {"requests": [request(tokens=[], prompt_len=None)]})
-    assert_one_error_line(result, "requests[0].tokens")
+@pytest.mark.parametrize("mech", ["m00", "m05", "m11"])
+def test_zero_max_new_tokens_below_m12(cli, spec_file, mech: str) -> None:
+    result = run_spec(cli, spec_file, {"requests": [request(max_new_tokens=0)]}, "--mech", mech)
+    assert_one_error_line(result, f"{mech} has no admission control", '"a"', "max_new_tokens 0", "m12 or later")
+    assert result.out == ""
+
+
+@pytest.mark.parametrize("mech", ["m08", "m11"])
+def test_empty_token_list_below_m12(cli, spec_file, mech: str) -> None:
+    result = run_spec(cli, spec_file, {"requests": [request(tokens=[], prompt_len=None)]}, "--mech", mech)
+    assert_one_error_line(result, f"{mech} has no admission control", "empty prompt", "m12 or later")
+
+
+def test_zero_tokens_and_empty_prompt_reach_m12s_door(cli, spec_file) -> None:
+    """BC25/BC26: m12 finishes a zero-token request at admission and rejects an empty prompt, in the trace."""
+    workload = {
+        "requests": [
+            request(request_id="zero", max_new_tokens=0),
+            request(request_id="empty", tokens=[], prompt_len=None, max_new_tokens=5),
+            request(request_id="ok", max_new_tokens=3),
+        ]
+    }
+    result = run_spec(cli, spec_file, workload)
+    assert result.code == 0, result.err
+    *steps, summary = result.json_lines()
+    assert steps[0]["rejected"] == [["empty", "EMPTY_PROMPT"]]
+    assert steps[0]["admitted"] == ["zero", "ok"] and steps[0]["finished"]["zero"] == "LENGTH"
+    assert "zero" not in steps[0]["scheduled"]
+    states = {s["request_id"]: (s["state"], s["generated"]) for s in summary["summary"]}
+    assert states == {"zero": ("FINISHED", 0), "empty": ("REJECTED", 0), "ok": ("FINISHED", 3)}
+
+
+def test_zero_tokens_flag_on_m12(cli) -> None:
+    result = cli("run", "--request", "a:4:0", "--json")
+    assert result.code == 0, result.err
+    assert result.json_lines()[0]["finished"] == {"a": "LENGTH"}
 
 
 @pytest.mark.parametrize("name", ["max_step_tokens", "page_size", "num_pages", "world_size"])
@@ -200,7 +235,7 @@ def test_missing_spec_file(cli, tmp_path) -> None:
 
 @pytest.mark.parametrize("command", [["run", "--request", "a:1:1"], ["demo"]])
 def test_unknown_rung(cli, command: list[str]) -> None:
-    assert_one_error_line(cli(*command, "--mech", "m12"), "unknown rung", '"m12"', "m11_parallelism")
+    assert_one_error_line(cli(*command, "--mech", "m13"), "unknown rung", '"m13"', "m00 .. m12", RUNGS[-1])
 
 
 @pytest.mark.parametrize(
@@ -209,6 +244,10 @@ def test_unknown_rung(cli, command: list[str]) -> None:
         ("m05", {"engine": {"spec_len": 2}, "requests": [request()]}, "spec_len"),
         ("m08", {"requests": [request(accept_script=[1])]}, "accept_script"),
         ("m10", {"engine": {"world_size": 2}, "requests": [request()]}, "world_size"),
+        ("m11", {"engine": {"max_waiting": 2}, "requests": [request()]}, "max_waiting 2 needs m12"),
+        ("m11", {"engine": {"max_running": 1}, "requests": [request()]}, "max_running 1 needs m12"),
+        ("m04", {"engine": {"max_model_len": 9}, "requests": [request()]}, "max_model_len 9 needs m12"),
+        ("m11", {"requests": [request(stop_token_ids=[3])]}, "stop_token_ids"),
     ],
 )
 def test_rung_cannot_take_the_workload(cli, spec_file, mech: str, workload: Any, needle: str) -> None:
@@ -217,7 +256,7 @@ def test_rung_cannot_take_the_workload(cli, spec_file, mech: str, workload: Any,
 
 def test_engine_error_part_way_prints_completed_steps(cli, spec_file) -> None:
     example = load_example(DATA / "examples" / "07-error-irreducible.json")
-    result = run_spec(cli, spec_file, example["workload"])
+    result = run_spec(cli, spec_file, example["workload"], "--mech", "m11")
     assert_one_error_line(result, "Irreducible", "step 2", "big")
     steps = result.json_lines()
     assert [step["step"] for step in steps] == [0, 1]
@@ -226,8 +265,8 @@ def test_engine_error_part_way_prints_completed_steps(cli, spec_file) -> None:
 
 def test_never_fits_on_m02(cli) -> None:
     result = cli("run", "--mech", "m02", "--request", "big:9:1", "--request", "small:2:1", "--json")
-    line = assert_one_error_line(result, "RuntimeError", "never fits", "big")
-    assert "after step 1" in line
+    line = assert_one_error_line(result, "never fits after step 1: ", "big")
+    assert "RuntimeError" not in line
     steps = result.json_lines()
     assert [step["scheduled"] for step in steps] == [["small"], []]
     assert "summary" not in result.out
@@ -257,7 +296,7 @@ def test_usage_errors_are_one_line(cli, argv: list[str]) -> None:
 
 
 def test_spec_errors_come_before_any_output(cli, spec_file) -> None:
-    workload = {"requests": [request(), request(request_id="b", max_new_tokens=0)]}
+    workload = {"requests": [request(), request(request_id="b", max_new_tokens=-1)]}
     result = run_spec(cli, spec_file, workload)
     assert_one_error_line(result)
     assert result.out == ""
@@ -271,3 +310,139 @@ def test_null_optional_fields_are_absent(cli, spec_file) -> None:
     result = run_spec(cli, spec_file, workload)
     assert result.code == 0, result.err
     assert json.loads(result.lines[-1])["summary"][0]["generated"] == 2
+
+
+# ---- m12's admission settings and stop ids (D4) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["max_waiting", "max_running", "max_model_len"])
+@pytest.mark.parametrize("value", [0, -1, "2", 1.5, True])
+def test_admission_setting_must_be_a_positive_integer(cli, spec_file, name: str, value: Any) -> None:
+    assert_one_error_line(run_spec(cli, spec_file, {"engine": {name: value}}), f"engine.{name}", "> 0")
+
+
+@pytest.mark.parametrize("flag", ["--max-waiting", "--max-running", "--max-model-len"])
+def test_admission_flag_zero_fails(cli, flag: str) -> None:
+    assert_one_error_line(cli("run", "--request", "a:1:1", flag, "0"), flag, "> 0", "got 0")
+
+
+def test_admission_settings_reach_the_engine(cli, spec_file) -> None:
+    requests = [request(request_id=rid, prompt_len=2, max_new_tokens=2) for rid in "abcd"]
+    workload = {"engine": {"max_waiting": 2, "max_running": 1}, "requests": requests}
+    *steps, _ = run_spec(cli, spec_file, workload).json_lines()
+    assert steps[0]["rejected"] == [["c", "OVERLOADED"], ["d", "OVERLOADED"]]
+    assert steps[0]["admitted"] == ["a"]
+    flags = cli("run", "--request", "a:4:4", "--max-model-len", "7", "--json")
+    assert flags.json_lines()[0]["rejected"] == [["a", "TOO_LONG"]]
+    null = run_spec(cli, spec_file, {"engine": {"max_waiting": None}, "requests": [request()]})
+    assert null.code == 0, null.err
+
+
+def test_stop_token_ids_finish_with_stop(cli, spec_file) -> None:
+    first = run_spec(cli, spec_file, {"requests": [request(max_new_tokens=5)]}).json_lines()[0]["tokens"]["a"][0]
+    *steps, summary = run_spec(
+        cli, spec_file, {"requests": [request(max_new_tokens=5, stop_token_ids=[first])]}
+    ).json_lines()
+    assert steps[0]["sampled"] == {"a": "STOP"} and steps[0]["finished"] == {"a": "STOP"}
+    assert summary["summary"][0]["finish_reason"] == "STOP"
+
+
+@pytest.mark.parametrize("value", [3, [1, -1], [1, "2"], [2**31], [True]])
+def test_bad_stop_token_ids(cli, spec_file, value: Any) -> None:
+    assert_one_error_line(run_spec(cli, spec_file, {"requests": [request(stop_token_ids=value)]}), "stop_token_ids")
+
+
+# ---- limits: huge values are refused before anything is allocated -------------------------------------------
+
+
+def test_huge_num_pages_flag(cli) -> None:
+    result = cli("run", "--request", "a:1:1", "--num-pages", "1000000000000")
+    assert_one_error_line(result, "--num-pages", "at most 1000000", "1000000000000")
+    assert result.out == ""
+
+
+@pytest.mark.parametrize(
+    ("workload", "needles"),
+    [
+        ({"requests": [request(prompt_len=10**9)]}, ("requests[0].prompt_len", "at most 1000000")),
+        ({"engine": {"world_size": 10**12}}, ("engine.world_size", "at most 64")),
+        ({"engine": {"page_size": 10**12}}, ("engine.page_size", "at most 65536")),
+        ({"engine": {"num_pages": 10**6 + 1}}, ("engine.num_pages", "at most 1000000")),
+        ({"engine": {"max_step_tokens": 10**6 + 1}}, ("engine.max_step_tokens", "at most 1000000")),
+        ({"engine": {"spec_len": 65}}, ("engine.spec_len", "at most 64")),
+        ({"engine": {"max_waiting": 10**6 + 1}}, ("engine.max_waiting", "at most 1000000")),
+        ({"engine": {"max_running": 10**6 + 1}}, ("engine.max_running", "at most 1000000")),
+        ({"engine": {"num_pages": 10**6, "page_size": 17}}, ("engine.num_pages", "engine.page_size", "16777216 slots")),
+        ({"requests": [request(arrival_step=10**6 + 1)]}, ("requests[0].arrival_step", "at most 1000000")),
+        ({"requests": [request(max_new_tokens=10**9 + 1)]}, ("requests[0].max_new_tokens", "at most 1000000000")),
+        ({"requests": [request(tokens=[1, 2**31], prompt_len=None)]}, ("requests[0].tokens[1]", "2147483647")),
+        (
+            {"requests": [request(request_id=str(i), prompt_len=10**6) for i in range(5)]},
+            ("requests[4]", "total more than 4000000 tokens"),
+        ),
+    ],
+)
+def test_values_over_their_limit(cli, spec_file, workload: Any, needles: tuple[str, ...]) -> None:
+    result = run_spec(cli, spec_file, workload)
+    assert_one_error_line(result, *needles)
+    assert result.out == ""
+
+
+def test_values_at_their_limit_are_taken(cli, spec_file) -> None:
+    engine = {"num_pages": 10**6, "page_size": 16, "spec_len": 64, "world_size": 64, "max_waiting": 10**6}
+    workload = {"engine": engine, "requests": [request(tokens=[2**31 - 1], prompt_len=None, max_new_tokens=10**9)]}
+    result = run_spec(cli, spec_file, workload)
+    assert result.code == 0, result.err
+    assert result.json_lines()[0]["rejected"] == [["a", "NEVER_FITS"]]
+
+
+def test_flag_slots_limit_names_the_flags(cli) -> None:
+    result = cli("run", "--request", "a:1:1", "--num-pages", "1000000", "--page-size", "64")
+    assert_one_error_line(result, "--num-pages 1000000", "--page-size 64", "16777216 slots")
+
+
+@pytest.mark.parametrize("flag", ["a:1000000000:1", "a:1:1:1000000000", "a:1:10000000000", "a:" + "9" * 30 + ":1"])
+def test_huge_request_flag_values(cli, flag: str) -> None:
+    assert_one_error_line(cli("run", "--request", flag), "--request", "at most")
+
+
+# ---- JSON that Python cannot convert is malformed JSON, not an internal error -------------------------------
+
+
+def test_json_integer_with_too_many_digits(cli, spec_file) -> None:
+    text = '{"requests": [{"request_id": "a", "prompt_len": ' + "9" * 5000 + ', "max_new_tokens": 1}]}'
+    line = assert_one_error_line(run_spec(cli, spec_file, text), "malformed JSON", "digits")
+    assert "internal error" not in line
+
+
+def test_json_nested_too_deeply(cli) -> None:
+    line = assert_one_error_line(cli("run", "--spec", "-", stdin="[" * 100_000), "stdin", "malformed JSON", "nested")
+    assert "internal error" not in line
+
+
+# ---- request ids --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rid", ["a\nb", "esc\x1b[31m", "tab\there", "nul\x00", "line\u2028sep", "\x7f"])
+def test_request_id_with_control_characters(cli, spec_file, rid: str) -> None:
+    result = run_spec(cli, spec_file, {"requests": [request(request_id=rid)]})
+    assert_one_error_line(result, "requests[0].request_id", "control characters")
+
+
+@pytest.mark.parametrize("rid", [" a", "a ", "\u00a0a", " "])
+def test_request_id_with_surrounding_whitespace(cli, spec_file, rid: str) -> None:
+    result = run_spec(cli, spec_file, {"requests": [request(request_id=rid)]})
+    assert_one_error_line(result, "requests[0].request_id", "whitespace")
+
+
+@pytest.mark.parametrize(
+    ("flag", "needle"),
+    [("a\nb:4:2", "control characters"), ("\x1b:4:2", "control"), (" a:4:2", "whitespace"), ("a :4:2", "whitespace")],
+)
+def test_request_flag_id_is_checked_too(cli, flag: str, needle: str) -> None:
+    assert_one_error_line(cli("run", "--request", flag), "--request", "request_id", needle)
+
+
+@pytest.mark.parametrize("rid", ["a b", "résumé", "r-0.1", "日本"])
+def test_ordinary_request_ids_are_fine(cli, spec_file, rid: str) -> None:
+    assert run_spec(cli, spec_file, {"requests": [request(request_id=rid)]}).code == 0

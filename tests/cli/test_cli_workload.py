@@ -65,7 +65,7 @@ def test_integer_request_ids_pass_through_str() -> None:
 
 def test_workload_error_is_a_value_error() -> None:
     with pytest.raises(ValueError, match=r"requests\[0\]\.max_new_tokens"):
-        parse_workload({"requests": [{"request_id": "a", "prompt_len": 1, "max_new_tokens": 0}]})
+        parse_workload({"requests": [{"request_id": "a", "prompt_len": 1, "max_new_tokens": -1}]})
 
 
 def test_load_workload_reports_position_of_bad_json() -> None:
@@ -87,10 +87,14 @@ def test_load_rung_spellings(spelling: str) -> None:
     assert rung_label(rung) == "m05"
 
 
-@pytest.mark.parametrize("spelling", ["m12", "12", "preemption", "", "m05_preempt", "-1"])
+@pytest.mark.parametrize("spelling", ["m13", "13", "preemption", "", "m05_preempt", "-1"])
 def test_load_rung_unknown(spelling: str) -> None:
-    with pytest.raises(UnknownRung, match=r"m00_engine_loop.*m11_parallelism"):
+    with pytest.raises(UnknownRung, match=r"m00 \.\. m12: m00_engine_loop.*m12_admission_control"):
         load_rung(spelling)
+
+
+def test_load_rung_top() -> None:
+    assert load_rung("m12") is load_rung(RUNGS[-1]) is load_rung("12")
 
 
 def test_unknown_rung_is_a_workload_error() -> None:
@@ -161,6 +165,7 @@ def test_fit_rung_drops_what_the_rung_lacks() -> None:
     assert all(r.accept_script is None for r in fitted.requests)
     assert len(notes) == 2
     assert fit_rung(load_rung("m11"), demo) == (demo, ())
+    assert fit_rung(load_rung("m12"), demo) == (demo, ())
     fitted, notes = fit_rung(load_rung("m09"), demo)
     assert fitted.engine["spec_len"] == 3 and notes == ("m09 has no parallelism: running with world_size 1",)
 
@@ -176,3 +181,65 @@ def test_explicit_tokens_reduce_to_their_length_below_m08() -> None:
 def test_every_example_workload_parses() -> None:
     for path in sorted((DATA / "examples").glob("*.json")):
         parse_workload(json.loads(path.read_text())["workload"])
+
+
+def test_admission_settings_are_absent_by_default() -> None:
+    assert "max_waiting" not in parse_workload({}).engine
+    engine = parse_workload({"engine": {"max_waiting": 3, "max_running": None, "max_model_len": 9}}).engine
+    assert engine == {**ENGINE_DEFAULTS, "max_waiting": 3, "max_model_len": 9}
+    assert with_engine(parse_workload({}), {"max_running": 2}).engine["max_running"] == 2
+
+
+def test_admission_settings_and_stop_ids_reach_m12() -> None:
+    workload = parse_workload(
+        {
+            "engine": {"max_waiting": 3, "max_running": 2, "max_model_len": 50},
+            "requests": [{"request_id": "a", "prompt_len": 2, "max_new_tokens": 1, "stop_token_ids": [5, 6]}],
+        }
+    )
+    engine = build_engine(load_rung("m12"), workload)
+    assert (engine.max_waiting, engine.max_running, engine.max_model_len) == (3, 2, 50)
+    assert engine.requests[0].stop_token_ids == (5, 6)
+
+
+def test_fit_rung_drops_admission_settings_below_m12() -> None:
+    workload = parse_workload(
+        {
+            "engine": {"max_running": 2},
+            "requests": [{"request_id": "a", "prompt_len": 2, "max_new_tokens": 1, "stop_token_ids": [5]}],
+        }
+    )
+    fitted, notes = fit_rung(load_rung("m11"), workload)
+    assert "max_running" not in fitted.engine and fitted.requests[0].stop_token_ids == ()
+    assert notes == ("m11 has no admission control: running without max_running, stop_token_ids",)
+    build_engine(load_rung("m11"), fitted).run()
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens 0"),
+        ({"tokens": [], "prompt_len": None}, "empty prompt"),
+        ({"stop_token_ids": [1]}, "stop_token_ids"),
+    ],
+)
+def test_m12_only_request_values_below_m12(extra, needle) -> None:
+    workload = parse_workload({"requests": [{"request_id": "a", "prompt_len": 2, "max_new_tokens": 1, **extra}]})
+    build_engine(load_rung("m12"), workload).run()
+    for name in RUNGS[:-1]:
+        with pytest.raises(WorkloadError, match=f"{name[:3]} has no admission control: .*{needle}"):
+            build_engine(load_rung(name), workload)
+
+
+def test_empty_stop_list_is_allowed_on_every_rung() -> None:
+    request = {"request_id": "a", "prompt_len": 2, "max_new_tokens": 1, "stop_token_ids": []}
+    build_engine(load_rung("m00"), parse_workload({"requests": [request]})).run()
+
+
+def test_total_prompt_tokens_are_bounded_while_parsing() -> None:
+    from mechserve.workload import MAX_TOTAL_PROMPT_TOKENS
+
+    flags = [f"r{i}:1000000:1" for i in range(MAX_TOTAL_PROMPT_TOKENS // 1_000_000)]
+    assert len(workload_from_flags(flags).requests) == len(flags)
+    with pytest.raises(WorkloadError, match=r"--request \"x:1:1\": .*total more than"):
+        workload_from_flags([*flags, "x:1:1"])
