@@ -617,6 +617,9 @@ class Engine:
         for r in self.running:
             if r.generated >= 1 and r.computed == r.target - 1:
                 r.draft_len = min(self.spec_len, r.max_new_tokens - r.generated - 1)
+                if r.draft_len:
+                    capped = " (capped so it cannot pass max_new_tokens)" if r.draft_len < self.spec_len else ""
+                    self._why.append(f"{r.request_id} is caught up and asks for {r.draft_len} guess(es){capped}.")
             else:
                 r.draft_len = 0
 
