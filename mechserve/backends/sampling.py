@@ -1,48 +1,272 @@
-"""Token choice from logits, and the prompt-lookup (n-gram) draft proposer.
+"""Token choice from logits (vLLM's sampling semantics), raw logprobs, and the prompt-lookup draft proposer.
 
-Sampling is greedy for now.  ``SamplingParams`` is registered per request
-with the executor so later issues can add temperature, top-p, top-k and seeds
-without changing the executor's step path: ``Sampler.choose`` already gets
-every row's request id.
+``Sampler.choose`` turns one logits row per sampling position into a token
+id, following vLLM's sampler (``vllm/model_executor/layers/sampler.py``,
+``Sampler.forward``)::
+
+    logits [R, V] float32 (raw model output)
+      -> min_tokens: EOS and stop ids = -inf while the output is shorter than min_tokens
+      -> greedy rows (temperature < 1e-5 or top_k == 1): argmax, done
+      -> sampling rows: / temperature -> top-k -> softmax -> top-p -> min-p (masked = probability 0)
+      -> draw: argmax(probs / q), q = -log(U) ~ Exp(1) i.i.d. (the exponential race: P(i) = probs[i] / sum(probs))
+
+vLLM's v1 sampler (``vllm/v1/sample/sampler.py``) applies min-p before
+top-k/top-p; top-k and min-p commute (both depend only on ranks and
+probability ratios), but top-p then sees a different distribution.  We keep
+the original order, top-k, top-p, min-p, which ``SamplingParams`` documents.
+
+Seeds: a seeded row's exponentials come from a ``torch.Generator`` seeded
+with ``row_seed(seed, token_index)``, where ``token_index`` is the position
+of the chosen token in the request's output.  Nothing else enters, so a
+seeded request's tokens do not depend on its batchmates, on preemption and
+recompute, or on speculation (field case BC24).  Unseeded rows share the
+sampler's one generator.
+
+Logprobs (``token_logprobs``) are vLLM's default "raw logprobs": the
+log-softmax of the logits before min_tokens, temperature and the masks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
+from mechserve.params import GREEDY, SamplingParams
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Per-request sampling parameters; only greedy (``temperature == 0``) is implemented."""
-
-    temperature: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.temperature != 0.0:
-            raise NotImplementedError("only greedy sampling (temperature 0) is implemented")
+_MASK64 = (1 << 64) - 1
+# Top-p looks for its boundary among this many most likely tokens first (see apply_top_p).
+TOP_P_CANDIDATES = 1024
 
 
-GREEDY = SamplingParams()
+class Row(NamedTuple):
+    """One logits row to choose from.
+
+    ``params`` are the request's; ``token_index`` is the position, in the
+    request's output, of the token this row chooses (0 = the first output
+    token); ``banned`` are the ids masked while ``token_index <
+    params.min_tokens`` (the request's stop ids, and its EOS ids unless it
+    ignores EOS).
+    """
+
+    params: SamplingParams
+    token_index: int
+    banned: tuple[int, ...] = ()
+
+
+def _mix64(z: int) -> int:
+    """The splitmix64 finaliser: a bijection on 64-bit integers that scatters nearby inputs."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def row_seed(seed: int, index: int) -> int:
+    """The generator seed (0 .. 2**64-1) for token ``index`` of a request seeded with ``seed``.
+
+    A function of ``(seed, index)`` alone, stable across processes and
+    platforms (no ``hash()``).
+    """
+    return _mix64((_mix64(seed & _MASK64) + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64)
 
 
 class Sampler:
-    """Chooses one token per logits row.
+    """Chooses one token per logits row, with vLLM's semantics (see the module docstring).
 
-    A row's choice is the target token for the row's position: verifying a
-    deterministic draft against it (accept a guess iff it equals the choice)
-    is exact for greedy, and, because a prompt-lookup draft puts all its
-    probability on one token, it is also exact rejection sampling once rows
-    are sampled from the model's distribution.
+    ``seed`` seeds the one generator that unseeded rows share (None: fresh
+    entropy).  Rank executors of one group must share it to agree on
+    unseeded rows.
+
+    Verifying a prompt-lookup draft against the chosen tokens is exact
+    speculative sampling: see ``TorchExecutor``.
     """
 
-    def choose(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[int]:
-        """``logits``: [R, vocab] float32; ``params``: one per row.  Returns R token ids."""
-        return logits.argmax(dim=-1).tolist()
+    top_p_candidates = TOP_P_CANDIDATES
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed & _MASK64)
+        self._row_generator = torch.Generator()  # re-seeded for every seeded row
+        self._u = torch.empty(0, 0, dtype=torch.float64)
+
+    def choose(self, logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
+        """``logits``: [R, V] float32, one row per entry of ``rows``.  Returns R token ids.
+
+        Greedy rows are one batched argmax; sampling rows are masked and
+        normalised together (vectorised), and only the random draw loops,
+        once per seeded row, to re-seed that row's generator.  ``logits``
+        is never modified.
+        """
+        greedy = [row.params.greedy for row in rows]
+        banned = [(i, r.banned) for i, r in enumerate(rows) if r.banned and r.token_index < r.params.min_tokens]
+        if banned:
+            logits = _mask_ids(logits, banned)
+        if all(greedy):
+            return logits.argmax(dim=-1).tolist()  # the hot path: one argmax, no copy
+        ids = [0] * len(rows)
+        g_rows = [i for i, g in enumerate(greedy) if g]
+        s_rows = [i for i, g in enumerate(greedy) if not g]
+        if g_rows:
+            for i, t in zip(g_rows, logits[g_rows].argmax(dim=-1).tolist()):
+                ids[i] = t
+        for i, t in zip(s_rows, self._sample(logits[s_rows], [rows[i] for i in s_rows])):
+            ids[i] = t
+        return ids
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
+        """``logits``: [S, V] float32 (a private copy) of non-greedy rows; returns S sampled ids."""
+        vocab = logits.shape[1]
+        temperature = torch.tensor([row.params.temperature for row in rows], dtype=torch.float32)
+        x = logits.div_(temperature.unsqueeze(1))  # [S, V]
+        ks = [row.params.top_k if 0 < row.params.top_k < vocab else vocab for row in rows]
+        if any(k < vocab for k in ks):
+            x = apply_top_k(x, torch.tensor(ks))
+        probs = torch.softmax(x, dim=-1)  # [S, V]
+        ps = [row.params.top_p for row in rows]
+        if any(p < 1.0 for p in ps):
+            probs = apply_top_p(probs, torch.tensor(ps, dtype=torch.float32), self.top_p_candidates)
+        min_ps = [row.params.min_p for row in rows]
+        if any(m > 0 for m in min_ps):
+            probs = apply_min_p(probs, torch.tensor(min_ps, dtype=torch.float32))
+        q = self._exponentials(rows, probs.shape)
+        return probs.div_(q).argmax(dim=-1).tolist()
+
+    def _exponentials(self, rows: Sequence[Row], shape: torch.Size) -> torch.Tensor:
+        """[S, V] float32 i.i.d. Exp(1) as ``-log(U)``, U uniform on [0, 1) in float64.
+
+        Seeded rows draw U from ``row_seed(seed, token_index)``, the rest from
+        the shared generator.  ``-log(U)`` lies in (1e-16, inf]: never 0, so a
+        masked token (probability 0) can never win the race, and 53-bit U
+        keeps the small values that decide the race finely spaced.  (This is
+        also ~3x cheaper than ``Tensor.exponential_`` on CPU.)
+        """
+        u = self._workspace(shape)
+        seeded = [j for j, row in enumerate(rows) if row.params.seed is not None]
+        if not seeded:
+            u.uniform_(generator=self.generator)
+        elif len(seeded) < len(rows):
+            unseeded = [j for j, row in enumerate(rows) if row.params.seed is None]
+            u[unseeded] = torch.empty(len(unseeded), shape[1], dtype=torch.float64).uniform_(generator=self.generator)
+        gen = self._row_generator
+        for j in seeded:  # one generator state per row: this loop is the only per-row work
+            seed = rows[j].params.seed
+            assert seed is not None
+            gen.manual_seed(row_seed(seed, rows[j].token_index))
+            u[j].uniform_(generator=gen)
+        return u.log_().neg_().to(torch.float32)
+
+    def _workspace(self, shape: torch.Size) -> torch.Tensor:
+        """A reused [S, V] float64 buffer (grown on demand): no fresh large allocation per step."""
+        rows, vocab = shape
+        if self._u.shape[0] < rows or self._u.shape[1] != vocab:
+            self._u = torch.empty(max(rows, self._u.shape[0]), vocab, dtype=torch.float64)
+        return self._u[:rows]
+
+
+def _mask_ids(logits: torch.Tensor, banned: Sequence[tuple[int, tuple[int, ...]]]) -> torch.Tensor:
+    """A copy of ``logits`` [R, V] with ``-inf`` at every ``(row, id)`` of ``banned`` (ids outside V ignored)."""
+    vocab = logits.shape[1]
+    pairs = [(i, t) for i, ids in banned for t in ids if 0 <= t < vocab]
+    out = logits.clone()
+    if pairs:
+        r, c = zip(*pairs)
+        out[list(r), list(c)] = float("-inf")
+    return out
+
+
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Mask (in place) every logit below the row's ``k``-th largest; ``logits`` [S, V] float32, ``k`` [S] int64.
+
+    Ties with the ``k``-th value are kept (as vLLM does); ``k == V`` keeps all.
+    """
+    vocab = logits.shape[1]
+    active = k < vocab
+    kmax = int(k[active].max())
+    top = logits.topk(kmax, dim=-1).values  # [S, kmax], descending
+    kth = top.gather(1, (k.clamp(max=kmax) - 1).unsqueeze(1))  # [S, 1]
+    kth = torch.where(active.unsqueeze(1), kth, torch.tensor(float("-inf")))
+    return logits.masked_fill_(logits < kth, float("-inf"))
+
+
+def apply_top_p(probs: torch.Tensor, p: torch.Tensor, candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
+    """Zero (in place) the probabilities top-p drops; ``probs`` [S, V] float32 (rows sum to 1), ``p`` [S].
+
+    A token stays iff the tokens strictly more likely than it hold less than
+    ``p`` (the smallest most-likely set that reaches ``p``; the most likely
+    token always stays; ``p >= 1`` keeps all).  vLLM's ``_apply_top_k_top_p``
+    finds the boundary by sorting the whole vocabulary; the boundary lies
+    among the ``candidates`` most likely tokens whenever they hold ``p``, so
+    one ``topk`` finds it (~9x cheaper at V = 49152) and only the other rows
+    are sorted.  Tokens tied with the last kept one all stay (a sort keeps an
+    arbitrary subset of them).
+    """
+    vocab = probs.shape[1]
+    n = min(candidates, vocab)
+    threshold, reached = _top_p_threshold(probs.topk(n, dim=-1).values, p)  # [S, 1], [S]
+    short = ~reached & (p < 1)
+    if n < vocab and bool(short.any()):
+        idx = short.nonzero().squeeze(1)
+        threshold[idx] = _top_p_threshold(probs[idx].sort(dim=-1, descending=True).values, p[idx])[0]
+    return probs.masked_fill_(probs < threshold, 0.0)
+
+
+def _top_p_threshold(desc: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From ``desc`` [S, n], the n most likely probabilities in descending order: the smallest kept one
+    ([S, 1]; 0 where ``p >= 1``) and whether these n reach ``p`` ([S] bool: then no token after them stays).
+    """
+    mass = desc.cumsum(dim=-1)  # [S, n]: a sequential scan, so a prefix of the full sort gives the same sums
+    above = torch.nn.functional.pad(mass[:, :-1], (1, 0))  # the mass of the tokens before each one
+    kept = torch.where(above < p.unsqueeze(1), desc, torch.tensor(float("inf"))).amin(dim=-1, keepdim=True)
+    return torch.where((p >= 1).unsqueeze(1), torch.zeros_like(kept), kept), mass[:, -1] >= p
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero (in place) every probability below ``min_p`` x the row's largest; ``probs`` [S, V], ``min_p`` [S]."""
+    top = probs.amax(dim=-1, keepdim=True)  # [S, 1]
+    return probs.masked_fill_(probs < min_p.unsqueeze(1) * top, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The raw log-probabilities at one appended token.
+
+    ``token_id`` and its ``logprob``; ``rank`` is 1 + the number of other
+    ids at least as likely (1 = the most likely, vLLM's rank); ``top_ids`` /
+    ``top_logprobs`` are the N most likely ids, most likely first (N = the
+    request's ``logprobs``; 0 gives only the chosen id).
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+    def to_dict(self) -> dict[int, float]:
+        """vLLM's shape: id -> logprob for the top N and the chosen id (N or N + 1 entries)."""
+        return {**dict(zip(self.top_ids, self.top_logprobs)), self.token_id: self.logprob}
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """Raw logprobs of ``token_ids`` under ``logits`` [L, V] float32 (one id and one N per row)."""
+    lp = torch.log_softmax(logits, dim=-1)  # [L, V]
+    ids = torch.tensor(token_ids, dtype=torch.int64).unsqueeze(1)  # [L, 1]
+    chosen = lp.gather(1, ids)  # [L, 1]
+    ranks = (lp >= chosen).sum(dim=-1).tolist()  # counts the chosen id itself
+    kmax = min(max(num_top, default=0), lp.shape[1])
+    top_lp, top_ids = lp.topk(kmax, dim=-1) if kmax else (lp[:, :0], lp[:, :0].long())
+    top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
+    return [
+        TokenLogprobs(t, c, r, tuple(ti[:n]), tuple(tl[:n]))
+        for t, c, r, ti, tl, n in zip(token_ids, chosen.squeeze(1).tolist(), ranks, top_ids_l, top_lp_l, num_top)
+    ]
 
 
 def propose_ngram(history: Sequence[int], num: int, max_ngram: int = 3, filler: int | None = None) -> list[int]:
@@ -71,3 +295,18 @@ def propose_ngram(history: Sequence[int], num: int, max_ngram: int = 3, filler: 
             follow = [t if t >= 0 else pad for t in follow]
             return follow + [pad] * (num - len(follow))
     return [pad] * num
+
+
+__all__ = [
+    "GREEDY",
+    "Row",
+    "Sampler",
+    "SamplingParams",
+    "TokenLogprobs",
+    "apply_min_p",
+    "apply_top_k",
+    "apply_top_p",
+    "propose_ngram",
+    "row_seed",
+    "token_logprobs",
+]
