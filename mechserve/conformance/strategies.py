@@ -21,12 +21,19 @@ test ask for the situation it needs:
   prefix reuse, eviction and D2 adoption happen), ``"mixed"`` (either, per request);
 * ``spec_len`` (a range), ``scripts`` (accept scripts with entries from -2 to ``spec_len + 2``,
   i.e. negatives and values above the draft), ``eos``, ``world_size`` (a range), ``negatives``
-  (negative ``arrival_step``/``eos_after``: legal for the engines, rejected by the CLI loader, D4).
+  (negative ``arrival_step``/``eos_after``: legal for the engines, rejected by the CLI loader, D4);
+* ``admission`` (m12 only): the engine section may carry ``max_waiting``, ``max_running`` and
+  ``max_model_len``, and requests may ask for 0 tokens, have an empty prompt (``"tokens": []``) or
+  carry ``stop_token_ids`` (mostly ids the scripted model will sample), so the door rejects for
+  every reason a valid 4.2 spec can give (``door_verdicts``) and requests finish with STOP.  Such a
+  workload builds on m12 only (rungs below refuse 0 tokens and empty prompts); it takes ``budget``
+  ``"any"`` or ``"large"``.  Off by default: no default workload has anything only m12 reads.
 
 ``mechanism_idle(rung)`` presets the knobs under which a rung's mechanism changes nothing relative to
 the rung below, for ladder-consistency checks.  ``build(rung_module, workload)`` turns a workload into
 that rung's ``Engine``, passing only what the rung takes (through the CLI's own loader,
-``mechserve.workload``, unless told not to validate).
+``mechserve.workload``, unless told not to validate): m12's admission settings and stop ids reach
+m12 only.
 """
 
 from __future__ import annotations
@@ -40,11 +47,18 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from mechserve.spec import m01_continuous_batching
-from mechserve.workload import ENGINE_DEFAULTS, build_engine, fit_rung, parse_workload, synthetic_prompt
+from mechserve.spec import m01_continuous_batching, m12_admission_control
+from mechserve.workload import (
+    ENGINE_DEFAULTS,
+    ENGINE_OPTIONAL,
+    build_engine,
+    fit_rung,
+    parse_workload,
+    synthetic_prompt,
+)
 
-ENGINE_KEYS = tuple(ENGINE_DEFAULTS)
-"""The engine section's keys in 4.2 order."""
+ENGINE_KEYS = (*ENGINE_DEFAULTS, *ENGINE_OPTIONAL)
+"""The engine section's keys in 4.2 order: the five every workload has, then m12's optional limits."""
 
 
 # ---- workload arithmetic ---------------------------------------------------------------------------------
@@ -56,8 +70,9 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 def engine_of(workload: Mapping[str, Any]) -> dict[str, int]:
-    """The workload's engine section with the 4.2 defaults filled in."""
-    return {**ENGINE_DEFAULTS, **{k: int(v) for k, v in (workload.get("engine") or {}).items()}}
+    """The workload's engine section with the 4.2 defaults filled in; m12's limits only when given."""
+    given = {k: int(v) for k, v in (workload.get("engine") or {}).items() if v is not None}
+    return {**ENGINE_DEFAULTS, **given}
 
 
 def prompt_tokens(workload: Mapping[str, Any], index: int) -> list[int]:
@@ -80,9 +95,53 @@ def alone_pages(spec: Mapping[str, Any], page_size: int) -> int:
     """The most pages one request can ever hold: ``pages_for(prompt + max_new - 1)``.
 
     The last sample happens at ``computed = target - 1 <= prompt + max_new - 1``, and a speculative
-    window is capped at that frontier too (``draft_len <= max_new - generated - 1``).
+    window is capped at that frontier too (``draft_len <= max_new - generated - 1``).  A request that
+    never takes a page (m12: 0 tokens, or an empty prompt, which the door refuses) needs 0.
     """
-    return pages_for(prompt_len(spec) + int(spec["max_new_tokens"]) - 1, page_size)
+    n, max_new = prompt_len(spec), int(spec["max_new_tokens"])
+    return pages_for(n + max_new - 1, page_size) if n and max_new > 0 else 0
+
+
+def door_verdicts(workload: Mapping[str, Any]) -> list[str | None]:
+    """Per request, list order: the reason m12's door refuses it (a ``RejectReason`` name), or None.
+
+    All requests reach the door in the constructor, before any step, so every accepted request is
+    still WAITING when the next one arrives: N3's checks in order, with the waiting queue holding
+    exactly the requests accepted so far (N6) and every accepted id live (``DUPLICATE_ID``).
+    ``NEVER_FITS`` is the conservative N4 bound ``alone_pages > num_pages``, whatever ``eos_after``.
+    """
+    eng = engine_of(workload)
+    verdicts: list[str | None] = []
+    live: set[str] = set()
+    for spec in workload.get("requests") or []:
+        n, max_new = prompt_len(spec), int(spec["max_new_tokens"])
+        limit, waiting = eng.get("max_model_len"), eng.get("max_waiting")
+        if n == 0:
+            why = "EMPTY_PROMPT"
+        elif max_new < 0:
+            why = "BAD_MAX_NEW_TOKENS"
+        elif str(spec["request_id"]) in live:
+            why = "DUPLICATE_ID"
+        elif limit is not None and n + max_new > limit:
+            why = "TOO_LONG"
+        elif max_new > 0 and alone_pages(spec, eng["page_size"]) > eng["num_pages"]:
+            why = "NEVER_FITS"
+        elif waiting is not None and len(live) >= waiting:
+            why = "OVERLOADED"
+        else:
+            why = None
+            live.add(str(spec["request_id"]))
+        verdicts.append(why)
+    return verdicts
+
+
+def scripted_ids(prompt: list[int], n: int) -> list[int]:
+    """The first ``n`` ids the scripted model (m10+) samples after ``prompt``, EOS and stops aside."""
+    ids, prev = [], prompt[-1]
+    for j in range(n):
+        prev = m12_admission_control.scripted_token(prev, len(prompt) + j)
+        ids.append(prev)
+    return ids
 
 
 def fits_alone(workload: Mapping[str, Any]) -> bool:
@@ -141,10 +200,12 @@ def workloads(
     eos: bool = True,
     world_size: tuple[int, int] = (1, 1),
     negatives: bool = False,
+    admission: bool = False,
 ) -> dict[str, Any]:
     """A random workload in the 4.2 JSON shape; see the module docstring for the knobs.
 
-    Request ids are ``r0, r1, …`` (list order).  Every value is valid for every rung's constructor.
+    Request ids are ``r0, r1, …`` (list order).  Without ``admission`` every value is valid for every
+    rung's constructor; with it, for m12's.
     """
     if budget not in ("any", "covering", "large"):
         raise ValueError(f"budget must be any, covering or large, not {budget!r}")
@@ -152,23 +213,36 @@ def workloads(
         raise ValueError(f"pool must be any, fits, tight or ample, not {pool!r}")
     if prompts not in ("length", "shared", "mixed"):
         raise ValueError(f"prompts must be length, shared or mixed, not {prompts!r}")
+    if admission and budget == "covering":
+        raise ValueError("a covering budget is measured on m01, which cannot build an admission workload")
     n = draw(st.integers(min_requests, max_requests))
     k = draw(st.integers(*spec_len))
     low = -2 if negatives else 0
     requests: list[dict[str, Any]] = []
     for i, prompt in enumerate(draw(_prompts(n, prompts, max_prompt))):
-        req: dict[str, Any] = {"request_id": f"r{i}", **prompt, "max_new_tokens": draw(st.integers(1, max_new))}
+        if admission and draw(st.integers(0, 7)) == 0:
+            prompt = {"tokens": []}  # EMPTY_PROMPT
+        req: dict[str, Any] = {
+            "request_id": f"r{i}",
+            **prompt,
+            "max_new_tokens": draw(st.integers(0 if admission else 1, max_new)),
+        }
         if draw(st.booleans()):
             req["arrival_step"] = draw(st.integers(low, max_arrival))
         if eos and draw(st.integers(0, 2)) == 0:
             req["eos_after"] = draw(st.integers(low, max_new + 1))
         if scripts and draw(st.booleans()):
             req["accept_script"] = draw(st.lists(st.integers(-2, k + 2), max_size=6))
+        if admission and prompt_len(req) and draw(st.booleans()):
+            # Mostly ids the request will sample (so it stops early, maybe inside an accepted run).
+            chain = scripted_ids(_prompt_of(req, i), max(1, int(req["max_new_tokens"])))
+            stops = st.sampled_from(chain) | st.integers(1, 2**31 - 1)
+            req["stop_token_ids"] = draw(st.lists(stops, min_size=1, max_size=2))
         requests.append(req)
     ps = draw(st.integers(*page_size))
     workload: dict[str, Any] = {"engine": {"page_size": ps, "spec_len": k}, "requests": requests}
     alone = [alone_pages(r, ps) for r in requests]
-    biggest, total = max(alone, default=1), sum(alone) or 1
+    biggest, total = max([1, *alone]), max(1, sum(alone))
     workload["engine"]["num_pages"] = draw(
         {
             "any": st.integers(1, total + 2),
@@ -185,7 +259,18 @@ def workloads(
         large = sum(prompt_len(r) for r in requests) + n * (1 + k)
         workload["engine"]["max_step_tokens"] = max(1, large) + draw(st.integers(0, 2))
     workload["engine"]["world_size"] = draw(st.integers(*world_size))
-    return {"engine": {key: workload["engine"][key] for key in ENGINE_KEYS}, "requests": requests}
+    if admission:
+        longest = max((prompt_len(r) + int(r["max_new_tokens"]) for r in requests), default=1)
+        limits = {
+            "max_waiting": st.integers(1, max(1, n)),
+            "max_running": st.integers(1, 3),
+            "max_model_len": st.integers(max(1, longest - 3), max(1, longest)),
+        }
+        for key, values in limits.items():
+            if draw(st.booleans()):
+                workload["engine"][key] = draw(values)
+    engine = {key: workload["engine"][key] for key in ENGINE_KEYS if key in workload["engine"]}
+    return {"engine": engine, "requests": requests}
 
 
 IDLE_KNOBS: dict[str, dict[str, Any]] = {
@@ -200,6 +285,9 @@ IDLE_KNOBS: dict[str, dict[str, Any]] = {
     "m09_speculative_decode": {"spec_len": (0, 0)},
     "m10_executor_boundary": {},
     "m11_parallelism": {},
+    # N21: every request passes the door (each fits the pool on its own; no limit, no stop id, no
+    # empty prompt, no zero-token request): m12's trace is m11's plus empty rejected/aborted.
+    "m12_admission_control": {"pool": "fits", "admission": False},
 }
 """Per rung, the knobs under which its mechanism is idle, so its trace equals the rung below's."""
 
@@ -213,6 +301,14 @@ def mechanism_idle(rung: str, **knobs: Any) -> st.SearchStrategy[dict[str, Any]]
 
 
 # ---- building an engine ----------------------------------------------------------------------------------
+
+
+def has_admission(workload: Mapping[str, Any]) -> bool:
+    """True when the workload uses something only m12 takes: a limit, 0 tokens, an empty prompt, stop ids."""
+    return any(key in engine_of(workload) for key in ENGINE_OPTIONAL) or any(
+        int(spec["max_new_tokens"]) <= 0 or not prompt_len(spec) or spec.get("stop_token_ids")
+        for spec in workload.get("requests") or []
+    )
 
 
 def cli_valid(workload: Mapping[str, Any]) -> bool:
@@ -232,9 +328,10 @@ def _request(rung: ModuleType, index: int, spec: Mapping[str, Any]) -> Any:
         kwargs["tokens"] = _prompt_of(spec, index)
     else:
         kwargs["prompt_len"] = prompt_len(spec)
-    for key in ("arrival_step", "eos_after", "accept_script"):
+    for key in ("arrival_step", "eos_after", "accept_script", "stop_token_ids"):
         if spec.get(key) is not None and key in takes:
-            kwargs[key] = list(spec[key]) if key == "accept_script" else spec[key]
+            value = spec[key]
+            kwargs[key] = list(value) if key == "accept_script" else tuple(value) if key == "stop_token_ids" else value
     return rung.Request(**kwargs)
 
 
@@ -243,10 +340,14 @@ def build(rung: ModuleType, workload: Mapping[str, Any], *, validate: bool = Tru
 
     With ``validate`` (the default) this is the CLI's own path: ``mechserve.workload`` validates the
     spec (D4, ``WorkloadError``), drops what the rung lacks (``fit_rung``: ``spec_len``, accept scripts,
-    ``world_size``) and builds it (``build_engine``).  ``validate=False`` builds directly, so values
-    the engines accept but D4 rejects (negative ``arrival_step``/``eos_after``) reach the engine too.
-    Either way lists are copied: the workload is never consumed and can be built again; m00–m07 get
-    ``prompt_len`` (the length of ``tokens`` when given) and m08+ ``tokens`` (synthetic when absent).
+    ``world_size``, m12's limits and stop ids) and builds it (``build_engine``).  ``validate=False``
+    builds directly, so values the engines accept but D4 rejects (negative ``arrival_step``/``eos_after``)
+    reach the engine too; it drops the same things by what the rung's ``Engine`` and ``Request`` take.
+    Either way m12's ``max_waiting``/``max_running``/``max_model_len`` and ``stop_token_ids`` reach m12
+    only, and 0 tokens or an empty prompt make a lower rung raise (``WorkloadError``, a ``ValueError``,
+    or the engine's own ``ValueError``).  Lists are copied: the workload is never consumed and can be
+    built again; m00–m07 get ``prompt_len`` (the length of ``tokens`` when given) and m08+ ``tokens``
+    (synthetic when absent).
     """
     if validate:
         fitted, _ = fit_rung(rung, parse_workload(json.loads(json.dumps(workload))))
@@ -254,4 +355,4 @@ def build(rung: ModuleType, workload: Mapping[str, Any], *, validate: bool = Tru
     engine = engine_of(workload)
     takes = inspect.signature(rung.Engine).parameters
     requests = [_request(rung, i, spec) for i, spec in enumerate(workload.get("requests") or [])]
-    return rung.Engine(requests, **{k: engine[k] for k in ENGINE_KEYS if k in takes})
+    return rung.Engine(requests, **{k: engine[k] for k in ENGINE_KEYS if k in engine and k in takes})

@@ -4,9 +4,13 @@
 ``Engine.run(on_step=...)`` and, after every step, checks what must hold on every rung where it
 applies (``check_step``, ``check_frontiers``): the token budget, page conservation and
 ``check_invariants()``, the request bounds, the work list against the rung's scheduling rule, how every
-frontier moved, the victims' order, D2's own-chain invariant, the trace's internal shape.  A check
-failure or a run past a generous step bound raises ``AssertionError``; an engine exception is
-captured in ``Run.error`` so the property can decide whether it is the documented one.
+frontier moved, the victims' order (always RUNNING requests), D2's own-chain invariant, the trace's
+internal shape, that every arrived request is admitted unless m12's ``max_running`` is reached
+(``check_admitted``), and on m12 the door's bookkeeping (``check_admission``: REJECTED and ABORTED
+requests hold no page and appear in no work field, each record's ``rejected``/``aborted`` names
+requests in that state, zero-token requests finish at admission).  A check failure or a run past a generous step bound raises ``AssertionError``; an
+engine exception is captured in ``Run.error`` so the property can decide whether it is the
+documented one.
 """
 
 from __future__ import annotations
@@ -41,6 +45,13 @@ CONTRACT = (
 )
 """The 13 trace fields in contract order (MECHANISMS 4.3)."""
 
+ADMISSION_FIELDS = ("rejected", "aborted")
+"""m12's two trace fields, written after ``tokens`` (N15)."""
+
+LIVE = ("WAITING", "RUNNING")
+GONE = ("FINISHED", "REJECTED", "ABORTED")
+"""Request states: live ones may hold pages (RUNNING only, in fact); the three end states hold none."""
+
 CI = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 """Settings for the default (CI) run: the whole property suite stays well under a minute on 2 cores."""
 
@@ -53,10 +64,16 @@ def rung_index(rung: str) -> int:
 
 
 def fields_of(rung: str) -> tuple[str, ...]:
-    """The JSON keys of the rung's records, in order: its share of the 13, plus ``tokens`` from m10."""
+    """The JSON keys of the rung's records, in order: its share of the 13, plus ``tokens`` from m10,
+    plus ``rejected`` and ``aborted`` from m12."""
     i = INDEX[rung]
     n = 6 if i < 5 else 7 if i < 8 else 10 if i < 9 else 13
-    return CONTRACT[:n] + (("tokens",) if i >= 10 else ())
+    return CONTRACT[:n] + (("tokens",) if i >= 10 else ()) + (ADMISSION_FIELDS if i >= 12 else ())
+
+
+def has_door(rung: str) -> bool:
+    """m12+: requests pass a door, so a request that can never be served is REJECTED, not raised."""
+    return INDEX[rung] >= 12
 
 
 def step_bound(workload: dict[str, Any]) -> int:
@@ -193,8 +210,15 @@ def check_step(rung: str, engine: Any, record: Any, index: int) -> None:
     assert all(v >= 1 for v in rec["executed"].values()), rec["executed"]
     assert _in_order(executed, scheduled), (executed, scheduled)
     assert _in_order(list(rec["sampled"]), executed)
-    assert _in_order(list(rec["finished"]), list(rec["sampled"]))
-    by_id = {r.request_id: r for r in engine.requests}
+    by_id = {r.request_id: r for r in engine.requests if r.state.value not in ("REJECTED", "ABORTED")}
+    # Only a zero-token request (m12, N10) finishes without sampling: at admission, in list order.
+    unsampled = [rid for rid in rec["finished"] if rid not in rec["sampled"]]
+    assert _in_order([rid for rid in rec["finished"] if rid in rec["sampled"]], list(rec["sampled"]))
+    assert _in_order(unsampled, rec["admitted"]), (unsampled, rec)
+    for rid in unsampled:
+        r = by_id[rid]
+        assert i >= 12 and r.max_new_tokens == 0 and rec["finished"][rid] == "LENGTH", (rid, rec)
+        assert (r.generated, r.computed, r.output_ids, r.page_table) == (0, 0, [], []), rid
     assert all(by_id[rid].state.value == "FINISHED" for rid in rec["finished"])
     if i >= 2:  # m02: the token budget
         assert sum(rec["executed"].values()) <= engine.max_step_tokens, (rec["executed"], engine.max_step_tokens)
@@ -207,6 +231,8 @@ def check_step(rung: str, engine: Any, record: Any, index: int) -> None:
         order = [r.request_id for r in engine.requests]
         victims = [order.index(rid) for rid in rec["preempted"]]
         assert victims == sorted(set(victims), reverse=True), rec["preempted"]
+        # A victim keeps its history and stays RUNNING: never a rejected, aborted or finished request.
+        assert all(by_id[rid].state.value == "RUNNING" for rid in rec["preempted"]), rec["preempted"]
         assert not scheduled or scheduled[0] not in rec["preempted"], rec
         for r in engine.requests[victims[0] + 1 :] if victims else ():
             if r.state.value == "RUNNING":  # it was passed over, so it held nothing and had no work
@@ -232,20 +258,58 @@ def check_step(rung: str, engine: Any, record: Any, index: int) -> None:
         for rid, ids in rec["tokens"].items():
             assert len(ids) == rec["accepted"].get(rid, 0) + 1
             assert (ids[-1] == MODULES[rung].EOS_TOKEN_ID) == (rec["sampled"][rid] == "EOS")
+    if i >= 12:
+        check_admission(engine, rec)
     for r in engine.requests:
         draft = getattr(r, "draft_len", 0)
         assert 0 <= r.computed <= r.target + draft, (r.request_id, r.computed, r.target, draft)
         assert 0 <= r.generated <= r.max_new_tokens, (r.request_id, r.generated, r.max_new_tokens)
         assert (r.state.value == "FINISHED") == (r.finish_reason is not None)
-        if i >= 3 and r.state.value == "FINISHED":
-            assert not r.page_table, f"{r.request_id} finished holding pages {r.page_table}"
+        if i >= 3 and r.state.value in GONE:
+            assert not r.page_table, f"{r.request_id} is {r.state.value} but holds pages {r.page_table}"
+
+
+def check_admission(engine: Any, rec: dict[str, Any]) -> None:
+    """m12 after every step: the door's and abort's bookkeeping (N7, N8, N13, N14).
+
+    A REJECTED request has its reason and nothing else (no page, no computed position, no sample, no
+    running place); an ABORTED one holds no page and no running place; both are out of the live set.
+    ``rejected`` names REJECTED requests with their reasons; an id that only rejected requests carry
+    appears in no other field, and an aborted id in no other field of that record.  Only RUNNING
+    requests hold pages.
+    """
+    states = {r.request_id: set() for r in engine.requests}
+    for r in engine.requests:
+        states[r.request_id].add(r.state.value)
+        assert (r.state.value == "REJECTED") == (r.reject_reason is not None), (r.request_id, r.state)
+        if r.state.value != "RUNNING":
+            assert not r.page_table, f"{r.request_id} is {r.state.value} but holds pages {r.page_table}"
+            assert all(x is not r for x in engine.running), f"{r.request_id} is {r.state.value} but running"
+        if r.state.value in ("REJECTED", "ABORTED"):
+            assert engine.live.get(r.request_id) is not r, f"{r.request_id} is {r.state.value} but live"
+            assert r.draft_len == 0, r.request_id
+        if r.state.value == "REJECTED":
+            assert (r.computed, r.generated, r.output_ids) == (0, 0, []), r.request_id
+    live = {r.request_id for r in engine.requests if r.state.value in LIVE}
+    assert set(engine.live) == live and all(engine.live[rid].state.value in LIVE for rid in live)
+    work_fields = [k for k in rec if k not in ("step", "rejected", "aborted", "evicted")]
+    mentioned = {rid for k in work_fields for rid in rec[k]}
+    for rid, reason in rec["rejected"]:
+        assert any(
+            r.request_id == rid and r.state.value == "REJECTED" and r.reject_reason.value == reason
+            for r in engine.requests
+        ), (rid, reason)
+        if states[rid] == {"REJECTED"}:
+            assert rid not in mentioned, f"rejected {rid} appears in the work of step {rec['step']}"
+    for rid in rec["aborted"]:
+        assert "ABORTED" in states[rid] and rid not in mentioned, (rid, rec)
 
 
 def check_own_chain(engine: Any) -> None:
     """D2: a live request's cached pages lead its page table and are its own prompt's chain in the trie."""
     cached = set(cache_blocks(engine))
     for r in engine.requests:
-        if r.state.value == "FINISHED":
+        if r.state.value in GONE:
             continue
         shared = [p for p in r.page_table if p in cached]
         assert r.page_table[: len(shared)] == shared, f"{r.request_id}: a cached page after a private one"
@@ -270,7 +334,9 @@ def expected_work(rung: str, engine: Any, rec: dict[str, Any], before: dict[str,
     work = []
     for r in engine.requests:
         computed, generated, state = before[r.request_id]
-        if state != "RUNNING" and r.request_id not in rec["admitted"]:
+        if state != "RUNNING" and (r.request_id not in rec["admitted"] or state != "WAITING"):
+            continue
+        if r.max_new_tokens == 0:  # m12 (N10): finished at admission, nothing to compute
             continue
         start = rec.get("reused", {}).get(r.request_id, computed)
         target = r.prompt_len + generated
@@ -319,20 +385,51 @@ def check_frontiers(rung: str, engine: Any, record: Any, before: dict[str, tuple
             assert (rid in rec["sampled"]) == (end == target + acc), (rid, end, target, acc, rec)
         else:
             assert r.computed == start, (rid, r.computed, start)
+    check_admitted(engine, rec, before)
+
+
+def check_admitted(engine: Any, rec: dict[str, Any], before: dict[str, tuple[int, int, str]]) -> None:
+    """Every request that has arrived by this step is admitted at it, unless m12's ``max_running`` is
+    reached (N9): then the RUNNING requests and the ones this step admitted (a zero-token request takes
+    no slot, N10) fill it exactly, and never more.
+    """
+    limit = getattr(engine, "max_running", None)
+    held = [r.request_id for r in engine.requests if r.state.value == "WAITING" and r.arrival_step <= rec["step"]]
+    if limit is None:
+        assert not held, f"{held} arrived by step {rec['step']} but were not admitted"
+        return
+    by_id = {r.request_id: r for r in engine.requests if r.state.value not in ("REJECTED", "ABORTED")}
+    running = sum(state == "RUNNING" for _, _, state in before.values())
+    took = sum(by_id[rid].max_new_tokens > 0 for rid in rec["admitted"])
+    assert running + took <= limit, (running, took, limit, rec["admitted"])
+    assert not held or running + took == limit, (held, running, took, limit)
 
 
 def check_summary(run: Run) -> None:
-    """A finished request's end state follows rule S (MECHANISMS 1.5)."""
+    """A finished request's end state follows rule S (MECHANISMS 1.5), with m12's stop ids (N17) and
+    zero-token requests (N10)."""
     for r, spec in zip(run.engine.requests, run.workload.get("requests") or []):
         if r.state.value != "FINISHED":
             continue
         eos = spec.get("eos_after")
-        if r.finish_reason.value == "LENGTH":
+        stops = spec.get("stop_token_ids") or ()
+        out = getattr(r, "output_ids", [])  # m10+
+        if r.max_new_tokens == 0:
+            assert (r.finish_reason.value, r.generated, r.computed, r.page_table) == ("LENGTH", 0, 0, [])
+        elif r.finish_reason.value == "LENGTH":
             assert r.generated == r.max_new_tokens
             assert eos is None or eos >= r.max_new_tokens
             assert r.computed == prompt_len(spec) + r.generated - 1
-        else:
+            assert not set(out) & set(stops), "a stop id was sampled but did not stop it"
+        elif r.finish_reason.value == "EOS":
             assert eos is not None and r.generated == max(0, eos) < r.max_new_tokens
+            assert r.computed == prompt_len(spec) + r.generated
+            assert not set(out[:-1]) & set(stops), "a stop id was sampled but did not stop it"
+        else:
+            assert r.finish_reason.value == "STOP" and out[-1] in stops, (r.request_id, out)
+            assert eos is None or r.generated < eos, "eos_after is checked before the stop ids (N17)"
+            assert r.generated == len(out) - 1 < r.max_new_tokens
+            assert not set(out[:-1]) & set(stops), "a stop id before the one that ended it"
             assert r.computed == prompt_len(spec) + r.generated
 
 

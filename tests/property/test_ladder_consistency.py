@@ -1,7 +1,8 @@
 """Ladder consistency: where a workload does not exercise rung k+1's mechanism, its trace is rung k's.
 
 Traces are compared on the fields rung k has, together with the error type (and therefore the step
-it comes at, since a run's records stop there).  Where the condition is "the mechanism never fired",
+it comes at, since a run's records stop there); where rung k+1 adds fields, they are checked to be
+empty (or zero) too.  Where the condition is "the mechanism never fired",
 the property is stated exactly: rung k+1 agrees with rung k for as long as rung k ran without needing
 the mechanism, and the step where rung k needed it is the step where rung k+1 used it.
 """
@@ -260,3 +261,44 @@ def test_executor_boundary_and_ranks_change_nothing(workload: dict) -> None:
 @given(workload=RANKS)
 def test_executor_boundary_and_ranks_change_nothing_slow(workload: dict) -> None:
     check_boundary_and_ranks(workload)
+
+
+# ---- m12 == m11 when every request passes the door (N21) -------------------------------------------------
+
+
+def check_door_idle(workload: dict) -> None:
+    """Every request passes the door and no limit, stop id or zero-token request is given: m12's trace is
+    m11's on m11's fields, with ``rejected`` and ``aborted`` empty in every record, and the same ends.
+    Limits that never bind (``max_waiting`` and ``max_running`` the number of requests, ``max_model_len``
+    the longest request exactly) change nothing either."""
+    m12, m11 = execute("m12_admission_control", workload), execute("m11_parallelism", workload)
+    assert m11.error is None
+    assert m12.outcome(fields_of("m11_parallelism")) == m11.outcome()
+    assert all(rec["rejected"] == [] and rec["aborted"] == [] for rec in m12.trace)
+    assert m12.engine.summary() == m11.engine.summary()
+    reqs = workload["requests"]
+    if reqs:
+        longest = max(len(prompt_tokens(workload, i)) + r["max_new_tokens"] for i, r in enumerate(reqs))
+        limits = {"max_waiting": len(reqs), "max_running": len(reqs), "max_model_len": longest}
+        bounded = execute("m12_admission_control", {**workload, "engine": {**workload["engine"], **limits}})
+        assert bounded.outcome() == m12.outcome()
+
+
+DOOR_IDLE = st.one_of(
+    mechanism_idle("m12_admission_control", prompts="mixed", spec_len=(0, 3), scripts=True, negatives=True),
+    mechanism_idle("m12_admission_control", pool="tight", prompts="shared", spec_len=(0, 2), scripts=True),
+    mechanism_idle("m12_admission_control", world_size=(1, 3), max_requests=7),
+)
+
+
+@CI
+@given(workload=DOOR_IDLE)
+def test_door_that_refuses_nothing_changes_nothing(workload: dict) -> None:
+    check_door_idle(workload)
+
+
+@pytest.mark.slow
+@SLOW
+@given(workload=DOOR_IDLE)
+def test_door_that_refuses_nothing_changes_nothing_slow(workload: dict) -> None:
+    check_door_idle(workload)

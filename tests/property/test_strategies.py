@@ -11,19 +11,24 @@ from collections.abc import Callable
 
 import pytest
 from hypothesis import Phase, find, given, settings
+from hypothesis import strategies as st
 from ladder_harness import CI, MODULES, execute
 
 from mechserve.conformance.strategies import (
     IDLE_KNOBS,
     alone_pages,
     build,
+    door_verdicts,
     engine_of,
     fits_alone,
+    has_admission,
     mechanism_idle,
     peak_step_work,
+    prompt_tokens,
     workloads,
 )
-from mechserve.spec import RUNGS
+from mechserve.spec import RUNGS, TOP
+from mechserve.workload import ENGINE_OPTIONAL
 
 FIND = settings(max_examples=400, database=None, phases=[Phase.generate], deadline=None)
 
@@ -107,6 +112,82 @@ def test_workloads_are_json_specs_and_build_faithfully(workload: dict) -> None:
                 assert getattr(engine, key) == eng[key]
         if hasattr(engine, "pool"):
             assert (engine.pool.num_pages, engine.pool.page_size) == (eng["num_pages"], eng["page_size"])
+
+
+ADMISSION = workloads(admission=True, prompts="mixed", spec_len=(0, 3), scripts=True, world_size=(1, 2))
+
+
+@pytest.mark.parametrize("reason", ["EMPTY_PROMPT", "TOO_LONG", "NEVER_FITS", "OVERLOADED"])
+def test_admission_knob_reaches_every_reason_a_valid_spec_can_give(reason: str) -> None:
+    """The door's other reasons need an engine-only value: a negative ``max_new_tokens`` or a duplicate id
+    (the CLI loader refuses both); ``test_m12_fuzz`` offers those."""
+    reaches(ADMISSION, TOP, lambda run: any(why == reason for rec in run.trace for _, why in rec["rejected"]))
+
+
+def test_admission_knob_reaches_stops_zero_tokens_and_held_back_requests() -> None:
+    reaches(ADMISSION, TOP, lambda run: any("STOP" in rec["finished"].values() for rec in run.trace))
+    reaches(
+        workloads(admission=True, budget="large", pool="ample", spec_len=(1, 4), eos=False, max_new=8),
+        TOP,
+        lambda run: any(
+            rec["sampled"].get(rid) == "STOP" and rec["accepted"][rid] < d
+            for rec in run.trace
+            for rid, d in rec["drafted"].items()
+        ),
+    )
+    reaches(
+        ADMISSION,
+        TOP,
+        lambda run: any(r.max_new_tokens == 0 and r.state.value == "FINISHED" for r in run.engine.requests),
+    )
+    held = lambda run: any("max_running limit" in line for rec in run.records for line in rec.explain)  # noqa: E731
+    reaches(ADMISSION, TOP, held)
+
+
+@CI
+@given(workload=ADMISSION)
+def test_admission_settings_reach_m12_only(workload: dict) -> None:
+    """``build`` passes m12's limits and stop ids to m12 alone, on both paths; a zero-token request or an
+    empty prompt makes every rung below m12 refuse the workload."""
+    assert json.loads(json.dumps(workload)) == workload
+    eng = engine_of(workload)
+    keys = list(workload["engine"])
+    assert keys[:5] == ["max_step_tokens", "page_size", "num_pages", "spec_len", "world_size"]
+    assert keys[5:] == [key for key in ENGINE_OPTIONAL if key in keys], "m12's limits, in 4.2 order, only when drawn"
+    assert len(door_verdicts(workload)) == len(workload["requests"])
+    for validate in (True, False):
+        engine = build(MODULES[TOP], workload, validate=validate)
+        assert [getattr(engine, key) for key in ENGINE_OPTIONAL] == [eng.get(key) for key in ENGINE_OPTIONAL]
+        for i, (r, spec) in enumerate(zip(engine.requests, workload["requests"])):
+            assert r.tokens == prompt_tokens(workload, i) and r.max_new_tokens == spec["max_new_tokens"]
+            assert r.stop_token_ids == tuple(spec.get("stop_token_ids") or ())
+        refused = any(
+            spec["max_new_tokens"] == 0 or not prompt_tokens(workload, i) for i, spec in enumerate(workload["requests"])
+        )
+        for rung in RUNGS[:-1]:
+            if refused:
+                with pytest.raises(ValueError):
+                    build(MODULES[rung], workload, validate=validate)
+                continue
+            lower = build(MODULES[rung], workload, validate=validate)
+            assert not any(hasattr(lower, key) for key in ENGINE_OPTIONAL), rung
+            assert not any(getattr(r, "stop_token_ids", ()) for r in lower.requests), rung
+
+
+@CI
+@given(workload=st.one_of(workloads(prompts="mixed", spec_len=(0, 3), scripts=True), *map(mechanism_idle, IDLE_KNOBS)))
+def test_no_default_or_idle_workload_uses_admission(workload: dict) -> None:
+    """Only ``admission=True`` draws what m12 alone reads, so every other workload builds on every rung."""
+    assert not has_admission(workload)
+    assert door_verdicts(workload) == [
+        None if alone_pages(r, engine_of(workload)["page_size"]) <= engine_of(workload)["num_pages"] else "NEVER_FITS"
+        for r in workload["requests"]
+    ]
+
+
+def test_a_covering_budget_cannot_be_measured_with_admission() -> None:
+    with pytest.raises(ValueError):
+        find(workloads(admission=True, budget="covering"), lambda w: True, settings=FIND)
 
 
 @CI
