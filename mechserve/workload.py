@@ -98,6 +98,7 @@ class RequestSpec:
     eos_after: int | None = None
     accept_script: tuple[int, ...] | None = None
     stop_token_ids: tuple[int, ...] = ()  # m12
+    synthetic: bool = False  # the prompt came from prompt_len (synthetic_prompt), not from explicit tokens
 
     @property
     def prompt_len(self) -> int:
@@ -326,6 +327,7 @@ def parse_request(
         eos_after=_optional_int(f"{where}{sep}eos_after", req.get("eos_after")),
         accept_script=None if script is None else _int_list(f"{where}{sep}accept_script", script, None),
         stop_token_ids=() if stops is None else _int_list(f"{where}{sep}stop_token_ids", stops, 0, TOKEN_ID_LIMIT),
+        synthetic=req.get("tokens") is None,
     )
 
 

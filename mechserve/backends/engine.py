@@ -13,7 +13,11 @@ allocated for work that cannot be done::
     Generation.allocate()             allocate the KV cache (run does it if not done)
     Generation.run(on_step)           run, collect completions
 
-``generate(...)`` does both.
+``generate(...)`` does both.  The long-lived, step-at-a-time engine that
+``LLM``, ``mechserve generate`` and ``mechserve run --backend torch`` drive is
+``mechserve.engine_core.EngineCore``; it shares this module's pool sizing
+(``size_pool``), memory check (``check_kv_memory``) and cache allocation
+(``new_executor``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from mechserve.spec import m12_admission_control as m12
 
 # Cap on the KV cache when the pool is sized automatically (no num_pages, no kv_memory).
 DEFAULT_KV_BYTES = 2 << 30
+# A long-lived engine's automatic pool holds at most this many positions (or one full context, if larger).
+AUTO_MAX_POSITIONS = 16_384
 # vLLM's chunked-prefill default; a smaller budget splits a long prompt into many slower steps.
 DEFAULT_MAX_STEP_TOKENS = 2048
 # The spec's page pool keeps Python bookkeeping per slot; the workload limits of the CLI.
@@ -62,7 +68,10 @@ class EngineConfig:
     per decode window; ``kv_memory``: a KV budget in bytes that the cache
     must fit; ``max_model_len``: the longest prompt + output a request may
     have (None = the model's ``max_position_embeddings``); ``check_memory``:
-    refuse a cache larger than the available memory (``/proc/meminfo``).
+    refuse a cache larger than the available memory (``/proc/meminfo``);
+    ``prefix_caching``: reuse and publish prompt pages (vLLM's
+    ``enable_prefix_caching``); ``max_running`` / ``max_waiting``: m12's
+    limits on running and waiting requests (None = no limit).
     """
 
     max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
@@ -73,6 +82,9 @@ class EngineConfig:
     kv_memory: int | None = None
     max_model_len: int | None = None
     check_memory: bool = True
+    prefix_caching: bool = True
+    max_running: int | None = None
+    max_waiting: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_step_tokens <= 0:
@@ -87,6 +99,10 @@ class EngineConfig:
             raise ValueError(f"kv_memory must be > 0, got {self.kv_memory}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+        if self.max_running is not None and self.max_running <= 0:
+            raise ValueError(f"max_running must be > 0, got {self.max_running}")
+        if self.max_waiting is not None and self.max_waiting <= 0:
+            raise ValueError(f"max_waiting must be > 0, got {self.max_waiting}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +244,7 @@ class Generation:
         arrivals = list(arrivals) if arrivals is not None else [0] * len(prompt_ids)
         if len(arrivals) != len(prompt_ids):
             raise ValueError(f"{len(arrivals)} arrival step(s) for {len(prompt_ids)} prompt(s)")
-        self.max_model_len = config.max_model_len or _model_context(model)
+        self.max_model_len = config.max_model_len or model_context(model)
         self.num_pages, self.sized_by = self._size_pool([len(ids) for ids in prompt_ids], max_new_tokens)
         self.page_bytes = page_bytes(model, config.page_size)
         self.kv_bytes = self.num_pages * self.page_bytes
@@ -248,6 +264,9 @@ class Generation:
             executors=[self._executor],
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
+            prefix_caching=config.prefix_caching,
+            max_running=config.max_running,
+            max_waiting=config.max_waiting,
         )
         self.rejections = [
             Rejection(r.request_id, r.reject_reason.value, self._reject_detail(r))
@@ -257,19 +276,8 @@ class Generation:
 
     def _size_pool(self, prompt_lens: list[int], max_new_tokens: int) -> tuple[int, str]:
         c = self.config
-        if c.num_pages is not None:
-            return c.num_pages, "num_pages"
-        if c.kv_memory is not None:
-            pages = c.kv_memory // page_bytes(self.model, c.page_size)
-            if pages < 1:
-                raise KVMemoryError(
-                    f"a KV budget of {format_bytes(c.kv_memory)} holds no page: one page of {c.page_size} "
-                    f"positions takes {format_bytes(page_bytes(self.model, c.page_size))}",
-                    kv_bytes=page_bytes(self.model, c.page_size),
-                    num_pages=1,
-                    sized_by="kv_memory",
-                )
-            return min(pages, max_pages(c.page_size)), "kv_memory"
+        if c.num_pages is not None or c.kv_memory is not None:
+            return size_pool(self.model, c)
         lens = prompt_lens or [1]
         return (
             auto_num_pages(lens, max_new_tokens, c.page_size, self.model, c.max_kv_bytes, self.max_model_len),
@@ -278,19 +286,7 @@ class Generation:
 
     def _check_memory(self) -> None:
         """Raise ``KVMemoryError`` if the cache exceeds ``kv_memory`` or the available memory."""
-        budget, where = self.config.kv_memory, "the KV budget"
-        if self.config.check_memory:
-            available = available_memory()
-            if available is not None and (budget is None or available < budget):
-                budget, where = available, "available memory"
-        if budget is not None and self.kv_bytes > budget:
-            raise KVMemoryError(
-                f"KV cache of {format_bytes(self.kv_bytes)} for {self.num_pages} pages does not fit in "
-                f"{format_bytes(budget)} of {where}",
-                kv_bytes=self.kv_bytes,
-                num_pages=self.num_pages,
-                sized_by=self.sized_by,
-            )
+        check_kv_memory(self.config, self.num_pages, self.kv_bytes, self.sized_by)
 
     def _reject_detail(self, r: m12.Request) -> str:
         reason = r.reject_reason
@@ -337,18 +333,7 @@ class Generation:
             executor.add_request(r.request_id, r.tokens)
 
     def _new_executor(self) -> TorchExecutor:
-        try:
-            return TorchExecutor(self.model, self.num_pages, self.config.page_size)
-        except (RuntimeError, MemoryError) as exc:
-            if not is_allocation_failure(exc):
-                raise
-            raise KVMemoryError(
-                f"could not allocate the KV cache of {format_bytes(self.kv_bytes)} for {self.num_pages} pages "
-                f"({first_line(exc)})",
-                kv_bytes=self.kv_bytes,
-                num_pages=self.num_pages,
-                sized_by=self.sized_by,
-            ) from exc
+        return new_executor(self.model, self.num_pages, self.config.page_size, sized_by=self.sized_by)
 
     def _completions(self) -> list[Completion]:
         eos = set(self.eos_token_ids)
@@ -398,6 +383,77 @@ def generate(
     return run.run(on_step)
 
 
+def size_pool(model: LlamaModel, config: EngineConfig, max_model_len: int | None = None) -> tuple[int, str]:
+    """``(num_pages, sized_by)`` for a pool that serves requests not known in advance.
+
+    ``config.num_pages`` when given; else as many pages as ``config.kv_memory``
+    bytes hold; else ``auto``: ``config.max_kv_bytes`` (capped at half the
+    available memory) or ``AUTO_MAX_POSITIONS`` positions (at least one
+    ``max_model_len`` request), whichever is less.  Never more than
+    ``max_pages``.  Raises ``KVMemoryError`` when ``kv_memory`` holds no page.
+    """
+    c = config
+    per_page = page_bytes(model, c.page_size)
+    if c.num_pages is not None:
+        return c.num_pages, "num_pages"
+    if c.kv_memory is not None:
+        pages = c.kv_memory // per_page
+        if pages < 1:
+            raise KVMemoryError(
+                f"a KV budget of {format_bytes(c.kv_memory)} holds no page: one page of {c.page_size} "
+                f"positions takes {format_bytes(per_page)}",
+                kv_bytes=per_page,
+                num_pages=1,
+                sized_by="kv_memory",
+            )
+        return min(pages, max_pages(c.page_size)), "kv_memory"
+    budget = c.max_kv_bytes
+    available = available_memory() if c.check_memory else None
+    if available is not None:
+        budget = min(budget, available // 2)
+    positions = max(AUTO_MAX_POSITIONS, max_model_len or 0)
+    pages = min(max(1, budget // per_page), m12.pages_for(positions, c.page_size))
+    return min(pages, max_pages(c.page_size)), "auto"
+
+
+def check_kv_memory(config: EngineConfig, num_pages: int, kv_bytes: int, sized_by: str) -> None:
+    """Raise ``KVMemoryError`` if ``kv_bytes`` exceed ``config.kv_memory`` or (``check_memory``) the available memory."""
+    budget, where = config.kv_memory, "the KV budget"
+    if config.check_memory:
+        available = available_memory()
+        if available is not None and (budget is None or available < budget):
+            budget, where = available, "available memory"
+    if budget is not None and kv_bytes > budget:
+        raise KVMemoryError(
+            f"KV cache of {format_bytes(kv_bytes)} for {num_pages} pages does not fit in "
+            f"{format_bytes(budget)} of {where}",
+            kv_bytes=kv_bytes,
+            num_pages=num_pages,
+            sized_by=sized_by,
+        )
+
+
+def new_executor(
+    model: LlamaModel, num_pages: int, page_size: int, *, sized_by: str = "num_pages", **kwargs: Any
+) -> TorchExecutor:
+    """A ``TorchExecutor`` with its KV cache allocated (``kwargs`` go to it).
+
+    Raises ``KVMemoryError`` (naming ``sized_by``) if torch cannot allocate the cache.
+    """
+    try:
+        return TorchExecutor(model, num_pages, page_size, **kwargs)
+    except (RuntimeError, MemoryError) as exc:
+        if not is_allocation_failure(exc):
+            raise
+        kv_bytes = num_pages * page_bytes(model, page_size)
+        raise KVMemoryError(
+            f"could not allocate the KV cache of {format_bytes(kv_bytes)} for {num_pages} pages ({first_line(exc)})",
+            kv_bytes=kv_bytes,
+            num_pages=num_pages,
+            sized_by=sized_by,
+        ) from exc
+
+
 def is_allocation_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is torch (or Python) failing to allocate memory."""
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
@@ -424,7 +480,7 @@ def continuation_text(tokenizer: Any, prompt_ids: Sequence[int], output_ids: Seq
     return full[len(prefix) :] if full.startswith(prefix) else str(tokenizer.decode(list(output_ids)))
 
 
-def _model_context(model: LlamaModel) -> int | None:
+def model_context(model: LlamaModel) -> int | None:
     """The model's ``max_position_embeddings`` (None if its config has none)."""
     value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return value if isinstance(value, int) and value > 0 else None

@@ -1,10 +1,13 @@
-"""``mechserve generate "prompt"``: continue a raw prompt with a real model under the top rung (m12).
+"""``mechserve generate "prompt"``: continue a raw prompt (or, with ``--chat``, answer it) with a real model.
 
+The request runs on an ``EngineCore`` (the top rung, m12, over the torch
+executor), with vLLM's sampling flags; the default temperature is 0
+(greedy), so that the same command prints the same text every time.
 Prints one compact line per engine step, then the prompt and its
 continuation and a timing line (prefill and decode separately); ``--json``
 prints every step record as JSON, then ``{"summary": [...], "outputs":
-[...]}``; ``--quiet`` prints only the generated text (or, with ``--json``,
-only the last line).
+[...]}`` (one output per sample); ``--quiet`` prints only the generated text
+(or, with ``--json``, only the last line).
 
 Everything that does not need the model (sizes, the prompt) is checked by
 the argument parser before the model is loaded; the pool's memory and m12's
@@ -32,6 +35,7 @@ from mechserve.spec import m12_admission_control as m12
 from mechserve.workload import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_SLOTS
 
 MAX_KV_MEMORY = 1 << 50
+MAX_SAMPLES = 64
 DEFAULT_MAX_STEP_TOKENS = 2048  # vLLM's chunked-prefill default (mechserve.backends.engine)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)b?|(b)?)\s*", re.IGNORECASE)
@@ -87,10 +91,13 @@ def parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``generate``'s arguments to ``parser``; each is validated by its ``type=``."""
-    parser.add_argument("prompt", type=prompt_text, help="raw text to continue (no chat template)")
+    parser.add_argument(
+        "prompt", type=prompt_text, help="raw text to continue (with --chat: the user's message to answer)"
+    )
     parser.add_argument(
         "--model", default="smollm2", help="'smollm2' (embedded, default) or a local Hugging Face model directory"
     )
+    add_dtype_argument(parser)
     parser.add_argument(
         "--max-tokens",
         type=integer(0, MAX_NEW_TOKENS),
@@ -134,10 +141,137 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="prompt-lookup guesses per decode step (default 0)",
     )
+    add_sampling_arguments(parser)
+    parser.add_argument(
+        "--chat", action="store_true", help="apply the model's chat template to the prompt, as one user message"
+    )
     parser.add_argument("--json", action="store_true", help="print step records and the result as JSON lines")
     parser.add_argument(
         "-q", "--quiet", action="store_true", help="print only the generated text (with --json, only the result)"
     )
+
+
+def number(text: str) -> float:
+    """An argparse ``type=``: a finite number (ranges are checked by ``SamplingParams``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def stop_text(text: str) -> str:
+    """An argparse ``type=`` for ``--stop``: any text but the empty string."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sampling flags (vLLM's ``SamplingParams`` fields); their ranges are checked by ``sampling_params``."""
+    add = parser.add_argument
+    add(
+        "--temperature",
+        type=number,
+        default=0.0,
+        metavar="T",
+        help="sampling temperature (default 0: greedy, so the same command gives the same text; "
+        "the Python API's default is vLLM's 1.0)",
+    )
+    add("--top-p", type=number, default=1.0, metavar="P", help="nucleus sampling: keep the top tokens of mass P")
+    add("--top-k", type=integer(-1, 1 << 31), default=0, metavar="K", help="keep the K most likely tokens (0: off)")
+    add("--min-p", type=number, default=0.0, metavar="P", help="drop tokens below P x the top probability")
+    add("--seed", type=integer(0, (1 << 63) - 1), default=None, metavar="N", help="seed of this request's draws")
+    add(
+        "--stop",
+        type=stop_text,
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a stop string, not included in the text (repeatable; a newline is $'\\n' in bash)",
+    )
+    add(
+        "--stop-token-id",
+        type=integer(0, (1 << 31) - 1),
+        action="append",
+        default=[],
+        metavar="ID",
+        help="a token id that ends the output (repeatable)",
+    )
+    add("--ignore-eos", action="store_true", help="treat the model's EOS as an ordinary token")
+    add("--min-tokens", type=integer(0, MAX_NEW_TOKENS), default=0, metavar="N", help="no EOS or stop before N tokens")
+    add(
+        "--logprobs",
+        type=integer(0, 20),
+        default=None,
+        metavar="N",
+        help="show each token's log-probability and the top N alternatives",
+    )
+    add("--n", type=integer(1, MAX_SAMPLES), default=1, metavar="N", help="independent samples of the prompt")
+
+
+# SamplingParams field -> the flag that sets it, for error messages.
+_PARAM_FLAGS = {
+    "n": "--n",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "seed": "--seed",
+    "max_tokens": "--max-tokens",
+    "min_tokens": "--min-tokens",
+    "stop_token_ids": "--stop-token-id",
+    "stop": "--stop",
+    "logprobs": "--logprobs",
+}
+
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    """The request's ``SamplingParams`` from the flags; raises ``CliError`` naming the flag of a bad value."""
+    from mechserve.params import SamplingParams
+
+    try:
+        return SamplingParams(
+            n=args.n,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+            min_tokens=args.min_tokens,
+            stop=tuple(args.stop),
+            stop_token_ids=tuple(args.stop_token_id),
+            ignore_eos=args.ignore_eos,
+            logprobs=args.logprobs,
+        )
+    except ValueError as exc:
+        field, _, rest = str(exc).partition(" ")
+        raise CliError(f"{_PARAM_FLAGS[field]}: {rest}" if field in _PARAM_FLAGS else str(exc)) from None
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """``--dtype``: the weights', activations' and KV cache's dtype (shared with ``run --backend torch``)."""
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="weights, activations and KV cache (default float32, the mode checked against transformers)",
+    )
+
+
+def load(model: str, dtype: str | None) -> Any:
+    """``load_model(model)`` in ``dtype`` (default float32); ``ModelLoadError`` propagates."""
+    import torch
+
+    from mechserve.backends.models import load_model
+
+    return load_model(model, dtype=getattr(torch, dtype or "float32"))
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -158,69 +292,147 @@ def run(args: argparse.Namespace) -> int:
     printed).
     """
     check_arguments(args)
-    from mechserve.backends.engine import EngineConfig, Generation, KVMemoryError, configure_threads
-    from mechserve.backends.models import ModelLoadError, load_model
+    params = sampling_params(args)
+    from mechserve.backends.engine import configure_threads
+    from mechserve.backends.models import ModelLoadError
+    from mechserve.engine_core import EngineCore, KVMemoryError, RequestRejected
 
     try:
-        config = EngineConfig(
-            max_step_tokens=args.max_step_tokens,
-            page_size=args.page_size,
-            num_pages=args.num_pages,
-            spec_len=args.spec_len,
-            kv_memory=args.kv_memory,
-        )
         configure_threads()
-        loaded = load_model(args.model)
-        generation = Generation(
-            loaded.model,
-            [args.prompt],
-            args.max_tokens,
-            tokenizer=loaded.tokenizer,
-            eos_token_ids=loaded.eos_token_ids,
-            config=config,
-        )
+        loaded = load(args.model, args.dtype)
+        prompt, ids = prompt_ids(loaded.tokenizer, args.prompt, args.chat)
+        core = EngineCore(loaded, engine_config(args, loaded.model, len(ids)))
+        request_id = core.add_request(ids, params, request_id="r0", prompt=prompt)
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
     except KVMemoryError as exc:
         raise CliError(kv_message(exc)) from None
+    except RequestRejected as exc:
+        hint = REJECT_HINTS.get(exc.reason.value, "see mech-notes/12-admission-control.md")
+        raise CliError(f"request rejected: {exc.reason.value} ({exc.detail}; {hint})") from None
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    if generation.rejections:
-        rejected = generation.rejections[0]
-        raise CliError(
-            f"request rejected: {rejected.reason} ({rejected.detail}; {REJECT_HINTS.get(rejected.reason, 'see mech-notes/12-admission-control.md')})"
-        )
-    clock = Clock(generation.requests[0].request_id)
+    clock = Clock()
     console = Console(highlight=False, soft_wrap=True)
     show = (lambda record: None) if args.quiet else _print_json if args.json else _print_trace(console)
+    done = None
     try:
-        generation.allocate()
-    except KVMemoryError as exc:
-        raise CliError(kv_message(exc)) from None
-    try:
-        result = generation.run(clock.wrap(show))
+        while core.has_unfinished():
+            out = core.step()
+            clock.step(out.record)
+            show(out.record)
+            done = next((o for o in out.finished if o.request_id == request_id), done)
     except Exception as exc:  # an engine or executor failure part-way: the steps so far are printed (D3)
-        raise CliError(step_failure(exc, generation.engine.step_counter)) from exc
+        raise CliError(step_failure(exc, core.engine.step_counter)) from exc
     clock.stop()
-    done = result.completions[0]
-    if args.json:
-        outputs = [
-            {
-                "request_id": c.request_id,
-                "text": c.text,
-                "token_ids": list(c.token_ids),
-                "finish_reason": c.finish_reason,
-            }
-            for c in result.completions
-        ]
-        print(json.dumps({"summary": result.summary, "outputs": outputs}), flush=True)
-    elif args.quiet:
-        sys.stdout.write((done.text or "") + "\n")
-        sys.stdout.flush()
-    else:
-        console.print(Text(args.prompt, style="dim") + Text(done.text or "", style="bold"))
-        console.print(Text(clock.report(len(done.prompt_ids), len(done.token_ids), done.finish_reason), style="dim"))
+    assert done is not None
+    print_result(args, console, core, done, clock, prompt)
     return 0
+
+
+def engine_config(args: argparse.Namespace, model: Any, prompt_len: int) -> Any:
+    """The ``EngineConfig`` the flags ask for; without ``--num-pages`` or ``--kv-memory`` the pool is sized
+    for this request's samples (capped at ``DEFAULT_KV_BYTES``)."""
+    from mechserve.backends.engine import DEFAULT_KV_BYTES, EngineConfig, auto_num_pages, model_context, page_bytes
+
+    pages = auto_num_pages(
+        [prompt_len] * args.n, args.max_tokens, args.page_size, model, DEFAULT_KV_BYTES, model_context(model)
+    )
+    return EngineConfig(
+        max_step_tokens=args.max_step_tokens,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        spec_len=args.spec_len,
+        kv_memory=args.kv_memory,
+        max_kv_bytes=pages * page_bytes(model, args.page_size),
+    )
+
+
+def prompt_ids(tokenizer: Any, text: str, chat: bool) -> tuple[str, list[int]]:
+    """The prompt's text and ids: raw, or with ``chat`` the chat template around one user message.
+
+    Raises ``ValueError`` without a tokenizer, or with ``chat`` and no chat template.
+    """
+    if tokenizer is None:
+        raise ValueError("the model has no tokenizer, so it cannot take a text prompt")
+    if not chat:
+        return text, list(tokenizer(text).input_ids)
+    from mechserve.llm import apply_chat_template
+
+    templated = apply_chat_template(tokenizer, [{"role": "user", "content": text}], True, None)
+    return templated, list(tokenizer(templated, add_special_tokens=False).input_ids)
+
+
+def print_result(args: argparse.Namespace, console: Console, core: Any, done: Any, clock: Clock, prompt: str) -> None:
+    """The outputs: JSON (summary and outputs), only the text (``--quiet``) or prompt, text and timing."""
+    if args.json:
+        outputs = [output_json(done.request_id, c, core.tokenizer) for c in done.outputs]
+        print(json.dumps({"summary": core.engine.summary(), "outputs": outputs}), flush=True)
+        return
+    if args.quiet:
+        sys.stdout.write("".join(c.text + "\n" for c in done.outputs))
+        sys.stdout.flush()
+        return
+    shown = args.prompt + "\n" if args.chat else args.prompt
+    for c in done.outputs:
+        lead = Text(f"[{c.index}] ", style="cyan") if len(done.outputs) > 1 else Text("")
+        console.print(lead + Text(shown, style="dim") + Text(c.text, style="bold"))
+        if c.logprobs is not None:
+            for line in logprob_lines(c.logprobs, core.tokenizer):
+                console.print(Text(line, style="dim"))
+    generated = sum(len(c.token_ids) for c in done.outputs)
+    reasons = ", ".join(finish_text(c) for c in done.outputs)
+    console.print(Text(clock.report(len(done.prompt_token_ids), generated, reasons), style="dim"))
+
+
+def finish_text(c: Any) -> str:
+    """``length``, ``stop (EOS)``, ``stop (id 42)`` or ``stop ('\\n\\n')``."""
+    if c.finish_reason != "stop":
+        return str(c.finish_reason)
+    if c.stop_reason is None:
+        return "stop (EOS)"
+    if isinstance(c.stop_reason, int):
+        return f"stop (id {c.stop_reason})"
+    return f"stop ({c.stop_reason!r})"
+
+
+def output_json(request_id: str, c: Any, tokenizer: Any) -> dict[str, Any]:
+    """One sample as JSON: id, text, ids, finish (vLLM's names), then the index and logprobs if asked for."""
+    out: dict[str, Any] = {
+        "request_id": request_id,
+        "text": c.text,
+        "token_ids": list(c.token_ids),
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+        "index": c.index,
+    }
+    if c.logprobs is not None:
+        out["logprobs"] = [
+            {
+                "token_id": lp.token_id,
+                "token": _token_text(tokenizer, lp.token_id),
+                "logprob": lp.logprob,
+                "rank": lp.rank,
+                "top": [{"token_id": t, "logprob": v} for t, v in zip(lp.top_ids, lp.top_logprobs)],
+            }
+            for lp in c.logprobs
+        ]
+        out["cumulative_logprob"] = c.cumulative_logprob
+    return out
+
+
+def logprob_lines(logprobs: Any, tokenizer: Any) -> list[str]:
+    """One line per token: its text, log-probability, rank and the top alternatives."""
+    lines = []
+    for lp in logprobs:
+        top = "  ".join(f"{_token_text(tokenizer, t)!r} {v:.3f}" for t, v in zip(lp.top_ids, lp.top_logprobs))
+        line = f"  {_token_text(tokenizer, lp.token_id)!r:>16} {lp.logprob:8.3f}  rank {lp.rank}"
+        lines.append(f"{line}  top: {top}" if top else line)
+    return lines
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return "" if tokenizer is None else str(tokenizer.decode([token_id]))
 
 
 REJECT_HINTS = {
@@ -258,24 +470,17 @@ def step_failure(exc: BaseException, step_counter: int) -> str:
 class Clock:
     """Times one request: from the first step to its first sampled token (prefill), then to the end (decode)."""
 
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
+    def __init__(self) -> None:
         self.started = time.perf_counter()
         self.first: float | None = None
         self.ended: float | None = None
         self.steps = 0
 
-    def wrap(self, show: Callable[[m12.StepRecord], None]) -> Callable[[m12.StepRecord], None]:
-        """``show`` with the time of each step recorded first; the clock restarts now."""
-        self.started = time.perf_counter()
-
-        def on_step(record: m12.StepRecord) -> None:
-            self.steps += 1
-            if self.first is None and self.request_id in record.tokens:
-                self.first = time.perf_counter()
-            show(record)
-
-        return on_step
+    def step(self, record: m12.StepRecord) -> None:
+        """Count a step; its end is the first token's time if it is the first to sample."""
+        self.steps += 1
+        if self.first is None and record.tokens:
+            self.first = time.perf_counter()
 
     def stop(self) -> None:
         self.ended = time.perf_counter()

@@ -22,6 +22,9 @@ IDLE = "nothing to do (waiting for arrivals)"
 class View(Protocol):
     """Something that shows a run: a header, each step as it completes, then the summary.
 
+    ``outputs`` (a real model's run only) are one object per request that
+    produced text: ``request_id``, ``text``, ``token_ids``, ``finish_reason``, ...
+
     ``idle`` says why a step with no decisions did nothing.  ``flush`` prints
     anything held back (the text view collapses runs of idle steps); ``finish``
     flushes too.
@@ -33,7 +36,9 @@ class View(Protocol):
 
     def flush(self) -> None: ...
 
-    def finish(self, summary: Sequence[Mapping[str, Any]]) -> None: ...
+    def finish(
+        self, summary: Sequence[Mapping[str, Any]], outputs: Sequence[Mapping[str, Any]] | None = None
+    ) -> None: ...
 
 
 class JsonView:
@@ -60,8 +65,11 @@ class JsonView:
     def flush(self) -> None:
         pass
 
-    def finish(self, summary: Sequence[Mapping[str, Any]]) -> None:
-        self._write({"summary": list(summary)})
+    def finish(self, summary: Sequence[Mapping[str, Any]], outputs: Sequence[Mapping[str, Any]] | None = None) -> None:
+        final: dict[str, Any] = {"summary": list(summary)}
+        if outputs is not None:
+            final["outputs"] = list(outputs)
+        self._write(final)
 
     def _write(self, obj: Mapping[str, Any]) -> None:
         self.out.write(json.dumps(obj) + "\n")
@@ -142,7 +150,7 @@ class TextView:
         text.append(("\n" + " " * len(lead)).join(lines), style=style)
         return text
 
-    def finish(self, summary: Sequence[Mapping[str, Any]]) -> None:
+    def finish(self, summary: Sequence[Mapping[str, Any]], outputs: Sequence[Mapping[str, Any]] | None = None) -> None:
         self.flush()
         self._print(Text(""))
         if not summary:
@@ -157,6 +165,14 @@ class TextView:
             shown.append(entry)
         header, *rows = summary_lines(shown)
         self._print(Text("\n").join([Text(header, style="bold"), Text("\n".join(rows))]))
+        if outputs:
+            self._print(Text(""))
+            self._print(Text("text", style="bold"))
+            width = max(len(str(out["request_id"])) for out in outputs)
+            for out in outputs:
+                # json.dumps keeps each text on one line (newlines escaped) and shows its edges (quotes)
+                text = json.dumps(out["text"], ensure_ascii=False)
+                self._print(Text(f"{out['request_id']:<{width}}  ") + Text(text))
 
     def _print(self, text: Text) -> None:
         self.console.print(text, soft_wrap=True)

@@ -1,13 +1,27 @@
-"""``mechserve run``: run a workload (a JSON spec or ``--request`` flags) through one rung."""
+"""``mechserve run``: run a workload (a JSON spec or ``--request`` flags) through one rung.
+
+``--backend spec`` (the default) runs it on the rung's scripted executor;
+``--backend torch`` runs it on a real model under the top rung (m12), through
+an ``EngineCore``: the same step trace, then each request's decoded text.
+A request's ``prompt_len`` becomes that many real token ids (its synthetic
+ids mapped onto the model's ordinary tokens, ``real_prompt``), explicit
+``tokens`` are used as ids, and sampling is greedy.  What only the scripted
+model has (``accept_script``, ``eos_after``) is refused, as is
+``world_size > 1``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 from mechserve.cli.errors import CliError, engine_failure
+from mechserve.cli.lazy import GENERATE_MODULE
 from mechserve.cli.render import IDLE, JsonView, TextView, View
 from mechserve.spec import TOP
 from mechserve.workload import (
@@ -15,6 +29,7 @@ from mechserve.workload import (
     ENGINE_KEYS,
     ENGINE_LIMITS,
     REQUEST_FLAG,
+    RequestSpec,
     Workload,
     WorkloadError,
     build_engine,
@@ -31,6 +46,7 @@ from mechserve.workload import (
 ENGINE_FLAGS = {name: "--" + name.replace("_", "-") for name in ENGINE_KEYS}
 # Why a step with nothing in it did nothing, when some request is running (m02/m03's never-fits step).
 STUCK = "nothing could be scheduled for the running requests"
+BACKENDS = ("spec", "torch")
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +74,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             text = f"set the engine's {name} (m12 or later; default: no limit"
         parser.add_argument(flag, type=int, metavar="N", help=f"{text}; at most {ENGINE_LIMITS[name]})")
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="spec",
+        help="spec: the rung's scripted executor (default); torch: a real model under the top rung, "
+        "greedy, prompt lengths as real tokens (needs the torch extra)",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="M",
+        help="with --backend torch: 'smollm2' (the embedded model, default) or a local Hugging Face directory",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="with --backend torch: weights, activations and KV cache (default float32)",
+    )
     add_output_arguments(parser)
 
 
@@ -71,6 +104,13 @@ def run(args: argparse.Namespace) -> int:
     rung = load_rung(args.mech)
     overrides = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
     workload = with_engine(read_workload(args.spec, args.request), overrides, ENGINE_FLAGS)
+    if args.backend == "torch":
+        return execute_torch(
+            rung, workload, model=args.model or "smollm2", dtype=args.dtype, as_json=args.json, explain=args.explain
+        )
+    for flag, value in (("--model", args.model), ("--dtype", args.dtype)):
+        if value is not None:
+            raise CliError(f"{flag} needs --backend torch (the spec backend runs the scripted model)")
     return execute(rung, workload, as_json=args.json, explain=args.explain)
 
 
@@ -137,4 +177,125 @@ def execute(rung: ModuleType, workload: Workload, *, as_json: bool, explain: boo
         view.flush()
         raise CliError(engine_failure(exc, engine.step_counter)) from exc
     view.finish(engine.summary())
+    return 0
+
+
+def check_torch_workload(rung: ModuleType, workload: Workload) -> None:
+    """Raise ``CliError`` for what a real model cannot run: a rung below the top, ranks, scripted verdicts."""
+    if rung.__name__.rsplit(".", 1)[-1] != TOP:
+        raise CliError(
+            f"--backend torch runs the top rung ({TOP[:3]}); drop --mech {rung_label(rung)} or use --backend spec"
+        )
+    if workload.engine["world_size"] != 1:
+        raise CliError(f"--backend torch runs one rank: world_size {workload.engine['world_size']} needs world_size 1")
+    for req in workload.requests:
+        if req.accept_script:
+            raise CliError(
+                f"request {req.request_id!r} has an accept_script: a real model's verifier decides what it "
+                "accepts, so scripted verdicts cannot apply (remove accept_script)"
+            )
+        if req.eos_after is not None:
+            raise CliError(
+                f"request {req.request_id!r} has eos_after: a real model ends on its own EOS token, so the scripted "
+                "trigger cannot apply (remove eos_after; max_new_tokens still bounds the output)"
+            )
+
+
+def real_prompt(req: RequestSpec, vocab_size: int, ordinary: Sequence[int]) -> list[int]:
+    """The token ids ``req`` runs with on a real model.
+
+    Explicit ``tokens`` are the ids themselves; a ``prompt_len`` prompt's
+    synthetic ids ``s`` become ``ordinary[s % len(ordinary)]`` (the model's
+    non-special tokens), so prompts that share synthetic ids share real ids
+    and no others do, as in the spec.  Raises ``CliError`` for an explicit
+    id or a stop token id outside the vocabulary.
+    """
+    for name, ids in (("tokens", () if req.synthetic else req.tokens), ("stop_token_ids", req.stop_token_ids)):
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise CliError(
+                f"request {req.request_id!r}: {name} holds {bad}, not a token id of the model "
+                f"(vocabulary of {vocab_size}: 0..{vocab_size - 1})"
+            )
+    if not req.synthetic:
+        return list(req.tokens)
+    return [ordinary[s % len(ordinary)] for s in req.tokens]
+
+
+def ordinary_ids(vocab_size: int, tokenizer: object, eos_token_ids: Sequence[int]) -> list[int]:
+    """The ids that are neither special tokens of ``tokenizer`` nor EOS ids, ascending."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or ()) | set(eos_token_ids)
+    return [t for t in range(vocab_size) if t not in special] or list(range(vocab_size))
+
+
+def execute_torch(
+    rung: ModuleType, workload: Workload, *, model: str, dtype: str | None = None, as_json: bool, explain: bool
+) -> int:
+    """Run ``workload`` on ``model`` under the top rung and print the trace, the summary and each text; return 0.
+
+    Requests the door refuses show in the trace's ``rejected`` field, as on
+    the spec backend.  Raises ``CliError`` for a rung below the top, a
+    workload a real model cannot run (``check_torch_workload``, ids outside
+    the vocabulary), a model that cannot be loaded, a KV cache that does not
+    fit, or an engine failure part-way (after the steps before it).
+    """
+    check_torch_workload(rung, workload)
+    try:
+        from mechserve.backends.engine import EngineConfig, configure_threads
+        from mechserve.backends.models import ModelLoadError
+        from mechserve.engine_core import EngineCore, KVMemoryError, RequestRejected
+        from mechserve.params import SamplingParams
+    except ModuleNotFoundError as exc:
+        raise CliError(f"--backend torch needs {exc.name!r}: pip install 'mechserve[torch]'") from None
+    generate = importlib.import_module(GENERATE_MODULE)  # its error wording and model loading are shared
+    e = workload.engine
+    try:
+        configure_threads()
+        loaded = generate.load(model, dtype)
+        vocab = loaded.model.arch.vocab_size
+        ordinary = ordinary_ids(vocab, loaded.tokenizer, loaded.eos_token_ids)
+        prompts = [real_prompt(req, vocab, ordinary) for req in workload.requests]
+        config = EngineConfig(
+            max_step_tokens=e["max_step_tokens"],
+            page_size=e["page_size"],
+            num_pages=e["num_pages"],
+            spec_len=e["spec_len"],
+            max_model_len=e.get("max_model_len"),
+            max_running=e.get("max_running"),
+            max_waiting=e.get("max_waiting"),
+        )
+        core = EngineCore(loaded, config)
+    except ModelLoadError as exc:
+        raise CliError(str(exc)) from None
+    except KVMemoryError as exc:
+        raise CliError(generate.kv_message(exc)) from None
+    view: View = JsonView(explain) if as_json else TextView(explain)
+    view.start(f"{header(rung, workload)} · torch backend, model {model}", ())
+    for req, ids in zip(workload.requests, prompts):
+        params = SamplingParams(temperature=0.0, max_tokens=req.max_new_tokens, stop_token_ids=req.stop_token_ids)
+        with contextlib.suppress(RequestRejected):  # the next step's `rejected` field shows it
+            core.add_request(ids, params, request_id=req.request_id, arrival_step=req.arrival_step)
+    outputs: dict[str, Any] = {}
+    try:
+        while core.has_unfinished():
+            out = core.step()
+            view.step(out.record, STUCK if core.engine.running else IDLE)
+            outputs.update((o.request_id, o) for o in out.finished)
+    except BrokenPipeError:
+        raise
+    except Exception as exc:  # any engine failure is reported, never a traceback (D3)
+        view.flush()
+        raise CliError(generate.step_failure(exc, core.engine.step_counter)) from exc
+    texts = [
+        {
+            "request_id": req.request_id,
+            "text": outputs[req.request_id].outputs[0].text,
+            "token_ids": outputs[req.request_id].outputs[0].token_ids,
+            "finish_reason": outputs[req.request_id].outputs[0].finish_reason,
+            "stop_reason": outputs[req.request_id].outputs[0].stop_reason,
+        }
+        for req in workload.requests
+        if req.request_id in outputs
+    ]
+    view.finish(core.engine.summary(), texts)
     return 0

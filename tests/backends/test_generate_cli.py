@@ -73,7 +73,7 @@ def test_rate_line_reports_prefill_and_decode(tiny_dir: tuple[Path, object], cap
     assert rc == 0, err
     last = out.splitlines()[-1]
     assert f"prefill {len(PROMPT_IDS)} token(s) in " in last and "time to first token" in last
-    assert "decode 4 token(s) in " in last and "finished LENGTH" in last
+    assert "decode 4 token(s) in " in last and "finished length" in last
     assert " 0.0 tok/s" not in last and "(0 tok/s" not in last
     rc, out, _ = call([PROMPT, "--model", str(path), "--max-tokens", "1"], capsys)
     assert rc == 0 and "decode" not in out.splitlines()[-1] and "1 token(s)" in out.splitlines()[-1]
@@ -97,7 +97,7 @@ def test_json_matches_transformers(tiny_dir: tuple[Path, object], capsys: pytest
     assert list(final) == ["summary", "outputs"]
     (summary,) = final["summary"]
     (output,) = final["outputs"]
-    assert list(output) == ["request_id", "text", "token_ids", "finish_reason"]
+    assert list(output) == ["request_id", "text", "token_ids", "finish_reason", "stop_reason", "index"]
     assert output["token_ids"] == hf_greedy(hf, PROMPT_IDS, 9)
     assert output["text"] == "".join(f" w{i}" for i in output["token_ids"])
     assert summary == {
@@ -107,7 +107,7 @@ def test_json_matches_transformers(tiny_dir: tuple[Path, object], capsys: pytest
         "computed": len(PROMPT_IDS) + 8,
         "finish_reason": "LENGTH",
     }
-    assert output["request_id"] == "r0" and output["finish_reason"] == "LENGTH"
+    assert output["request_id"] == "r0" and output["finish_reason"] == "length" and output["index"] == 0
     assert [t for s in steps for t in s["tokens"].get("r0", [])] == output["token_ids"]
 
 
@@ -125,7 +125,7 @@ def test_zero_max_tokens_finishes_at_once(tiny_dir: tuple[Path, object], capsys:
     rc, out, err = call([PROMPT, "--model", str(path), "--max-tokens", "0", "--json"], capsys)
     assert rc == 0, err
     final = json.loads(out.splitlines()[-1])
-    assert final["outputs"][0]["token_ids"] == [] and final["outputs"][0]["finish_reason"] == "LENGTH"
+    assert final["outputs"][0]["token_ids"] == [] and final["outputs"][0]["finish_reason"] == "length"
 
 
 def test_default_step_budget_is_vllms() -> None:

@@ -1,0 +1,186 @@
+"""Models for the LLM / EngineCore tests: a tiny random Llama with a word tokenizer, and a rigged model.
+
+The rigged model is a real 1-layer Llama whose attention and MLP write
+nothing and whose head maps each token's one-hot embedding to a chosen
+successor, so greedy decoding follows a fixed sequence through the real
+executor: with a toy tokenizer whose tokens are multi-character strings
+(``ABC``, ``DEF``, ``GHI``) or pieces of one UTF-8 character, it produces
+exactly the text a test needs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from mechserve.backends.engine import EngineConfig
+from mechserve.backends.models import LoadedModel, load_model
+from mechserve.engine_core import EngineCore
+
+VOCAB = 128
+CHAT_TEMPLATE = (
+    "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+)
+
+
+def tiny_config(**overrides: Any) -> Any:
+    """A 2-layer, hidden-64 Llama config; large init so greedy choices are not near ties."""
+    from transformers import AutoConfig
+
+    fields: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return AutoConfig.for_model("llama", **fields)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """A saved tiny Llama with a word-level tokenizer (``w0`` .. ``w127``, id = number) and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-llm")
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_config(), attn_implementation="sdpa").eval()
+    hf.save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return path, hf
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dir: tuple[Path, Any]) -> LoadedModel:
+    """The tiny model, loaded once (its EOS ids are empty: it never stops early)."""
+    return load_model(str(tiny_dir[0]))
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_dir: tuple[Path, Any]) -> Any:
+    return tiny_dir[1]
+
+
+def with_eos(loaded: LoadedModel, eos: Sequence[int]) -> LoadedModel:
+    """``loaded`` with other EOS ids (the weights are shared)."""
+    return LoadedModel(loaded.path, loaded.model, loaded.tokenizer, tuple(eos))
+
+
+def hf_greedy(hf: Any, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy continuation of one prompt (batch 1, no EOS)."""
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def words(ids: Sequence[int]) -> str:
+    """The tiny tokenizer's text for ``ids`` as a prompt (``w3 w14 ...``)."""
+    return " ".join(f"w{i}" for i in ids)
+
+
+def random_prompts(lengths: Sequence[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def core(loaded: LoadedModel, **config: Any) -> EngineCore:
+    """An ``EngineCore`` on ``loaded`` (page size 4, 64 pages unless given)."""
+    config.setdefault("page_size", 4)
+    config.setdefault("num_pages", 64)
+    return EngineCore(loaded, EngineConfig(**config))
+
+
+def drain(c: EngineCore, limit: int = 10_000) -> list[Any]:
+    """Step ``c`` until it is idle; return the StepOutputs."""
+    outs = []
+    while c.has_unfinished():
+        outs.append(c.step())
+        assert len(outs) < limit, "the engine did not finish"
+    return outs
+
+
+# The toy tokenizer and the rigged model ------------------------------------------------------------------------------
+
+
+class ToyTokenizer:
+    """Tokens are byte strings; ``decode`` joins them and decodes UTF-8 with replacement (as byte-level BPE does).
+
+    Id 0 is ``<eos>``, a special token (skipped unless ``skip_special_tokens=False``).
+    """
+
+    def __init__(self, pieces: Sequence[bytes]) -> None:
+        self.pieces = [b"<eos>", *pieces]
+        self.eos_token_id = 0
+        self.all_special_ids = [0]
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def id(self, piece: bytes | str) -> int:
+        return self.pieces.index(piece.encode() if isinstance(piece, str) else piece)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, **kwargs: Any) -> str:
+        kept = [i for i in ids if not (skip_special_tokens and i in self.all_special_ids)]
+        return b"".join(self.pieces[i] for i in kept).decode("utf-8", errors="replace")
+
+
+def rigged(path: Path, tokenizer: ToyTokenizer, successor: Mapping[int, int], eos: Sequence[int] = ()) -> LoadedModel:
+    """A real 1-layer Llama whose greedy choice after token ``i`` is ``successor[i]`` (else ``i`` itself).
+
+    One-hot embeddings (hidden = vocabulary), attention and MLP outputs of
+    zero, and a head that maps ``e_i`` to ``e_successor(i)``: the logit of
+    the successor is sqrt(V), every other logit 0.
+    """
+    from transformers import AutoModelForCausalLM
+
+    vocab = max(16, 2 * ((len(tokenizer) + 1) // 2))
+    config = tiny_config(
+        vocab_size=vocab,
+        hidden_size=vocab,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.copy_(torch.eye(vocab))
+        hf.model.layers[0].self_attn.o_proj.weight.zero_()
+        hf.model.layers[0].mlp.down_proj.weight.zero_()
+        head = torch.zeros(vocab, vocab)
+        for i in range(vocab):
+            head[successor.get(i, i), i] = 1.0
+        hf.lm_head.weight.copy_(head)
+    hf.save_pretrained(path)
+    model = load_model(str(path), tokenizer=False).model
+    return LoadedModel(path, model, tokenizer, tuple(eos))

@@ -1,0 +1,193 @@
+"""``EngineCore`` on the tiny random Llama: submission checks, n > 1, abort, staggered arrivals, streaming, pages."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mechserve.engine_core import EngineCore, RequestRejected
+from mechserve.params import SamplingParams
+from mechserve.spec import m12_admission_control as m12
+
+from .conftest import VOCAB, core, drain, hf_greedy, random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+def finished(outs) -> dict:
+    return {o.request_id: o for out in outs for o in out.finished}
+
+
+def test_greedy_ids_equal_transformers(tiny, tiny_hf) -> None:
+    c = core(tiny, max_step_tokens=16)
+    prompts = random_prompts([5, 17, 3, 30])
+    ids = [c.add_request(p, GREEDY) for p in prompts]
+    done = finished(drain(c))
+    for rid, prompt in zip(ids, prompts):
+        assert done[rid].outputs[0].token_ids == hf_greedy(tiny_hf, prompt, 8)
+        assert done[rid].prompt_token_ids == prompt and done[rid].finished
+    c.check_pages()
+
+
+def test_staggered_arrivals_give_the_same_ids(tiny, tiny_hf) -> None:
+    """Requests added while others run (at different steps) are unaffected by their batchmates."""
+    c = core(tiny, max_step_tokens=12, page_size=2)
+    prompts = random_prompts([9, 4, 21, 6, 13], seed=7)
+    submitted, outs = {}, []
+    for k, prompt in enumerate(prompts):
+        submitted[c.add_request(prompt, GREEDY)] = prompt
+        for _ in range(k + 1):  # 1, 2, 3, ... steps between arrivals
+            outs.append(c.step())
+    outs += drain(c)
+    done = finished(outs)
+    for rid, prompt in submitted.items():
+        assert done[rid].outputs[0].token_ids == hf_greedy(tiny_hf, prompt, 8), rid
+    c.check_pages()
+
+
+def test_the_stream_adds_up_to_the_output(tiny) -> None:
+    c = core(tiny)
+    rid = c.add_request(random_prompts([6])[0], SamplingParams(temperature=0.0, max_tokens=12, logprobs=3))
+    outs = drain(c)
+    deltas = [d for out in outs for d in out.deltas if d.request_id == rid]
+    (final,) = [o for out in outs for o in out.finished]
+    done = final.outputs[0]
+    assert "".join(d.text for d in deltas) == done.text == "".join(f" w{t}" for t in done.token_ids)
+    assert [t for d in deltas for t in d.token_ids] == done.token_ids
+    assert [lp.token_id for d in deltas for lp in d.logprobs] == done.token_ids
+    assert all(len(lp.top_ids) == 3 and lp.rank >= 1 for lp in done.logprobs)
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+
+
+def test_n_samples_fan_out(tiny) -> None:
+    c = core(tiny)
+    prompt = random_prompts([5])[0]
+    rid = c.add_request(prompt, SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6))
+    outs = drain(c)
+    assert {rid for out in outs for rid in out.record.admitted} == {f"{rid}#0", f"{rid}#1", f"{rid}#2"}
+    (done,) = finished(outs).values()
+    assert [o.index for o in done.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 6 for o in done.outputs)
+    assert len({tuple(o.token_ids) for o in done.outputs}) > 1  # seeds 11, 12, 13
+    again = core(tiny)
+    again.add_request(prompt, SamplingParams(temperature=1.0, seed=12, max_tokens=6))
+    (one,) = finished(drain(again)).values()
+    assert one.outputs[0].token_ids == done.outputs[1].token_ids  # sample j is seed + j
+    c.check_pages()
+
+
+def test_abort_mid_run(tiny, tiny_hf) -> None:
+    c = core(tiny, max_step_tokens=8)
+    keep, drop = random_prompts([7, 12], seed=3)
+    a = c.add_request(keep, SamplingParams(temperature=0.0, max_tokens=10))
+    b = c.add_request(drop, SamplingParams(temperature=0.0, max_tokens=10))
+    outs = [c.step() for _ in range(4)]
+    assert c.abort(b) and not c.abort(b) and not c.abort("nope")
+    assert c.page_counts()["private"] > 0  # a still holds its pages
+    outs += drain(c)
+    done = finished(outs)
+    assert done[b].outputs[0].finish_reason == "abort" and done[b].finished
+    assert len(done[b].outputs[0].token_ids) < 10
+    assert done[a].outputs[0].token_ids == hf_greedy(tiny_hf, keep, 10)
+    assert any(b in out.record.aborted for out in outs)
+    c.check_pages()
+
+
+def test_page_conservation_with_prefix_caching(tiny) -> None:
+    c = core(tiny, page_size=4, num_pages=40)
+    shared = random_prompts([17], seed=5)[0]
+    for tail in random_prompts([3, 5, 2], seed=6):
+        c.add_request(shared + tail, GREEDY)
+    outs = drain(c)
+    c.add_request([*shared, 1, 2], GREEDY)
+    outs += drain(c)
+    assert sum(sum(out.record.reused.values()) for out in outs) > 0
+    counts = c.page_counts()
+    assert counts["cached"] > 0 and counts["free"] + counts["cached"] == c.num_pages
+    c.check_pages()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], GREEDY, "EMPTY_PROMPT (the prompt has no tokens)"),
+        ([VOCAB], GREEDY, f"prompt token id {VOCAB} at position 0 is not a token id of this model"),
+        ([1, -1], GREEDY, "prompt token id -1 at position 1"),
+        ([1, 2], SamplingParams(stop_token_ids=[VOCAB + 5]), f"stop_token_ids: {VOCAB + 5} is not a token id"),
+        ([1] * 400, SamplingParams(max_tokens=200), "TOO_LONG (a prompt of 400 token(s) + 200 new token(s) = 600"),
+        ([1] * 100, SamplingParams(max_tokens=200), "NEVER_FITS (needs 75 pages of 4 positions, the pool has 64)"),
+        ("w1 w2", GREEDY, "must be a sequence of token ids, not text"),
+        ([1, 2], {"temperature": 0}, "params must be a SamplingParams"),
+    ],
+)
+def test_bad_requests_are_rejected_at_submission_and_the_rest_keeps_running(
+    tiny, tiny_hf, prompt, params, message
+) -> None:
+    c = core(tiny)
+    good = random_prompts([6, 9], seed=9)
+    first = c.add_request(good[0], GREEDY)
+    c.step()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        c.add_request(prompt, params)
+    second = c.add_request(good[1], GREEDY)
+    done = finished(drain(c))
+    assert set(done) == {first, second}
+    for rid, p in zip((first, second), good):
+        assert done[rid].outputs[0].token_ids == hf_greedy(tiny_hf, p, 8)
+    c.check_pages()
+    assert c.page_counts()["private"] == 0
+
+
+def test_door_refusals_are_request_rejected_and_in_the_trace(tiny) -> None:
+    c = core(tiny)
+    with pytest.raises(RequestRejected) as info:
+        c.add_request([], GREEDY, request_id="empty")
+    assert info.value.reason is m12.RejectReason.EMPTY_PROMPT and info.value.request_id == "empty"
+    assert c.has_unfinished()  # the refusal is still to be recorded
+    (out,) = drain(c)
+    assert out.record.rejected == (("empty", m12.RejectReason.EMPTY_PROMPT),)
+    c.add_request([1, 2, 3], GREEDY, request_id="x")
+    with pytest.raises(RequestRejected, match="DUPLICATE_ID"):
+        c.add_request([1, 2, 3], GREEDY, request_id="x")
+    drain(c)
+    c.add_request([1, 2, 3], GREEDY, request_id="x")  # an id may be used again once its request has left
+    drain(c)
+    c.check_pages()
+
+
+def test_max_waiting_refuses_overload_without_leaving_samples_behind(tiny) -> None:
+    c = core(tiny, max_waiting=2)
+    c.add_request([1, 2], GREEDY)
+    with pytest.raises(RequestRejected, match="OVERLOADED"):
+        c.add_request([3, 4], SamplingParams(n=2, temperature=0.0, max_tokens=2))  # sample 0 fits, sample 1 not
+    done = finished(drain(c))
+    assert list(done) == ["0"]
+    assert all(r.state is not m12.RequestState.WAITING for r in c.engine.requests)
+    c.check_pages()
+
+
+def test_zero_max_tokens_finishes_with_length(tiny) -> None:
+    c = core(tiny)
+    c.add_request([1, 2, 3], SamplingParams(max_tokens=0))
+    (done,) = finished(drain(c)).values()
+    assert done.outputs[0].token_ids == [] and done.outputs[0].finish_reason == "length"
+    assert done.outputs[0].text == "" and done.metrics.first_token_time is None
+
+
+def test_metrics_are_monotonic(tiny) -> None:
+    c = core(tiny, max_step_tokens=4)
+    c.add_request(random_prompts([10])[0], SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=5))
+    (done,) = finished(drain(c)).values()
+    m = done.metrics
+    assert m.arrival_time <= m.first_token_time <= m.finished_time
+    assert 0 <= m.ttft <= m.e2e
+    for times in m.token_times:
+        assert len(times) == 5 and list(times) == sorted(times)
+        assert m.first_token_time <= times[0] and times[-1] <= m.finished_time
+
+
+def test_never_fits_names_the_pool(tiny) -> None:
+    c = EngineCore(tiny, core(tiny, num_pages=3, page_size=2).config)
+    with pytest.raises(RequestRejected, match=r"needs 5 pages of 2 positions, the pool has 3"):
+        c.add_request([1] * 6, SamplingParams(max_tokens=4))
