@@ -193,6 +193,7 @@ class LLM:
         self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
         """Submit ``items``, step until the engine is idle, return the outputs in input order."""
+        self.core.engine.drop_finished()  # the previous call's requests: returned already, let them go
         request_ids: list[str | None] = []
         errors: dict[int, ValueError] = {}
         for i, ((text, ids), p) in enumerate(zip(items, params)):

@@ -589,6 +589,7 @@ class Engine:
         self.requests: list[Request] = []
         # Queues in list order: a step costs what is running or due, not every request ever seen.
         self._position: dict[int, int] = {}
+        self._next_position = 0  # m12: list order is the order requests reach the door
         self.waiting: list[tuple[int, int, Request]] = []
         self.due: list[Request] = []  # m12: arrived, waiting for a running slot, list order
         self.running: list[Request] = []
@@ -620,16 +621,18 @@ class Engine:
         A refused request is REJECTED at once: it holds no page, is never
         scheduled, is recorded in the next step's ``rejected`` and stays in
         the request list.  Raises ``ValueError`` if this very ``Request``
-        object was offered before (a request's state lives in the object).  Checks, in order: empty prompt, ``max_new_tokens <
-        0``, an id already waiting or running, prompt + ``max_new_tokens`` over
+        object was offered before or is not a fresh WAITING request (a
+        request's state lives in the object).  Checks, in order: empty
+        prompt, ``max_new_tokens < 0``, an id already waiting or running, prompt + ``max_new_tokens`` over
         ``max_model_len``, ``pages_for(prompt + max_new_tokens - 1) >
         num_pages`` (the largest frontier it can ever need), a full waiting
         queue (``max_waiting``).
         """
-        if id(r) in self._position:
+        if id(r) in self._position or r.state is not RequestState.WAITING or r.output_ids:
             raise ValueError(f"request object {r.request_id!r} was offered before; offer a new Request")
         reason = self._door(r)
-        self._position[id(r)] = len(self.requests)
+        self._position[id(r)] = self._next_position
+        self._next_position += 1
         self.requests.append(r)
         if reason is not None:
             r.state = RequestState.REJECTED
@@ -665,6 +668,25 @@ class Engine:
         if self.max_waiting is not None and len(self.waiting) + len(self.due) >= self.max_waiting:
             return RejectReason.OVERLOADED
         return None
+
+    def drop_finished(self) -> list[Request]:
+        """Let go of every request that has left and whose leaving is already recorded; return them.
+
+        A long-lived engine (a server) calls this after reading each step's
+        outputs, so its memory follows the live requests, not every request
+        ever offered.  Dropped requests leave ``requests`` (and the summary);
+        live ones keep their list order.
+        """
+        pending = {rid for rid, _ in self._rejected} | set(self._aborted)
+        gone: list[Request] = []
+        kept: list[Request] = []
+        for r in self.requests:
+            left = r.state in (RequestState.FINISHED, RequestState.REJECTED, RequestState.ABORTED)
+            (gone if left and r.request_id not in pending else kept).append(r)
+        self.requests = kept
+        for r in gone:
+            del self._position[id(r)]
+        return gone
 
     def abort(self, request_id: str) -> bool:
         """Remove a waiting or running request now; return False if no such live request.

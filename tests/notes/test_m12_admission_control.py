@@ -616,3 +616,23 @@ def test_m12_n8_every_rejection_has_a_trace_entry() -> None:
     assert eng.add_request(R("q", [1], -1)) is Why.BAD_MAX_NEW_TOKENS
     recs = run(eng)
     assert [list(t.rejected) for t in recs] == [[("q", Why.EMPTY_PROMPT), ("q", Why.BAD_MAX_NEW_TOKENS)]]
+
+
+def test_m12_n23_drop_finished_lets_go_of_requests_that_left() -> None:
+    eng = m.Engine([R("a", [1, 2], 1), R("b", [3, 4], 5), R("e", [], 1)], 16, 4, 8)
+    eng.step()  # a finishes, e's refusal is recorded, b runs
+    r = R("x", [5, 6], 2)
+    eng.add_request(R("bad", [7], -1))  # refused, not yet recorded
+    assert eng.abort("b")  # aborted, not yet recorded
+    assert eng.add_request(r) is None
+    gone = eng.drop_finished()
+    assert [g.request_id for g in gone] == ["a", "e"]
+    assert [q.request_id for q in eng.requests] == ["b", "bad", "x"]
+    eng.step()  # records bad's refusal and b's abort
+    assert [g.request_id for g in eng.drop_finished()] == ["b", "bad"]
+    run(eng)
+    assert [g.request_id for g in eng.drop_finished()] == ["x"] and eng.requests == [] and eng.summary() == []
+    with pytest.raises(ValueError, match="offered before"):
+        eng.add_request(r)  # a dropped object carries its old state
+    assert eng.add_request(R("x", [5, 6], 2)) is None
+    eng.check_invariants()
