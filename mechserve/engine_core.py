@@ -37,6 +37,7 @@ from mechserve.backends.engine import (
     EngineConfig,
     KVMemoryError,
     check_kv_memory,
+    draft_page_bytes,
     model_context,
     new_executor,
     page_bytes,
@@ -113,9 +114,16 @@ class EngineCore:
     ``config`` sizes the engine (``EngineConfig``; the pool: ``num_pages``,
     else ``kv_memory``, else automatic, see ``size_pool``).  ``seed`` seeds
     the generator that unseeded sampling requests share.  The KV cache is
-    allocated here.  Raises ``ValueError`` for bad sizes and
+    allocated here (with a draft model, its KV too).  Raises ``ValueError``
+    for bad sizes or a draft model that cannot serve this model, and
     ``KVMemoryError`` when the cache exceeds ``kv_memory``, the available
     memory, or cannot be allocated.
+
+    Speculation (``config.speculative_config()``): with ``adaptive`` on,
+    every ``step`` first sets the engine's ``spec_len`` (between 0 and
+    ``num_speculative_tokens``) to what the executor advises for the
+    requests about to draft (``TorchExecutor.advise``): the guesses their
+    proposers have, weighed by how often their guesses were accepted.
     """
 
     def __init__(self, loaded: Any, config: EngineConfig | None = None, *, seed: int | None = 0) -> None:
@@ -125,11 +133,20 @@ class EngineCore:
         self.eos_token_ids = tuple(loaded.eos_token_ids)
         self.vocab_size: int = self.model.arch.vocab_size
         self.max_model_len = config.max_model_len or model_context(self.model)
+        self.speculative = config.speculative_config()
+        draft = self._draft_model(loaded)
         self.num_pages, self.sized_by = size_pool(self.model, config, self.max_model_len)
-        self.kv_bytes = self.num_pages * page_bytes(self.model, config.page_size)
+        per_page = page_bytes(self.model, config.page_size) + draft_page_bytes(draft, config.page_size)
+        self.kv_bytes = self.num_pages * per_page
         check_kv_memory(config, self.num_pages, self.kv_bytes, self.sized_by)
         self.executor = new_executor(
-            self.model, self.num_pages, config.page_size, sized_by=self.sized_by, sampler=Sampler(seed)
+            self.model,
+            self.num_pages,
+            config.page_size,
+            sized_by=self.sized_by,
+            sampler=Sampler(seed),
+            speculative=self.speculative,
+            draft_model=draft,
         )
         self.engine = m12.Engine(
             [],
@@ -239,6 +256,8 @@ class EngineCore:
         Engine and executor failures propagate (``m12.OutOfPages``, a torch
         error); the engine's ``step_counter`` names the failing step.
         """
+        if self.speculative is not None and self.speculative.adaptive:
+            self.engine.spec_len = self._advised_spec_len(self.speculative.num_speculative_tokens)
         record = self.engine.step()
         now = time.perf_counter()
         self._unrecorded = False
@@ -298,6 +317,27 @@ class EngineCore:
         if stop is not None:
             s.stop_reason = stop
             s.finish_reason = STOP
+
+    def _advised_spec_len(self, max_k: int) -> int:
+        """The ``spec_len`` for the coming step: what the executor advises for the requests about to
+        draft (m09's rule: caught up except for the last sampled token; ``cap`` is their draft cap)."""
+        caps = [
+            (r.request_id, min(max_k, r.max_new_tokens - r.generated - 1))
+            for r in self.engine.running
+            if r.generated >= 1 and r.computed == r.target - 1
+        ]
+        return self.executor.advise(caps, max_k) if caps else 0
+
+    def _draft_model(self, loaded: Any) -> Any:
+        """The draft ``LlamaModel`` the speculative config names (None unless its method is ``"draft"``)."""
+        spec = self.speculative
+        if spec is None or spec.method != "draft" or spec.draft_model is None:
+            return None
+        from mechserve.backends.speculative import load_draft_model
+
+        return load_draft_model(
+            spec.draft_model, self.model, target_path=getattr(loaded, "path", None), target_tokenizer=self.tokenizer
+        )
 
     def _delta(self, engine_id: str) -> SampleDelta:
         group, s = self._samples[engine_id]

@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mechserve.backends.engine import DEFAULT_MAX_STEP_TOKENS, EngineConfig, configure_threads
 from mechserve.backends.models import EMBEDDED, LoadedModel, load_model
+from mechserve.backends.speculative import SpeculativeConfig
 from mechserve.engine_core import EngineCore, KVMemoryError, RequestRejected
 from mechserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mechserve.params import SamplingParams
@@ -38,6 +39,7 @@ __all__ = [
     "RequestRejected",
     "RequestsRejected",
     "SamplingParams",
+    "SpeculativeConfig",
 ]
 
 DTYPES = {
@@ -87,7 +89,11 @@ class LLM:
     see ``mechserve.backends.engine.size_pool``), ``prefix_caching``,
     ``spec_len`` (prompt-lookup guesses per decode step), ``max_running``,
     ``max_model_len`` (default: the model's context).  ``seed`` seeds the
-    generator unseeded sampling requests share.
+    generator unseeded sampling requests share.  ``speculative_config``: a
+    ``SpeculativeConfig`` (or a dict of its fields, vLLM's names
+    ``prompt_lookup_min``/``prompt_lookup_max``/``model`` accepted), e.g.
+    ``SpeculativeConfig(method="draft", num_speculative_tokens=4,
+    draft_model="smollm2:layers=4")``; it sets ``spec_len``.
 
     ``llm.trace`` is the list of m12 ``StepRecord``s of the most recent
     ``generate``/``chat`` call; with ``trace=True`` it keeps the records of
@@ -113,6 +119,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int | None = 0,
         trace: bool = False,
+        speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
     ) -> None:
         config = EngineConfig(
             max_step_tokens=max_step_tokens,
@@ -123,6 +130,7 @@ class LLM:
             max_model_len=max_model_len,
             prefix_caching=prefix_caching,
             max_running=max_running,
+            speculative=speculative(speculative_config),
         )
         configure_threads()
         loaded = model if isinstance(model, LoadedModel) else load_model(os.fspath(model), dtype=torch_dtype(dtype))
@@ -223,6 +231,25 @@ class LLM:
         if errors:
             raise RequestsRejected(errors, outputs) from next(iter(errors.values()))
         return [o for o in outputs if o is not None]
+
+
+_VLLM_NAMES = {"prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max", "model": "draft_model"}
+
+
+def speculative(config: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+    """A ``SpeculativeConfig`` from itself or a dict of its fields (vLLM's names too; a dict with a draft
+    model and no method means ``"draft"``).  Raises ``ValueError`` for an unknown field or a bad value."""
+    if config is None or isinstance(config, SpeculativeConfig):
+        return config
+    if not isinstance(config, Mapping):
+        raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(config).__name__}")
+    fields = {_VLLM_NAMES.get(k, k): v for k, v in config.items()}
+    unknown = sorted(set(fields) - set(SpeculativeConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}")
+    if fields.get("draft_model") and "method" not in fields:
+        fields["method"] = "draft"
+    return SpeculativeConfig(**fields)
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from mechserve.backends.llama import LlamaModel
+from mechserve.backends.speculative import SpeculativeConfig
 from mechserve.backends.torch_executor import TorchExecutor
 from mechserve.spec import m12_admission_control as m12
 
@@ -71,7 +72,10 @@ class EngineConfig:
     refuse a cache larger than the available memory (``/proc/meminfo``);
     ``prefix_caching``: reuse and publish prompt pages (vLLM's
     ``enable_prefix_caching``); ``max_running`` / ``max_waiting``: m12's
-    limits on running and waiting requests (None = no limit).
+    limits on running and waiting requests (None = no limit);
+    ``speculative``: what drafts the guesses (``SpeculativeConfig``; its
+    ``num_speculative_tokens`` becomes ``spec_len``, which must then be 0 or
+    equal to it).  ``spec_len > 0`` without ``speculative`` is prompt lookup.
     """
 
     max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
@@ -85,6 +89,7 @@ class EngineConfig:
     prefix_caching: bool = True
     max_running: int | None = None
     max_waiting: int | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_step_tokens <= 0:
@@ -103,6 +108,19 @@ class EngineConfig:
             raise ValueError(f"max_running must be > 0, got {self.max_running}")
         if self.max_waiting is not None and self.max_waiting <= 0:
             raise ValueError(f"max_waiting must be > 0, got {self.max_waiting}")
+        if self.speculative is not None:
+            if not isinstance(self.speculative, SpeculativeConfig):
+                raise ValueError(f"speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}")
+            k = self.speculative.num_speculative_tokens
+            if self.spec_len not in (0, k):
+                raise ValueError(f"spec_len {self.spec_len} differs from speculative.num_speculative_tokens {k}")
+            object.__setattr__(self, "spec_len", k)
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """``speculative``, or prompt lookup with ``spec_len`` guesses when only ``spec_len`` is set (None: off)."""
+        if self.speculative is not None or self.spec_len == 0:
+            return self.speculative
+        return SpeculativeConfig(method="ngram", num_speculative_tokens=self.spec_len)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +164,23 @@ def configure_threads() -> int:
     if torch.get_num_threads() > cpus:
         torch.set_num_threads(cpus)
     return torch.get_num_threads()
+
+
+def draft_page_bytes(draft: LlamaModel | None, page_size: int, dtype: torch.dtype | None = None) -> int:
+    """Bytes a draft model's KV adds to one page (0 without a draft model): its pages mirror the target's."""
+    return 0 if draft is None else page_bytes(draft, page_size, dtype)
+
+
+def _draft_for(model: LlamaModel, spec: SpeculativeConfig | None) -> LlamaModel | None:
+    """The draft model ``spec`` names (None unless its method is ``"draft"``), loaded next to ``model``."""
+    if spec is None or spec.method != "draft" or spec.draft_model is None:
+        return None
+    from pathlib import Path
+
+    from mechserve.backends.speculative import load_draft_model
+
+    source = getattr(getattr(model, "config", None), "_name_or_path", None)
+    return load_draft_model(spec.draft_model, model, target_path=Path(source) if source else None)
 
 
 def page_bytes(model: LlamaModel, page_size: int, dtype: torch.dtype | None = None) -> int:
@@ -233,6 +268,7 @@ class Generation:
         eos_token_ids: Sequence[int] = (),
         config: EngineConfig | None = None,
         arrivals: Sequence[int] | None = None,
+        draft_model: LlamaModel | None = None,
     ) -> None:
         self.model = model
         self.config = config = config or EngineConfig()
@@ -245,8 +281,9 @@ class Generation:
         if len(arrivals) != len(prompt_ids):
             raise ValueError(f"{len(arrivals)} arrival step(s) for {len(prompt_ids)} prompt(s)")
         self.max_model_len = config.max_model_len or model_context(model)
+        self.draft_model = draft_model if draft_model is not None else _draft_for(model, config.speculative)
         self.num_pages, self.sized_by = self._size_pool([len(ids) for ids in prompt_ids], max_new_tokens)
-        self.page_bytes = page_bytes(model, config.page_size)
+        self.page_bytes = page_bytes(model, config.page_size) + draft_page_bytes(self.draft_model, config.page_size)
         self.kv_bytes = self.num_pages * self.page_bytes
         self._check_memory()
         self.requests = [
@@ -333,7 +370,14 @@ class Generation:
             executor.add_request(r.request_id, r.tokens)
 
     def _new_executor(self) -> TorchExecutor:
-        return new_executor(self.model, self.num_pages, self.config.page_size, sized_by=self.sized_by)
+        return new_executor(
+            self.model,
+            self.num_pages,
+            self.config.page_size,
+            sized_by=self.sized_by,
+            speculative=self.config.speculative,
+            draft_model=self.draft_model,
+        )
 
     def _completions(self) -> list[Completion]:
         eos = set(self.eos_token_ids)
@@ -360,6 +404,7 @@ def generate(
     config: EngineConfig | None = None,
     arrivals: Sequence[int] | None = None,
     on_step: Callable[[m12.StepRecord], None] | None = None,
+    draft_model: LlamaModel | None = None,
 ) -> GenerateResult:
     """Run ``prompts`` (strings need ``tokenizer``; no chat template) through the m12 engine.
 
@@ -368,6 +413,8 @@ def generate(
     request arrives.  ``on_step`` sees each step record as it is produced.
     A request the door refuses (longer than the model's context, or never
     fitting the pool) gets a completion with ``rejected`` set and no ids.
+    With ``config.speculative`` method ``"draft"``, ``draft_model`` (else
+    loaded from the config's spec) drafts the guesses.
     Raises ``ValueError`` for bad sizes and ``KVMemoryError`` when the KV
     cache does not fit.
     """
@@ -379,6 +426,7 @@ def generate(
         eos_token_ids=eos_token_ids,
         config=config,
         arrivals=arrivals,
+        draft_model=draft_model,
     )
     return run.run(on_step)
 

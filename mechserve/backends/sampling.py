@@ -22,6 +22,30 @@ seeded request's tokens do not depend on its batchmates, on preemption and
 recompute, or on speculation (field case BC24).  Unseeded rows share the
 sampler's one generator.
 
+Speculative verification with a draft distribution (``verify_draft``):
+the rejection rule of Leviathan et al. 2023 ("Fast Inference from
+Transformers via Speculative Decoding", ICML) and Chen et al. 2023
+("Accelerating Large Language Model Decoding with Speculative Sampling")::
+
+    p [k+1, V], q [k, V]   the target's and the draft's distributions, both after bans,
+                           temperature, top-k, top-p and min-p (``Sampler.probs``)
+    guess j: accept with probability min(1, p_j(g_j) / q_j(g_j))      (u_j * q_j(g_j) < p_j(g_j))
+    first rejection at j:  the next id ~ norm(max(0, p_j - q_j))      (the residual)
+    all k accepted:        the next id ~ p_k                          (the bonus token)
+
+Every emitted id is then distributed exactly as the target's own sampling
+would give.  A draft that is a point mass (prompt lookup, a greedy draft)
+needs no ``q``: accepting with probability ``p(g)`` and otherwise drawing
+from ``p`` without ``g`` is the same as drawing ``t ~ p`` and accepting iff
+``t == g`` (see ``TorchExecutor``), which keeps a seeded request's ids
+independent of speculation.
+
+Random streams: the draws of one token index come from independent streams
+(``STREAM_SAMPLE`` for plain, residual and bonus draws, ``STREAM_DRAFT`` for the
+draft's own guess, ``STREAM_ACCEPT`` for the acceptance uniform); a seeded row
+seeds each with ``row_seed(stream_seed(seed, stream), token_index)``, and
+``stream_seed(seed, STREAM_SAMPLE) == seed``.
+
 Logprobs (``token_logprobs``) are vLLM's default "raw logprobs": the
 log-softmax of the logits before min_tokens, temperature and the masks.
 """
@@ -39,6 +63,10 @@ from numpy.lib.stride_tricks import sliding_window_view
 from mechserve.params import GREEDY, SamplingParams
 
 _MASK64 = (1 << 64) - 1
+# Independent random streams per token index (see the module docstring).
+STREAM_SAMPLE = 0
+STREAM_DRAFT = 1
+STREAM_ACCEPT = 2
 # Top-p looks for its boundary among this many most likely tokens first (see apply_top_p).
 TOP_P_CANDIDATES = 1024
 
@@ -72,6 +100,13 @@ def row_seed(seed: int, index: int) -> int:
     platforms (no ``hash()``).
     """
     return _mix64((_mix64(seed & _MASK64) + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64)
+
+
+def stream_seed(seed: int, stream: int) -> int:
+    """The seed of random stream ``stream`` of a request seeded with ``seed`` (``STREAM_SAMPLE``: ``seed`` itself)."""
+    if stream == STREAM_SAMPLE:
+        return seed
+    return _mix64((seed ^ (stream * 0xD1B54A32D192ED03)) & _MASK64)
 
 
 class Sampler:
@@ -122,6 +157,13 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[Row]) -> list[int]:
         """``logits``: [S, V] float32 (a private copy) of non-greedy rows; returns S sampled ids."""
+        return self.draw(self._distribution(logits, rows), rows)
+
+    def _distribution(self, logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+        """[S, V] float32 probabilities of non-greedy rows (temperature, top-k, top-p, min-p; masked = 0).
+
+        ``logits`` ([S, V] float32, a private copy) is overwritten.
+        """
         vocab = logits.shape[1]
         temperature = torch.tensor([row.params.temperature for row in rows], dtype=torch.float32)
         x = logits.div_(temperature.unsqueeze(1))  # [S, V]
@@ -135,17 +177,58 @@ class Sampler:
         min_ps = [row.params.min_p for row in rows]
         if any(m > 0 for m in min_ps):
             probs = apply_min_p(probs, torch.tensor(min_ps, dtype=torch.float32))
-        q = self._exponentials(rows, probs.shape)
+        return probs
+
+    def probs(self, logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+        """[R, V] float32: the distribution each row of ``logits`` ([R, V] float32) samples from.
+
+        The same processing as ``choose`` (min_tokens bans, then temperature,
+        top-k, top-p, min-p; masked ids have probability 0, rows are not
+        renormalised after top-p/min-p, as in the draw); a greedy row is a
+        point mass at its argmax.  ``logits`` is never modified.
+        """
+        banned = [(i, r.banned) for i, r in enumerate(rows) if r.banned and r.token_index < r.params.min_tokens]
+        if banned:
+            logits = _mask_ids(logits, banned)
+        out = torch.zeros(logits.shape, dtype=torch.float32)
+        g_rows = [i for i, row in enumerate(rows) if row.params.greedy]
+        s_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if g_rows:
+            out[g_rows, logits[g_rows].argmax(dim=-1)] = 1.0
+        if s_rows:
+            out[s_rows] = self._distribution(logits[s_rows], [rows[i] for i in s_rows])
+        return out
+
+    def draw(self, probs: torch.Tensor, rows: Sequence[Row], stream: int = STREAM_SAMPLE) -> list[int]:
+        """One id per row of ``probs`` ([S, V] float32, non-negative, any positive scale; overwritten).
+
+        The exponential race ``argmax(probs / E)``, ``E ~ Exp(1)`` from random
+        stream ``stream`` (``_exponentials``).
+        """
+        q = self._exponentials(rows, probs.shape, stream)
         return probs.div_(q).argmax(dim=-1).tolist()
 
-    def _exponentials(self, rows: Sequence[Row], shape: torch.Size) -> torch.Tensor:
+    def uniforms(self, rows: Sequence[Row], stream: int = STREAM_ACCEPT) -> list[float]:
+        """One U ~ uniform[0, 1) per row from random stream ``stream`` (seeded rows by (seed, token index))."""
+        u = torch.empty(len(rows), dtype=torch.float64)
+        if any(row.params.seed is None for row in rows):
+            u.uniform_(generator=self.generator)
+        gen = self._row_generator
+        for j, row in enumerate(rows):
+            if row.params.seed is not None:
+                gen.manual_seed(row_seed(stream_seed(row.params.seed, stream), row.token_index))
+                u[j : j + 1].uniform_(generator=gen)
+        return u.tolist()
+
+    def _exponentials(self, rows: Sequence[Row], shape: torch.Size, stream: int = STREAM_SAMPLE) -> torch.Tensor:
         """[S, V] float32 i.i.d. Exp(1) as ``-log(U)``, U uniform on [0, 1) in float64.
 
-        Seeded rows draw U from ``row_seed(seed, token_index)``, the rest from
-        the shared generator.  ``-log(U)`` lies in (1e-16, inf]: never 0, so a
-        masked token (probability 0) can never win the race, and 53-bit U
-        keeps the small values that decide the race finely spaced.  (This is
-        also ~3x cheaper than ``Tensor.exponential_`` on CPU.)
+        Seeded rows draw U from ``row_seed(stream_seed(seed, stream),
+        token_index)``, the rest from the shared generator.  ``-log(U)`` lies
+        in (1e-16, inf]: never 0, so a masked token (probability 0) can never
+        win the race, and 53-bit U keeps the small values that decide the
+        race finely spaced.  (This is also ~3x cheaper than
+        ``Tensor.exponential_`` on CPU.)
         """
         u = self._workspace(shape)
         seeded = [j for j, row in enumerate(rows) if row.params.seed is not None]
@@ -158,7 +241,7 @@ class Sampler:
         for j in seeded:  # one generator state per row: this loop is the only per-row work
             seed = rows[j].params.seed
             assert seed is not None
-            gen.manual_seed(row_seed(seed, rows[j].token_index))
+            gen.manual_seed(row_seed(stream_seed(seed, stream), rows[j].token_index))
             u[j].uniform_(generator=gen)
         return u.log_().neg_().to(torch.float32)
 
@@ -269,6 +352,39 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequ
     ]
 
 
+def verify_draft(
+    p: torch.Tensor, q: torch.Tensor, guesses: Sequence[int], uniforms: Sequence[float]
+) -> tuple[int, torch.Tensor]:
+    """Speculative sampling's verdict on one window (Leviathan et al. 2023; Chen et al. 2023).
+
+    ``p``: [k+1, V] float32, the target's distributions at the window's rows
+    (row j chooses the id after ``j`` accepted guesses); ``q``: [k, V] float32,
+    the draft's distributions that ``guesses`` (k ids, ``guesses[j] ~ q[j]``)
+    were drawn from; ``uniforms``: k independent U ~ uniform[0, 1).  Guess
+    ``j`` is accepted iff ``u_j * q_j(g_j) < p_j(g_j)`` (probability
+    ``min(1, p/q)``; never when ``p_j(g_j) == 0``).  Returns ``(a, dist)``:
+    the number of leading guesses accepted and the unnormalised [V]
+    distribution the next id must be drawn from: the residual
+    ``max(0, p_a - q_a)`` after a rejection at ``a``, else ``p_k`` (the bonus).
+    Rows of ``p``/``q`` need not be normalised alike: each is normalised here.
+    """
+    k = len(guesses)
+    if k == 0:
+        return 0, p[0]
+    idx = torch.tensor(list(guesses), dtype=torch.int64)
+    pn = p[:k] / p[:k].sum(dim=-1, keepdim=True)  # [k, V]
+    qn = q[:k] / q[:k].sum(dim=-1, keepdim=True)
+    pg = pn.gather(1, idx[:, None]).squeeze(1).tolist()
+    qg = qn.gather(1, idx[:, None]).squeeze(1).tolist()
+    for j in range(k):
+        if not uniforms[j] * qg[j] < pg[j]:
+            residual = (pn[j] - qn[j]).clamp_(min=0.0)
+            if not bool(residual.sum() > 0):  # p == q up to rounding: the residual is p itself
+                residual = pn[j]
+            return j, residual
+    return k, p[k]
+
+
 def propose_ngram(history: Sequence[int], num: int, max_ngram: int = 3, filler: int | None = None) -> list[int]:
     """``num`` guesses that continue ``history`` by prompt lookup.
 
@@ -308,5 +424,7 @@ __all__ = [
     "apply_top_p",
     "propose_ngram",
     "row_seed",
+    "stream_seed",
     "token_logprobs",
+    "verify_draft",
 ]
