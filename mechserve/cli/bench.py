@@ -1,0 +1,36 @@
+"""``mechserve bench BENCHMARK``: the benchmarks, one subcommand each.
+
+A benchmark is a module with ``add_arguments(parser)`` and ``run(args)``
+whose top level imports only the standard library (its heavy imports happen
+in ``run``), registered by one row of ``BENCHMARKS``; ``mechserve bench
+--help`` lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+HELP = "benchmarks (serve: drive a running server with Poisson arrivals)"
+# (subcommand, module, help)
+BENCHMARKS = (
+    (
+        "serve",
+        "mechserve.bench.serve_client",
+        "drive a running server with Poisson arrivals; print requests/s, TTFT, ITL and E2E percentiles as JSON",
+    ),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One subparser per benchmark, with the benchmark module's own arguments."""
+    benchmarks = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, module, help_text in BENCHMARKS:
+        sub = benchmarks.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(sub)
+        sub.set_defaults(benchmark_module=module)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark."""
+    return int(importlib.import_module(args.benchmark_module).run(args) or 0)

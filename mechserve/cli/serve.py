@@ -1,0 +1,164 @@
+"""``mechserve serve``: the OpenAI-compatible HTTP server (``mechserve.server``) in the foreground.
+
+Importing this module is cheap (no torch, no FastAPI); ``run`` imports them.
+The model is loaded and the KV cache allocated before the socket is bound,
+so a bad model, size or address is one ``mechserve: error: ...`` line and
+exit status 2, never a half-started server.  Ctrl-C (SIGINT) or SIGTERM
+stops it: streams still running get a few seconds, then what is left is
+aborted; after Ctrl-C the exit status is 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from typing import Any
+
+from mechserve.cli.errors import CliError
+from mechserve.cli.generate import DEFAULT_MAX_STEP_TOKENS, add_dtype_argument, integer, kv_message, parse_size
+from mechserve.workload import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_SLOTS
+
+HELP = "serve a model over an OpenAI-compatible HTTP API (needs the serve extra)"
+API_KEY_ENV = "MECHSERVE_API_KEY"
+DEFAULT_MAX_RUNNING = 64  # mechserve.async_llm's defaults (not imported: that would import torch)
+DEFAULT_MAX_WAITING = 256
+SERVE_MAX_STEP_TOKENS = 512  # prefill chunks interleaved with decodes keep inter-token latency low
+GRACEFUL_SHUTDOWN_SECONDS = 5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's flags; sizes are checked by their ``type=`` before anything is loaded."""
+    add = parser.add_argument
+    add("--model", default="smollm2", help="'smollm2' (embedded, default) or a local Hugging Face model directory")
+    add("--served-model-name", default=None, metavar="NAME", help="the name clients use (default: --model)")
+    add_dtype_argument(parser)
+    add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    add("--port", type=integer(0, 65535), default=8000, help="port to bind (default 8000; 0: any free port)")
+    add(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${API_KEY_ENV})",
+    )
+    add(
+        "--max-running",
+        type=integer(1, ENGINE_LIMITS["max_running"]),
+        default=DEFAULT_MAX_RUNNING,
+        metavar="N",
+        help=f"requests running at once (default {DEFAULT_MAX_RUNNING}); the rest wait",
+    )
+    add(
+        "--max-waiting",
+        type=integer(1, ENGINE_LIMITS["max_waiting"]),
+        default=DEFAULT_MAX_WAITING,
+        metavar="N",
+        help=f"requests that may wait (default {DEFAULT_MAX_WAITING}); beyond it requests get 429 and Retry-After",
+    )
+    add(
+        "--max-step-tokens",
+        type=integer(1, ENGINE_LIMITS["max_step_tokens"]),
+        default=SERVE_MAX_STEP_TOKENS,
+        metavar="N",
+        help=f"per-step token budget, the prefill chunk (default {SERVE_MAX_STEP_TOKENS}; generate's is "
+        f"{DEFAULT_MAX_STEP_TOKENS})",
+    )
+    add(
+        "--page-size",
+        type=integer(1, ENGINE_LIMITS["page_size"]),
+        default=16,
+        metavar="N",
+        help="KV positions per page",
+    )
+    add("--num-pages", type=integer(1, ENGINE_LIMITS["num_pages"]), default=None, metavar="N", help="KV pages")
+    add(
+        "--kv-memory",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="a KV budget such as 512MiB that sizes the pool",
+    )
+    add("--spec-len", type=integer(0, ENGINE_LIMITS["spec_len"]), default=0, metavar="N", help="prompt-lookup guesses")
+    add("--max-model-len", type=integer(1, MAX_NEW_TOKENS), default=None, metavar="N", help="longest prompt + output")
+    add("--no-prefix-caching", action="store_true", help="neither reuse nor publish prompt pages")
+    add("--seed", type=integer(0, (1 << 63) - 1), default=0, metavar="N", help="seed of unseeded sampling requests")
+    add(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="warning",
+        help="uvicorn's log level (default warning; info logs every request)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, bind, serve until stopped; returns 0.  Raises ``CliError`` for anything that stops it
+    from starting (missing extra, bad model or size, a KV cache that does not fit, an address in use)."""
+    if args.num_pages is not None and args.num_pages * args.page_size > MAX_SLOTS:
+        raise CliError(f"--num-pages x --page-size is over mechserve's limit of {MAX_SLOTS} slots; lower one")
+    uvicorn, server_module = _imports()
+    llm = _engine(args)
+    name = args.served_model_name or args.model
+    try:
+        sock = server_module.bind_socket(args.host, args.port)
+    except OSError as exc:
+        raise CliError(f"cannot bind {args.host}:{args.port}: {exc.strerror or exc}") from None
+    host, port = sock.getsockname()[:2]
+    app = server_module.build_app(llm, model_name=name, api_key=args.api_key)
+    config = uvicorn.Config(
+        app, lifespan="on", log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS
+    )
+    core = llm.core
+    print(
+        f"mechserve: serving {name!r} on http://{host}:{port} (OpenAI API under /v1; {core.num_pages} KV pages of "
+        f"{core.config.page_size} positions, max_running {args.max_running}, max_waiting {args.max_waiting}"
+        f"{', API key required' if args.api_key else ''}); Ctrl-C stops",
+        file=sys.stderr,
+        flush=True,
+    )
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn shuts down gracefully, then re-raises the Ctrl-C
+        uvicorn.Server(config).run(sockets=[sock])
+    print("mechserve: server stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _imports() -> tuple[Any, Any]:
+    """uvicorn and ``mechserve.server``; ``CliError`` naming the extra when one is missing."""
+    try:
+        import uvicorn
+
+        import mechserve.server as server_module
+    except ModuleNotFoundError as exc:
+        extra = "torch" if exc.name in ("torch", "transformers", "safetensors") else "serve"
+        raise CliError(f"serve needs {exc.name!r}: pip install 'mechserve[{extra}]'") from None
+    return uvicorn, server_module
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    """The ``AsyncLLM`` the flags describe (model loaded, KV cache allocated, engine thread not started)."""
+    from mechserve.async_llm import AsyncLLM
+    from mechserve.backends.engine import KVMemoryError
+    from mechserve.backends.models import ModelLoadError
+
+    try:
+        return AsyncLLM(
+            args.model,
+            dtype=args.dtype or "float32",
+            max_step_tokens=args.max_step_tokens,
+            page_size=args.page_size,
+            num_pages=args.num_pages,
+            kv_memory=args.kv_memory,
+            prefix_caching=not args.no_prefix_caching,
+            spec_len=args.spec_len,
+            max_running=args.max_running,
+            max_waiting=args.max_waiting,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+            model_name=args.served_model_name or args.model,
+        )
+    except ModelLoadError as exc:
+        raise CliError(str(exc)) from None
+    except KVMemoryError as exc:
+        raise CliError(kv_message(exc)) from None
+    except ValueError as exc:
+        raise CliError(str(exc)) from None

@@ -1,0 +1,124 @@
+"""``mechserve serve`` (a real subprocess on a free port) and ``mechserve bench serve`` (the Poisson client)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from server_support import TINY_NAME
+
+from mechserve.bench.serve_client import arrivals, percentile
+from mechserve.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_serve_runs_as_a_command_until_interrupted(tiny_dir: Path) -> None:
+    port = free_port()
+    argv = ["serve", "--model", str(tiny_dir), "--served-model-name", TINY_NAME, "--port", str(port)]
+    argv += ["--page-size", "4", "--num-pages", "64", "--api-key", "k3y", "--max-waiting", "8"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mechserve", *argv], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        banner = process.stderr.readline() if process.stderr else ""
+        assert f"serving '{TINY_NAME}' on http://127.0.0.1:{port}" in banner, banner
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the server never answered"
+                time.sleep(0.1)
+        assert httpx.get(url + "/v1/models").status_code == 401
+        headers = {"Authorization": "Bearer k3y"}
+        body = {"model": TINY_NAME, "prompt": "w1 w2 w3", "max_tokens": 5, "temperature": 0}
+        reply = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=30).json()
+        assert reply["usage"]["completion_tokens"] == 5
+    finally:
+        process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=30)
+    assert code == 0
+
+
+def test_serve_errors_are_one_line_and_status_2(capsys, tiny_dir: Path, tmp_path: Path) -> None:
+    code, _, err = run_cli(capsys, "serve", "--model", str(tmp_path / "no-such-model"))
+    assert code == 2 and err.startswith("mechserve: error: ") and err.count("\n") == 1
+    code, _, err = run_cli(capsys, "serve", "--port", "70000")
+    assert code == 2 and "--port" in err
+    code, _, err = run_cli(capsys, "serve", "--max-waiting", "0")
+    assert code == 2 and "--max-waiting" in err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        code, _, err = run_cli(capsys, "serve", "--model", str(tiny_dir), "--port", port, "--num-pages", "8")
+    assert code == 2 and f"cannot bind 127.0.0.1:{port}" in err
+
+
+def test_importing_the_cli_imports_neither_torch_nor_the_server_stack() -> None:
+    code = "import sys, mechserve.cli.main as m; sys.exit(any(x in sys.modules for x in ('torch', 'fastapi', 'httpx')))"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+# mechserve bench serve ---------------------------------------------------------------------------------------------
+
+
+def test_bench_serve_reports_throughput_and_percentiles(capsys, tiny_server) -> None:
+    argv = ["bench", "serve", "--url", tiny_server.url, "--num-requests", "12", "--rate", "200"]
+    code, out, err = run_cli(capsys, *argv, "--input-len", "6", "--output-len", "5", "--seed", "3")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["completed"] == 12 and report["failed"] == 0 and report["errors"] == {}
+    assert report["total_output_tokens"] == 12 * 5 and report["total_input_tokens"] >= 12 * 6
+    assert report["request_throughput"] > 0 and report["output_throughput"] > 0
+    for name in ("ttft", "itl", "e2el"):
+        assert 0 < report[f"p50_{name}_ms"] <= report[f"p99_{name}_ms"]
+    code, out, _ = run_cli(capsys, *argv, "--endpoint", "chat", "--max-concurrency", "3", "--output-len", "3")
+    assert code == 0 and json.loads(out)["completed"] == 12 and json.loads(out)["max_concurrency"] == 3
+
+
+def test_bench_serve_counts_refusals_and_reports_an_unreachable_server(capsys, tiny_server) -> None:
+    argv = ["bench", "serve", "--url", tiny_server.url, "--num-requests", "3", "--output-len", "600"]
+    code, out, _ = run_cli(capsys, *argv, "--model", TINY_NAME)
+    assert code == 0 and json.loads(out)["errors"] == {"400": 3}  # 600 tokens do not fit the 512-token context
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    code, _, err = run_cli(capsys, "bench", "serve", "--url", f"http://127.0.0.1:{port}", "--num-requests", "1")
+    assert code == 2 and "cannot benchmark" in err
+
+
+def test_arrivals_are_a_poisson_process() -> None:
+    times = list(arrivals(rate=50.0, count=4000, duration=None, rng=random.Random(0)))
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert times[0] == 0 and len(times) == 4000
+    assert abs(sum(gaps) / len(gaps) - 1 / 50) < 0.002  # exponential gaps of mean 1/rate
+    assert abs(percentile(gaps, 50) - 0.693 / 50) < 0.002  # median ln 2 / rate
+    assert list(arrivals(float("inf"), 5, None, random.Random(0))) == [0.0] * 5
+    assert max(arrivals(10.0, 10_000, 2.0, random.Random(0))) <= 2.0

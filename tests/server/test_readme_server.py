@@ -1,0 +1,72 @@
+"""The README's Serving section works as written: its commands parse, its curl and openai examples run against a
+server (the tiny model, served under the README's model name), and its ``AsyncLLM`` example runs on SmolLM2."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from server_support import serving
+
+from mechserve.async_llm import AsyncLLM
+from mechserve.cli.main import parse
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTION = (ROOT / "README.md").read_text(encoding="utf-8").split("## Serving", 1)[1].split("\n## ", 1)[0]
+README_URL = "http://127.0.0.1:8000"
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", SECTION, re.S)
+
+
+def test_the_section_has_the_examples() -> None:
+    assert len(blocks("bash")) == 2 and len(blocks("python")) == 2
+    assert "mechserve serve" in blocks("bash")[0] and "curl" in blocks("bash")[1]
+    assert "from openai import OpenAI" in blocks("python")[0] and "AsyncLLM" in blocks("python")[1]
+
+
+def test_the_commands_parse() -> None:
+    (serve,) = [shlex.split(line, comments=True) for line in blocks("bash")[0].splitlines() if line.strip()]
+    args = parse(serve[1:])
+    assert args.command == "serve" and args.port == 8000 and args.host == "127.0.0.1"
+    bench = re.search(r"`(mechserve bench serve [^`]*)`", SECTION)
+    assert bench is not None
+    args = parse(shlex.split(bench.group(1))[1:])
+    assert args.command == "bench" and args.rate == 4 and args.num_requests == 64
+
+
+@pytest.fixture(scope="module")
+def readme_server(tiny):
+    with serving(AsyncLLM(tiny, page_size=4, num_pages=128, model_name="smollm2")) as served:
+        yield served
+
+
+def test_the_curl_examples_run(readme_server) -> None:
+    script = "set -e -o pipefail\n" + blocks("bash")[1].replace(README_URL, readme_server.url)
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert '"object":"text_completion"' in result.stdout
+    assert "data: [DONE]" in result.stdout and '"object":"chat.completion.chunk"' in result.stdout
+    assert "mechserve:time_to_first_token_seconds_count" in result.stdout
+
+
+def test_the_openai_example_runs(readme_server) -> None:
+    code = blocks("python")[0].replace(README_URL, readme_server.url)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})
+    assert out.getvalue().strip()
+
+
+@pytest.mark.e2e
+def test_the_async_llm_example_runs_on_smollm2() -> None:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(blocks("python")[1], "README.md", "exec"), {"__name__": "__main__"})
+    assert "Paris" in out.getvalue()
