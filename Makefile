@@ -14,7 +14,7 @@ SHELL := /bin/bash
 PIP_NOISE := is ignored: it is neither a file nor a directory
 QUIET_PIP = 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 
-.PHONY: setup demo test test-all lint clean-cache
+.PHONY: setup demo test test-all lint clean-cache viz-readme
 
 setup: $(VENV)/.installed
 
@@ -40,6 +40,12 @@ lint: setup
 	$(VENV)/bin/ruff check mechserve tests
 	$(VENV)/bin/ruff format --check mechserve tests
 	$(VENV)/bin/mypy mechserve/spec
+
+# The README's picture of the demo: its timeline above its page map, drawn from a live `mechserve demo`.
+# The PNG carries no date or version, so an unchanged demo regenerates the same bytes; commit it.
+viz-readme: setup
+	mkdir -p docs
+	$(MS) demo --plot docs/demo-trace.png > /dev/null
 
 clean-cache:
 	rm -rf $${MECHSERVE_CACHE:-$$HOME/.cache/mechserve}

@@ -1,8 +1,9 @@
 """mechserve: an LLM serving engine whose scheduler is an executable specification.
 
 ``from mechserve import LLM, SamplingParams`` is the offline API (vLLM's
-names).  The exports are resolved lazily, on first use, so ``import
-mechserve`` and ``import mechserve.spec`` never import torch.
+names), ``AsyncLLM`` the async engine behind the server.  The exports are
+resolved lazily, on first use, so ``import mechserve`` and ``import
+mechserve.spec`` never import torch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 # name -> the module that defines it (imported on first access).
 _LAZY = {
     "LLM": "mechserve.llm",
+    "AsyncLLM": "mechserve.async_llm",
     "RequestsRejected": "mechserve.llm",
     "EngineCore": "mechserve.engine_core",
     "RequestRejected": "mechserve.engine_core",

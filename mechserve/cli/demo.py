@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from mechserve.cli.run import add_output_arguments, execute
+from mechserve.cli.viz import VizOutputs
 from mechserve.workload import fit_rung, load_rung, parse_workload
 
 # Three requests with staggered arrivals, chunked prefill, page contention and a
@@ -21,7 +22,7 @@ DEMO_WORKLOAD: dict[str, Any] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--mech``, ``--json`` and ``--explain``."""
+    """``--mech``, ``--json``, ``--explain``, ``--viz`` and ``--plot``."""
     add_output_arguments(parser)
 
 
@@ -33,5 +34,6 @@ def run(args: argparse.Namespace) -> int:
     rung and ``CliError`` if the engine fails.
     """
     rung = load_rung(args.mech)
+    viz = VizOutputs.from_args(args)
     workload, notes = fit_rung(rung, parse_workload(DEMO_WORKLOAD))
-    return execute(rung, workload, as_json=args.json, explain=args.explain, notes=notes)
+    return execute(rung, workload, as_json=args.json, explain=args.explain, notes=notes, viz=viz)

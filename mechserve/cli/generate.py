@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.text import Text
 
 from mechserve.cli.errors import CliError, engine_failure
+from mechserve.cli.viz import VizOutputs, add_output_flags
 from mechserve.spec import m12_admission_control as m12
 from mechserve.workload import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_SLOTS
 
@@ -137,10 +138,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--spec-len",
         type=integer(0, ENGINE_LIMITS["spec_len"]),
-        default=0,
-        metavar="N",
-        help="prompt-lookup guesses per decode step (default 0)",
+        default=None,
+        metavar="K",
+        help="speculative decoding: at most K guesses per decode step (default 0: off; 3 with --spec-method)",
     )
+    add_speculative_arguments(parser)
     add_sampling_arguments(parser)
     parser.add_argument(
         "--chat", action="store_true", help="apply the model's chat template to the prompt, as one user message"
@@ -148,6 +150,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print step records and the result as JSON lines")
     parser.add_argument(
         "-q", "--quiet", action="store_true", help="print only the generated text (with --json, only the result)"
+    )
+    add_output_flags(parser)
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--spec-method``, ``--draft-model``, the n-gram bounds and ``--spec-fixed`` (with ``--spec-len``)."""
+    add = parser.add_argument
+    add(
+        "--spec-method",
+        choices=("ngram", "draft"),
+        default=None,
+        help="what drafts the guesses: ngram (prompt lookup, the default with --spec-len) or draft (--draft-model)",
+    )
+    add(
+        "--draft-model",
+        type=draft_model,
+        default=None,
+        metavar="SPEC",
+        help="the draft model, MODEL[:layers=N] (e.g. smollm2:layers=4: the first 4 layers); implies --spec-method draft",
+    )
+    add("--ngram-min", type=integer(1, 64), default=1, metavar="N", help="shortest n-gram prompt lookup matches (1)")
+    add("--ngram-max", type=integer(1, 64), default=3, metavar="N", help="longest n-gram prompt lookup matches (3)")
+    add(
+        "--spec-fixed",
+        action="store_true",
+        help="every decode step carries --spec-len guesses (default: fewer, down to none, when they do not pay)",
+    )
+
+
+def draft_model(text: str) -> str:
+    """An argparse ``type=`` for ``--draft-model``: ``MODEL[:layers=N]``."""
+    from mechserve.backends.speculative import parse_draft_model
+
+    try:
+        parse_draft_model(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def speculative_config(args: argparse.Namespace) -> Any:
+    """The ``SpeculativeConfig`` the flags ask for (None: no speculation); raises ``CliError`` naming the flag."""
+    method = args.spec_method or ("draft" if args.draft_model else None)
+    if method is None and not args.spec_len:
+        return None
+    if method == "draft" and not args.draft_model:
+        raise CliError("--spec-method draft needs --draft-model (e.g. --draft-model smollm2:layers=4)")
+    if method == "ngram" and args.draft_model:
+        raise CliError("--draft-model drafts with a model: use --spec-method draft (or leave --spec-method out)")
+    if args.spec_len == 0:
+        raise CliError(f"--spec-method {method} needs --spec-len >= 1 (or leave --spec-len out for 3)")
+    if args.ngram_min > args.ngram_max:
+        raise CliError(f"--ngram-min {args.ngram_min} is more than --ngram-max {args.ngram_max}")
+    from mechserve.backends.speculative import SpeculativeConfig
+
+    return SpeculativeConfig(
+        method=method or "ngram",
+        num_speculative_tokens=args.spec_len or 3,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        draft_model=args.draft_model,
+        adaptive=not args.spec_fixed,
     )
 
 
@@ -276,6 +340,7 @@ def load(model: str, dtype: str | None) -> Any:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """The checks that span several flags, before the model is loaded; raises ``CliError``."""
+    speculative_config(args)
     if args.num_pages is not None and args.num_pages * args.page_size > MAX_SLOTS:
         raise CliError(
             f"--num-pages {args.num_pages} x --page-size {args.page_size} = {args.num_pages * args.page_size} "
@@ -293,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
     """
     check_arguments(args)
     params = sampling_params(args)
+    viz = VizOutputs.from_args(args)
     from mechserve.backends.engine import configure_threads
     from mechserve.backends.models import ModelLoadError
     from mechserve.engine_core import EngineCore, KVMemoryError, RequestRejected
@@ -312,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"request rejected: {exc.reason.value} ({exc.detail}; {hint})") from None
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    recorder = viz.recorder(core.engine, f"generate · model {args.model}", _decoder(core.tokenizer))
     clock = Clock()
     console = Console(highlight=False, soft_wrap=True)
     show = (lambda record: None) if args.quiet else _print_json if args.json else _print_trace(console)
@@ -321,13 +388,23 @@ def run(args: argparse.Namespace) -> int:
             out = core.step()
             clock.step(out.record)
             show(out.record)
+            if recorder is not None:
+                recorder(out.record)
             done = next((o for o in out.finished if o.request_id == request_id), done)
     except Exception as exc:  # an engine or executor failure part-way: the steps so far are printed (D3)
         raise CliError(step_failure(exc, core.engine.step_counter)) from exc
     clock.stop()
     assert done is not None
     print_result(args, console, core, done, clock, prompt)
+    viz.write(recorder, core.engine.summary(), [output_json(done.request_id, c, None) for c in done.outputs])
     return 0
+
+
+def _decoder(tokenizer: Any) -> Callable[[Any], str] | None:
+    """Token ids to text for the viewer (special tokens dropped), or None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    return lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True))
 
 
 def engine_config(args: argparse.Namespace, model: Any, prompt_len: int) -> Any:
@@ -342,9 +419,9 @@ def engine_config(args: argparse.Namespace, model: Any, prompt_len: int) -> Any:
         max_step_tokens=args.max_step_tokens,
         page_size=args.page_size,
         num_pages=args.num_pages,
-        spec_len=args.spec_len,
         kv_memory=args.kv_memory,
         max_kv_bytes=pages * page_bytes(model, args.page_size),
+        speculative=speculative_config(args),
     )
 
 
@@ -383,6 +460,18 @@ def print_result(args: argparse.Namespace, console: Console, core: Any, done: An
     generated = sum(len(c.token_ids) for c in done.outputs)
     reasons = ", ".join(finish_text(c) for c in done.outputs)
     console.print(Text(clock.report(len(done.prompt_token_ids), generated, reasons), style="dim"))
+    if core.speculative is not None:
+        console.print(Text(speculation_report(core.speculative.method, core.executor.stats), style="dim"))
+
+
+def speculation_report(method: str, stats: Any) -> str:
+    """``speculation (ngram): 25 of 43 guesses accepted (58%), 2.6 tokens per decode forward``."""
+    rate = f" ({stats.accepted / stats.proposed:.0%})" if stats.proposed else ""
+    per = stats.emitted / stats.windows if stats.windows else 0.0
+    return (
+        f"speculation ({method}): {stats.accepted} of {stats.proposed} guesses accepted{rate}, "
+        f"{per:.2f} tokens per decode step"
+    )
 
 
 def finish_text(c: Any) -> str:

@@ -1,4 +1,4 @@
-"""The ``mechserve`` command: ``mechs``, ``demo``, ``run``, ``diff`` and ``generate``.
+"""The ``mechserve`` command: ``mechs``, ``demo``, ``run``, ``diff``, ``generate``, ``conform``, ``viz``, ``serve`` and ``bench``.
 
 Every problem, from a usage error to an engine exception part-way through a
 run, is printed as one ``mechserve: error: ...`` line on stderr with exit
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from mechserve import __version__
-from mechserve.cli import demo, diff, lazy, mechs, run
+from mechserve.cli import bench, conform, demo, diff, lazy, mechs, run, serve, viz
 from mechserve.cli.errors import CliError, report
 from mechserve.cli.parser import Parser
 from mechserve.workload import WorkloadError
@@ -24,6 +24,10 @@ COMMANDS = (
     ("run", run, "run a workload (--spec FILE or --request flags) and print its step trace"),
     ("diff", diff, "show what one rung adds to another (a diff of their sources)"),
     ("generate", lazy, lazy.GENERATE_HELP),
+    ("conform", conform, conform.HELP),
+    ("viz", viz, viz.HELP),
+    ("serve", serve, serve.HELP),
+    ("bench", bench, bench.HELP),
 )
 PASSTHROUGH = {"generate"}
 # Set to get a traceback instead of the one-line report for unexpected errors.

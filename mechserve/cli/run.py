@@ -23,6 +23,7 @@ from typing import Any
 from mechserve.cli.errors import CliError, engine_failure
 from mechserve.cli.lazy import GENERATE_MODULE
 from mechserve.cli.render import IDLE, JsonView, TextView, View
+from mechserve.cli.viz import VizOutputs, add_output_flags
 from mechserve.spec import TOP
 from mechserve.workload import (
     ENGINE_DEFAULTS,
@@ -50,12 +51,13 @@ BACKENDS = ("spec", "torch")
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--mech``, ``--json`` and ``--explain``, shared by ``run`` and ``demo``."""
+    """``--mech``, ``--json``, ``--explain``, ``--viz`` and ``--plot``, shared by ``run`` and ``demo``."""
     parser.add_argument(
         "--mech", metavar="mNN", default=TOP, help=f"the rung to run: {rung_range()} or a full name (default: {TOP})"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object per step, then the summary")
     parser.add_argument("--explain", action="store_true", help="add the engine's own sentences to every step")
+    add_output_flags(parser)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,16 +104,23 @@ def run(args: argparse.Namespace) -> int:
     invalid workload or rung.
     """
     rung = load_rung(args.mech)
+    viz = VizOutputs.from_args(args)
     overrides = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
     workload = with_engine(read_workload(args.spec, args.request), overrides, ENGINE_FLAGS)
     if args.backend == "torch":
         return execute_torch(
-            rung, workload, model=args.model or "smollm2", dtype=args.dtype, as_json=args.json, explain=args.explain
+            rung,
+            workload,
+            model=args.model or "smollm2",
+            dtype=args.dtype,
+            as_json=args.json,
+            explain=args.explain,
+            viz=viz,
         )
     for flag, value in (("--model", args.model), ("--dtype", args.dtype)):
         if value is not None:
             raise CliError(f"{flag} needs --backend torch (the spec backend runs the scripted model)")
-    return execute(rung, workload, as_json=args.json, explain=args.explain)
+    return execute(rung, workload, as_json=args.json, explain=args.explain, viz=viz)
 
 
 def read_workload(spec: str | None, requests: Sequence[str]) -> Workload:
@@ -149,13 +158,23 @@ def header(rung: ModuleType, workload: Workload) -> str:
     return " · ".join(parts)
 
 
-def execute(rung: ModuleType, workload: Workload, *, as_json: bool, explain: bool, notes: Sequence[str] = ()) -> int:
+def execute(
+    rung: ModuleType,
+    workload: Workload,
+    *,
+    as_json: bool,
+    explain: bool,
+    notes: Sequence[str] = (),
+    viz: VizOutputs | None = None,
+) -> int:
     """Run ``workload`` on ``rung`` and print it; return 0.
 
     Every step is printed as it completes.  If the engine fails part-way the
     printed steps stay, no summary follows, and ``CliError`` names the
     exception and the step.  Raises ``WorkloadError`` if the rung cannot take
-    the workload and ``CliError`` if the engine rejects it.
+    the workload and ``CliError`` if the engine rejects it.  ``viz`` names
+    the pictures to write (``--viz``/``--plot``), also of a failed run's
+    steps.
     """
     try:
         engine = build_engine(rung, workload)
@@ -165,9 +184,13 @@ def execute(rung: ModuleType, workload: Workload, *, as_json: bool, explain: boo
         raise CliError(f"the {rung_label(rung)} engine rejected the workload: {exc}") from exc
     view: View = JsonView(explain) if as_json else TextView(explain)
     view.start(header(rung, workload), notes)
+    viz = viz or VizOutputs()
+    recorder = viz.recorder(engine, header(rung, workload))
 
     def show(record: object) -> None:
         view.step(record, STUCK if engine.running else IDLE)
+        if recorder is not None:
+            recorder(record)
 
     try:
         engine.run(on_step=show)
@@ -175,8 +198,10 @@ def execute(rung: ModuleType, workload: Workload, *, as_json: bool, explain: boo
         raise
     except Exception as exc:  # any engine failure is reported, never a traceback (D3)
         view.flush()
+        viz.write(recorder, None)
         raise CliError(engine_failure(exc, engine.step_counter)) from exc
     view.finish(engine.summary())
+    viz.write(recorder, engine.summary())
     return 0
 
 
@@ -229,7 +254,14 @@ def ordinary_ids(vocab_size: int, tokenizer: object, eos_token_ids: Sequence[int
 
 
 def execute_torch(
-    rung: ModuleType, workload: Workload, *, model: str, dtype: str | None = None, as_json: bool, explain: bool
+    rung: ModuleType,
+    workload: Workload,
+    *,
+    model: str,
+    dtype: str | None = None,
+    as_json: bool,
+    explain: bool,
+    viz: VizOutputs | None = None,
 ) -> int:
     """Run ``workload`` on ``model`` under the top rung and print the trace, the summary and each text; return 0.
 
@@ -271,6 +303,10 @@ def execute_torch(
         raise CliError(generate.kv_message(exc)) from None
     view: View = JsonView(explain) if as_json else TextView(explain)
     view.start(f"{header(rung, workload)} · torch backend, model {model}", ())
+    viz = viz or VizOutputs()
+    tokenizer = loaded.tokenizer
+    decode = None if tokenizer is None else lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True))
+    recorder = viz.recorder(core.engine, f"{header(rung, workload)} · model {model}", decode)
     for req, ids in zip(workload.requests, prompts):
         params = SamplingParams(temperature=0.0, max_tokens=req.max_new_tokens, stop_token_ids=req.stop_token_ids)
         with contextlib.suppress(RequestRejected):  # the next step's `rejected` field shows it
@@ -280,11 +316,14 @@ def execute_torch(
         while core.has_unfinished():
             out = core.step()
             view.step(out.record, STUCK if core.engine.running else IDLE)
+            if recorder is not None:
+                recorder(out.record)
             outputs.update((o.request_id, o) for o in out.finished)
     except BrokenPipeError:
         raise
     except Exception as exc:  # any engine failure is reported, never a traceback (D3)
         view.flush()
+        viz.write(recorder, None)
         raise CliError(generate.step_failure(exc, core.engine.step_counter)) from exc
     texts = [
         {
@@ -298,4 +337,5 @@ def execute_torch(
         if req.request_id in outputs
     ]
     view.finish(core.engine.summary(), texts)
+    viz.write(recorder, core.engine.summary(), texts)
     return 0
