@@ -186,6 +186,7 @@ class AsyncLLM:
     ``OVERLOADED`` (None lifts a limit).  ``trace=True`` keeps every step
     record in ``trace``; ``on_step`` sees every ``StepOutput`` on the engine
     thread.  ``model_name`` names the model in metrics and in the server.
+    ``world_size``: tensor-parallel rank processes (see ``EngineCore``).
 
     The model is loaded and the KV cache allocated here; the engine thread
     starts with ``start()`` or ``async with`` and stops with ``shutdown()``
@@ -210,6 +211,7 @@ class AsyncLLM:
         trace: bool = False,
         on_step: Callable[[StepOutput], None] | None = None,
         model_name: str | None = None,
+        world_size: int = 1,
     ) -> None:
         config = EngineConfig(
             max_step_tokens=max_step_tokens,
@@ -221,6 +223,7 @@ class AsyncLLM:
             prefix_caching=prefix_caching,
             max_running=max_running,
             max_waiting=max_waiting,
+            world_size=world_size,
         )
         configure_threads()
         loaded = model if isinstance(model, LoadedModel) else load_model(os.fspath(model), dtype=torch_dtype(dtype))
@@ -238,6 +241,7 @@ class AsyncLLM:
     async def shutdown(self) -> None:
         """Abort every live request and stop the engine thread (joined off the event loop)."""
         await asyncio.to_thread(self._engine.stop)
+        self.core.close()
 
     async def __aenter__(self) -> AsyncLLM:
         self.start()

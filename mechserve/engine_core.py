@@ -43,6 +43,7 @@ from mechserve.backends.engine import (
     page_bytes,
     size_pool,
 )
+from mechserve.backends.rank_group import RankError, RankGroup
 from mechserve.backends.sampling import Sampler, TokenLogprobs
 from mechserve.detokenizer import OutputText
 from mechserve.outputs import (
@@ -58,7 +59,7 @@ from mechserve.outputs import (
 from mechserve.params import SamplingParams
 from mechserve.spec import m12_admission_control as m12
 
-__all__ = ["EngineCore", "KVMemoryError", "RequestRejected"]
+__all__ = ["EngineCore", "KVMemoryError", "RankError", "RequestRejected"]
 
 
 class RequestRejected(ValueError):
@@ -124,9 +125,23 @@ class EngineCore:
     ``num_speculative_tokens``) to what the executor advises for the
     requests about to draft (``TorchExecutor.advise``): the guesses their
     proposers have, weighed by how often their guesses were accepted.
+
+    Ranks (``config.world_size > 1``): the executor is a ``RankGroup`` of tensor-parallel rank
+    processes that load their shards from ``loaded.path`` (``rank_timeout_s``: the longest a
+    step may take, default ``rank_group.rank_timeout()``); m11's join checks their reports.
+    A rank that crashes or hangs raises ``RankError``, a disagreement ``m12.GroupViolation``;
+    either shuts the group down.  ``close`` stops the ranks (also done at exit).  A draft model
+    is not supported with ranks (``ValueError``).
     """
 
-    def __init__(self, loaded: Any, config: EngineConfig | None = None, *, seed: int | None = 0) -> None:
+    def __init__(
+        self,
+        loaded: Any,
+        config: EngineConfig | None = None,
+        *,
+        seed: int | None = 0,
+        rank_timeout_s: float | None = None,
+    ) -> None:
         self.config = config = config or EngineConfig()
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -134,29 +149,40 @@ class EngineCore:
         self.vocab_size: int = self.model.arch.vocab_size
         self.max_model_len = config.max_model_len or model_context(self.model)
         self.speculative = config.speculative_config()
+        if config.world_size > 1 and self.speculative is not None and self.speculative.method == "draft":
+            raise ValueError("a draft model with world_size > 1 is not supported (use prompt lookup or one rank)")
         draft = self._draft_model(loaded)
         self.num_pages, self.sized_by = size_pool(self.model, config, self.max_model_len)
         per_page = page_bytes(self.model, config.page_size) + draft_page_bytes(draft, config.page_size)
         self.kv_bytes = self.num_pages * per_page
         check_kv_memory(config, self.num_pages, self.kv_bytes, self.sized_by)
-        self.executor = new_executor(
-            self.model,
-            self.num_pages,
-            config.page_size,
-            sized_by=self.sized_by,
-            sampler=Sampler(seed),
-            speculative=self.speculative,
-            draft_model=draft,
-        )
+        self.world_size = config.world_size
+        self.group: RankGroup | None = None
+        self.executor: Any
+        if self.world_size > 1:
+            # m11: the ranks hold the shards; this process only schedules and joins their reports.
+            self.executor = self.group = self._start_group(loaded, seed, rank_timeout_s)
+            executors: list[Any] = self.group.executors()
+        else:
+            self.executor = new_executor(
+                self.model,
+                self.num_pages,
+                config.page_size,
+                sized_by=self.sized_by,
+                sampler=Sampler(seed),
+                speculative=self.speculative,
+                draft_model=draft,
+            )
+            executors = [self.executor]
         self.engine = m12.Engine(
             [],
             max_step_tokens=config.max_step_tokens,
             page_size=config.page_size,
             num_pages=self.num_pages,
             spec_len=config.spec_len,
-            world_size=1,
+            world_size=self.world_size,
             prefix_caching=config.prefix_caching,
-            executors=[self.executor],
+            executors=executors,
             eos_token_ids=self.eos_token_ids,
             max_waiting=config.max_waiting,
             max_running=config.max_running,
@@ -258,7 +284,11 @@ class EngineCore:
         """
         if self.speculative is not None and self.speculative.adaptive:
             self.engine.spec_len = self._advised_spec_len(self.speculative.num_speculative_tokens)
-        record = self.engine.step()
+        try:
+            record = self.engine.step()
+        except (m12.GroupViolation, RankError):
+            self.close()  # the ranks' states can no longer be trusted to agree
+            raise
         now = time.perf_counter()
         self._unrecorded = False
         touched: dict[str, None] = dict.fromkeys(self._ended)
@@ -327,6 +357,35 @@ class EngineCore:
             if r.generated >= 1 and r.computed == r.target - 1
         ]
         return self.executor.advise(caps, max_k) if caps else 0
+
+    def _start_group(self, loaded: Any, seed: int | None, timeout_s: float | None) -> RankGroup:
+        """The rank processes for ``world_size`` ranks; ``ValueError`` for a setup they cannot serve."""
+        from mechserve.backends.engine import configure_threads
+        from mechserve.backends.rank_group import RankSpec, start_group
+        from mechserve.backends.tensor_parallel import RankShape
+
+        for rank in range(self.world_size):  # refuse a split the model cannot take before starting anything
+            RankShape.of(self.model.arch, self.world_size, rank)
+        path = getattr(loaded, "path", None)
+        if path is None:
+            raise ValueError("world_size > 1 needs a model loaded from a directory (the ranks load their shards)")
+        spec = RankSpec(
+            path=str(path),
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            num_pages=self.num_pages,
+            page_size=self.config.page_size,
+            seed=seed,
+            speculative=self.speculative,
+            threads=max(1, configure_threads() // self.world_size),
+            arch=getattr(self.model, "arch", None),
+            rope=(self.model.inv_freq, self.model.rope_scaling) if hasattr(self.model, "inv_freq") else None,
+        )
+        return start_group(spec, self.world_size, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        """Stop the rank processes (nothing with one rank); the core serves no more steps after it."""
+        if self.group is not None:
+            self.group.close()
 
     def _draft_model(self, loaded: Any) -> Any:
         """The draft ``LlamaModel`` the speculative config names (None unless its method is ``"draft"``)."""

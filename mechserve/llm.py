@@ -93,7 +93,10 @@ class LLM:
     ``SpeculativeConfig`` (or a dict of its fields, vLLM's names
     ``prompt_lookup_min``/``prompt_lookup_max``/``model`` accepted), e.g.
     ``SpeculativeConfig(method="draft", num_speculative_tokens=4,
-    draft_model="smollm2:layers=4")``; it sets ``spec_len``.
+    draft_model="smollm2:layers=4")``; it sets ``spec_len``.  ``world_size``:
+    tensor-parallel ranks, each a process holding its shard of the weights and
+    KV pages (``mechserve.backends.rank_group``); ``close()`` (or ``with
+    LLM(...) as llm``) stops them, and they are stopped at exit anyway.
 
     ``llm.trace`` is the list of m12 ``StepRecord``s of the most recent
     ``generate``/``chat`` call; with ``trace=True`` it keeps the records of
@@ -120,6 +123,7 @@ class LLM:
         seed: int | None = 0,
         trace: bool = False,
         speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
+        world_size: int = 1,
     ) -> None:
         config = EngineConfig(
             max_step_tokens=max_step_tokens,
@@ -131,6 +135,7 @@ class LLM:
             prefix_caching=prefix_caching,
             max_running=max_running,
             speculative=speculative(speculative_config),
+            world_size=world_size,
         )
         configure_threads()
         loaded = model if isinstance(model, LoadedModel) else load_model(os.fspath(model), dtype=torch_dtype(dtype))
@@ -138,6 +143,16 @@ class LLM:
         self.core = EngineCore(loaded, config, seed=seed)
         self.keep_all_records = trace
         self.trace: list[StepRecord] = []
+
+    def close(self) -> None:
+        """Stop the rank processes (``world_size > 1``; nothing otherwise)."""
+        self.core.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (None for a model loaded without one)."""

@@ -76,6 +76,8 @@ class EngineConfig:
     ``speculative``: what drafts the guesses (``SpeculativeConfig``; its
     ``num_speculative_tokens`` becomes ``spec_len``, which must then be 0 or
     equal to it).  ``spec_len > 0`` without ``speculative`` is prompt lookup.
+    ``world_size``: tensor-parallel ranks (``EngineCore`` only; > 1 runs rank
+    processes, see ``mechserve.backends.rank_group``).
     """
 
     max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
@@ -90,6 +92,7 @@ class EngineConfig:
     max_running: int | None = None
     max_waiting: int | None = None
     speculative: SpeculativeConfig | None = None
+    world_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_step_tokens <= 0:
@@ -108,6 +111,8 @@ class EngineConfig:
             raise ValueError(f"max_running must be > 0, got {self.max_running}")
         if self.max_waiting is not None and self.max_waiting <= 0:
             raise ValueError(f"max_waiting must be > 0, got {self.max_waiting}")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size <= 0:
+            raise ValueError(f"world_size must be an integer > 0, got {self.world_size!r}")
         if self.speculative is not None:
             if not isinstance(self.speculative, SpeculativeConfig):
                 raise ValueError(f"speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}")
@@ -280,6 +285,8 @@ class Generation:
         arrivals = list(arrivals) if arrivals is not None else [0] * len(prompt_ids)
         if len(arrivals) != len(prompt_ids):
             raise ValueError(f"{len(arrivals)} arrival step(s) for {len(prompt_ids)} prompt(s)")
+        if config.world_size != 1:
+            raise ValueError("Generation runs one rank; use EngineCore (LLM, mechserve generate) for world_size > 1")
         self.max_model_len = config.max_model_len or model_context(model)
         self.draft_model = draft_model if draft_model is not None else _draft_for(model, config.speculative)
         self.num_pages, self.sized_by = self._size_pool([len(ids) for ids in prompt_ids], max_new_tokens)

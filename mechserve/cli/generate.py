@@ -142,6 +142,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="speculative decoding: at most K guesses per decode step (default 0: off; 3 with --spec-method)",
     )
+    parser.add_argument(
+        "--world-size",
+        type=integer(1, ENGINE_LIMITS["world_size"]),
+        default=1,
+        metavar="N",
+        help="tensor-parallel rank processes, each holding a shard of the weights and KV (default 1); "
+        "under torchrun, the number of processes it starts",
+    )
     add_speculative_arguments(parser)
     add_sampling_arguments(parser)
     parser.add_argument(
@@ -359,9 +367,9 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     params = sampling_params(args)
     viz = VizOutputs.from_args(args)
-    from mechserve.backends.engine import configure_threads
+    from mechserve.backends.engine import configure_threads, first_line
     from mechserve.backends.models import ModelLoadError
-    from mechserve.engine_core import EngineCore, KVMemoryError, RequestRejected
+    from mechserve.engine_core import EngineCore, KVMemoryError, RankError, RequestRejected
 
     try:
         configure_threads()
@@ -376,8 +384,8 @@ def run(args: argparse.Namespace) -> int:
     except RequestRejected as exc:
         hint = REJECT_HINTS.get(exc.reason.value, "see mech-notes/12-admission-control.md")
         raise CliError(f"request rejected: {exc.reason.value} ({exc.detail}; {hint})") from None
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
+    except (ValueError, RankError) as exc:
+        raise CliError(first_line(exc)) from None
     recorder = viz.recorder(core.engine, f"generate · model {args.model}", _decoder(core.tokenizer))
     clock = Clock()
     console = Console(highlight=False, soft_wrap=True)
@@ -392,10 +400,14 @@ def run(args: argparse.Namespace) -> int:
                 recorder(out.record)
             done = next((o for o in out.finished if o.request_id == request_id), done)
     except Exception as exc:  # an engine or executor failure part-way: the steps so far are printed (D3)
+        core.close()
         raise CliError(step_failure(exc, core.engine.step_counter)) from exc
     clock.stop()
     assert done is not None
-    print_result(args, console, core, done, clock, prompt)
+    try:
+        print_result(args, console, core, done, clock, prompt)
+    finally:
+        core.close()
     viz.write(recorder, core.engine.summary(), [output_json(done.request_id, c, None) for c in done.outputs])
     return 0
 
@@ -422,6 +434,7 @@ def engine_config(args: argparse.Namespace, model: Any, prompt_len: int) -> Any:
         kv_memory=args.kv_memory,
         max_kv_bytes=pages * page_bytes(model, args.page_size),
         speculative=speculative_config(args),
+        world_size=args.world_size,
     )
 
 

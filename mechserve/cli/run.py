@@ -6,8 +6,8 @@ an ``EngineCore``: the same step trace, then each request's decoded text.
 A request's ``prompt_len`` becomes that many real token ids (its synthetic
 ids mapped onto the model's ordinary tokens, ``real_prompt``), explicit
 ``tokens`` are used as ids, and sampling is greedy.  What only the scripted
-model has (``accept_script``, ``eos_after``) is refused, as is
-``world_size > 1``.
+model has (``accept_script``, ``eos_after``) is refused.  ``--world-size N``
+runs N tensor-parallel rank processes (``mechserve.backends.rank_group``).
 """
 
 from __future__ import annotations
@@ -206,13 +206,11 @@ def execute(
 
 
 def check_torch_workload(rung: ModuleType, workload: Workload) -> None:
-    """Raise ``CliError`` for what a real model cannot run: a rung below the top, ranks, scripted verdicts."""
+    """Raise ``CliError`` for what a real model cannot run: a rung below the top, scripted verdicts."""
     if rung.__name__.rsplit(".", 1)[-1] != TOP:
         raise CliError(
             f"--backend torch runs the top rung ({TOP[:3]}); drop --mech {rung_label(rung)} or use --backend spec"
         )
-    if workload.engine["world_size"] != 1:
-        raise CliError(f"--backend torch runs one rank: world_size {workload.engine['world_size']} needs world_size 1")
     for req in workload.requests:
         if req.accept_script:
             raise CliError(
@@ -273,9 +271,9 @@ def execute_torch(
     """
     check_torch_workload(rung, workload)
     try:
-        from mechserve.backends.engine import EngineConfig, configure_threads
+        from mechserve.backends.engine import EngineConfig, configure_threads, first_line
         from mechserve.backends.models import ModelLoadError
-        from mechserve.engine_core import EngineCore, KVMemoryError, RequestRejected
+        from mechserve.engine_core import EngineCore, KVMemoryError, RankError, RequestRejected
         from mechserve.params import SamplingParams
     except ModuleNotFoundError as exc:
         raise CliError(f"--backend torch needs {exc.name!r}: pip install 'mechserve[torch]'") from None
@@ -295,12 +293,15 @@ def execute_torch(
             max_model_len=e.get("max_model_len"),
             max_running=e.get("max_running"),
             max_waiting=e.get("max_waiting"),
+            world_size=e["world_size"],
         )
         core = EngineCore(loaded, config)
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
     except KVMemoryError as exc:
         raise CliError(generate.kv_message(exc)) from None
+    except (ValueError, RankError) as exc:  # a world size the model cannot split into, a rank that cannot start
+        raise CliError(first_line(exc)) from None
     view: View = JsonView(explain) if as_json else TextView(explain)
     view.start(f"{header(rung, workload)} · torch backend, model {model}", ())
     viz = viz or VizOutputs()
@@ -325,6 +326,8 @@ def execute_torch(
         view.flush()
         viz.write(recorder, None)
         raise CliError(generate.step_failure(exc, core.engine.step_counter)) from exc
+    finally:
+        core.close()
     texts = [
         {
             "request_id": req.request_id,

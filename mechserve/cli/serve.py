@@ -84,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--no-prefix-caching", action="store_true", help="neither reuse nor publish prompt pages")
     add("--seed", type=integer(0, (1 << 63) - 1), default=0, metavar="N", help="seed of unseeded sampling requests")
     add(
+        "--world-size",
+        type=integer(1, ENGINE_LIMITS["world_size"]),
+        default=1,
+        metavar="N",
+        help="tensor-parallel rank processes (default 1)",
+    )
+    add(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
         default="warning",
@@ -155,6 +162,7 @@ def _engine(args: argparse.Namespace) -> Any:
             max_model_len=args.max_model_len,
             seed=args.seed,
             model_name=args.served_model_name or args.model,
+            world_size=args.world_size,
         )
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None

@@ -169,7 +169,7 @@ def test_run_torch_spec_file_with_tokens_rejections_and_stop_ids(tiny_dir, tmp_p
     [
         (["--request", "a:4:2:0:1"], "eos_after: a real model ends on its own EOS"),
         (["--request", "a:4:2", "--mech", "m05"], "--backend torch runs the top rung (m12)"),
-        (["--request", "a:4:2", "--world-size", "2"], "world_size 2 needs world_size 1"),
+        (["--request", "a:4:2", "--world-size", "8"], "world size 8 exceeds the model's 4 attention heads"),
     ],
 )
 def test_run_torch_refuses_what_only_the_scripted_model_has(tiny_dir, argv, message, capsys) -> None:
