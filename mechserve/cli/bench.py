@@ -19,6 +19,11 @@ BENCHMARKS = (
         "mechserve.bench.serve_client",
         "drive a running server with Poisson arrivals; print requests/s, TTFT, ITL and E2E percentiles as JSON",
     ),
+    (
+        "tp",
+        "mechserve.bench.tensor_parallel",
+        "output tokens/s of one greedy run at several tensor-parallel world sizes (ids compared)",
+    ),
 )
 
 
