@@ -226,7 +226,11 @@ class AsyncLLM:
             world_size=world_size,
         )
         configure_threads()
-        loaded = model if isinstance(model, LoadedModel) else load_model(os.fspath(model), dtype=torch_dtype(dtype))
+        loaded = (
+            model
+            if isinstance(model, LoadedModel)
+            else load_model(os.fspath(model), dtype=torch_dtype(dtype), weights=world_size == 1)
+        )
         self.core = EngineCore(loaded, config, seed=seed)
         self.model_name = model_name or (os.fspath(model) if not isinstance(model, LoadedModel) else loaded.path.name)
         self.metrics = ServingMetrics(self.model_name)

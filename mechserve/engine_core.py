@@ -157,6 +157,8 @@ class EngineCore:
         self.kv_bytes = self.num_pages * per_page
         check_kv_memory(config, self.num_pages, self.kv_bytes, self.sized_by)
         self.world_size = config.world_size
+        if self.world_size == 1 and not hasattr(self.model, "forward"):
+            raise ValueError("a model loaded without weights (load_model(weights=False)) needs world_size > 1")
         self.group: RankGroup | None = None
         self.executor: Any
         if self.world_size > 1:

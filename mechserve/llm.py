@@ -138,7 +138,11 @@ class LLM:
             world_size=world_size,
         )
         configure_threads()
-        loaded = model if isinstance(model, LoadedModel) else load_model(os.fspath(model), dtype=torch_dtype(dtype))
+        loaded = (
+            model
+            if isinstance(model, LoadedModel)
+            else load_model(os.fspath(model), dtype=torch_dtype(dtype), weights=world_size == 1)
+        )
         self.loaded = loaded
         self.core = EngineCore(loaded, config, seed=seed)
         self.keep_all_records = trace

@@ -252,14 +252,24 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
 
 
-def load_model(model: str = EMBEDDED, dtype: torch.dtype = torch.float32, tokenizer: bool = True) -> LoadedModel:
+def load_model(
+    model: str = EMBEDDED, dtype: torch.dtype = torch.float32, tokenizer: bool = True, weights: bool = True
+) -> LoadedModel:
     """Resolve ``model`` (``"smollm2"`` or a directory) and load weights, config and tokenizer.
 
-    Every failure is a ``ModelLoadError`` naming the problem.
+    With ``weights=False`` the model is only its shape (``tensor_parallel.ModelShape``): what
+    the driver of tensor-parallel ranks needs, the ranks reading their own shards.  Every
+    failure is a ``ModelLoadError`` naming the problem.
     """
     from mechserve.backends.llama import LlamaModel
 
     path = resolve_model(model)
+    if not weights:
+        from mechserve.backends.tensor_parallel import ModelShape
+
+        config = load_config(path)
+        tok = load_tokenizer(path) if tokenizer else None
+        return LoadedModel(path, ModelShape.of(config, dtype), tok, eos_token_ids(path, config, tok))
     checkpoint = load_checkpoint(path, dtype)
     forward = LlamaModel(checkpoint)
     tok = load_tokenizer(path) if tokenizer else None

@@ -272,7 +272,7 @@ class RankGroup:
             return ()
         if plan is not self._plan:
             self._plan = plan
-            self._reports = dict(enumerate(self._round([("execute", plan)] for _ in range(self.world_size))))
+            self._reports = dict(enumerate(self._round(("execute", plan))))
         report = self._reports.pop(rank, None)
         if report is None:
             raise RankError(f"rank {rank}'s report for this plan was asked for twice")
@@ -311,7 +311,7 @@ class RankGroup:
 
     def parameter_counts(self) -> list[dict[str, int]]:
         """Each rank's ``ShardedLlama.parameter_counts()``, rank order."""
-        return self._round([("params",)] for _ in range(self.world_size))
+        return self._round(("params",))
 
     def plant(self, rank: int, fault: str) -> None:
         """Make rank ``rank`` fail its next step on purpose (``FAULTS``; for tests)."""
@@ -327,11 +327,11 @@ class RankGroup:
         commands, self._queues[rank] = [*self._queues[rank], command], []
         return commands
 
-    def _round(self, commands: Any) -> list[Any]:
-        """Send each rank its queue plus its command, return every rank's answer (rank order)."""
+    def _round(self, command: tuple[Any, ...]) -> list[Any]:
+        """Send each rank its queue plus ``command``, return every rank's answer (rank order)."""
         if self.closed:
             raise RankError("the rank group is shut down")
-        return self._exchange([self._take(r, c[0]) for r, c in enumerate(commands)])
+        return self._exchange([self._take(r, command) for r in range(self.world_size)])
 
     def _ask(self, command: tuple[Any, ...]) -> Any:
         raise NotImplementedError

@@ -322,6 +322,24 @@ class ShardedLlama(LlamaModel):
         return self._logits(rms_norm(x, self.norm, a.rms_norm_eps))
 
 
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the driver of a rank group needs of a model without its weights: the transformers
+    ``config``, ``arch``, ``dtype`` and RoPE (``inv_freq``, ``rope_scaling``); the ranks hold the weights."""
+
+    config: Any
+    arch: LlamaArch
+    dtype: torch.dtype
+    inv_freq: torch.Tensor
+    rope_scaling: float
+
+    @classmethod
+    def of(cls, config: Any, dtype: torch.dtype) -> ModelShape:
+        """The shape of a transformers ``config``, checked as ``LlamaModel`` would (``ModelLoadError``)."""
+        arch = LlamaArch.from_config(config)
+        return cls(config, arch, dtype, *rope_inv_freq(config, arch.head_dim))
+
+
 def full_parameter_count(model: Any) -> int:
     """Elements of a whole ``LlamaModel``'s weights (a tied LM head counted once)."""
     seen: dict[int, int] = {}
@@ -334,4 +352,4 @@ def full_parameter_count(model: Any) -> int:
     return sum(seen.values())
 
 
-__all__ = ["HeadSplit", "RankShape", "ShardedLlama", "even_split", "full_parameter_count"]
+__all__ = ["HeadSplit", "ModelShape", "RankShape", "ShardedLlama", "even_split", "full_parameter_count"]

@@ -40,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-tokens", type=int, default=64, metavar="N", help="new tokens per prompt (default 64)")
     add("--repeats", type=int, default=2, metavar="N", help="timed rounds per world size, best kept (default 2)")
     add("--num-pages", type=int, default=256, metavar="N", help="KV pages of 16 positions (default 256)")
+    add(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch intra-op threads of the whole run (default: one per CPU); each rank gets N // world_size",
+    )
     add("--json", action="store_true", help="print the report as one JSON object")
 
 
@@ -53,8 +60,12 @@ def _timed(llm: Any, prompts: list[str], params: Any, batch: int) -> tuple[float
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """The report: one entry per (world size, batch)."""
+    import torch
+
     from mechserve.llm import LLM, SamplingParams
 
+    if args.threads is not None:
+        torch.set_num_threads(max(1, args.threads))
     prompts = PROMPTS[: max(1, min(args.prompts, len(PROMPTS)))]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows: list[dict[str, Any]] = []
@@ -79,7 +90,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         "identical": ids == reference[batch],
                     }
                 )
-    return {"model": args.model, "prompts": len(prompts), "max_tokens": args.max_tokens, "results": rows}
+    return {
+        "model": args.model,
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "threads": torch.get_num_threads(),
+        "results": rows,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"model {report['model']}, {report['prompts']} prompts x {report['max_tokens']} tokens, greedy")
+    print(
+        f"model {report['model']}, {report['prompts']} prompts x {report['max_tokens']} tokens, greedy, "
+        f"{report['threads']} thread(s) in all"
+    )
     print(f"{'world':>5} {'batch':>5} {'wall_s':>8} {'tokens':>7} {'tok/s':>8} {'start_s':>8} identical")
     for r in report["results"]:
         print(

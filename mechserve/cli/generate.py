@@ -337,13 +337,14 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load(model: str, dtype: str | None) -> Any:
-    """``load_model(model)`` in ``dtype`` (default float32); ``ModelLoadError`` propagates."""
+def load(model: str, dtype: str | None, world_size: int = 1) -> Any:
+    """``load_model(model)`` in ``dtype`` (default float32), its weights only for one rank (with more,
+    the ranks load their shards); ``ModelLoadError`` propagates."""
     import torch
 
     from mechserve.backends.models import load_model
 
-    return load_model(model, dtype=getattr(torch, dtype or "float32"))
+    return load_model(model, dtype=getattr(torch, dtype or "float32"), weights=world_size == 1)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -373,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         configure_threads()
-        loaded = load(args.model, args.dtype)
+        loaded = load(args.model, args.dtype, args.world_size)
         prompt, ids = prompt_ids(loaded.tokenizer, args.prompt, args.chat)
         core = EngineCore(loaded, engine_config(args, loaded.model, len(ids)))
         request_id = core.add_request(ids, params, request_id="r0", prompt=prompt)

@@ -281,7 +281,7 @@ def execute_torch(
     e = workload.engine
     try:
         configure_threads()
-        loaded = generate.load(model, dtype)
+        loaded = generate.load(model, dtype, e["world_size"])
         vocab = loaded.model.arch.vocab_size
         ordinary = ordinary_ids(vocab, loaded.tokenizer, loaded.eos_token_ids)
         prompts = [real_prompt(req, vocab, ordinary) for req in workload.requests]

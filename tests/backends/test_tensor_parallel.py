@@ -220,3 +220,10 @@ def test_the_path_is_needed(loaded) -> None:
     fake.path = None  # type: ignore[assignment]
     with pytest.raises(ValueError, match="loaded from a directory"):
         EngineCore(fake, EngineConfig(num_pages=8, world_size=2))
+
+
+def test_a_model_without_weights_is_only_for_a_driver_of_ranks(loaded) -> None:
+    shape = load_model(str(loaded.path), tokenizer=False, weights=False)
+    assert shape.model.arch == loaded.model.arch and not hasattr(shape.model, "layers")
+    with pytest.raises(ValueError, match="needs world_size > 1"):
+        EngineCore(shape, EngineConfig(num_pages=8))
