@@ -223,7 +223,9 @@ def _spawned_rank(rank: int, world_size: int, port: int, spec: RankSpec, conn: C
     try:
         # The driver's deadline comes first; this one only frees a rank whose driver is gone.
         timeout = timedelta(seconds=2 * timeout_s + 10)
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout)
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1", port, world_size + 1, is_master=False, timeout=timeout
+        )
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         server = RankServer(spec, rank, world_size)
     except Exception as exc:
@@ -389,7 +391,9 @@ class SpawnGroup(RankGroup):
         self.world_size = world_size
         super().__init__()
         self.timeout_s = timeout_s if timeout_s is not None else rank_timeout()
-        store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False
+        )
         self._store = store  # the rendezvous lives as long as the group
         ctx = torch.multiprocessing.get_context("spawn")
         self.procs: list[Any] = []

@@ -138,7 +138,7 @@ class _Slices:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"no *.safetensors weights in {path}")
-        self.handles = [safe_open(str(f), framework="pt") for f in files]
+        self.handles: list[Any] = [safe_open(str(f), framework="pt") for f in files]
         self.where = {name: h for h in self.handles for name in h.keys()}  # noqa: SIM118 (no __iter__)
 
     def has(self, name: str) -> bool:
@@ -148,13 +148,15 @@ class _Slices:
         """Rows ``[start, end)`` of ``name`` (all rows by default), contiguous, in ``dtype``."""
         if name not in self.where:
             raise ModelLoadError(f"checkpoint {self.path} is missing tensor {name!r}")
-        return self.where[name].get_slice(name)[start:end].to(self.dtype).contiguous()
+        rows: torch.Tensor = self.where[name].get_slice(name)[start:end]
+        return rows.to(self.dtype).contiguous()
 
     def cols(self, name: str, start: int, end: int) -> torch.Tensor:
         """Columns ``[start, end)`` of the matrix ``name``, contiguous, in ``dtype``."""
         if name not in self.where:
             raise ModelLoadError(f"checkpoint {self.path} is missing tensor {name!r}")
-        return self.where[name].get_slice(name)[:, start:end].to(self.dtype).contiguous()
+        cols: torch.Tensor = self.where[name].get_slice(name)[:, start:end]
+        return cols.to(self.dtype).contiguous()
 
     def maybe_rows(self, names: list[str], spans: list[tuple[int, int]]) -> torch.Tensor | None:
         """``rows`` of every name (one span each) concatenated; None if none exists; an error if only some do."""
@@ -345,7 +347,7 @@ def full_parameter_count(model: Any) -> int:
     seen: dict[int, int] = {}
     tensors = [model.embed, model.lm_head, model.norm]
     for w in model.layers:
-        tensors += [getattr(w, f) for f in LayerWeights.__slots__]  # type: ignore[attr-defined]
+        tensors += [getattr(w, f) for f in LayerWeights.__slots__]
     for t in tensors:
         if t is not None:
             seen[id(t)] = t.numel()
