@@ -335,12 +335,18 @@ def _is_int(x: object) -> bool:
 
 
 def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
-    """One ``SamplingParams`` per prompt; ``ValueError`` for a list of another length."""
+    """One ``SamplingParams`` per prompt; ``ValueError`` for a list of another length, ``TypeError`` for
+    anything that is not ``SamplingParams`` (a string is not a sequence of them)."""
     if params is None:
         return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
+    if isinstance(params, (str, bytes, Mapping)) or not isinstance(params, Sequence):
+        raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {type(params).__name__}")
     found = list(params)
+    wrong = next((p for p in found if not isinstance(p, SamplingParams)), None)
+    if wrong is not None:
+        raise TypeError(f"sampling_params must be SamplingParams or a list of them, got a {type(wrong).__name__} in it")
     if len(found) != count:
         raise ValueError(f"{len(found)} SamplingParams for {count} prompt(s); give one, or one per prompt")
     return found

@@ -458,7 +458,7 @@ def print_result(args: argparse.Namespace, console: Console, core: Any, done: An
     """The outputs: JSON (summary and outputs), only the text (``--quiet``) or prompt, text and timing."""
     if args.json:
         outputs = [output_json(done.request_id, c, core.tokenizer) for c in done.outputs]
-        print(json.dumps({"summary": core.engine.summary(), "outputs": outputs}), flush=True)
+        print(json.dumps({"summary": summary(core, done), "outputs": outputs}), flush=True)
         return
     if args.quiet:
         sys.stdout.write("".join(c.text + "\n" for c in done.outputs))
@@ -558,6 +558,25 @@ def kv_message(exc: Any) -> str:
     return f"{text}; {_KV_HINTS.get(exc.sized_by, 'lower --num-pages')}"
 
 
+def summary(core: Any, done: Any) -> list[dict[str, Any]]:
+    """The engine's summary, each sample a stop string ended marked with ``"stop_string"``.
+
+    A stop string is found in detokenized text, outside the engine (as in
+    vLLM, whose output processor aborts such requests in the engine core), so
+    the engine's own entry says ABORTED; ``stop_string`` says why.
+    """
+    entries = core.engine.summary()
+    stopped = {
+        (done.request_id if len(done.outputs) == 1 else f"{done.request_id}#{c.index}"): c.stop_reason
+        for c in done.outputs
+        if isinstance(c.stop_reason, str)
+    }
+    for entry in entries:
+        if entry["state"] == "ABORTED" and entry["request_id"] in stopped:
+            entry["stop_string"] = stopped[entry["request_id"]]
+    return entries
+
+
 def step_failure(exc: BaseException, step_counter: int) -> str:
     """The error line for a failure inside ``Generation.run``: ``run``'s wording, or out of memory."""
     from mechserve.backends.engine import first_line, is_allocation_failure
@@ -633,6 +652,8 @@ def _trace_line(record: m12.StepRecord) -> Text:
         ("finished", _pairs({k: v.value for k, v in record.finished.items()})),
         ("preempted", " ".join(record.preempted)),
         ("reused", _pairs(record.reused)),
+        ("rejected", " ".join(f"{k}={reason.value}" for k, reason in record.rejected)),
+        ("aborted", " ".join(record.aborted)),
     ]
     if any(record.drafted.values()):
         fields.append(("accepted", _pairs({k: f"{record.accepted[k]}/{d}" for k, d in record.drafted.items()})))

@@ -54,18 +54,23 @@ def run(args: argparse.Namespace) -> int:
     """
     if not (args.html or args.png or args.svg):
         raise CliError("nothing to write: give --html FILE, --png FILE and/or --svg FILE")
+    for flag, suffixes in (("html", (".html", ".htm")), ("png", (".png",)), ("svg", (".svg",))):
+        path = getattr(args, flag)
+        if path and Path(path).suffix.lower() not in suffixes:
+            raise CliError(f"--{flag} {path}: the file must end in {suffixes[0]}")
     if args.png or args.svg:
         _require_matplotlib("--png" if args.png else "--svg")
     try:
         trace = read_trace(args.trace)
     except TraceError as exc:
         raise CliError(str(exc)) from None
+    what = "the timeline and page map" if trace.snapshots is not None else "the timeline (the trace has no pool)"
     if args.html:
         _write(args.html, "the interactive viewer", lambda path: _html(trace, path))
     for flag, fmt in (("png", "png"), ("svg", "svg")):
         path = getattr(args, flag)
         if path:
-            _write(path, "the timeline and page map", lambda path, fmt=fmt: _plot(trace, path, fmt))
+            _write(path, what, lambda path, fmt=fmt: _plot(trace, path, fmt))
     return 0
 
 

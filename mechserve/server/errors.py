@@ -101,7 +101,7 @@ def _reject_text(reason: RejectReason, detail: str) -> str:
     if reason is RejectReason.TOO_LONG:
         return f"the request does not fit the model's context: {detail}; shorten the prompt or lower max_tokens"
     if reason is RejectReason.NEVER_FITS:
-        return f"the request can never fit the KV cache: {detail}; lower max_tokens"
+        return f"the request can never fit the KV cache: {detail}; shorten the prompt or lower max_tokens"
     return f"the request was refused ({reason.value}): {detail}"
 
 

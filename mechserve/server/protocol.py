@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mechserve.params import MAX_LOGPROBS, SamplingParams
 
@@ -146,6 +146,13 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        """Only an assistant message may leave ``content`` out (OpenAI's rule: it may carry tool calls instead)."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def as_template_message(self) -> dict[str, Any]:
         """The message as the chat template sees it: ``developer`` as ``system``, text parts joined."""

@@ -253,6 +253,7 @@ class EngineThread:
         return text, list(tok(text, add_special_tokens=False).input_ids)
 
     def _step(self) -> None:
+        computed_before = {r.request_id: r.computed for r in self.core.engine.running if r.computed}
         try:
             out = self.core.step()
         except Exception as exc:
@@ -269,7 +270,7 @@ class EngineThread:
         admitted = {rid: self._prompt_lens.pop(rid) for rid in out.record.admitted if rid in self._prompt_lens}
         events = self._events(out, now)
         self.core.engine.drop_finished()
-        self.metrics.observe_step(out.record, admitted, now)
+        self.metrics.observe_step(out.record, admitted, now, computed_before)
         self._gauges()
         self._deliver(events)  # last: whoever reads an event sees the metrics of its step
 

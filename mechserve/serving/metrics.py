@@ -81,9 +81,15 @@ class ServingMetrics:
         record: Any,
         admitted_prompt_lens: Mapping[str, int],
         now: float | None = None,
+        computed_before: Mapping[str, int] | None = None,
     ) -> None:
         """Count one m12 step record; ``admitted_prompt_lens``: prompt length of each request it admitted
-        (with tokens to generate)."""
+        (with tokens to generate).
+
+        ``computed_before``: each running request's computed tokens before the step.  Given, a preemption
+        counts only when the victim had computed state to drop: m05 (N9) also "preempts" a scheduled
+        request that holds no page yet, step after step while the pool is short, which is no thrashing.
+        """
         now = time.perf_counter() if now is None else now
         generated = sum(len(ids) for ids in record.tokens.values())
         with self._lock:
@@ -91,7 +97,9 @@ class ServingMetrics:
             c["steps"] += 1
             c["generation_tokens"] += generated
             c["prompt_tokens"] += sum(admitted_prompt_lens.values())
-            c["preemptions"] += len(record.preempted)
+            c["preemptions"] += sum(
+                1 for rid in record.preempted if computed_before is None or computed_before.get(rid, 0) > 0
+            )
             c["prefix_cache_queries"] += sum(admitted_prompt_lens.values())
             c["prefix_cache_hits"] += sum(record.reused.get(rid, 0) for rid in admitted_prompt_lens)
             c["spec_decode_draft_tokens"] += sum(record.drafted.values())

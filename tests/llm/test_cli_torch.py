@@ -66,6 +66,12 @@ def test_generate_n_logprobs_stop(tiny_dir, capsys) -> None:
         assert o["finish_reason"] == "stop" and o["stop_reason"] == stop_word
         assert o["text"] == text[:cut] and o["token_ids"] == greedy[:consumed]
         assert [lp["token_id"] for lp in o["logprobs"]] == o["token_ids"] and len(o["logprobs"][0]["top"]) == 2
+    # The engine saw an abort (the stop string is found outside it); the summary says why.
+    summary = final_json(out)["summary"]
+    assert [(e["request_id"], e["state"], e.get("stop_string")) for e in summary] == [
+        ("r0#0", "ABORTED", stop_word),
+        ("r0#1", "ABORTED", stop_word),
+    ]
     rc, out, err = call([*argv, "--stop-token-id", str(greedy[2])], capsys)
     (o,) = final_json(out)["outputs"]
     end = greedy.index(greedy[2]) + 1
@@ -82,6 +88,19 @@ def test_generate_text_view_shows_samples_and_logprobs(tiny_dir, capsys) -> None
     assert any(line.startswith("[0] " + PROMPT) for line in lines) and any(line.startswith("[1] ") for line in lines)
     assert sum("rank" in line for line in lines) == 6
     assert lines[-1].startswith("6 token(s)") and lines[-1].endswith("finished length, length")
+
+
+def test_the_trace_line_shows_a_stop_string_abort(tiny_dir, capsys) -> None:
+    """A new user saw an empty ``step 2`` line: the compact trace left out ``aborted``."""
+    path, hf = tiny_dir
+    greedy = hf_greedy(hf, PROMPT_IDS, 4)
+    rc, out, err = call(
+        ["generate", PROMPT, "--model", str(path), "--max-tokens", "6", "--stop", f"w{greedy[1]}"], capsys
+    )
+    assert rc == 0, err
+    steps = [line for line in out.splitlines() if line.startswith("step")]
+    assert steps[-1].endswith("aborted r0"), steps
+    assert all(len(line.split()) > 2 for line in steps), steps
 
 
 def test_generate_chat_applies_the_template(tiny_dir, capsys) -> None:

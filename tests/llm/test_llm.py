@@ -121,6 +121,11 @@ def test_bad_sampling_params_fail_at_construction(kwargs: dict, message: str) ->
 def test_wrong_call_shapes_fail_at_once(llm: LLM) -> None:
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompt"):
         llm.generate(["w1", "w2", "w3"], [GREEDY, GREEDY], use_tqdm=False)
+    # A new user's trial: a string here was read as 9 SamplingParams.
+    with pytest.raises(TypeError, match="must be SamplingParams or a list of them, got str"):
+        llm.generate("w1", "notparams", use_tqdm=False)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="got a dict in it"):
+        llm.generate(["w1"], [{"temperature": 0}], use_tqdm=False)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="a prompt must be a string or a list of token ids"):
         llm.generate([[1, 2], 3.5], use_tqdm=False)
     assert llm.generate([], use_tqdm=False) == []

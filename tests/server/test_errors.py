@@ -108,6 +108,9 @@ def test_out_of_range_values_are_400_naming_the_field(tiny_server, field: str, v
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"max_completion_tokens": -5}, "max_completion_tokens"),
         ({"logprobs": 1}, "logprobs"),
+        # A new user's trial: a user message without content was answered 200.
+        ({"messages": [{"role": "user"}]}, "messages.0"),
+        ({"messages": [{"role": "system", "content": None}, {"role": "user", "content": "w1"}]}, "messages.0"),
     ],
 )
 def test_bad_chat_bodies_are_400(tiny_server, body: dict[str, Any], param: str | None) -> None:

@@ -51,6 +51,15 @@ def test_render_is_prometheus_text_with_every_family_typed_once() -> None:
     assert snap["generation_tokens"] == 2 and snap["itl_count"] == 2 and snap["ttft_count"] == 1
 
 
+def test_a_preemption_counts_only_when_computed_state_is_dropped() -> None:
+    """A new user saw 185 preemptions for 12 requests: m05 N9 also "preempts" page-less victims every step."""
+    m = ServingMetrics("m")
+    m.observe_step(record(preempted=("a", "b", "c")), {}, computed_before={"a": 7, "c": 0})
+    assert m.snapshot()["preemptions"] == 1
+    m.observe_step(record(preempted=("a", "b")), {})
+    assert m.snapshot()["preemptions"] == 3
+
+
 def test_speculative_drafts_are_counted(make_llm, reference) -> None:
     prompt = [1, 2, 3] * 6
 

@@ -48,8 +48,9 @@ def test_viz_draws_a_trace_document_and_a_json_trace(cli: Cli, tmp_path: Path) -
     result = cli("viz", str(doc), "--html", str(out["a.html"]), "--png", str(out["a.png"]), "--svg", str(out["a.svg"]))
     assert result.code == 0 and all(path.stat().st_size > 1000 for path in out.values())
     lines = cli("demo", "--json", "--explain").out
-    result = cli("viz", "-", "--html", str(tmp_path / "b.html"), stdin=lines)
+    result = cli("viz", "-", "--html", str(tmp_path / "b.html"), "--png", str(tmp_path / "b.png"), stdin=lines)
     assert result.code == 0
+    assert "the timeline (the trace has no pool)" in result.err
     assert "holds the steps, not the page pool" in (tmp_path / "b.html").read_text()
 
 
@@ -76,6 +77,10 @@ def test_run_writes_the_steps_of_a_failed_run_before_the_error(cli: Cli, spec_pa
         (("demo", "--plot", "out.gif"), "--plot out.gif: the file must end in .png, .svg or .pdf"),
         (("run", "--request", "a:4:2", "--plot", "out.jpg"), "--plot out.jpg"),
         (("viz",), "the following arguments are required: TRACE"),
+        # A new user's trial: PNG bytes were written under x.jpg, SVG under x.png.
+        (("viz", "{trace}", "--png", "x.jpg"), "--png x.jpg: the file must end in .png"),
+        (("viz", "{trace}", "--svg", "x.png"), "--svg x.png: the file must end in .svg"),
+        (("viz", "{trace}", "--html", "x.txt"), "--html x.txt: the file must end in .html"),
     ],
 )
 def test_problems_are_one_error_line(cli: Cli, tmp_path: Path, argv: tuple[str, ...], words: str) -> None:
