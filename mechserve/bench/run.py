@@ -109,7 +109,16 @@ def machine() -> dict[str, Any]:
         "memory_bytes": mem,
         "platform": platform.platform(),
         "python": sys.version.split()[0],
+        "load_average_at_start": _loadavg(),
     }
+
+
+def _loadavg() -> list[float] | None:
+    """1/5/15-minute load averages: a shared machine's other work skews every timing, so it is recorded."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def versions() -> dict[str, str | None]:
@@ -169,6 +178,11 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from mechserve.bench.roofline import linear_params, roofline
     from mechserve.bench.workloads import make_workload
 
+    if not args.no_plots:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise OSError("the plots need matplotlib: pip install 'mechserve[viz]', or pass --no-plots")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     threads = configure_threads()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -258,6 +272,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     _say(_line(wname, record))
         _compare(entry)
     results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    results["machine"]["load_average_at_end"] = _loadavg()
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     if not args.no_plots:
         from mechserve.bench.plots import write_plots
