@@ -90,7 +90,8 @@ def plot_step_times(series: dict[str, list[float]], path: Path) -> Path:
     for label, times in series.items():
         ax.plot([1000 * t for t in times], label=label, lw=0.8)
     ax.set_xlabel("step")
-    ax.set_ylabel("step time (ms)")
+    ax.set_ylabel("step time (ms, log scale)")
+    ax.set_yscale("log")
     ax.set_title("m12 with the scripted executor: step time against step")
     ax.legend(fontsize=8)
     fig.tight_layout()

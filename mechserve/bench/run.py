@@ -61,6 +61,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _size(text: str) -> tuple[str, object]:
+    """``KEY=N`` or ``KEY=LO,HI`` (a range), positive integers (a float for ``rate``)."""
+    key, sep, value = text.partition("=")
+    try:
+        if not sep or not key:
+            raise ValueError
+        parts = [float(v) if key == "rate" else int(v) for v in value.split(",")]
+        if len(parts) not in (1, 2) or any(p <= 0 for p in parts):
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected KEY=N or KEY=LO,HI with positive numbers, got {text!r}") from None
+    return key, (parts[0] if len(parts) == 1 else tuple(parts))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add(
@@ -78,6 +92,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--mode", type=_choices("mode", MODE_NAMES), default=["exact"], help="exact (fp32), fast (bf16) or exact,fast")
     add("--model", default="smollm2", help="'smollm2' (embedded, default) or a local Hugging Face model directory")
     add("--quick", action="store_true", help="small sizes: about a minute for everything on 2 CPU cores")
+    add(
+        "--size",
+        type=_size,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a workload size, e.g. num=16, prompt_range=64,512, output_len=32 (repeatable; "
+        "see mechserve.bench.workloads.SIZES)",
+    )
     add("--out", type=Path, default=Path("bench-results"), help="directory for results.json and the plots")
     add("--seed", type=int, default=0, help="workload seed (default 0)")
     add("--max-step-tokens", type=_positive_int, default=512, help="mechserve's per-step budget (default 512)")
@@ -176,13 +199,18 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from mechserve.bench import engines as eng
     from mechserve.bench.metrics import latency_summary, useful_flops
     from mechserve.bench.roofline import linear_params, roofline
-    from mechserve.bench.workloads import make_workload
+    from mechserve.bench.workloads import SIZES, make_workload
 
     if not args.no_plots:
         import importlib.util
 
         if importlib.util.find_spec("matplotlib") is None:
             raise OSError("the plots need matplotlib: pip install 'mechserve[viz]', or pass --no-plots")
+    from mechserve.bench.workloads import SIZES as known
+
+    unknown = sorted({k for k, _ in args.size} - {k for w in args.workload for k in known[w]["full"]})
+    if unknown:
+        raise ValueError(f"no workload of {', '.join(args.workload)} has the size(s) {', '.join(unknown)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     threads = configure_threads()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -236,7 +264,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     flops_args = (linear_params(model0), a.num_heads * a.head_dim, a.num_layers, a.hidden_size * a.vocab_size)
     hf_runners: dict[str, Any] = {}
     for wname in args.workload:
-        workload = make_workload(wname, a.vocab_size, quick=args.quick, seed=args.seed)
+        sizes = {k: v for k, v in args.size if k in SIZES[wname]["full"]}
+        workload = make_workload(wname, a.vocab_size, quick=args.quick, seed=args.seed, **sizes)
         entry: dict[str, Any] = {"params": _jsonable(workload.params), "runs": [], "skipped": []}
         results["workloads"][wname] = entry
         if wname == "serve":

@@ -8,12 +8,16 @@ step-time profile (mean over the first and the last tenth of the steps: flat mea
 not grow with the number of requests ever submitted) and a digest of the trace (every field but
 ``explain``), compared with the trace of ``--reference`` (default m11, the rung below, which must
 decide identically on these workloads; ``none`` skips it).  ``--out DIR`` writes
-``spec-scale.json`` and ``spec-step-times.png``.  Top-level imports: standard library only.
+``spec-scale.json`` and ``spec-step-times.png``.  The time Python's cyclic garbage collector takes
+is reported apart (``--no-gc`` turns it off): its full passes scan every live object, so they grow
+with all requests and records kept, and show as the periodic spikes of the step-time plot.
+Top-level imports: standard library only.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import random
@@ -42,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--reference", default="m11", help="rung whose trace must be identical (default m11; 'none' to skip)")
     add("--seed", type=int, default=0, help="seed of the generated variants (default 0)")
     add("--out", type=Path, default=None, help="directory for spec-scale.json and spec-step-times.png")
+    add(
+        "--no-gc",
+        action="store_true",
+        help="disable Python's cyclic garbage collector during each run (its full passes scan every live object)",
+    )
 
 
 def generate_case(num: int, engine: dict[str, Any], seed: int = 0) -> dict[str, Any]:
@@ -73,29 +82,51 @@ def trace_digest(records: list[Any]) -> str:
     return h.hexdigest()
 
 
-def run_rung(rung_name: str, case: dict[str, Any]) -> dict[str, Any]:
-    """Run ``rung_name`` on ``case``; wall seconds, per-step seconds and the trace digest."""
+def run_rung(rung_name: str, case: dict[str, Any], collect: bool = True) -> dict[str, Any]:
+    """Run ``rung_name`` on ``case``; wall seconds, per-step seconds, the trace digest, and the time the
+    cyclic garbage collector took (``gc_seconds``, ``gc_full_passes``: generation-2 passes, whose cost
+    grows with every object alive, requests and records included).  ``collect=False`` disables it."""
     from mechserve.workload import build_engine, load_rung, load_workload
 
     engine = build_engine(load_rung(rung_name), load_workload(json.dumps(case)))
     times: list[float] = []
     last = [time.perf_counter()]
+    gc_time = [0.0, 0.0, 0]  # seconds, start of the running pass, full passes
 
     def on_step(_record: Any) -> None:
         now = time.perf_counter()
         times.append(now - last[0])
         last[0] = now
 
-    start = time.perf_counter()
-    last[0] = start
-    records = engine.run(on_step=on_step)
-    wall = time.perf_counter() - start
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_time[1] = time.perf_counter()
+        else:
+            gc_time[0] += time.perf_counter() - gc_time[1]
+            gc_time[2] += info["generation"] == 2
+
+    was_enabled = gc.isenabled()
+    gc.collect()
+    if not collect:
+        gc.disable()
+    gc.callbacks.append(on_gc)
+    try:
+        start = time.perf_counter()
+        last[0] = start
+        records = engine.run(on_step=on_step)
+        wall = time.perf_counter() - start
+    finally:
+        gc.callbacks.remove(on_gc)
+        if was_enabled:
+            gc.enable()
     return {
         "rung": rung_name,
         "seconds": wall,
         "steps": len(records),
         "step_times": times,
         "digest": trace_digest(records),
+        "gc_seconds": gc_time[0],
+        "gc_full_passes": int(gc_time[2]),
     }
 
 
@@ -118,15 +149,15 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise CliError(f"cannot read the scale case {path}: {exc}") from None
     reference = None if args.reference == "none" else args.reference
-    report: dict[str, Any] = {"case": str(path), "reference": reference, "sizes": {}}
+    report: dict[str, Any] = {"case": str(path), "reference": reference, "gc": not args.no_gc, "sizes": {}}
     series: dict[str, list[float]] = {}
     ok = True
     for size in args.sizes:
         n = SIZES[size]
         case = base if n == len(base["requests"]) else generate_case(n, base["engine"], args.seed)
         try:
-            top = run_rung("m12", case)
-            ref = run_rung(reference, case) if reference and n <= 10_000 else None
+            top = run_rung("m12", case, collect=not args.no_gc)
+            ref = run_rung(reference, case, collect=not args.no_gc) if reference and n <= 10_000 else None
         except ValueError as exc:  # an unknown reference rung, a bad case
             raise CliError(f"bench spec: {exc}") from None
         entry = {
@@ -147,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
             else f", trace {'identical to' if entry['identical_to_reference'] else 'DIFFERS from'} {reference} ({ref['seconds']:.2f} s)"
         )
         print(
-            f"m12 {size}: {top['seconds']:.2f} s, {top['steps']} steps, step {entry['first_tenth_mean_ms']:.2f} ms "
+            f"m12 {size}: {top['seconds']:.2f} s ({top['gc_seconds']:.2f} s in the garbage collector, "
+            f"{top['gc_full_passes']} full passes), {top['steps']} steps, step {entry['first_tenth_mean_ms']:.2f} ms "
             f"(first tenth) -> {entry['last_tenth_mean_ms']:.2f} ms (last tenth){same}",
             flush=True,
         )

@@ -51,7 +51,9 @@ def _bench(tmp_path: Path, tiny_dir: Path, *extra: str) -> dict:
 
 
 def test_bench_run_quick_end_to_end(tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    doc = _bench(tmp_path, tiny_dir, "--workload", "throughput,prefix", "--engine", "mechserve,hf,llama-cpp")
+    doc = _bench(
+        tmp_path, tiny_dir, "--workload", "throughput,prefix", "--engine", "mechserve,hf,llama-cpp", "--size", "num=6"
+    )
     err = capsys.readouterr().err
     assert "llama-cpp skipped" in err and "llama-cpp-python" in err
     assert doc["skipped"][0]["engine"] == "llama-cpp"
@@ -60,6 +62,7 @@ def test_bench_run_quick_end_to_end(tmp_path: Path, tiny_dir: Path, capsys: pyte
     roof = doc["roofline"]["exact"]
     assert roof["matmul"]["peak_gflops"] > 0 and roof["prefill"]["mfu"] > 0 and roof["decode"]["mfu"] > 0
     runs = doc["workloads"]["throughput"]["runs"]
+    assert doc["workloads"]["throughput"]["params"]["num"] == 6 and runs[0]["metrics"]["completed"] == 6
     assert {(r["engine"], r["mode"]) for r in runs} == {("mechserve", "exact"), ("hf", "exact")}
     for r in runs:
         assert r.keys() >= RUN_FIELDS and r["metrics"].keys() >= METRICS
@@ -110,6 +113,8 @@ def test_bench_spec_on_1k_matches_the_reference_rung(tmp_path: Path, capsys: pyt
         ["bench", "run", "--workload", "bogus"],
         ["bench", "run", "--mode", "turbo"],
         ["bench", "run", "--max-step-tokens", "0"],
+        ["bench", "run", "--size", "num=0"],
+        ["bench", "run", "--size", "nope=3", "--no-plots"],
         ["bench", "spec", "--sizes", "5k"],
         ["bench", "spec", "--reference", "m99", "--sizes", "1k"],
     ],
