@@ -105,7 +105,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="workload seed (default 0)")
     add("--max-step-tokens", type=_positive_int, default=512, help="mechserve's per-step budget (default 512)")
     add(
-        "--hf-batch-size", type=_positive_int, default=None, help="hf static batch size (default: all requests, max 32)"
+        "--hf-batch-size",
+        type=_positive_int,
+        default=None,
+        help="hf static batch size (default: all requests in one batch)",
+    )
+    add(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch intra-op threads for every engine (default: one per usable CPU). On a machine shared "
+        "with other busy processes, 1 avoids OpenMP threads waiting on each other at every barrier",
     )
     add("--no-roofline", action="store_true", help="skip the matmul-peak / prefill / decode MFU probes")
     add("--no-plots", action="store_true", help="write results.json only")
@@ -213,6 +223,11 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"no workload of {', '.join(args.workload)} has the size(s) {', '.join(unknown)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     threads = configure_threads()
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        threads = torch.get_num_threads()
     args.out.mkdir(parents=True, exist_ok=True)
     path = resolve_model(args.model)
     results: dict[str, Any] = {

@@ -114,6 +114,7 @@ def test_bench_spec_on_1k_matches_the_reference_rung(tmp_path: Path, capsys: pyt
         ["bench", "run", "--mode", "turbo"],
         ["bench", "run", "--max-step-tokens", "0"],
         ["bench", "run", "--size", "num=0"],
+        ["bench", "run", "--threads", "0"],
         ["bench", "run", "--size", "nope=3", "--no-plots"],
         ["bench", "spec", "--sizes", "5k"],
         ["bench", "spec", "--reference", "m99", "--sizes", "1k"],
