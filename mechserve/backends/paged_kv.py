@@ -29,7 +29,7 @@ repeated.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -60,8 +60,6 @@ class AttentionGroup:
     and the flat rows they go to (None with ``rows``); ``kv_slots``:
     [B * Cmax] int64 context slots (padding points at slot 0 and is masked);
     ``masks``: window (None = full causal) -> [B, 1, G * Qmax, Cmax] bool.
-    ``additive``: the same masks as 0 / -inf in an activation dtype, made by ``additive_mask`` on
-    the first layer that asks and reused by the others.
     """
 
     batch: int
@@ -72,21 +70,6 @@ class AttentionGroup:
     dst: torch.Tensor | None
     kv_slots: torch.Tensor
     masks: dict[int | None, torch.Tensor]
-    additive: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
-
-    def additive_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """``masks[window]`` as an additive float mask (0 where attended, -inf elsewhere), built once per step.
-
-        SDPA turns a bool mask into this float mask itself, on every call: once per layer.  Passing
-        the float mask gives bitwise the same output (checked for float32 and bfloat16 on CPU) and
-        saves that conversion: 32-44 vs 52 ms per layer at decode batch 64, context 300, float32.
-        """
-        key = (window, dtype)
-        mask = self.additive.get(key)
-        if mask is None:
-            mask = torch.zeros(self.masks[window].shape, dtype=dtype).masked_fill_(~self.masks[window], float("-inf"))
-            self.additive[key] = mask
-        return mask
 
 
 @dataclass(slots=True)
@@ -246,9 +229,7 @@ def paged_attention(
         kc, vc = cache.gather(layer, grp.kv_slots)  # [B * Cmax, KV, D]
         kc = kc.view(b, cl, kv_heads, head_dim).transpose(1, 2)  # [B, KV, Cmax, D]
         vc = vc.view(b, cl, kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            qg, kc.to(q.dtype), vc.to(q.dtype), attn_mask=grp.additive_mask(window, q.dtype), scale=scale
-        )
+        o = F.scaled_dot_product_attention(qg, kc.to(q.dtype), vc.to(q.dtype), attn_mask=grp.masks[window], scale=scale)
         o = o.view(b, kv_heads, g, ql, head_dim).permute(0, 3, 1, 2, 4).reshape(b * ql, num_heads * head_dim)
         if grp.rows is None:
             out.copy_(o)
