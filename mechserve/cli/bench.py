@@ -11,9 +11,19 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "benchmarks (serve: drive a running server with Poisson arrivals)"
+HELP = "benchmarks (run: engines side by side; spec: the spec engine at scale; serve: Poisson client)"
 # (subcommand, module, help)
 BENCHMARKS = (
+    (
+        "run",
+        "mechserve.bench.run",
+        "workloads x engines (mechserve, hf, optional others) x modes side by side: JSON results, MFU, plots",
+    ),
+    (
+        "spec",
+        "mechserve.bench.spec_scale",
+        "the top rung with the scripted executor on 1k/10k/100k requests: time, step-time profile, trace identity",
+    ),
     (
         "serve",
         "mechserve.bench.serve_client",

@@ -1,0 +1,451 @@
+"""``mechserve bench run``: workloads x engines x modes side by side in one process, JSON results and plots.
+
+::
+
+    mechserve bench run [--workload throughput,latency,prefix,spec,serve|all] [--engine mechserve,hf,...]
+                        [--mode exact,fast] [--quick] [--out DIR] [--model M] [--seed N]
+
+Modes: ``exact`` (float32 weights and KV, the mode checked token for token against transformers)
+and ``fast`` (bfloat16 weights and KV; each fast run reports how far its greedy output stays equal
+to the same engine's exact run).  Every engine runs each workload of ``workloads`` (see there),
+after a warm-up, in this process; ``--engine`` names an optional engine that is not installed:
+it is skipped with a line on stderr saying why.  Besides the runs, the machine's roofline
+(``roofline``) is measured in each mode and reported with prefill and decode MFU.
+
+``DIR/results.json`` holds the machine, versions, git commit, arguments, every run (vLLM-named
+metrics, peak RSS, MFU of the wanted work, engine-side figures from the m12 trace) and the
+comparisons (mechserve / hf ratios, fast-vs-exact agreement); ``DIR/*.png`` the plots.  A one-line
+summary per run goes to stdout.  The top level imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mechserve.bench.workloads import WORKLOADS
+
+ENGINE_NAMES = ("mechserve", "hf", "llama-cpp", "vllm")
+MODE_NAMES = ("exact", "fast")
+
+
+def _choices(kind: str, allowed: tuple[str, ...], all_value: tuple[str, ...] | None = None) -> Any:
+    def convert(text: str) -> list[str]:
+        if all_value is not None and text == "all":
+            return list(all_value)
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {kind} {', '.join(bad) or repr(text)}; choose from {', '.join(allowed)}"
+            )
+        return list(dict.fromkeys(names))
+
+    return convert
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def _size(text: str) -> tuple[str, object]:
+    """``KEY=N`` or ``KEY=LO,HI`` (a range), positive integers (a float for ``rate``)."""
+    key, sep, value = text.partition("=")
+    try:
+        if not sep or not key:
+            raise ValueError
+        parts = [float(v) if key == "rate" else int(v) for v in value.split(",")]
+        if len(parts) not in (1, 2) or any(p <= 0 for p in parts):
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected KEY=N or KEY=LO,HI with positive numbers, got {text!r}") from None
+    return key, (parts[0] if len(parts) == 1 else tuple(parts))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "--workload",
+        type=_choices("workload", WORKLOADS, WORKLOADS),
+        default=["throughput"],
+        help=f"comma-separated, or 'all': {', '.join(WORKLOADS)} (default throughput)",
+    )
+    add(
+        "--engine",
+        type=_choices("engine", ENGINE_NAMES),
+        default=["mechserve", "hf"],
+        help=f"comma-separated: {', '.join(ENGINE_NAMES)} (default mechserve,hf; absent optional ones are skipped)",
+    )
+    add("--mode", type=_choices("mode", MODE_NAMES), default=["exact"], help="exact (fp32), fast (bf16) or exact,fast")
+    add("--model", default="smollm2", help="'smollm2' (embedded, default) or a local Hugging Face model directory")
+    add("--quick", action="store_true", help="small sizes: about a minute for everything on 2 CPU cores")
+    add(
+        "--size",
+        type=_size,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a workload size, e.g. num=16, prompt_range=64,512, output_len=32 (repeatable; "
+        "see mechserve.bench.workloads.SIZES)",
+    )
+    add("--out", type=Path, default=Path("bench-results"), help="directory for results.json and the plots")
+    add("--seed", type=int, default=0, help="workload seed (default 0)")
+    add("--max-step-tokens", type=_positive_int, default=512, help="mechserve's per-step budget (default 512)")
+    add(
+        "--hf-batch-size",
+        type=_positive_int,
+        default=None,
+        help="hf static batch size (default: all requests in one batch)",
+    )
+    add(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch intra-op threads for every engine (default: one per usable CPU). On a machine shared "
+        "with other busy processes, 1 avoids OpenMP threads waiting on each other at every barrier",
+    )
+    add("--no-roofline", action="store_true", help="skip the matmul-peak / prefill / decode MFU probes")
+    add("--no-plots", action="store_true", help="write results.json only")
+
+
+def machine() -> dict[str, Any]:
+    """What ran the benchmark: CPU model, cores usable, memory, OS, Python."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        mem = None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu": cpu,
+        "cpus": cpus,
+        "memory_bytes": mem,
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "load_average_at_start": _loadavg(),
+    }
+
+
+def _loadavg() -> list[float] | None:
+    """1/5/15-minute load averages: a shared machine's other work skews every timing, so it is recorded."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for pkg in ("mechserve", "torch", "transformers", "numpy", "llama-cpp-python", "vllm"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def git_commit() -> dict[str, Any]:
+    """HEAD of the checkout mechserve runs from, and whether the tree has changes (None outside git)."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {"commit": None, "dirty": None}
+    if head.returncode:
+        return {"commit": None, "dirty": None}
+    return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+
+
+def run(args: argparse.Namespace) -> int:
+    from mechserve.cli.errors import CliError
+
+    try:
+        results = benchmark(args)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"bench run: {type(exc).__name__}: {exc}") from None
+    print(f"results: {args.out / 'results.json'}", file=sys.stderr)
+    return 0 if results else 2
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+    """How far output lists ``b`` stay equal to ``a``: share of identical requests, mean common-prefix share."""
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = []
+    for x, y in zip(a, b):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        prefix.append(n / max(len(x), 1))
+    return {"identical_requests": same / len(a), "mean_common_prefix": sum(prefix) / len(prefix)}
+
+
+def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Run everything ``args`` asks for; write ``results.json`` (and plots) into ``args.out``; return the document."""
+    from mechserve.backends.engine import configure_threads
+    from mechserve.backends.models import load_model, resolve_model
+    from mechserve.bench import engines as eng
+    from mechserve.bench.metrics import latency_summary, useful_flops
+    from mechserve.bench.roofline import linear_params, roofline
+    from mechserve.bench.workloads import SIZES, make_workload
+
+    if not args.no_plots:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise OSError("the plots need matplotlib: pip install 'mechserve[viz]', or pass --no-plots")
+    from mechserve.bench.workloads import SIZES as known
+
+    unknown = sorted({k for k, _ in args.size} - {k for w in args.workload for k in known[w]["full"]})
+    if unknown:
+        raise ValueError(f"no workload of {', '.join(args.workload)} has the size(s) {', '.join(unknown)}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    threads = configure_threads()
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        threads = torch.get_num_threads()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = resolve_model(args.model)
+    results: dict[str, Any] = {
+        "machine": {**machine(), "torch_threads": threads},
+        "versions": versions(),
+        "git": git_commit(),
+        "args": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if isinstance(v, (str, int, float, bool, list, Path, type(None))) and k != "benchmark_module"
+        },
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "roofline": {},
+        "workloads": {},
+        "skipped": [],
+    }
+    optional = {n: eng.OptionalRunner(n) for n in args.engine if n in ("llama-cpp", "vllm")}
+    for name, runner in optional.items():
+        reason = runner.available()
+        if reason:
+            print(reason, file=sys.stderr)
+            results["skipped"].append({"engine": name, "reason": reason})
+    loaded: dict[str, Any] = {}
+    peaks: dict[str, float] = {}
+    for mode in args.mode:
+        loaded[mode] = load_model(
+            str(args.model), dtype=eng.MODES[mode], tokenizer=False
+        )  # ids in, ids out (hf detokenizes nothing either)
+        if not args.no_roofline:
+            q = args.quick
+            r = roofline(
+                loaded[mode].model,
+                prompt_len=128 if q else 512,
+                decode_batch=8 if q else 64,
+                decode_context=64 if q else 300,
+                repeats=2 if q else 3,
+            )
+            results["roofline"][mode] = r
+            peaks[mode] = r["matmul"]["peak_gflops"]
+            _say(
+                f"roofline {mode}: matmul peak {r['matmul']['peak_gflops']:.0f} GFLOP/s; prefill "
+                f"{r['prefill']['prompt_len']} tokens {r['prefill']['seconds'] * 1000:.0f} ms (MFU "
+                f"{r['prefill']['mfu']:.0%}); decode batch {r['decode']['batch']} ctx {r['decode']['context']} "
+                f"{r['decode']['tokens_per_s']:.0f} tok/s (MFU {r['decode']['mfu']:.0%}, "
+                f"{r['decode']['read_gb_per_s']:.1f} GB/s read)"
+            )
+    model0 = next(iter(loaded.values())).model
+    a = model0.arch
+    flops_args = (linear_params(model0), a.num_heads * a.head_dim, a.num_layers, a.hidden_size * a.vocab_size)
+    hf_runners: dict[str, Any] = {}
+    for wname in args.workload:
+        sizes = {k: v for k, v in args.size if k in SIZES[wname]["full"]}
+        workload = make_workload(wname, a.vocab_size, quick=args.quick, seed=args.seed, **sizes)
+        entry: dict[str, Any] = {"params": _jsonable(workload.params), "runs": [], "skipped": []}
+        results["workloads"][wname] = entry
+        if wname == "serve":
+            _serve(args, workload, entry)
+            continue
+        for mode in args.mode:
+            for ename in args.engine:
+                if ename in optional:
+                    continue
+                if ename == "hf":
+                    if mode not in hf_runners:
+                        hf_runners[mode] = eng.HFRunner(path, mode, batch_size=args.hf_batch_size)
+                    runner: Any = hf_runners[mode]
+                else:
+                    runner = eng.MechserveRunner(loaded[mode], mode, max_step_tokens=args.max_step_tokens)
+                for variant in runner.variants(workload):
+                    res = runner.run(workload, variant)
+                    metrics = latency_summary(res.timings, res.duration)
+                    flops = sum(useful_flops(len(r.prompt_ids), r.max_tokens, *flops_args) for r in workload.requests)
+                    record = {
+                        "engine": res.engine,
+                        "variant": res.variant,
+                        "mode": res.mode,
+                        "settings": res.settings,
+                        "metrics": metrics,
+                        "peak_rss_bytes": res.peak_rss_bytes,
+                        "useful_gflops_per_s": flops / res.duration / 1e9,
+                        "mfu": (flops / res.duration / 1e9 / peaks[mode]) if mode in peaks else None,
+                        "engine_stats": res.engine_stats,
+                        "outputs": res.outputs,
+                    }
+                    entry["runs"].append(record)
+                    _say(_line(wname, record))
+        _compare(entry)
+    results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    results["machine"]["load_average_at_end"] = _loadavg()
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    if not args.no_plots:
+        from mechserve.bench.plots import write_plots
+
+        for p in write_plots(results, args.out):
+            print(f"plot: {p}", file=sys.stderr)
+    return results
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _line(workload: str, r: dict[str, Any]) -> str:
+    m, s = r["metrics"], r["engine_stats"] or {}
+    extra = ""
+    if s:
+        extra = (
+            f" | steps {s['steps']}, {s['tokens_per_step']:.0f} tok/step, prefill computed {s['prefill_tokens_computed']}"
+            f", sched {100 * (s['scheduler_fraction'] or 0):.1f}%"
+        )
+        if s["acceptance_rate"] is not None:
+            extra += f", accept {s['acceptance_rate']:.0%}"
+    rss = r["peak_rss_bytes"]
+    return (
+        f"{workload:10s} {r['engine']:9s} {r['mode']:5s} {r['variant']:15s} "
+        f"{m['output_throughput']:7.1f} out tok/s {m['total_token_throughput']:7.1f} tot tok/s "
+        f"TTFT p50 {m['p50_ttft_ms']:.0f} ms TPOT p50 {m['p50_tpot_ms'] or 0:.1f} ms E2E p50 {m['p50_e2el_ms']:.0f} ms "
+        f"RSS {(rss or 0) / 2**20:.0f} MiB{extra}"
+    )
+
+
+def _compare(entry: dict[str, Any]) -> None:
+    """Ratios of mechserve's output throughput over hf's per mode, and fast-vs-exact / engine agreement."""
+    runs = entry["runs"]
+    cmp: dict[str, Any] = {}
+    by = {(r["engine"], r["mode"], r["variant"]): r for r in runs}
+    for (engine, mode, variant), r in by.items():
+        hf = by.get(("hf", "exact", "default"))
+        if engine == "mechserve" and hf:
+            key = f"mechserve[{mode},{variant}]/hf[exact]"
+            cmp[key] = r["metrics"]["output_throughput"] / hf["metrics"]["output_throughput"]
+        exact = by.get((engine, "exact", variant))
+        if mode == "fast" and exact:
+            cmp[f"{engine}[{variant}] fast vs exact greedy agreement"] = _agreement(exact["outputs"], r["outputs"])
+        hf_same = by.get(("hf", mode, "default"))
+        if engine == "mechserve" and hf_same:
+            cmp[f"mechserve[{mode},{variant}] vs hf[{mode}] greedy agreement"] = _agreement(
+                hf_same["outputs"], r["outputs"]
+            )
+    entry["comparisons"] = cmp
+    for k, v in cmp.items():
+        _say(f"  {k}: {v if isinstance(v, dict) else f'{v:.2f}x'}")
+
+
+def _serve(args: argparse.Namespace, workload: Any, entry: dict[str, Any]) -> None:
+    """Poisson arrivals against a ``mechserve serve`` started here (mechserve only: hf has no server)."""
+    import asyncio
+    import socket
+
+    from mechserve.bench import serve_client
+
+    for e in args.engine:
+        if e != "mechserve":
+            msg = f"{e} skipped on the serve workload: only mechserve has a server here"
+            print(msg, file=sys.stderr)
+            entry["skipped"].append({"engine": e, "reason": msg})
+    if "mechserve" not in args.engine:
+        return
+    p = workload.params
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for mode in args.mode:
+        dtype = "float32" if mode == "exact" else "bfloat16"
+        cmd = [
+            sys.executable,
+            "-m",
+            "mechserve.cli.main",
+            "serve",
+            "--model",
+            str(args.model),
+            "--port",
+            str(port),
+            "--dtype",
+            dtype,
+        ]
+        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            _wait_healthy(port, server)
+            config = serve_client.BenchConfig(
+                url=f"http://127.0.0.1:{port}",
+                rate=float(p["rate"]),
+                num_requests=int(p["num"]),
+                input_len=int(p["prompt_len"]),
+                output_len=int(p["output_len"]),
+                seed=args.seed,
+            )
+            report = asyncio.run(serve_client.benchmark(config))
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        entry["serve_reports"] = [*entry.get("serve_reports", []), {"engine": "mechserve", "mode": mode, **report}]
+        _say(
+            f"serve      mechserve {mode:5s} rate {p['rate']}/s: {report['completed']} done, "
+            f"{report['output_throughput']:.1f} out tok/s, TTFT p50 {report['p50_ttft_ms'] or 0:.0f} ms, "
+            f"ITL p50 {report['p50_itl_ms'] or 0:.0f} ms"
+        )
+
+
+def _wait_healthy(port: int, server: subprocess.Popen[str], timeout: float = 180.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            err = (server.stderr.read() if server.stderr else "").strip().splitlines()
+            raise OSError(f"mechserve serve exited with {server.returncode}: {err[-1] if err else ''}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise OSError(f"mechserve serve did not become healthy within {timeout:.0f} s")

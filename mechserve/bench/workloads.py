@@ -1,0 +1,118 @@
+"""The harness's workloads: seeded lists of token-id prompts with fixed output lengths (standard library only).
+
+Every request ignores EOS, so it produces exactly ``max_tokens`` wanted tokens on every engine.
+Prompt ids are drawn from ``[low_id, vocab_size)`` (ordinary tokens: SmolLM2's specials are the
+first ids).
+
+* ``throughput``: ``num`` requests submitted at once; prompt lengths uniform in ``prompt_range``,
+  output lengths uniform in ``output_range`` (both inclusive).  The issue's mixed workload is 32
+  requests, prompts 64-512, outputs 32-256.
+* ``latency``: ``num`` requests run one after another (batch 1), prompt ``prompt_len``, output
+  ``output_len``.
+* ``prefix``: ``num`` requests sharing one ``system_len``-token system prompt, each followed by its
+  own ``suffix_len`` tokens, all submitted at once.
+* ``spec``: copy-heavy prompts for speculative decoding: a random passage repeated ``repeats`` times,
+  so that the continuation tends to copy it (prompt lookup finds its guesses in the prompt).
+* ``serve``: Poisson arrivals (``rate`` requests/s) of ``num`` requests against ``mechserve serve``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+WORKLOADS = ("throughput", "latency", "prefix", "spec", "serve")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    """One request: prompt ids and the exact number of output tokens wanted."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """A named list of requests; ``sequential`` runs them one at a time (batch 1).  ``params`` records
+    the sizes it was generated from (for the results file)."""
+
+    name: str
+    requests: tuple[BenchRequest, ...]
+    sequential: bool = False
+    params: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.prompt_ids) for r in self.requests)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.max_tokens for r in self.requests)
+
+
+# Full sizes (the issue's targets) and --quick sizes (about a minute for everything on 2 CPU cores).
+SIZES: dict[str, dict[str, dict[str, object]]] = {
+    "throughput": {
+        "full": {"num": 32, "prompt_range": (64, 512), "output_range": (32, 256)},
+        "quick": {"num": 8, "prompt_range": (16, 64), "output_range": (8, 24)},
+    },
+    "latency": {
+        "full": {"num": 3, "prompt_len": 512, "output_len": 64},
+        "quick": {"num": 2, "prompt_len": 64, "output_len": 16},
+    },
+    "prefix": {
+        "full": {"num": 32, "system_len": 1024, "suffix_len": 32, "output_len": 32},
+        "quick": {"num": 8, "system_len": 128, "suffix_len": 8, "output_len": 8},
+    },
+    "spec": {
+        "full": {"num": 8, "passage_len": 64, "repeats": 4, "output_len": 128},
+        "quick": {"num": 4, "passage_len": 16, "repeats": 3, "output_len": 16},
+    },
+    "serve": {
+        "full": {"num": 32, "prompt_len": 128, "output_len": 64, "rate": 2.0},
+        "quick": {"num": 6, "prompt_len": 16, "output_len": 8, "rate": 8.0},
+    },
+}
+
+
+def make_workload(
+    name: str, vocab_size: int, *, quick: bool = False, seed: int = 0, low_id: int = 100, **overrides: object
+) -> Workload:
+    """Generate workload ``name`` (one of ``WORKLOADS``) at full or ``quick`` size; ``overrides`` replace sizes.
+
+    Raises ``ValueError`` for an unknown workload or size name, or a vocabulary with no ordinary ids.
+    """
+    if name not in SIZES:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    sizes = dict(SIZES[name]["quick" if quick else "full"])
+    unknown = set(overrides) - set(sizes)
+    if unknown:
+        raise ValueError(f"workload {name!r} has no size(s) {', '.join(sorted(unknown))}")
+    sizes.update(overrides)
+    low = min(low_id, vocab_size // 2)
+    if vocab_size - low < 2:
+        raise ValueError(f"vocabulary of {vocab_size} ids is too small for a benchmark")
+    rng = random.Random(seed)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(low, vocab_size) for _ in range(n))
+
+    s: dict[str, object] = sizes
+    reqs: list[BenchRequest] = []
+    if name == "throughput":
+        (plo, phi), (olo, ohi) = s["prompt_range"], s["output_range"]  # type: ignore[misc]
+        for _ in range(int(s["num"])):  # type: ignore[call-overload]
+            reqs.append(BenchRequest(ids(rng.randint(plo, phi)), rng.randint(olo, ohi)))
+    elif name in ("latency", "serve"):
+        for _ in range(int(s["num"])):  # type: ignore[call-overload]
+            reqs.append(BenchRequest(ids(int(s["prompt_len"])), int(s["output_len"])))  # type: ignore[call-overload]
+    elif name == "prefix":
+        system = ids(int(s["system_len"]))  # type: ignore[call-overload]
+        for _ in range(int(s["num"])):  # type: ignore[call-overload]
+            reqs.append(BenchRequest(system + ids(int(s["suffix_len"])), int(s["output_len"])))  # type: ignore[call-overload]
+    else:  # spec
+        for _ in range(int(s["num"])):  # type: ignore[call-overload]
+            passage = ids(int(s["passage_len"]))  # type: ignore[call-overload]
+            reqs.append(BenchRequest(passage * int(s["repeats"]), int(s["output_len"])))  # type: ignore[call-overload]
+    return Workload(name, tuple(reqs), sequential=name == "latency", params={**sizes, "seed": seed})

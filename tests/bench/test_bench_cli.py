@@ -1,0 +1,126 @@
+"""``mechserve bench run`` end to end on a tiny random model, ``bench spec`` on 1k requests, and bad flags.
+
+The runs check what is computed and written (schema, greedy agreement with transformers, prefix
+caching computing fewer prompt tokens, trace identity); speed is never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from mechserve.cli.main import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
+from conftest import save_tiny, tiny_config
+
+RUN_FIELDS = {"engine", "variant", "mode", "settings", "metrics", "peak_rss_bytes", "useful_gflops_per_s", "mfu"}
+METRICS = {
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    *(f"{s}_{k}_ms" for s in ("mean", "p50", "p99") for k in ("ttft", "tpot", "itl", "e2el")),
+}
+ENGINE_STATS = {
+    "steps",
+    "tokens_per_step",
+    "preemptions",
+    "prefix_hit_rate",
+    "acceptance_rate",
+    "scheduler_time_s",
+    "forward_time_s",
+    "prefill_tokens_computed",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("bench-tiny")
+    save_tiny(path, tiny_config())
+    return path
+
+
+def _bench(tmp_path: Path, tiny_dir: Path, *extra: str) -> dict:
+    out = tmp_path / "out"
+    code = main(["bench", "run", "--model", str(tiny_dir), "--quick", "--out", str(out), *extra])
+    assert code == 0
+    return json.loads((out / "results.json").read_text())
+
+
+def test_bench_run_quick_end_to_end(tmp_path: Path, tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _bench(
+        tmp_path, tiny_dir, "--workload", "throughput,prefix", "--engine", "mechserve,hf,llama-cpp", "--size", "num=6"
+    )
+    err = capsys.readouterr().err
+    assert "llama-cpp skipped" in err and "llama-cpp-python" in err
+    assert doc["skipped"][0]["engine"] == "llama-cpp"
+    assert {"cpu", "cpus", "torch_threads"} <= doc["machine"].keys()
+    assert doc["versions"]["torch"] and "commit" in doc["git"]
+    roof = doc["roofline"]["exact"]
+    assert roof["matmul"]["peak_gflops"] > 0 and roof["prefill"]["mfu"] > 0 and roof["decode"]["mfu"] > 0
+    runs = doc["workloads"]["throughput"]["runs"]
+    assert doc["workloads"]["throughput"]["params"]["num"] == 6 and runs[0]["metrics"]["completed"] == 6
+    assert {(r["engine"], r["mode"]) for r in runs} == {("mechserve", "exact"), ("hf", "exact")}
+    for r in runs:
+        assert r.keys() >= RUN_FIELDS and r["metrics"].keys() >= METRICS
+        assert (
+            r["metrics"]["total_output_tokens"]
+            == sum(len(o) for o in r["outputs"])
+            == doc["workloads"]["throughput"]["runs"][0]["metrics"]["total_output_tokens"]
+        )
+    ms = next(r for r in runs if r["engine"] == "mechserve")
+    assert ms["engine_stats"].keys() >= ENGINE_STATS
+    # continuous batching under the spec computes exactly transformers' greedy ids (fp32)
+    cmp = doc["workloads"]["throughput"]["comparisons"]
+    assert cmp["mechserve[exact,default] vs hf[exact] greedy agreement"]["identical_requests"] == 1.0
+    prefix = {r["variant"]: r for r in doc["workloads"]["prefix"]["runs"] if r["engine"] == "mechserve"}
+    on, off = prefix["prefix-cache"]["engine_stats"], prefix["no-prefix-cache"]["engine_stats"]
+    assert (
+        on["prefill_tokens_computed"]
+        < off["prefill_tokens_computed"]
+        == doc["workloads"]["prefix"]["runs"][0]["metrics"]["total_input_tokens"]
+    )
+    assert on["prefix_hit_rate"] > 0 and off["prefix_hit_rate"] == 0
+    for png in ("throughput.png", "latency.png", "tokens_per_step.png"):
+        assert (tmp_path / "out" / png).stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_bench_run_every_workload_and_mode(tmp_path: Path, tiny_dir: Path) -> None:
+    doc = _bench(tmp_path, tiny_dir, "--workload", "throughput,latency,prefix,spec", "--mode", "exact,fast")
+    assert set(doc["roofline"]) == {"exact", "fast"}
+    spec = doc["workloads"]["spec"]
+    assert {r["variant"] for r in spec["runs"] if r["engine"] == "mechserve"} == {"no-spec", "ngram-4"}
+    assert any("fast vs exact greedy agreement" in k for k in spec["comparisons"])
+
+
+def test_bench_spec_on_1k_matches_the_reference_rung(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "spec", "--sizes", "1k", "--out", str(tmp_path)]) == 0
+    assert "identical to m11" in capsys.readouterr().out
+    report = json.loads((tmp_path / "spec-scale.json").read_text())
+    entry = report["sizes"]["1k"]
+    assert entry["requests"] == 1000 and entry["identical_to_reference"] and entry["steps"] > 0
+    assert (tmp_path / "spec-step-times.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "run", "--engine", "mechserve,nope"],
+        ["bench", "run", "--workload", "bogus"],
+        ["bench", "run", "--mode", "turbo"],
+        ["bench", "run", "--max-step-tokens", "0"],
+        ["bench", "run", "--size", "num=0"],
+        ["bench", "run", "--threads", "0"],
+        ["bench", "run", "--size", "nope=3", "--no-plots"],
+        ["bench", "spec", "--sizes", "5k"],
+        ["bench", "spec", "--reference", "m99", "--sizes", "1k"],
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error" in err[0]
