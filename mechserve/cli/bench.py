@@ -11,13 +11,19 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "benchmarks (serve: drive a running server with Poisson arrivals)"
+HELP = "benchmarks (serve: drive a running server with Poisson arrivals; spec-decode: speculative decoding)"
 # (subcommand, module, help)
 BENCHMARKS = (
     (
         "serve",
         "mechserve.bench.serve_client",
         "drive a running server with Poisson arrivals; print requests/s, TTFT, ITL and E2E percentiles as JSON",
+    ),
+    (
+        "spec-decode",
+        "mechserve.bench.spec_decode",
+        "speculative decoding off / prompt lookup / draft model side by side on copy-heavy and novel prompts, "
+        "batch 1 and 8: tokens per target forward, acceptance, speedup",
     ),
 )
 
