@@ -18,7 +18,8 @@ Per (set, batch, configuration) the report has: ``wall_s``, ``output_tokens``, `
 (output tokens per target forward, prefill steps included), ``tokens_per_decode_step`` (ids a
 decode window appended, on average), ``proposed`` / ``accepted`` guesses (``acceptance``: their
 ratio) and the trace's ``drafted`` / ``spec_accepted`` (m09's counts: with the adaptive spec_len a
-window drafts only what the governor allows).  ``--json`` writes the whole report as one JSON object.
+window drafts only what the governor allows).  ``--json`` writes the whole report as one JSON object
+on stdout (the per-cell tables go to stderr as each cell finishes).
 
 ``--costs`` instead measures what a target step of M rows costs (batch 1 and 8), the numbers
 behind ``speculative.Governor``'s cost model.
@@ -191,8 +192,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             off = tallies["off"]
             cell = {name: t.report(None if name == "off" else off) for name, t in tallies.items()}
             cells[f"{set_name}/batch-{batch}"] = cell
-            if not args.json:
-                print(table(f"{set_name}, batch {batch}", cell), flush=True)
+            # with --json the tables still show progress, on stderr
+            print(table(f"{set_name}, batch {batch}", cell), file=sys.stderr if args.json else sys.stdout, flush=True)
     return {
         "model": args.model,
         "threads": threads,
