@@ -33,8 +33,9 @@ from typing import Any, TypeVar
 
 from mechserve.backends.engine import DEFAULT_MAX_STEP_TOKENS, EngineConfig, configure_threads
 from mechserve.backends.models import EMBEDDED, LoadedModel, load_model
+from mechserve.backends.speculative import SpeculativeConfig
 from mechserve.engine_core import EngineCore, RequestRejected
-from mechserve.llm import torch_dtype
+from mechserve.llm import speculative, torch_dtype
 from mechserve.outputs import RequestOutput, SampleDelta, StepOutput
 from mechserve.params import SamplingParams
 from mechserve.serving.engine_thread import AddCommand, EngineThread
@@ -180,7 +181,8 @@ class AsyncLLM:
     ``model`` and the engine sizes are ``LLM``'s (``"smollm2"``, a local
     Hugging Face directory or a ``LoadedModel``; ``dtype``,
     ``max_step_tokens``, ``page_size``, ``num_pages`` / ``kv_memory``,
-    ``prefix_caching``, ``spec_len``, ``max_model_len``, ``seed``), plus the
+    ``prefix_caching``, ``spec_len``, ``speculative_config``, ``max_model_len``,
+    ``seed``), plus the
     admission limits: ``max_running`` requests run at once (the rest wait)
     and at most ``max_waiting`` wait; beyond that a request is refused
     ``OVERLOADED`` (None lifts a limit).  ``trace=True`` keeps every step
@@ -212,6 +214,7 @@ class AsyncLLM:
         on_step: Callable[[StepOutput], None] | None = None,
         model_name: str | None = None,
         world_size: int = 1,
+        speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
     ) -> None:
         config = EngineConfig(
             max_step_tokens=max_step_tokens,
@@ -224,6 +227,7 @@ class AsyncLLM:
             max_running=max_running,
             max_waiting=max_waiting,
             world_size=world_size,
+            speculative=speculative(speculative_config),
         )
         configure_threads()
         loaded = (

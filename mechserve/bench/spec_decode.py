@@ -18,7 +18,8 @@ Per (set, batch, configuration) the report has: ``wall_s``, ``output_tokens``, `
 (output tokens per target forward, prefill steps included), ``tokens_per_decode_step`` (ids a
 decode window appended, on average), ``proposed`` / ``accepted`` guesses (``acceptance``: their
 ratio) and the trace's ``drafted`` / ``spec_accepted`` (m09's counts: with the adaptive spec_len a
-window drafts only what the governor allows).  ``--json`` writes the whole report as one JSON object.
+window drafts only what the governor allows).  ``--json`` writes the whole report as one JSON object
+on stdout (the per-cell tables go to stderr as each cell finishes).
 
 ``--costs`` instead measures what a target step of M rows costs (batch 1 and 8), the numbers
 behind ``speculative.Governor``'s cost model.
@@ -71,6 +72,7 @@ NOVEL_PROMPTS = [
     "What should I pack for a weekend hiking trip?",
 ]
 SETS = {"copy": COPY_PROMPTS, "novel": NOVEL_PROMPTS}
+CONFIGS = ("off", "ngram", "ngram-fixed", "draft", "draft-adaptive")
 
 
 @dataclass
@@ -190,8 +192,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             off = tallies["off"]
             cell = {name: t.report(None if name == "off" else off) for name, t in tallies.items()}
             cells[f"{set_name}/batch-{batch}"] = cell
-            if not args.json:
-                print(table(f"{set_name}, batch {batch}", cell), flush=True)
+            # with --json the tables still show progress, on stderr
+            print(table(f"{set_name}, batch {batch}", cell), file=sys.stderr if args.json else sys.stdout, flush=True)
     return {
         "model": args.model,
         "threads": threads,
@@ -265,29 +267,47 @@ def costs(args: argparse.Namespace) -> dict[str, Any]:
     return {"unit_ms": round(unit * 1e3, 2), "relative": rel, "row_cost": round(slope, 4), "jump_cost": round(jump, 3)}
 
 
+def _count(low: int, high: int) -> Any:
+    """An argparse ``type=``: an integer in ``[low, high]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
+        return value
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags (``mechserve bench spec-decode --help``)."""
     add = parser.add_argument
     add("--model", default="smollm2", help="'smollm2' (default) or a local model directory")
     add("--sets", nargs="+", choices=sorted(SETS), default=["copy", "novel"], help="prompt sets (both)")
-    add("--batches", nargs="+", type=int, default=[1, 8], help="batch sizes (1 8)")
+    add("--batches", nargs="+", type=_count(1, 64), default=[1, 8], help="batch sizes (1 8)")
     add(
         "--configs",
         nargs="+",
+        choices=CONFIGS,
         default=["off", "ngram", "ngram-fixed", "draft"],
         help="off, ngram, ngram-fixed, draft, draft-adaptive (default: all but draft-adaptive)",
     )
-    add("--prompts", type=int, default=8, help="prompts per set (at most 8)")
-    add("--max-tokens", type=int, default=128, help="new tokens per request (128)")
-    add("--spec-len", type=int, default=4, help="guesses per window (4; the draft model uses at most 3)")
-    add("--draft-layers", type=int, default=4, help="layers the draft model keeps (4)")
-    add("--repeats", type=int, default=1, help="rounds at batch > 1 (1); --costs: x4 timing rounds")
-    add("--num-pages", type=int, default=512, help="KV pages per engine (512)")
-    add("--max-step-tokens", type=int, default=2048, help="token budget per step (2048)")
+    add("--prompts", type=_count(1, len(COPY_PROMPTS)), default=8, help="prompts per set (at most 8)")
+    add("--max-tokens", type=_count(1, 4096), default=128, help="new tokens per request (128)")
+    add("--spec-len", type=_count(1, 16), default=4, help="guesses per window (4; the draft model uses at most 3)")
+    add("--draft-layers", type=_count(1, 1024), default=4, help="layers the draft model keeps (4)")
+    add("--repeats", type=_count(1, 100), default=1, help="rounds at batch > 1 (1); --costs: x4 timing rounds")
+    add("--num-pages", type=_count(1, 1 << 20), default=512, help="KV pages per engine (512)")
+    add("--max-step-tokens", type=_count(1, 1 << 16), default=2048, help="token budget per step (2048)")
     add("--json", action="store_true", help="print only the report, as one JSON object")
     add("--costs", action="store_true", help="measure the cost of a step by rows instead")
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the benchmark (or ``--costs``); print the tables or the JSON report; returns 0."""
     report = costs(args) if args.costs else bench(args)
     if args.json or args.costs:
         print(json.dumps(report, indent=None if args.json else 2))

@@ -17,7 +17,15 @@ import sys
 from typing import Any
 
 from mechserve.cli.errors import CliError
-from mechserve.cli.generate import DEFAULT_MAX_STEP_TOKENS, add_dtype_argument, integer, kv_message, parse_size
+from mechserve.cli.generate import (
+    DEFAULT_MAX_STEP_TOKENS,
+    add_dtype_argument,
+    add_speculative_arguments,
+    integer,
+    kv_message,
+    parse_size,
+    speculative_config,
+)
 from mechserve.workload import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_SLOTS
 
 HELP = "serve a model over an OpenAI-compatible HTTP API (needs the serve extra)"
@@ -79,7 +87,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="a KV budget such as 512MiB that sizes the pool",
     )
-    add("--spec-len", type=integer(0, ENGINE_LIMITS["spec_len"]), default=0, metavar="N", help="prompt-lookup guesses")
+    add(
+        "--spec-len",
+        type=integer(0, ENGINE_LIMITS["spec_len"]),
+        default=None,
+        metavar="K",
+        help="speculative decoding: at most K guesses per decode step (default 0: off; 3 with --spec-method)",
+    )
+    add_speculative_arguments(parser)
     add("--max-model-len", type=integer(1, MAX_NEW_TOKENS), default=None, metavar="N", help="longest prompt + output")
     add("--no-prefix-caching", action="store_true", help="neither reuse nor publish prompt pages")
     add("--seed", type=integer(0, (1 << 63) - 1), default=0, metavar="N", help="seed of unseeded sampling requests")
@@ -103,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     from starting (missing extra, bad model or size, a KV cache that does not fit, an address in use)."""
     if args.num_pages is not None and args.num_pages * args.page_size > MAX_SLOTS:
         raise CliError(f"--num-pages x --page-size is over mechserve's limit of {MAX_SLOTS} slots; lower one")
+    speculative_config(args)  # a bad combination of flags fails before anything loads
     uvicorn, server_module = _imports()
     llm = _engine(args)
     name = args.served_model_name or args.model
@@ -119,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"mechserve: serving {name!r} on http://{host}:{port} (OpenAI API under /v1; {core.num_pages} KV pages of "
         f"{core.config.page_size} positions, max_running {args.max_running}, max_waiting {args.max_waiting}"
-        f"{', API key required' if args.api_key else ''}); Ctrl-C stops",
+        f"{_speculation(core)}{', API key required' if args.api_key else ''}); Ctrl-C stops",
         file=sys.stderr,
         flush=True,
     )
@@ -127,6 +143,16 @@ def run(args: argparse.Namespace) -> int:
         uvicorn.Server(config).run(sockets=[sock])
     print("mechserve: server stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _speculation(core: Any) -> str:
+    """``, speculative decoding: METHOD, up to K guesses`` for the startup line ('' when off)."""
+    spec = core.speculative
+    if spec is None:
+        return ""
+    how = f"draft model {spec.draft_model}" if spec.method == "draft" else "prompt lookup"
+    fixed = "" if spec.adaptive else ", fixed"
+    return f", speculative decoding: {how}, up to {spec.num_speculative_tokens} guesses{fixed}"
 
 
 def _imports() -> tuple[Any, Any]:
@@ -156,7 +182,7 @@ def _engine(args: argparse.Namespace) -> Any:
             num_pages=args.num_pages,
             kv_memory=args.kv_memory,
             prefix_caching=not args.no_prefix_caching,
-            spec_len=args.spec_len,
+            speculative_config=speculative_config(args),
             max_running=args.max_running,
             max_waiting=args.max_waiting,
             max_model_len=args.max_model_len,

@@ -79,7 +79,8 @@ def test_cli_quiet_is_the_text(smollm2: LoadedModel, reference: dict[str, list[i
 
 def test_readme_generate_command(capsys: pytest.CaptureFixture[str]) -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    (line,) = [line for line in readme.splitlines() if line.startswith("mechserve generate ")]
+    # the Usage block's (the Speculative decoding section's own are run by test_readme_spec)
+    line = next(line for line in readme.splitlines() if line.startswith("mechserve generate "))
     argv = shlex.split(line, comments=True)
     assert main(argv[1:]) == 0
     last = capsys.readouterr().out.splitlines()[-1]

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mechserve.backends.engine import EngineConfig, generate
 from mechserve.backends.llama import LlamaModel
@@ -179,6 +181,15 @@ def test_preemption_mid_speculation_gives_the_same_output(
     got = run(tiny.model, PROMPTS, 16, spec=spec, draft=draft, page_size=2, num_pages=need + 6, budget=24)
     assert got.outputs == plain
     assert any(rec.preempted for rec in got.records)
+    # a preempted request's drafts are gone: it comes back as a re-prefill with no guesses, and drafts again
+    # only after its first step back (the re-prefill's sample)
+    resumed = 0
+    for i, rec in enumerate(got.records):
+        for rid in rec.preempted:
+            back = next(r for r in got.records[i + 1 :] if rid in r.executed)
+            assert rid not in back.drafted and rid not in back.accepted and rid not in back.rolled_back
+            resumed += 1
+    assert resumed > 0
     assert total(got.records, "rolled_back") > 0 or proposer == "draft"
     assert total(got.records, "accepted") > 0
 
@@ -364,6 +375,82 @@ def test_a_stop_string_inside_an_accepted_run_cuts_ids_and_text(cycle_model: Lla
     assert done.token_ids == [2, 7, 4] and [lp.token_id for lp in done.logprobs or []] == [2, 7, 4]
     assert any(len(ids) > 2 for step in outs for ids in step.record.tokens.values())  # cut inside a run
     core.check_pages()
+
+
+LETTERS = "abcdefghijklmnop"
+SUCCESSOR = {a: b for a, b in zip(CYCLE, [*CYCLE[1:], CYCLE[0]])}
+
+
+def cycle_run(
+    model: LlamaModel,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    spec: SpeculativeConfig | None,
+    eos: tuple[int, ...],
+) -> Any:
+    """One request through ``EngineCore`` on the cycle model (letters as text); its final output, pages checked."""
+    core = EngineCore(
+        LoadedModel(Path(model.config._name_or_path), model, LetterTokenizer(), eos),
+        EngineConfig(page_size=4, num_pages=32, speculative=spec),
+    )
+    core.add_request(list(prompt), params)
+    (done,) = [o.outputs[0] for step in drain(core) for o in step.finished]
+    core.check_pages()
+    return done, core
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(
+    start=st.integers(0, len(CYCLE) - 1),
+    length=st.integers(len(CYCLE) + 1, 2 * len(CYCLE) + 2),
+    k=st.integers(1, 5),
+    proposer=st.sampled_from(["ngram", "draft"]),
+    max_tokens=st.integers(1, 14),
+    stop_ids=st.lists(st.sampled_from(CYCLE), max_size=2, unique=True),
+    eos=st.lists(st.sampled_from(CYCLE), max_size=1),
+    stop_string=st.one_of(st.none(), st.text(alphabet="".join(LETTERS[i] for i in CYCLE), min_size=1, max_size=3)),
+)
+def test_no_id_or_text_after_the_earliest_stop_eos_or_cap(
+    cycle_model: LlamaModel,
+    start: int,
+    length: int,
+    k: int,
+    proposer: str,
+    max_tokens: int,
+    stop_ids: list[int],
+    eos: list[int],
+    stop_string: str | None,
+) -> None:
+    """BC16's invariant over its whole kind, on the real executor with either proposer: whatever ends a request
+    (an EOS id, a stop id, a stop string, max_tokens) inside an accepted run of any length, nothing after it is
+    emitted, and the result (ids, text, finish and stop reasons) is the non-speculative one."""
+    prompt = [CYCLE[(start + i) % len(CYCLE)] for i in range(length)]
+    cont = [SUCCESSOR[prompt[-1]]]
+    while len(cont) < max_tokens:
+        cont.append(SUCCESSOR[cont[-1]])
+    # the oracle: ids up to the earliest terminator (the EOS / stop id itself, the id completing the stop string)
+    end = next((j + 1 for j, t in enumerate(cont) if t in eos or t in stop_ids), max_tokens)
+    if stop_string is not None:
+        text = ""
+        for j, t in enumerate(cont[:end]):
+            text += LETTERS[t]
+            if stop_string in text:
+                end = j + 1
+                break
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_ids, stop=stop_string)
+    spec, _ = cycle_setup(proposer, cycle_model, k)
+    if proposer == "draft":
+        spec = replace(spec, draft_model=f"{Path(cycle_model.config._name_or_path)}:layers=1")
+    spec = replace(spec, adaptive=False)  # every window carries k guesses: cuts land inside accepted runs
+    plain, _ = cycle_run(cycle_model, prompt, params, None, tuple(eos))
+    got, core = cycle_run(cycle_model, prompt, params, spec, tuple(eos))
+    assert plain.token_ids == cont[:end]
+    assert got.token_ids == cont[:end]
+    assert (got.text, got.finish_reason, got.stop_reason) == (plain.text, plain.finish_reason, plain.stop_reason)
+    if stop_string is not None:
+        assert stop_string not in got.text
+    if max_tokens >= 3 and end >= 2:
+        assert core.executor.stats.accepted > 0  # the run really was speculative
 
 
 # Conformance: the real runs obey the spec -------------------------------------------------------------------------

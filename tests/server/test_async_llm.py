@@ -191,6 +191,8 @@ def test_abort_takes_the_request_out_at_once_and_returns_its_pages(make_llm, sta
     assert any("victim" in record.aborted for record in llm.trace)
     if state == "preempted":
         assert any("victim" in record.preempted for record in llm.trace)
+    if state == "decoding":  # its full prompt pages were published: they must outlive it, in the cache
+        assert held["cached"]
     counts = wait_idle(llm)
     assert counts["free"] + counts["cached"] == llm.core.num_pages
 

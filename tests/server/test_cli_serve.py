@@ -122,3 +122,20 @@ def test_arrivals_are_a_poisson_process() -> None:
     assert abs(percentile(gaps, 50) - 0.693 / 50) < 0.002  # median ln 2 / rate
     assert list(arrivals(float("inf"), 5, None, random.Random(0))) == [0.0] * 5
     assert max(arrivals(10.0, 10_000, 2.0, random.Random(0))) <= 2.0
+
+
+def test_serve_takes_the_speculation_flags(capsys, tiny_dir: Path) -> None:
+    """``--spec-method``/``--draft-model``/``--spec-len``/``--spec-fixed`` build the engine's ``SpeculativeConfig``
+    (generate's flags); a bad combination is one error line before anything loads."""
+    from mechserve.cli.main import parse
+    from mechserve.cli.serve import _engine, _speculation
+
+    base = ["serve", "--model", str(tiny_dir), "--num-pages", "16", "--page-size", "4"]
+    args = parse([*base, "--draft-model", f"{tiny_dir}:layers=1", "--spec-len", "2", "--spec-fixed"])
+    llm = _engine(args)
+    spec = llm.core.speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.adaptive) == ("draft", 2, False)
+    assert "draft model" in _speculation(llm.core) and "fixed" in _speculation(llm.core)
+    assert _engine(parse(["serve", "--model", str(tiny_dir), "--num-pages", "16"])).core.speculative is None
+    code, _, err = run_cli(capsys, "serve", "--spec-method", "draft")
+    assert code == 2 and "--draft-model" in err and err.count("\n") == 1

@@ -299,7 +299,7 @@ FIELDS = [
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(body=st.dictionaries(st.sampled_from(FIELDS), WEIRD, max_size=6), chat=st.booleans())
-def test_no_body_is_a_server_error(tiny_server, body: dict[str, Any], chat: bool) -> None:
+def test_no_request_body_ever_gets_a_5xx(tiny_server, body: dict[str, Any], chat: bool) -> None:
     body = {**body, "max_tokens": body.get("max_tokens") if body.get("max_tokens") in (None, 0, 1, 2) else 2}
     if chat:
         body = {**body, "messages": body.pop("prompt", [{"role": "user", "content": "w1"}])}
@@ -309,3 +309,12 @@ def test_no_body_is_a_server_error(tiny_server, body: dict[str, Any], chat: bool
     assert response.status_code < 500, (body, response.text)
     if response.status_code != 200:
         assert_error(response, response.status_code)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("headers", [{}, {"content-type": "text/plain"}, {"content-type": "application/json"}])
+def test_a_missing_body_is_a_client_error(tiny_server, path: str, headers: dict[str, str]) -> None:
+    """No body at all (with or without a content type) is the client's fault: 400 with an OpenAI error body."""
+    response = httpx.post(tiny_server.url + path, headers=headers, timeout=30)
+    assert_error(response, 400)
+    assert_still_serving(tiny_server)

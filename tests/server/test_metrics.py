@@ -73,3 +73,20 @@ def test_speculative_drafts_are_counted(make_llm, reference) -> None:
     assert snap["spec_decode_draft_tokens"] > 0
     assert 0 <= snap["spec_decode_accepted_tokens"] <= snap["spec_decode_draft_tokens"]
     assert snap["generation_tokens"] == 30
+
+
+def test_a_draft_model_speculates_behind_the_async_engine(make_llm, reference, tiny_dir) -> None:
+    """``speculative_config`` (a dict with vLLM's names) reaches the engine: the tiny model's first layer drafts,
+    greedy output is the plain output, and the drafts show in the metrics."""
+    prompt = [5, 9, 2, 7] * 3
+    config = {"method": "draft", "num_speculative_tokens": 2, "model": f"{tiny_dir}:layers=1", "adaptive": False}
+
+    async def main() -> tuple[object, dict]:
+        async with make_llm(speculative_config=config) as llm:
+            assert llm.core.speculative is not None and llm.core.speculative.method == "draft"
+            out = await llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12))
+            return out, llm.metrics.snapshot()
+
+    out, snap = asyncio.run(main())
+    assert out.outputs[0].token_ids == reference(prompt, max_tokens=12).outputs[0].token_ids
+    assert snap["spec_decode_draft_tokens"] > 0
