@@ -31,11 +31,11 @@ from dataclasses import replace
 from types import MappingProxyType, TracebackType
 from typing import Any, TypeVar
 
-from mechserve.backends.engine import DEFAULT_MAX_STEP_TOKENS, EngineConfig, configure_threads
-from mechserve.backends.models import EMBEDDED, LoadedModel, load_model
+from mechserve.backends.engine import DEFAULT_MAX_STEP_TOKENS, EngineConfig
+from mechserve.backends.models import EMBEDDED, LoadedModel
 from mechserve.backends.speculative import SpeculativeConfig
 from mechserve.engine_core import EngineCore, RequestRejected
-from mechserve.llm import speculative, torch_dtype
+from mechserve.llm import open_engine, speculative
 from mechserve.outputs import RequestOutput, SampleDelta, StepOutput
 from mechserve.params import SamplingParams
 from mechserve.serving.engine_thread import AddCommand, EngineThread
@@ -229,13 +229,7 @@ class AsyncLLM:
             world_size=world_size,
             speculative=speculative(speculative_config),
         )
-        configure_threads()
-        loaded = (
-            model
-            if isinstance(model, LoadedModel)
-            else load_model(os.fspath(model), dtype=torch_dtype(dtype), weights=world_size == 1)
-        )
-        self.core = EngineCore(loaded, config, seed=seed)
+        loaded, self.core = open_engine(model, dtype, config, seed)
         self.model_name = model_name or (os.fspath(model) if not isinstance(model, LoadedModel) else loaded.path.name)
         self.metrics = ServingMetrics(self.model_name)
         self._engine = EngineThread(self.core, self.metrics, on_step=on_step, keep_trace=trace)

@@ -137,14 +137,7 @@ class LLM:
             speculative=speculative(speculative_config),
             world_size=world_size,
         )
-        configure_threads()
-        loaded = (
-            model
-            if isinstance(model, LoadedModel)
-            else load_model(os.fspath(model), dtype=torch_dtype(dtype), weights=world_size == 1)
-        )
-        self.loaded = loaded
-        self.core = EngineCore(loaded, config, seed=seed)
+        self.loaded, self.core = open_engine(model, dtype, config, seed)
         self.keep_all_records = trace
         self.trace: list[StepRecord] = []
 
@@ -250,6 +243,23 @@ class LLM:
         if errors:
             raise RequestsRejected(errors, outputs) from next(iter(errors.values()))
         return [o for o in outputs if o is not None]
+
+
+def open_engine(
+    model: str | os.PathLike[str] | LoadedModel, dtype: str | torch.dtype, config: EngineConfig, seed: int | None
+) -> tuple[LoadedModel, EngineCore]:
+    """Load ``model`` (unless already loaded) and build its ``EngineCore``: what ``LLM`` and ``AsyncLLM`` share.
+
+    With ``config.world_size > 1`` the driver loads no weights (the rank processes load their shards).
+    Raises what ``load_model`` and ``EngineCore`` raise (``ModelLoadError``, ``ValueError``, ``KVMemoryError``).
+    """
+    configure_threads()
+    loaded = (
+        model
+        if isinstance(model, LoadedModel)
+        else load_model(os.fspath(model), dtype=torch_dtype(dtype), weights=config.world_size == 1)
+    )
+    return loaded, EngineCore(loaded, config, seed=seed)
 
 
 _VLLM_NAMES = {"prompt_lookup_min": "ngram_min", "prompt_lookup_max": "ngram_max", "model": "draft_model"}

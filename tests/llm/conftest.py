@@ -19,55 +19,31 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from tiny_models import (
+    CHAT_TEMPLATE,
+    VOCAB,
+    hf_greedy,
+    random_prompts,
+    save_tiny,
+    save_word_tokenizer,
+    tiny_config,
+    words,
+)
 
 from mechserve.backends.engine import EngineConfig
 from mechserve.backends.models import LoadedModel, load_model
 from mechserve.engine_core import EngineCore
 
-VOCAB = 128
-CHAT_TEMPLATE = (
-    "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
-)
-
-
-def tiny_config(**overrides: Any) -> Any:
-    """A 2-layer, hidden-64 Llama config; large init so greedy choices are not near ties."""
-    from transformers import AutoConfig
-
-    fields: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-    )
-    fields.update(overrides)
-    return AutoConfig.for_model("llama", **fields)
+# Re-exported for the test modules (``from .conftest import ...``).
+__all__ = ["CHAT_TEMPLATE", "VOCAB", "hf_greedy", "random_prompts", "save_tiny", "tiny_config", "words"]
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """A saved tiny Llama with a word-level tokenizer (``w0`` .. ``w127``, id = number) and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
     path = tmp_path_factory.mktemp("tiny-llm")
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(tiny_config(), attn_implementation="sdpa").eval()
-    hf.save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
+    hf = save_tiny(path, tiny_config())
+    save_word_tokenizer(path)
     return path, hf
 
 
@@ -85,31 +61,6 @@ def tiny_hf(tiny_dir: tuple[Path, Any]) -> Any:
 def with_eos(loaded: LoadedModel, eos: Sequence[int]) -> LoadedModel:
     """``loaded`` with other EOS ids (the weights are shared)."""
     return LoadedModel(loaded.path, loaded.model, loaded.tokenizer, tuple(eos))
-
-
-def hf_greedy(hf: Any, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy continuation of one prompt (batch 1, no EOS)."""
-    ids = torch.tensor([list(prompt)])
-    with torch.no_grad():
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-def words(ids: Sequence[int]) -> str:
-    """The tiny tokenizer's text for ``ids`` as a prompt (``w3 w14 ...``)."""
-    return " ".join(f"w{i}" for i in ids)
-
-
-def random_prompts(lengths: Sequence[int], seed: int = 1) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 def core(loaded: LoadedModel, **config: Any) -> EngineCore:

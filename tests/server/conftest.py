@@ -17,7 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from server_support import CHAT_TEMPLATE, TINY_NAME, VOCAB, Served, serving, tiny_config
+from server_support import TINY_NAME, Served, serving
+from tiny_models import save_tiny, save_word_tokenizer, tiny_config
 
 from mechserve.async_llm import AsyncLLM
 from mechserve.backends.models import LoadedModel, load_model
@@ -26,18 +27,9 @@ from mechserve.backends.models import LoadedModel, load_model
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved tiny Llama with a word-level tokenizer (``w0`` .. ``w127``) and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
     path = tmp_path_factory.mktemp("tiny-server")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(tiny_config(), attn_implementation="sdpa").save_pretrained(path)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
+    save_tiny(path, tiny_config())
+    save_word_tokenizer(path)
     return path
 
 

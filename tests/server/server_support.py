@@ -6,51 +6,27 @@ A module of its own (not ``conftest``) so that test modules can import it by a n
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
+from tiny_models import CHAT_TEMPLATE, VOCAB, random_prompts, tiny_config, words
 
 from mechserve.async_llm import AsyncLLM
 
-VOCAB = 128
+__all__ = [
+    "CHAT_TEMPLATE",
+    "TINY_NAME",
+    "VOCAB",
+    "Served",
+    "random_prompts",
+    "serving",
+    "tiny_config",
+    "wait_idle",
+    "words",
+]
+
 TINY_NAME = "tiny"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
-)
-
-
-def tiny_config(**overrides: Any) -> Any:
-    """A 2-layer, hidden-64 Llama config; large init so greedy choices are not near ties."""
-    from transformers import AutoConfig
-
-    fields: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-    )
-    fields.update(overrides)
-    return AutoConfig.for_model("llama", **fields)
-
-
-def words(ids: Sequence[int]) -> str:
-    """The tiny tokenizer's text for ``ids`` (``w3 w14 ...``)."""
-    return " ".join(f"w{i}" for i in ids)
-
-
-def random_prompts(lengths: Sequence[int], seed: int = 1) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
 class Served:

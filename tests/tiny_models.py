@@ -1,0 +1,89 @@
+"""The tiny random-weight models every torch test builds: one config, one saver, one word tokenizer.
+
+``tests/`` is on ``sys.path`` (``pythonpath`` in pyproject.toml), so test folders import this as
+``tiny_models``.  The word tokenizer maps ``w0`` .. ``w127`` to ids 0 .. 127.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 128
+CHAT_TEMPLATE = (
+    "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+)
+
+
+def tiny_config(model_type: str = "llama", **overrides: Any) -> Any:
+    """A 2-layer, hidden-64, 4-head / 2-KV-head config; large init so greedy choices are not near ties."""
+    from transformers import AutoConfig
+
+    fields: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def save_tiny(path: Path, config: Any, seed: int = 0) -> Any:
+    """Build a random-weight causal LM for ``config``, save it to ``path`` and return it (eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    hf.save_pretrained(path)
+    return hf
+
+
+def save_word_tokenizer(path: Path) -> None:
+    """Save the word-level tokenizer (``w<id>``, whitespace-split) with ``CHAT_TEMPLATE`` next to a model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def hf_greedy(hf: Any, prompt: Sequence[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+    """transformers' own greedy continuation of one prompt (batch 1, no padding)."""
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def words(ids: Sequence[int]) -> str:
+    """The word tokenizer's text for ``ids`` (``w3 w14 ...``)."""
+    return " ".join(f"w{i}" for i in ids)
+
+
+def random_prompts(lengths: Sequence[int], seed: int = 1) -> list[list[int]]:
+    """Seeded random prompts of the given lengths over the tiny vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
