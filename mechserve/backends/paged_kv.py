@@ -15,7 +15,11 @@ chunks and decode windows together, in plan order)::
 
     rows   0 .. T-1:  | item 0 (q0 tokens) | item 1 (q1) | ... |
     slot_mapping[T]:  where each row's K/V is written before anyone reads
-    groups:           items bucketed by query length (1, 2, 3-4, 5-8, ...);
+    native items:     items of at most ``native.MAX_QUERY`` tokens (decode steps,
+                      speculative windows) when the native kernel is enabled:
+                      attended straight from the pages, each page read once
+                      (``mechserve.backends.native``);
+    groups:           the other items, bucketed by query length (1, 2, 3-4, 5-8, ...);
                       each group is one padded SDPA call: [B, Qmax] queries
                       against [B, Cmax] gathered context slots, masked so a
                       query at position p sees positions [0, p] (and, for a
@@ -33,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from mechserve.backends import native as native_kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,15 +79,41 @@ class AttentionGroup:
 
 
 @dataclass(slots=True)
+class NativeItems:
+    """Items the native kernel attends: ``items`` [N, 4] int64 (first row, first position, query
+    length, offset into ``tables``), ``tables`` int32 (their page tables, concatenated), and the
+    spans themselves for the torch fallback (dtypes the kernel does not handle)."""
+
+    spans: tuple[Span, ...]
+    items: torch.Tensor
+    tables: torch.Tensor
+    fallback: tuple[AttentionGroup, ...] | None = None
+
+
+@dataclass(slots=True)
 class AttentionBatch:
     """Per-step attention metadata, built once and shared by every layer.
 
-    ``slot_mapping``: [T] int64, the slot each flat row writes.
+    ``slot_mapping``: [T] int64, the slot each flat row writes; ``native``: the items the native
+    kernel attends (None when it is off or no item is short enough); ``groups``: the rest.
     """
 
     num_tokens: int
     slot_mapping: torch.Tensor
     groups: tuple[AttentionGroup, ...]
+    native: NativeItems | None = None
+    page_size: int = 0
+    group_size: int = 1
+    windows: tuple[int | None, ...] = (None,)
+
+    def native_fallback(self) -> tuple[AttentionGroup, ...]:
+        """The native items as SDPA groups (built once, for dtypes the kernel does not take)."""
+        assert self.native is not None
+        if self.native.fallback is None:
+            self.native.fallback = _build_groups(
+                list(self.native.spans), self.num_tokens, self.page_size, self.group_size, self.windows
+            )
+        return self.native.fallback
 
 
 def _bucket(num_tokens: int) -> int:
@@ -95,20 +127,53 @@ def build_attention_batch(
     page_size: int,
     group_size: int,
     windows: Sequence[int | None] = (None,),
+    native: bool | None = None,
 ) -> AttentionBatch:
-    """Bucket ``spans`` by query length and build each bucket's gather indices and masks.
+    """Route short items to the native kernel; bucket the rest by query length and build each
+    bucket's gather indices and masks.
 
     ``windows`` lists the distinct per-layer sliding windows (None = full
-    causal attention); one mask per window per group is built.
+    causal attention); one mask per window per group is built.  ``native``:
+    whether items of at most ``native.MAX_QUERY`` tokens go to the kernel
+    (None = ``mechserve.backends.native.enabled()``, which follows
+    ``MECHSERVE_ATTENTION``).
     """
     num_tokens = sum(s.num_tokens for s in spans)
+    if native is None:
+        native = native_kernel.enabled()
+    short = [s for s in spans if s.num_tokens <= native_kernel.MAX_QUERY] if native else []
+    rest = [s for s in spans if s.num_tokens > native_kernel.MAX_QUERY] if native else list(spans)
+    native_items = None
+    if short:
+        items, tables = [], []
+        for s in short:
+            used = -(-(s.start + s.num_tokens) // page_size)
+            items.append((s.row, s.start, s.num_tokens, len(tables)))
+            tables.extend(s.page_table[:used])
+        native_items = NativeItems(
+            tuple(short), torch.tensor(items, dtype=torch.int64), torch.tensor(tables, dtype=torch.int32)
+        )
+    groups = _build_groups(rest, num_tokens, page_size, group_size, windows)
+    return AttentionBatch(
+        num_tokens,
+        torch.tensor(slot_mapping, dtype=torch.int64),
+        groups,
+        native_items,
+        page_size,
+        group_size,
+        tuple(windows),
+    )
+
+
+def _build_groups(
+    spans: list[Span], num_tokens: int, page_size: int, group_size: int, windows: Sequence[int | None]
+) -> tuple[AttentionGroup, ...]:
     buckets: dict[int, list[Span]] = {}
     for s in spans:
         buckets.setdefault(_bucket(s.num_tokens), []).append(s)
-    groups = tuple(
+    return tuple(
         _build_group(members, num_tokens, page_size, group_size, windows) for _, members in sorted(buckets.items())
     )
-    return AttentionBatch(num_tokens, torch.tensor(slot_mapping, dtype=torch.int64), groups)
 
 
 def _build_group(
@@ -222,7 +287,17 @@ def paged_attention(
     cache.write(layer, batch.slot_mapping, k, v)
     if out is None:
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
-    for grp in batch.groups:
+    groups = batch.groups
+    if batch.native is not None:
+        if native_kernel.supports(q.dtype, cache.k.dtype):
+            k_flat, v_flat = cache.flat(layer)
+            nat = batch.native
+            native_kernel.paged_attention(
+                q.contiguous(), k_flat, v_flat, out, nat.items, nat.tables, cache.page_size, scale, window
+            )
+        else:
+            groups = batch.native_fallback() + groups
+    for grp in groups:
         b, ql, cl = grp.batch, grp.q_len, grp.ctx_len
         qg = q if grp.rows is None else q.index_select(0, grp.rows)  # [B * Qmax, H, D]
         qg = qg.view(b, ql, kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, g * ql, head_dim)

@@ -1,0 +1,135 @@
+"""The native paged-attention kernel against torch's gather-then-SDPA path (the reference).
+
+The kernel must be built here: CI has a compiler, and a kernel that silently fell back to torch
+would hide a broken build, so nothing in this file skips.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mechserve.backends import native
+from mechserve.backends.paged_kv import PagedKVCache, Span, build_attention_batch, paged_attention
+
+
+def test_kernel_builds_and_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MECHSERVE_ATTENTION", "native")
+    native.enabled.cache_clear()
+    try:
+        assert native.enabled()
+        assert native.build().exists()
+        monkeypatch.delenv("MECHSERVE_ATTENTION")
+        native.enabled.cache_clear()
+        assert native.enabled()  # auto picks the kernel when it builds
+    finally:
+        native.enabled.cache_clear()
+
+
+def test_torch_mode_and_bad_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        monkeypatch.setenv("MECHSERVE_ATTENTION", "torch")
+        native.enabled.cache_clear()
+        assert not native.enabled()
+        monkeypatch.setenv("MECHSERVE_ATTENTION", "cuda")
+        native.enabled.cache_clear()
+        with pytest.raises(ValueError, match="MECHSERVE_ATTENTION must be one of auto, native, torch"):
+            native.enabled()
+    finally:
+        native.enabled.cache_clear()
+
+
+def test_native_mode_without_a_compiler_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("MECHSERVE_CACHE", str(tmp_path))  # no build cached there
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(native.NativeKernelError, match="no C\\+\\+ compiler found"):
+        native.build()
+
+
+def test_short_items_go_to_the_kernel_and_long_ones_to_sdpa() -> None:
+    spans = [Span(0, 0, 20, [0, 1, 2, 3, 4]), Span(20, 7, 1, [5, 6]), Span(21, 3, 4, [7, 8])]
+    batch = build_attention_batch(spans, list(range(25)), 4, group_size=2, native=True)
+    assert batch.native is not None
+    assert batch.native.items.tolist() == [[20, 7, 1, 0], [21, 3, 4, 2]]  # row, start, length, table offset
+    assert batch.native.tables.tolist() == [5, 6, 7, 8]  # only the pages the items reach
+    assert [g.q_len for g in batch.groups] == [20]
+    off = build_attention_batch(spans, list(range(25)), 4, group_size=2, native=False)
+    assert off.native is None and sorted(g.q_len for g in off.groups) == [1, 4, 20]
+
+
+def test_rejects_what_it_cannot_handle() -> None:
+    q = torch.zeros(1, 2, 8, dtype=torch.float16)
+    pool = torch.zeros(4, 1, 8, dtype=torch.float16)
+    items, tables = torch.tensor([[0, 0, 1, 0]]), torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        native.paged_attention(q, pool, pool, torch.zeros(1, 16, dtype=torch.float16), items, tables, 4, 1.0, None)
+    q32, pool32 = torch.zeros(2, 8, 2).transpose(1, 2), pool.float()  # [2, 2, 8], not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        native.paged_attention(q32, pool32, pool32, torch.zeros(2, 16), items, tables, 4, 1.0, None)
+
+
+def _attend(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window, use_native):
+    cache = PagedKVCache(1, pool_k.shape[0], page_size, pool_k.shape[2], pool_k.shape[3], pool_k.dtype)
+    cache.k[0].copy_(pool_k)
+    cache.v[0].copy_(pool_v)
+    batch = build_attention_batch(spans, slots, page_size, group, (None, window), native=use_native)
+    scale = q.shape[-1] ** -0.5
+    return paged_attention(q, k, v, cache, 0, batch, scale, window), cache
+
+
+@st.composite
+def workloads(draw):
+    page_size = draw(st.sampled_from([1, 2, 4, 16]))
+    kv = draw(st.integers(1, 3))
+    group = draw(st.integers(1, 4))
+    head_dim = draw(st.sampled_from([4, 64, 128]))
+    lengths = draw(st.lists(st.sampled_from([1, 1, 2, 3, 8, 16, 17, 33]), min_size=1, max_size=6))
+    starts = [draw(st.integers(0, 60)) for _ in lengths]
+    window = draw(st.sampled_from([None, None, 1, 5, 16]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    seed = draw(st.integers(0, 2**16))
+    return page_size, kv, group, head_dim, list(zip(starts, lengths)), window, dtype, seed
+
+
+@settings(max_examples=60, deadline=None)
+@given(workloads())
+def test_kernel_matches_the_sdpa_path(w) -> None:
+    """Same outputs and same pages written, for any page size, GQA group, head size, mix of decode
+    steps / windows / prefill chunks, sliding window and dtype; shared (prefix) pages included."""
+    page_size, kv, group, head_dim, items, window, dtype, seed = w
+    gen = torch.Generator().manual_seed(seed)
+    num_pages = 2 + sum(-(-(s + n) // page_size) for s, n in items)
+    pages = torch.randperm(num_pages, generator=gen).tolist()
+    shared, free = pages[:2], pages[2:]  # a cached prefix of two pages
+    spans, slots, row = [], [], 0
+    for start, n in items:
+        need = -(-(start + n) // page_size)
+        if start >= 2 * page_size:  # it only reads the prefix: share it, as prefix caching does
+            table = shared + [free.pop() for _ in range(need - 2)]
+        else:
+            table = [free.pop() for _ in range(need)]
+        spans.append(Span(row, start, n, table))
+        slots += [table[p // page_size] * page_size + p % page_size for p in range(start, start + n)]
+        row += n
+    pool_k = torch.randn(num_pages, page_size, kv, head_dim, generator=gen).to(dtype)
+    pool_v = torch.randn(num_pages, page_size, kv, head_dim, generator=gen).to(dtype)
+    q = torch.randn(row, kv * group, head_dim, generator=gen).to(dtype)
+    k = torch.randn(row, kv, head_dim, generator=gen).to(dtype)
+    v = torch.randn(row, kv, head_dim, generator=gen).to(dtype)
+    ref, ref_cache = _attend(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window, False)
+    got, got_cache = _attend(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window, True)
+    assert torch.equal(ref_cache.k, got_cache.k) and torch.equal(ref_cache.v, got_cache.v)
+    tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), ref.float(), **tol)
+
+
+def test_float16_falls_back_to_sdpa_for_short_items() -> None:
+    spans = [Span(0, 5, 1, [0, 1])]
+    pool = torch.randn(2, 4, 1, 8).half()
+    q, k, v = torch.randn(1, 2, 8).half(), torch.randn(1, 1, 8).half(), torch.randn(1, 1, 8).half()
+    got, _ = _attend(spans, [5], q, k, v, pool, pool.clone(), 4, 2, None, True)
+    ref, _ = _attend(spans, [5], q, k, v, pool, pool.clone(), 4, 2, None, False)
+    torch.testing.assert_close(got, ref)
