@@ -28,8 +28,10 @@ import sys
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can check the mode without it
+    import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 ABI = 1
@@ -137,12 +139,11 @@ def enabled() -> bool:
     return True
 
 
-SUPPORTED = (torch.float32, torch.bfloat16)
-
-
 def supports(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
     """Whether the kernel handles these dtypes (float32 or bfloat16, the same for queries and pages)."""
-    return q_dtype == kv_dtype and q_dtype in SUPPORTED
+    import torch
+
+    return q_dtype == kv_dtype and q_dtype in (torch.float32, torch.bfloat16)
 
 
 def paged_attention(
@@ -166,6 +167,8 @@ def paged_attention(
     when ``window`` is set).  Runs on ``torch.get_num_threads()`` threads.  Raises ``ValueError``
     on dtypes or shapes it does not handle.
     """
+    import torch
+
     t, h, d = q.shape
     kv = k_pool.shape[1]
     if not supports(q.dtype, k_pool.dtype) or v_pool.dtype != k_pool.dtype or out.dtype != q.dtype:

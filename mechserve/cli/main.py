@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from mechserve import __version__
+from mechserve.backends.native import mode as attention_mode
 from mechserve.cli import bench, conform, demo, diff, lazy, mechs, run, serve, viz
 from mechserve.cli.errors import CliError, report
 from mechserve.cli.parser import Parser
@@ -65,6 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mechserve`` command line; return the exit status (0, or 2 on any error)."""
     try:
         args = parse(argv)
+        try:
+            attention_mode()  # a bad MECHSERVE_ATTENTION is a usage error, caught before any work
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
         return int(args.handler(args) or 0)
     except SystemExit as exc:  # --help and --version
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else report(str(exc.code))

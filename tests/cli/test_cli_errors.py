@@ -446,3 +446,8 @@ def test_request_flag_id_is_checked_too(cli, flag: str, needle: str) -> None:
 @pytest.mark.parametrize("rid", ["a b", "résumé", "r-0.1", "日本"])
 def test_ordinary_request_ids_are_fine(cli, spec_file, rid: str) -> None:
     assert run_spec(cli, spec_file, {"requests": [request(request_id=rid)]}).code == 0
+
+
+def test_bad_attention_mode_is_a_usage_error(cli, monkeypatch) -> None:
+    monkeypatch.setenv("MECHSERVE_ATTENTION", "gpu")
+    assert_one_error_line(cli("mechs"), "MECHSERVE_ATTENTION must be one of auto, native, torch", "'gpu'")
