@@ -181,7 +181,7 @@ class AsyncLLM:
     ``model`` and the engine sizes are ``LLM``'s (``"smollm2"``, a local
     Hugging Face directory or a ``LoadedModel``; ``dtype``,
     ``max_step_tokens``, ``page_size``, ``num_pages`` / ``kv_memory``,
-    ``prefix_caching``, ``spec_len``, ``speculative_config``, ``max_model_len``,
+    ``prefix_caching``, ``hold_shared_prefix``, ``spec_len``, ``speculative_config``, ``max_model_len``,
     ``seed``), plus the
     admission limits: ``max_running`` requests run at once (the rest wait)
     and at most ``max_waiting`` wait; beyond that a request is refused
@@ -205,6 +205,7 @@ class AsyncLLM:
         num_pages: int | None = None,
         kv_memory: int | None = None,
         prefix_caching: bool = True,
+        hold_shared_prefix: bool = True,
         spec_len: int = 0,
         max_running: int | None = DEFAULT_MAX_RUNNING,
         max_waiting: int | None = DEFAULT_MAX_WAITING,
@@ -224,6 +225,7 @@ class AsyncLLM:
             kv_memory=kv_memory,
             max_model_len=max_model_len,
             prefix_caching=prefix_caching,
+            hold_shared_prefix=hold_shared_prefix,
             max_running=max_running,
             max_waiting=max_waiting,
             world_size=world_size,

@@ -184,6 +184,7 @@ class EngineCore:
             spec_len=config.spec_len,
             world_size=self.world_size,
             prefix_caching=config.prefix_caching,
+            hold_shared_prefix=config.hold_shared_prefix,
             executors=executors,
             eos_token_ids=self.eos_token_ids,
             max_waiting=config.max_waiting,

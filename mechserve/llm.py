@@ -87,7 +87,9 @@ class LLM:
     chunk), ``page_size`` (positions per KV page), ``num_pages`` (the pool)
     or ``kv_memory`` (a KV budget in bytes that sizes it; default: automatic,
     see ``mechserve.backends.engine.size_pool``), ``prefix_caching``,
-    ``spec_len`` (prompt-lookup guesses per decode step), ``max_running``,
+    ``hold_shared_prefix`` (with prefix caching, a request waits until the
+    prompt prefix it shares with a running request is cached, so the shared
+    part is computed once; see ``EngineConfig``), ``spec_len`` (prompt-lookup guesses per decode step), ``max_running``,
     ``max_model_len`` (default: the model's context).  ``seed`` seeds the
     generator unseeded sampling requests share.  ``speculative_config``: a
     ``SpeculativeConfig`` (or a dict of its fields, vLLM's names
@@ -117,6 +119,7 @@ class LLM:
         num_pages: int | None = None,
         kv_memory: int | None = None,
         prefix_caching: bool = True,
+        hold_shared_prefix: bool = True,
         spec_len: int = 0,
         max_running: int | None = None,
         max_model_len: int | None = None,
@@ -133,6 +136,7 @@ class LLM:
             kv_memory=kv_memory,
             max_model_len=max_model_len,
             prefix_caching=prefix_caching,
+            hold_shared_prefix=hold_shared_prefix,
             max_running=max_running,
             speculative=speculative(speculative_config),
             world_size=world_size,

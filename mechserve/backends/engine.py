@@ -71,7 +71,10 @@ class EngineConfig:
     have (None = the model's ``max_position_embeddings``); ``check_memory``:
     refuse a cache larger than the available memory (``/proc/meminfo``);
     ``prefix_caching``: reuse and publish prompt pages (vLLM's
-    ``enable_prefix_caching``); ``max_running`` / ``max_waiting``: m12's
+    ``enable_prefix_caching``); ``hold_shared_prefix``: with prefix caching,
+    admit a request only once the prompt prefix it shares with a running
+    request is cached, so that the shared part is computed once (m12's
+    option, SGLang's in-batch prefix caching); ``max_running`` / ``max_waiting``: m12's
     limits on running and waiting requests (None = no limit);
     ``speculative``: what drafts the guesses (``SpeculativeConfig``; its
     ``num_speculative_tokens`` becomes ``spec_len``, which must then be 0 or
@@ -89,6 +92,7 @@ class EngineConfig:
     max_model_len: int | None = None
     check_memory: bool = True
     prefix_caching: bool = True
+    hold_shared_prefix: bool = True
     max_running: int | None = None
     max_waiting: int | None = None
     speculative: SpeculativeConfig | None = None
@@ -309,6 +313,7 @@ class Generation:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             prefix_caching=config.prefix_caching,
+            hold_shared_prefix=config.hold_shared_prefix,
             max_running=config.max_running,
             max_waiting=config.max_waiting,
         )

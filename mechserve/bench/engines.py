@@ -6,7 +6,8 @@ per-request timestamps (``RequestTiming``), the generated ids, the run's wall ti
 engine-side figures where the engine has them.
 
 * ``mechserve``: ``EngineCore`` (continuous batching under the m12 spec scheduler, paged KV, chunked
-  prefill).  Variants: ``default``; on the prefix workload ``prefix-cache`` / ``no-prefix-cache``;
+  prefill).  Variants: ``default``; on the prefix workload ``prefix-cache`` (with m12's
+  shared-prefix hold, the product default) / ``no-prefix-cache``;
   on the spec workload ``no-spec`` / ``ngram-K`` (prompt lookup with K guesses).  Its figures
   come from the trace (``metrics.trace_stats``) plus step, executor and forward times.
 * ``hf``: transformers ``generate``, static batching with left padding, greedy, EOS suppressed until
@@ -186,7 +187,14 @@ class MechserveRunner(Runner):
             scheduler_fraction=(step_total - exec_total) / step_total if step_total else None,
             step_time_series_s=step_s,
         )
-        settings = {"max_step_tokens": self.max_step_tokens, "page_size": self.page_size, "num_pages": core.num_pages}
+        c = core.config
+        settings = {
+            "max_step_tokens": self.max_step_tokens,
+            "page_size": self.page_size,
+            "num_pages": core.num_pages,
+            "prefix_caching": c.prefix_caching,
+            "hold_shared_prefix": c.prefix_caching and c.hold_shared_prefix,
+        }
         return RunResult(self.name, variant, self.mode, timings, duration, outputs, rss, stats, settings)
 
 

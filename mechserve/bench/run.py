@@ -354,7 +354,9 @@ def _line(workload: str, r: dict[str, Any]) -> str:
 
 
 def _compare(entry: dict[str, Any]) -> None:
-    """Ratios of mechserve's output throughput over hf's per mode, and fast-vs-exact / engine agreement."""
+    """Ratios of mechserve's output throughput over hf's per mode, fast-vs-exact / engine agreement, and on
+    the prefix workload mechserve's prefill tokens computed with prefix caching over without, and its
+    TTFT p50 without over with."""
     runs = entry["runs"]
     cmp: dict[str, Any] = {}
     by = {(r["engine"], r["mode"], r["variant"]): r for r in runs}
@@ -371,6 +373,17 @@ def _compare(entry: dict[str, Any]) -> None:
             cmp[f"mechserve[{mode},{variant}] vs hf[{mode}] greedy agreement"] = _agreement(
                 hf_same["outputs"], r["outputs"]
             )
+    for mode in MODE_NAMES:
+        on, off = by.get(("mechserve", mode, "prefix-cache")), by.get(("mechserve", mode, "no-prefix-cache"))
+        if not (on and off and on["metrics"]["p50_ttft_ms"] and off["engine_stats"]["prefill_tokens_computed"]):
+            continue
+        # the prefix workload's two targets: prefill computed <= 1/8 of uncached, TTFT p50 >= 4x better
+        cmp[f"mechserve[{mode}] prefill computed prefix-cache/no-prefix-cache"] = (
+            on["engine_stats"]["prefill_tokens_computed"] / off["engine_stats"]["prefill_tokens_computed"]
+        )
+        cmp[f"mechserve[{mode}] TTFT p50 no-prefix-cache/prefix-cache"] = (
+            off["metrics"]["p50_ttft_ms"] / on["metrics"]["p50_ttft_ms"]
+        )
     entry["comparisons"] = cmp
     for k, v in cmp.items():
         _say(f"  {k}: {v if isinstance(v, dict) else f'{v:.2f}x'}")

@@ -97,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_speculative_arguments(parser)
     add("--max-model-len", type=integer(1, MAX_NEW_TOKENS), default=None, metavar="N", help="longest prompt + output")
     add("--no-prefix-caching", action="store_true", help="neither reuse nor publish prompt pages")
+    add(
+        "--no-hold-shared-prefix",
+        action="store_true",
+        help="admit a request at once even while a running request is still computing the prompt prefix they "
+        "share (by default it waits until that prefix is cached, so the prefix is computed once)",
+    )
     add("--seed", type=integer(0, (1 << 63) - 1), default=0, metavar="N", help="seed of unseeded sampling requests")
     add(
         "--world-size",
@@ -182,6 +188,7 @@ def _engine(args: argparse.Namespace) -> Any:
             num_pages=args.num_pages,
             kv_memory=args.kv_memory,
             prefix_caching=not args.no_prefix_caching,
+            hold_shared_prefix=not args.no_hold_shared_prefix,
             speculative_config=speculative_config(args),
             max_running=args.max_running,
             max_waiting=args.max_waiting,

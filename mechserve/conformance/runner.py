@@ -63,13 +63,15 @@ class RealRun:
 def engine_settings(workload: Mapping[str, Any]) -> dict[str, Any]:
     """The m12 ``Engine`` keyword arguments of the workload's engine section (4.2 defaults filled in).
 
-    Besides the 4.2 keys the section may carry ``prefix_caching`` (a bool, default true).
+    Besides the 4.2 keys the section may carry ``prefix_caching`` (a bool, default true) and
+    ``hold_shared_prefix`` (a bool, default false as in m12; the product path turns it on).
     """
     eng = engine_of({"engine": {k: v for k, v in (workload.get("engine") or {}).items() if k in ENGINE_KEYS}})
     settings: dict[str, Any] = {k: eng[k] for k in ENGINE_KEYS if k in eng}
     raw = workload.get("engine") or {}
-    if raw.get("prefix_caching") is not None:
-        settings["prefix_caching"] = bool(raw["prefix_caching"])
+    for key in ("prefix_caching", "hold_shared_prefix"):
+        if raw.get(key) is not None:
+            settings[key] = bool(raw[key])
     return settings
 
 

@@ -18,8 +18,11 @@ duplicate id, a request longer than ``max_model_len``, one whose prompt and
 output can never fit the whole pool, and, when the waiting queue already holds
 ``max_waiting`` requests, anything more (overload).  ``max_new_tokens == 0``
 is legal and finishes at admission with zero tokens.  A sampled id in the
-request's ``stop_token_ids`` finishes it with STOP, beside EOS.  The rules
-are in ``mech-notes/12-admission-control.md``.
+request's ``stop_token_ids`` finishes it with STOP, beside EOS.  Optionally
+(``hold_shared_prefix``) admission holds back a request whose shared prompt
+prefix a running request is still computing, until that prefix is cached, so
+that it reuses all of it.  The rules are in
+``mech-notes/12-admission-control.md``.
 """
 
 from __future__ import annotations
@@ -538,7 +541,21 @@ class Engine:
     ``EOS_TOKEN_ID`` with the built-in executor, none with yours) finishes a
     request with EOS.  ``max_waiting`` bounds the waiting queue (overload
     beyond it), ``max_running`` the running requests, ``max_model_len`` a
-    request's prompt plus output (all optional).  Requests, given here or to
+    request's prompt plus output (all optional).  ``hold_shared_prefix``
+    (default off; it acts only with prefix caching on) holds a due request
+    back while a running request is still computing prompt blocks the two
+    share beyond what the cache already holds, so that it is admitted once
+    they are published and reuses all of them instead of adopting a partial
+    prefix and computing the rest again itself::
+
+        budget 512, P and R share a 1,024-token prefix
+        step 0: P admitted, R held     P computes 0..511, publishes 32 blocks
+        step 1: R held (P at 512)      P computes 512..1023, publishes 32 more
+        step 2: R admitted, reuses 1,024 tokens, computes only its own suffix
+        (without the hold R adopts the 32 blocks of step 0 at step 1 and
+        computes 512..1023 again)
+
+    Requests, given here or to
     ``add_request`` later, pass the door; a refused one is recorded, not
     raised.  Raises ``ValueError`` if ``spec_len < 0``,
     ``max_step_tokens <= 0``, ``num_pages <= 0`` or ``page_size <= 0``
@@ -562,6 +579,7 @@ class Engine:
         max_waiting: int | None = None,
         max_running: int | None = None,
         max_model_len: int | None = None,
+        hold_shared_prefix: bool = False,
     ) -> None:
         if spec_len < 0:
             raise ValueError("spec_len must be >= 0")
@@ -599,6 +617,7 @@ class Engine:
         self.max_waiting = max_waiting
         self.max_running = max_running
         self.max_model_len = max_model_len
+        self.hold_shared_prefix = hold_shared_prefix  # m12: see _holder
         # m11: every rank consumes its own copy of the scripts; the requests' lists stay whole.
         self.world_size = world_size
         self._scripted = [] if executors else [LocalExecutor({}, {}) for _ in range(world_size)]
@@ -779,13 +798,28 @@ class Engine:
         """Admit due requests in list order while a running slot is free (``max_running``).
 
         A request with ``max_new_tokens == 0`` finishes at admission (LENGTH,
-        zero tokens, no page) and is recorded in ``finished``.
+        zero tokens, no page) and is recorded in ``finished``.  With
+        ``hold_shared_prefix`` a due request whose shared prompt blocks a
+        running request is still computing stays due (``_holder``) and the
+        walk goes on past it.
         """
         while self.waiting and self.waiting[0][0] <= self.step_counter:
             bisect.insort(self.due, heapq.heappop(self.waiting)[2], key=self._list_position)
         admitted = []
-        while self.due and (self.max_running is None or len(self.running) < self.max_running):
-            r = self.due.pop(0)
+        kept: list[Request] = []  # m12: due requests left for a later step, list order
+        held = 0
+        pending: dict[PrefixKey, Request] | None = None
+        for i, r in enumerate(self.due):
+            if self.max_running is not None and len(self.running) >= self.max_running:
+                kept += self.due[i:]
+                break
+            if self.hold_shared_prefix and self.prefix_caching and r.max_new_tokens > 0:
+                if pending is None:
+                    pending = self._uncomputed_blocks()
+                if self._holder(r, pending) is not None:
+                    kept.append(r)
+                    held += 1
+                    continue
             admitted.append(r.request_id)
             self._why.append(f"{r.request_id} arrived (arrival_step {r.arrival_step}) and was admitted.")
             if r.max_new_tokens == 0:
@@ -797,11 +831,53 @@ class Engine:
                 continue
             r.state = RequestState.RUNNING
             bisect.insort(self.running, r, key=self._list_position)
-        if self.due:
+            if pending is not None:
+                for key in r.prompt_keys:  # it computes nothing before the later due requests are judged
+                    pending.setdefault(key, r)
+        self.due = kept
+        if len(kept) > held:
             self._why.append(
-                f"{len(self.due)} arrived request(s) wait: {len(self.running)} running is the max_running limit."
+                f"{len(kept) - held} arrived request(s) wait: {len(self.running)} running is the max_running limit."
             )
         return admitted
+
+    # m12: the shared-prefix hold (SGLang's in-batch prefix caching).
+    def _uncomputed_blocks(self) -> dict[PrefixKey, Request]:
+        """Each prompt block some RUNNING request has not computed yet, with the first such request.
+
+        Block ``j`` of ``p`` is uncomputed while ``p.computed < (j + 1) * page_size``;
+        a request past its prompt adds nothing, so this costs the running prefills' blocks.
+        """
+        ps = self.pool.page_size
+        pending: dict[PrefixKey, Request] = {}
+        for p in self.running:
+            for key in p.prompt_keys[p.computed // ps :]:
+                pending.setdefault(key, p)
+        return pending
+
+    def _holder(self, r: Request, pending: dict[PrefixKey, Request]) -> Request | None:
+        """The running request ``r`` waits for, or None: it shares ``s`` leading prompt blocks with ``r``
+        (capped at ``r``'s usable blocks, as reuse caps them), more than the ``h`` the cache holds for
+        ``r``, and has not computed them yet.
+
+        Keys chain, so equal key ``s - 1`` means ``s`` equal leading blocks: the longest such ``s``
+        is the last of ``r``'s keys ``h .. usable - 1`` that is still uncomputed somewhere.
+        """
+        ps = self.pool.page_size
+        usable = (r.prompt_len - 1) // ps
+        keys = r.prompt_keys
+        if not pending or usable == 0:
+            return None
+        h = min(len(self.cache.match(keys)), usable)
+        for s in range(usable, h, -1):
+            p = pending.get(keys[s - 1])
+            if p is not None:
+                self._why.append(
+                    f"{r.request_id} is held back: {p.request_id} is still computing the {s} prompt block(s) "
+                    f"they share ({h} cached); {r.request_id} will reuse them once they are published."
+                )
+                return p
+        return None
 
     def _list_position(self, r: Request) -> int:
         return self._position[id(r)]

@@ -84,6 +84,13 @@ def test_bench_run_quick_end_to_end(tmp_path: Path, tiny_dir: Path, capsys: pyte
         == doc["workloads"]["prefix"]["runs"][0]["metrics"]["total_input_tokens"]
     )
     assert on["prefix_hit_rate"] > 0 and off["prefix_hit_rate"] == 0
+    # m12's shared-prefix hold (on by default): the 128-token system prompt once, then each 8-token suffix
+    assert prefix["prefix-cache"]["settings"]["hold_shared_prefix"] is True
+    assert on["prefill_tokens_computed"] == 128 + 6 * 8
+    assert off["prefill_tokens_computed"] == 6 * (128 + 8)
+    cmp = doc["workloads"]["prefix"]["comparisons"]
+    assert cmp["mechserve[exact] prefill computed prefix-cache/no-prefix-cache"] == (128 + 6 * 8) / (6 * 136)
+    assert cmp["mechserve[exact] TTFT p50 no-prefix-cache/prefix-cache"] > 0
     for png in ("throughput.png", "latency.png", "tokens_per_step.png"):
         assert (tmp_path / "out" / png).stat().st_size > 1000
 

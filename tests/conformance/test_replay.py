@@ -62,6 +62,7 @@ def test_the_product_engine_path_replays(target: Target, tiny_pair: Any) -> None
             "spec_len": 2,
             "world_size": 1,
             "max_model_len": 512,
+            "hold_shared_prefix": True,  # EngineConfig's default: r1 waits for the prefix r0 is computing
         },
         "requests": [
             {"request_id": f"r{i}", "tokens": p, "max_new_tokens": 7, "arrival_step": a}
@@ -69,6 +70,7 @@ def test_the_product_engine_path_replays(target: Target, tiny_pair: Any) -> None
         ],
     }
     assert any(rec.reused for rec in result.records) and any(rec.rolled_back for rec in result.records)
+    assert any("r1 is held back" in line for rec in result.records for line in rec.explain)
     compare(result.records, replay(workload, result.records))
 
 

@@ -10,7 +10,9 @@ A request's output is its ``output_ids``; ``generated`` does not count a final E
 Covered here: BC02 (full prefix hit, zero-length query), BC04 (in-flight prefix in one batch), BC06
 (preempt and re-prefill), BC11 (oversize request), BC14 (chunked prefill with one output token), BC16
 (stop inside an accepted speculative run), BC22 (zero-draft windows beside drafting ones), BC25
-(``max_new_tokens`` 0), BC26 (empty prompt).
+(``max_new_tokens`` 0), BC26 (empty prompt).  Beside them, one case of mechserve's own benchmark in
+the same style: a burst of requests behind one shared system prompt computes that prompt once with
+m12's ``hold_shared_prefix`` (N24).
 
 Not here: BC19 (a stop *string* inside one token's text) needs a tokenizer and detokenised text, and
 BC24 (a seeded request's random stream independent of its batchmates) needs a sampler with an RNG; the
@@ -250,6 +252,47 @@ def _trie(children: dict, depth: int) -> Iterator[tuple[int, m.RadixNode]]:
     for node in children.values():
         yield depth, node
         yield from _trie(node.children, depth + 1)
+
+
+# ---- A burst behind one shared system prompt (the bench's prefix workload in miniature; m12 N24) ---------
+
+
+def burst() -> list[m.Request]:
+    """8 requests at once: a 32-token shared prompt (8 blocks of 4) plus 4 own tokens each, 2 new tokens."""
+    shared = list(range(1, 33))
+    return [R(f"r{i}", [*shared, *range(100 + 10 * i, 104 + 10 * i)], 2) for i in range(8)]
+
+
+def prompt_tokens_computed(recs: list[m.StepRecord]) -> int:
+    """Prompt positions computed (nothing is preempted here): each request's tokens up to its first sample."""
+    total, sampled = 0, set()
+    for rec in recs:
+        total += sum(n for rid, n in rec.executed.items() if rid not in sampled)
+        sampled.update(rec.sampled)
+    return total
+
+
+def test_shared_prefix_burst_computes_the_shared_prompt_once() -> None:
+    """``mechserve bench run --workload prefix`` (32 requests, a 1,024-token system prompt, budget 512)
+    computed 0.55 of the uncached prefill: request 0 published the prompt's first 512 tokens at step 0,
+    the 31 others adopted that partial prefix at step 1 and each computed the second half itself.
+    With ``hold_shared_prefix`` they wait until request 0 has published the whole shared prompt."""
+    held, check = checked_engine(burst(), 16, 4, 96, hold_shared_prefix=True)
+    recs = run(held)
+    assert [t.admitted for t in recs[:3]] == [("r0",), (), tuple(f"r{i}" for i in range(1, 8))]
+    assert dict(recs[2].reused) == {f"r{i}": 32 for i in range(1, 8)}  # the whole shared prompt
+    assert prompt_tokens_computed(recs) == 32 + 8 * 4 == 64  # the shared prompt once, then each suffix
+    assert check.reads > 0
+    # without the hold r1..r7 adopt the 16 tokens published at step 0 and compute 16 more shared ones each
+    plain, _ = checked_engine(burst(), 16, 4, 96)
+    plain_recs = run(plain)
+    assert dict(plain_recs[1].reused) == {f"r{i}": 16 for i in range(1, 8)}
+    assert prompt_tokens_computed(plain_recs) == 36 + 7 * (16 + 4) == 176
+    uncached, _ = checked_engine(burst(), 16, 4, 96, prefix_caching=False)
+    assert prompt_tokens_computed(run(uncached)) == 8 * 36 == 288
+    assert (len(recs), len(plain_recs)) == (6, 13)  # and the burst is served in fewer steps
+    for r, ref in zip(held.requests, plain.requests, strict=True):
+        assert r.output_ids == ref.output_ids == alone(r).output_ids == chain(r.tokens, 2)
 
 
 # ---- BC06: preemption and re-prefill neither drop nor repeat a token --------------------------------------

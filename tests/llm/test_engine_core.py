@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from mechserve.bench.metrics import trace_stats
 from mechserve.engine_core import EngineCore, RequestRejected
 from mechserve.params import SamplingParams
 from mechserve.spec import m12_admission_control as m12
@@ -106,6 +107,31 @@ def test_page_conservation_with_prefix_caching(tiny) -> None:
     counts = c.page_counts()
     assert counts["cached"] > 0 and counts["free"] + counts["cached"] == c.num_pages
     c.check_pages()
+
+
+def test_a_burst_behind_a_shared_prompt_computes_it_once(tiny) -> None:
+    """``EngineConfig.hold_shared_prefix`` (on by default, m12 N24): requests submitted together behind a
+    24-token shared prompt wait until the first has published it, then reuse all of it, with the same ids
+    as without the hold."""
+    shared = random_prompts([24], seed=7)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 3, 3, 3], seed=8)]
+
+    def prefill(**config: object) -> tuple[int, list[list[int]]]:
+        c = core(tiny, page_size=4, num_pages=64, max_step_tokens=8, **config)
+        ids = [c.add_request(p, GREEDY) for p in prompts]
+        outs = drain(c)
+        c.check_pages()
+        done = finished(outs)
+        return trace_stats([out.record for out in outs])["prefill_tokens_computed"], [
+            list(done[i].outputs[0].token_ids) for i in ids
+        ]
+
+    held, held_ids = prefill()
+    plain, plain_ids = prefill(hold_shared_prefix=False)
+    uncached, uncached_ids = prefill(prefix_caching=False)
+    assert held == 24 + 4 * 3  # the shared prompt once, then each request's own 3 tokens
+    assert held < plain < uncached == 4 * 27
+    assert held_ids == plain_ids == uncached_ids
 
 
 @pytest.mark.parametrize(

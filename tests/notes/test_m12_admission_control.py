@@ -636,3 +636,89 @@ def test_m12_n23_drop_finished_lets_go_of_requests_that_left() -> None:
         eng.add_request(r)  # a dropped object carries its old state
     assert eng.add_request(R("x", [5, 6], 2)) is None
     eng.check_invariants()
+
+
+def shared_prefix() -> list[m.Request]:
+    """p and r share 3 blocks of 2 (positions 0..5), r's usable cap ⌊(7 − 1)/2⌋; x shares nothing."""
+    return [R("p", [1, 2, 3, 4, 5, 6, 7], 2), R("r", [1, 2, 3, 4, 5, 6, 9], 1), R("x", [8, 8, 8], 1)]
+
+
+def holds(rec: m.StepRecord) -> list[str]:
+    return [line for line in rec.explain if "held back" in line]
+
+
+def holds_line(rid: str, holder: str, s: int, h: int) -> str:
+    """The ``explain`` line of a hold: ``s`` shared blocks, ``h`` of them cached."""
+    return (
+        f"{rid} is held back: {holder} is still computing the {s} prompt block(s) they share ({h} cached); "
+        f"{rid} will reuse them once they are published."
+    )
+
+
+def test_m12_n24_a_request_is_held_until_the_prefix_it_shares_is_published() -> None:
+    # budget 4, pages of 2: p computes positions 0..3 at step 0 (publishing 2 blocks), 4..6 at step 1 (block 2)
+    eng = m.Engine(shared_prefix(), 4, 2, 16, hold_shared_prefix=True)
+    recs = run(eng)
+    assert [t.admitted for t in recs] == [("p", "x"), (), ("r",)]  # x, behind the held r, goes in at once
+    assert [dict(t.executed) for t in recs] == [{"p": 4}, {"p": 3, "x": 1}, {"p": 1, "r": 1, "x": 2}]
+    assert [dict(t.published) for t in recs] == [{"p": 2}, {"p": 1}, {"x": 1}]
+    assert [dict(t.reused) for t in recs] == [{}, {}, {"r": 6}]  # all 3 shared blocks: r computes position 6 only
+    assert [holds(t) for t in recs] == [[holds_line("r", "p", 3, 0)], [holds_line("r", "p", 3, 2)], []]
+    assert [r.output_ids for r in eng.requests] == [
+        chain([1, 2, 3, 4, 5, 6, 7], 2),
+        chain([1, 2, 3, 4, 5, 6, 9], 1),
+        chain([8, 8, 8], 1),
+    ]
+    # without the hold r adopts p's 2 published blocks at step 1 and computes positions 4, 5 and 6 itself
+    off = run(m.Engine(shared_prefix(), 4, 2, 16))
+    assert [t.admitted for t in off] == [("p", "r", "x"), (), (), ()]
+    assert [dict(t.reused) for t in off] == [{}, {"r": 4}, {}, {}]
+    assert sum(t.executed.get("r", 0) for t in off) == 3
+    # a request admitted earlier in the same walk holds, as p does above; one that shares nothing beyond the
+    # cache, a 0-token one, one without a usable block, and any request with prefix caching off are never held
+    late = [R("q", [1, 2, 3, 4, 5, 6, 8], 1), R("z", [1, 2, 3, 4, 5, 6, 7], 0), R("s", [1, 2], 1)]
+    eng = m.Engine([R("p", [1, 2, 3, 4, 5, 6, 7, 8, 9], 2)], 4, 2, 16, hold_shared_prefix=True)
+    eng.step()  # p published blocks 0 and 1; q shares 3 blocks with p but may use only 3, one more than cached
+    for r in late:
+        eng.add_request(r)
+    t1 = eng.step()
+    assert (t1.admitted, holds(t1)) == (("z", "s"), [holds_line("q", "p", 3, 2)])
+    t2 = eng.step()  # p has computed block 2 (positions 4, 5): q's 3 blocks are all cached
+    assert (t2.admitted, dict(t2.reused)) == (("q",), {"q": 6})
+    cold = m.Engine(shared_prefix(), 4, 2, 16, prefix_caching=False, hold_shared_prefix=True)
+    assert run(cold)[0].admitted == ("p", "r", "x")
+
+
+def test_m12_n25_a_hold_never_stops_a_request_or_changes_its_ids() -> None:
+    # preempted: a (list-first, arriving at step 1) takes p's pages at step 2 and evicts p's block 1 (page 1)
+    def pressed() -> list[m.Request]:
+        return [
+            R("a", [8, 8, 8, 8, 8, 9], 1, arrival_step=1),
+            R("p", [1, 2, 3, 4, 5, 6, 7], 1),
+            R("r", [1, 2, 3, 4, 5, 6, 9], 1),
+        ]
+
+    eng = m.Engine(pressed(), 4, 2, 4, hold_shared_prefix=True)
+    recs = run(eng)
+    assert (recs[2].preempted, recs[2].evicted) == (("p",), (1,))
+    assert [holds(t) for t in recs[:4]] == [[holds_line("r", "p", 3, h)] for h in (0, 2, 2, 1)]  # p at 0 holds on
+    assert (recs[3].reused, recs[4].admitted, recs[4].reused["r"]) == ({"p": 2}, ("r",), 6)
+    assert [r.state for r in eng.requests] == [FINISHED] * 3
+    off = m.Engine(pressed(), 4, 2, 4)
+    run(off)
+    assert [r.output_ids for r in eng.requests] == [r.output_ids for r in off.requests]
+    assert [r.output_ids for r in eng.requests] == [chain(r.tokens, 1) for r in eng.requests]
+    # aborted: r is let in at the next step and reuses what p published
+    eng = m.Engine(shared_prefix()[:2], 4, 2, 16, hold_shared_prefix=True)
+    assert eng.step().admitted == ("p",)
+    assert eng.abort("p")
+    t1 = eng.step()
+    assert (t1.admitted, dict(t1.reused), holds(t1)) == (("r",), {"r": 4}, [])
+    eng.check_invariants()
+    # off: m11's trace, field for field
+    old = m11.Engine([m11.Request(r.request_id, r.tokens, r.max_new_tokens) for r in shared_prefix()], 4, 2, 16)
+    new = m.Engine(shared_prefix(), 4, 2, 16, hold_shared_prefix=False)
+    for o, n in zip(run(old), run(new), strict=True):
+        j = n.to_json()
+        assert (j.pop("rejected"), j.pop("aborted")) == ([], [])
+        assert j == o.to_json()

@@ -405,6 +405,44 @@ def check_admitted(engine: Any, rec: dict[str, Any], before: dict[str, tuple[int
     assert not held or running + took == limit, (held, running, took, limit)
 
 
+def predicted_admission(engine: Any) -> tuple[str, ...]:
+    """What m12's next step admits, predicted before it runs from the requests' tokens alone (N9, N10,
+    N24): arrived WAITING requests in list order while ``max_running`` allows, skipping one that is held.
+
+    A request R is held when ``hold_shared_prefix`` and prefix caching are on, it wants a token, and a
+    RUNNING request P (or one admitted earlier in this walk, which has computed nothing) shares ``s``
+    leading complete prompt blocks with it, ``s`` capped at ``⌊(len(R) − 1)/page_size⌋``, more than
+    the cache holds for R (same cap), with ``P.computed < s × page_size``.  Token blocks are compared
+    directly, not through prefix keys.
+    """
+    ps = engine.pool.page_size
+    hold = getattr(engine, "hold_shared_prefix", False) and engine.prefix_caching
+    limit = getattr(engine, "max_running", None)
+    running = [(r.tokens, r.computed) for r in engine.requests if r.state.value == "RUNNING"]
+    admitted: list[str] = []
+    for r in engine.requests:
+        if r.state.value != "WAITING" or r.arrival_step > engine.step_counter:
+            continue
+        if limit is not None and len(running) >= limit:
+            break
+        if hold and r.max_new_tokens > 0:
+            usable = (len(r.tokens) - 1) // ps
+            cached = min(len(engine.cache.match(r.prompt_keys)), usable)
+
+            def shared(tokens: list[int], r: Any = r, usable: int = usable) -> int:
+                n = 0
+                while n < min(len(tokens), len(r.tokens)) and tokens[n] == r.tokens[n]:
+                    n += 1
+                return min(n // ps, usable)
+
+            if any(shared(t) > cached and c < shared(t) * ps for t, c in running):
+                continue
+        admitted.append(r.request_id)
+        if r.max_new_tokens > 0:
+            running.append((r.tokens, 0))
+    return tuple(admitted)
+
+
 def check_summary(run: Run) -> None:
     """A finished request's end state follows rule S (MECHANISMS 1.5), with m12's stop ids (N17) and
     zero-token requests (N10)."""

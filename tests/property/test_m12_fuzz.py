@@ -3,7 +3,8 @@
 Rules: offer a request (valid, with stop ids and accept scripts; zero-token; empty prompt or negative
 ``max_new_tokens``; larger than the pool; a duplicate of a live id), take a step, abort any id (live,
 finished, rejected, aborted or unknown).  The door's answer is predicted independently from the
-requests' own states.  After every rule: ``check_invariants()``; free + private + cache-owned pages =
+requests' own states, and so is what each step admits (``predicted_admission``); the engine is built
+with or without the shared-prefix hold (N24).  After every rule: ``check_invariants()``; free + private + cache-owned pages =
 ``num_pages`` with the three sets disjoint; no private page in two tables; every trie block is
 cache-owned and holds the positions its key names (the cache never serves a page that is not
 resident); every request is in one of the five states, and only a RUNNING one holds pages.  Every
@@ -30,6 +31,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from ladder_harness import predicted_admission
 
 from mechserve.spec import m12_admission_control as m
 
@@ -87,9 +89,14 @@ class AdmissionMachine(RuleBasedStateMachine):
         max_waiting=st.none() | st.integers(1, 5),
         max_running=st.none() | st.integers(1, 4),
         max_model_len=st.none() | st.integers(4, 40),
+        hold=st.booleans(),
     )
-    def build(self, ps: int, pages: int, budget: int, spec_len: int, world_size: int, **limits: int | None) -> None:
-        self.eng = m.Engine([], budget, ps, pages, spec_len=spec_len, world_size=world_size, **limits)
+    def build(
+        self, ps: int, pages: int, budget: int, spec_len: int, world_size: int, hold: bool, **limits: int | None
+    ) -> None:
+        self.eng = m.Engine(
+            [], budget, ps, pages, spec_len=spec_len, world_size=world_size, hold_shared_prefix=hold, **limits
+        )
 
     @property
     def engine(self) -> m.Engine:
@@ -197,15 +204,20 @@ class AdmissionMachine(RuleBasedStateMachine):
         eng = self.engine
         running_before = len(eng.running)
         waiting = {r.request_id: r for r in self.entered if r.state is S.WAITING}
+        want = predicted_admission(eng)
         rec = eng.step()
-        # admission: a request arrived (and offered) before this step waits only while max_running is reached
+        assert rec.admitted == want
+        # admission: a request arrived (and offered) before this step waits only while max_running is
+        # reached, or (hold_shared_prefix, N24) while a running request computes the prefix it shares
         took_slot = sum(waiting[rid].max_new_tokens > 0 for rid in rec.admitted)
         held = [
             r
             for r in self.entered
             if r.state is S.WAITING and max(r.arrival_step, self.offered_at[id(r)]) < eng.step_counter
         ]
-        if eng.max_running is None:
+        if eng.hold_shared_prefix:
+            assert not eng.max_running or running_before + took_slot <= eng.max_running
+        elif eng.max_running is None:
             assert not held, f"{[r.request_id for r in held]} arrived but were not admitted"
         else:
             assert running_before + took_slot <= eng.max_running

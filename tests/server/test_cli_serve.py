@@ -126,7 +126,8 @@ def test_arrivals_are_a_poisson_process() -> None:
 
 def test_serve_takes_the_speculation_flags(capsys, tiny_dir: Path) -> None:
     """``--spec-method``/``--draft-model``/``--spec-len``/``--spec-fixed`` build the engine's ``SpeculativeConfig``
-    (generate's flags); a bad combination is one error line before anything loads."""
+    (generate's flags); a bad combination is one error line before anything loads.  The shared-prefix hold
+    is on unless ``--no-hold-shared-prefix``."""
     from mechserve.cli.main import parse
     from mechserve.cli.serve import _engine, _speculation
 
@@ -136,6 +137,9 @@ def test_serve_takes_the_speculation_flags(capsys, tiny_dir: Path) -> None:
     spec = llm.core.speculative
     assert (spec.method, spec.num_speculative_tokens, spec.adaptive) == ("draft", 2, False)
     assert "draft model" in _speculation(llm.core) and "fixed" in _speculation(llm.core)
-    assert _engine(parse(["serve", "--model", str(tiny_dir), "--num-pages", "16"])).core.speculative is None
+    plain = _engine(parse(["serve", "--model", str(tiny_dir), "--num-pages", "16"])).core
+    assert plain.speculative is None and plain.engine.hold_shared_prefix is True
+    unheld = _engine(parse(["serve", "--model", str(tiny_dir), "--num-pages", "16", "--no-hold-shared-prefix"]))
+    assert unheld.core.engine.hold_shared_prefix is False
     code, _, err = run_cli(capsys, "serve", "--spec-method", "draft")
     assert code == 2 and "--draft-model" in err and err.count("\n") == 1
