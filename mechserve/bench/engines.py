@@ -111,9 +111,14 @@ class MechserveRunner(Runner):
 
     name = "mechserve"
 
-    def __init__(self, loaded: Any, mode: str, *, max_step_tokens: int = 512, page_size: int = 16) -> None:
+    def __init__(
+        self, loaded: Any, mode: str, *, max_step_tokens: int = 512, page_size: int = 16, spec_len: int | None = None
+    ) -> None:
+        """``spec_len``: also run the throughput and latency workloads with prompt-lookup speculation
+        (variant ``ngram-<spec_len>``)."""
         self.loaded = loaded
         self.mode = mode
+        self.spec_len = spec_len
         self.max_step_tokens = max_step_tokens
         self.page_size = page_size
 
@@ -122,7 +127,7 @@ class MechserveRunner(Runner):
             return ["prefix-cache", "no-prefix-cache"]
         if workload.name == "spec":
             return ["no-spec", "ngram-4"]
-        return ["default"]
+        return ["default"] + ([f"ngram-{self.spec_len}"] if self.spec_len else [])
 
     def _core(self, workload: Workload, variant: str) -> Any:
         from mechserve.backends.engine import EngineConfig

@@ -105,6 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="workload seed (default 0)")
     add("--max-step-tokens", type=_positive_int, default=512, help="mechserve's per-step budget (default 512)")
     add(
+        "--spec-len",
+        type=_positive_int,
+        default=None,
+        help="also run mechserve with prompt-lookup speculation of up to N guesses (variant ngram-N) on the "
+        "throughput and latency workloads; greedy output is unchanged, so it is compared like the default",
+    )
+    add(
         "--hf-batch-size",
         type=_positive_int,
         default=None,
@@ -295,7 +302,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         hf_runners[mode] = eng.HFRunner(path, mode, batch_size=args.hf_batch_size)
                     runner: Any = hf_runners[mode]
                 else:
-                    runner = eng.MechserveRunner(loaded[mode], mode, max_step_tokens=args.max_step_tokens)
+                    runner = eng.MechserveRunner(
+                        loaded[mode], mode, max_step_tokens=args.max_step_tokens, spec_len=args.spec_len
+                    )
                 for variant in runner.variants(workload):
                     res = runner.run(workload, variant)
                     metrics = latency_summary(res.timings, res.duration)

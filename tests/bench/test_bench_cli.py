@@ -131,3 +131,26 @@ def test_bad_flags_exit_2_with_one_line(argv: list[str], capsys: pytest.CaptureF
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "error" in err[0]
+
+
+def test_bench_spec_len_adds_a_speculative_variant_with_the_same_greedy_ids(tmp_path: Path, tiny_dir: Path) -> None:
+    doc = _bench(
+        tmp_path,
+        tiny_dir,
+        "--workload",
+        "throughput",
+        "--size",
+        "num=4",
+        "--spec-len",
+        "3",
+        "--no-roofline",
+        "--no-plots",
+    )
+    runs = {(r["engine"], r["variant"]): r for r in doc["workloads"]["throughput"]["runs"]}
+    assert set(runs) == {("mechserve", "default"), ("mechserve", "ngram-3"), ("hf", "default")}
+    assert runs["mechserve", "ngram-3"]["outputs"] == runs["mechserve", "default"]["outputs"]
+    assert (
+        runs["mechserve", "ngram-3"]["engine_stats"]["steps"] <= runs["mechserve", "default"]["engine_stats"]["steps"]
+    )
+    cmp = doc["workloads"]["throughput"]["comparisons"]
+    assert cmp["mechserve[exact,ngram-3] vs hf[exact] greedy agreement"]["identical_requests"] == 1.0
