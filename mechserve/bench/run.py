@@ -51,14 +51,23 @@ def _choices(kind: str, allowed: tuple[str, ...], all_value: tuple[str, ...] | N
     return convert
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, limit: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    if limit is not None and value > limit:
+        raise argparse.ArgumentTypeError(f"must be <= {limit}, got {text!r}")
     return value
+
+
+def _engine_int(name: str) -> Any:
+    """A positive integer no larger than the engine's limit for ``name`` (``ENGINE_LIMITS``)."""
+    from mechserve.workload import ENGINE_LIMITS
+
+    return lambda text: _positive_int(text, ENGINE_LIMITS[name])
 
 
 def _size(text: str) -> tuple[str, object]:
@@ -103,10 +112,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--out", type=Path, default=Path("bench-results"), help="directory for results.json and the plots")
     add("--seed", type=int, default=0, help="workload seed (default 0)")
-    add("--max-step-tokens", type=_positive_int, default=512, help="mechserve's per-step budget (default 512)")
+    add(
+        "--max-step-tokens",
+        type=_engine_int("max_step_tokens"),
+        default=512,
+        help="mechserve's per-step budget (default 512)",
+    )
     add(
         "--spec-len",
-        type=_positive_int,
+        type=_engine_int("spec_len"),
         default=None,
         help="also run mechserve with prompt-lookup speculation of up to N guesses (variant ngram-N) on the "
         "throughput and latency workloads; greedy output is unchanged, so it is compared like the default",

@@ -120,6 +120,11 @@ def test_bench_spec_on_1k_matches_the_reference_rung(tmp_path: Path, capsys: pyt
         ["bench", "run", "--workload", "bogus"],
         ["bench", "run", "--mode", "turbo"],
         ["bench", "run", "--max-step-tokens", "0"],
+        ["bench", "run", "--max-step-tokens", "99999999999"],
+        ["bench", "run", "--spec-len", "0"],
+        ["bench", "run", "--spec-len", "-1"],
+        ["bench", "run", "--spec-len", "abc"],
+        ["bench", "run", "--spec-len", "999999999999"],  # once ran for minutes instead of refusing
         ["bench", "run", "--size", "num=0"],
         ["bench", "run", "--threads", "0"],
         ["bench", "run", "--size", "nope=3", "--no-plots"],
