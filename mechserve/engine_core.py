@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mechserve.backends import native
 from mechserve.backends.engine import (
     EngineConfig,
     KVMemoryError,
@@ -143,6 +144,9 @@ class EngineCore:
         rank_timeout_s: float | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
+        # Settle the attention path now: a bad MECHSERVE_ATTENTION or a kernel that cannot be built
+        # in ``native`` mode fails here, at load time, not at the first step.
+        native.enabled()
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = tuple(loaded.eos_token_ids)
@@ -380,6 +384,7 @@ class EngineCore:
             seed=seed,
             speculative=self.speculative,
             threads=max(1, configure_threads() // self.world_size),
+            native_attention=native.enabled(),
             arch=getattr(self.model, "arch", None),
             rope=(self.model.inv_freq, self.model.rope_scaling) if hasattr(self.model, "inv_freq") else None,
         )

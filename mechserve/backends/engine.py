@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from mechserve.backends.llama import LlamaModel
-from mechserve.backends.speculative import SpeculativeConfig
+from mechserve.backends.speculative import MAX_SPEC_LEN, SpeculativeConfig
 from mechserve.backends.torch_executor import TorchExecutor
 from mechserve.spec import m12_admission_control as m12
 
@@ -105,8 +105,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be > 0, got {self.page_size}")
         if self.num_pages is not None and self.num_pages <= 0:
             raise ValueError(f"num_pages must be > 0, got {self.num_pages}")
-        if self.spec_len < 0:
-            raise ValueError(f"spec_len must be >= 0, got {self.spec_len}")
+        if not 0 <= self.spec_len <= MAX_SPEC_LEN:
+            raise ValueError(f"spec_len must be in [0, {MAX_SPEC_LEN}], got {self.spec_len}")
         if self.kv_memory is not None and self.kv_memory <= 0:
             raise ValueError(f"kv_memory must be > 0, got {self.kv_memory}")
         if self.max_model_len is not None and self.max_model_len <= 0:

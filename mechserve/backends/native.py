@@ -22,6 +22,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -54,10 +55,20 @@ def mode() -> str:
     return value
 
 
-def _compiler() -> str:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
+def _compiler() -> list[str]:
+    """``$CXX`` split like a shell word list (e.g. ``ccache g++``), else the first of c++/g++/clang++ found."""
+    given = os.environ.get("CXX", "").strip()
+    if given:
+        try:
+            words = shlex.split(given)
+        except ValueError as exc:
+            raise NativeKernelError(f"CXX={given!r} is not a command line: {exc}") from None
+        if not words or not shutil.which(words[0]):
+            raise NativeKernelError(f"CXX={given!r} does not name an executable on PATH")
+        return words
+    for name in ("c++", "g++", "clang++"):
+        if shutil.which(name):
+            return [name]
     raise NativeKernelError("no C++ compiler found (set CXX, or install g++)")
 
 
@@ -71,12 +82,14 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _library_path(compiler: str) -> Path:
+def _library_path(compiler: list[str]) -> Path:
     from mechserve.backends.models import cache_dir
 
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), _cpu_flags(), platform.machine()]).encode()
+        "\0".join(
+            [SOURCE.read_text(), " ".join(compiler), version, " ".join(FLAGS), _cpu_flags(), platform.machine()]
+        ).encode()
     ).hexdigest()[:16]
     return cache_dir() / "kernels" / f"paged_attention-{key}.so"
 
@@ -95,10 +108,14 @@ def build() -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=False, timeout=300
+            [*compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=False, timeout=300
         )
         if done.returncode != 0:
-            raise NativeKernelError(f"{compiler} failed to build {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+            said = (done.stderr or done.stdout).strip()[-2000:] or "no message"
+            raise NativeKernelError(
+                f"{' '.join(compiler)} failed to build {SOURCE.name} (exit {done.returncode}): {said}"
+            )
+        os.chmod(tmp, 0o755)  # mkstemp makes it private; a shared cache must be loadable by others
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -109,11 +126,27 @@ def build() -> Path:
 _ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
 
 
+def _open(path: Path) -> ctypes.CDLL | None:
+    """The library at ``path`` if it loads and has this ABI, else None."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        if lib.mechserve_paged_attention_abi() == ABI:
+            return lib
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
 @cache
 def _load() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build()))
-    if lib.mechserve_paged_attention_abi() != ABI:
-        raise NativeKernelError("the built paged-attention library has a different ABI; delete it and rebuild")
+    path = build()
+    lib = _open(path)
+    if lib is None:  # a truncated or foreign file under our name (an interrupted copy, a stale cache): rebuild
+        path.unlink(missing_ok=True)
+        path = build()
+        lib = _open(path)
+    if lib is None:
+        raise NativeKernelError(f"{path} does not load as the paged-attention kernel even after a rebuild")
     for name in ("mechserve_paged_attention_f32", "mechserve_paged_attention_bf16"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _ARGS, None

@@ -48,6 +48,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from mechserve.backends import native
 from mechserve.backends.engine import first_line
 from mechserve.backends.llama import LlamaArch
 from mechserve.backends.sampling import Sampler, TokenLogprobs
@@ -61,7 +62,7 @@ from mechserve.spec import m12_admission_control as m12
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_START_TIMEOUT_S = 300.0
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-FAULTS = ("disagree", "hang", "crash")
+FAULTS = ("disagree", "hang", "crash", "raise")
 
 
 class RankError(RuntimeError):
@@ -72,8 +73,10 @@ class RankError(RuntimeError):
 class RankSpec:
     """What every rank builds: the checkpoint directory ``path``, weights/KV ``dtype`` (torch name),
     the pool (``num_pages`` of ``page_size``), the shared sampling ``seed``, ``speculative`` (not
-    a draft model), ``threads`` (torch intra-op threads per rank) and, if known, the model's
-    ``arch`` and ``rope`` (see ``ShardedLlama``)."""
+    a draft model), ``threads`` (torch intra-op threads per rank), ``native_attention`` (the
+    driver's resolved choice, so every rank attends the same way and a failed kernel build is
+    reported once, by the driver) and, if known, the model's ``arch`` and ``rope`` (see
+    ``ShardedLlama``)."""
 
     path: str
     dtype: str = "float32"
@@ -82,6 +85,7 @@ class RankSpec:
     seed: int | None = 0
     speculative: SpeculativeConfig | None = None
     threads: int = 1
+    native_attention: bool = False
     arch: LlamaArch | None = None
     rope: tuple[torch.Tensor, float] | None = None
 
@@ -127,6 +131,8 @@ class RankExecutor(TorchExecutor):
                 time.sleep(3600)
         if fault == "crash":
             os._exit(3)
+        if fault == "raise":
+            raise RuntimeError("planted rank failure")
         outcomes = super().execute(plan)
         if fault == "disagree":
             i = next((j for j, o in enumerate(outcomes) if o.token_ids), None)
@@ -142,6 +148,8 @@ class RankServer:
 
     def __init__(self, spec: RankSpec, rank: int, world_size: int) -> None:
         torch.set_num_threads(max(1, spec.threads))
+        os.environ["MECHSERVE_ATTENTION"] = "native" if spec.native_attention else "torch"
+        native.enabled.cache_clear()
         model = ShardedLlama(spec.path, rank, world_size, getattr(torch, spec.dtype), arch=spec.arch, rope=spec.rope)
         self.executor = RankExecutor(
             model, rank, spec.num_pages, spec.page_size, sampler=Sampler(spec.seed), speculative=spec.speculative
@@ -194,7 +202,8 @@ def serve_rank(server: RankServer, channel: Channel, rank: int) -> None:
             for command in commands:
                 result = server.handle(command)
         except Exception as exc:
-            traceback.print_exc()  # the whole story on the rank's stderr; the driver gets one line
+            if os.environ.get("MECHSERVE_TRACEBACK"):
+                traceback.print_exc()  # the whole story on the rank's stderr; the driver gets one line
             channel.reply(("error", f"rank {rank}: {type(exc).__name__}: {first_line(exc)}"))
             return
         if want_reply:
@@ -434,10 +443,11 @@ class SpawnGroup(RankGroup):
             self._check_alive("a send")
             raise self._fail(f"rank {rank} (pid {self.procs[rank].pid}) cannot be reached ({exc})") from None
 
-    def _check_alive(self, what: str) -> None:
-        """``RankError`` naming the first rank whose process has exited, if any."""
+    def _check_alive(self, what: str, crashed_only: bool = False) -> None:
+        """``RankError`` naming the first rank whose process has exited (with ``crashed_only``: with a
+        non-zero code or a signal), if any."""
         for r, p in enumerate(self.procs):
-            if p.exitcode is not None:
+            if p.exitcode is not None and not (crashed_only and p.exitcode == 0):
                 raise self._fail(f"rank {r} (pid {p.pid}) exited with code {p.exitcode} before {what!r}")
 
     def _exited(self, rank: int, what: str) -> RankError:
@@ -473,9 +483,10 @@ class SpawnGroup(RankGroup):
                     self.procs[r].join(1)
                     raise self._exited(r, what) from None
                 if status != "ok":
-                    # a rank whose peer died fails inside a collective: name the dead rank, the cause
+                    # a rank whose peer died fails inside a collective: name the dead rank, the cause.
+                    # A rank that reported its own error exits cleanly (code 0); that is not a death.
                     wait([p.sentinel for p in self.procs], timeout=1.0)
-                    self._check_alive(what)
+                    self._check_alive(what, crashed_only=True)
                     raise self._fail(str(value).strip())
                 answers[r] = value
                 del waiting[ready]

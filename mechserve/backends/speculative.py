@@ -39,7 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mechserve.workload import ENGINE_LIMITS
+
 METHODS = ("ngram", "draft")
+MAX_SPEC_LEN = ENGINE_LIMITS["spec_len"]  # guesses per window: the CLI's limit, for every entry point
 _LAYERS = re.compile(r"^(?P<model>.+?)(?::layers=(?P<layers>\d+))?$")
 
 
@@ -66,8 +69,10 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= MAX_SPEC_LEN:
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in [1, {MAX_SPEC_LEN}], got {self.num_speculative_tokens!r}"
+            )
         if not isinstance(self.ngram_min, int) or self.ngram_min < 1:
             raise ValueError(f"ngram_min must be an integer >= 1, got {self.ngram_min!r}")
         if not isinstance(self.ngram_max, int) or self.ngram_max < self.ngram_min:

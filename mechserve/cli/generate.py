@@ -370,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
     viz = VizOutputs.from_args(args)
     from mechserve.backends.engine import configure_threads, first_line
     from mechserve.backends.models import ModelLoadError
+    from mechserve.backends.native import NativeKernelError
     from mechserve.engine_core import EngineCore, KVMemoryError, RankError, RequestRejected
 
     try:
@@ -385,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
     except RequestRejected as exc:
         hint = REJECT_HINTS.get(exc.reason.value, "see mech-notes/12-admission-control.md")
         raise CliError(f"request rejected: {exc.reason.value} ({exc.detail}; {hint})") from None
-    except (ValueError, RankError) as exc:
+    except (ValueError, RankError, NativeKernelError) as exc:
         raise CliError(first_line(exc)) from None
     recorder = viz.recorder(core.engine, f"generate · model {args.model}", _decoder(core.tokenizer))
     clock = Clock()

@@ -66,10 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mechserve`` command line; return the exit status (0, or 2 on any error)."""
     try:
         args = parse(argv)
-        try:
-            attention_mode()  # a bad MECHSERVE_ATTENTION is a usage error, caught before any work
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
+        if _runs_a_model(args, argv):
+            try:
+                attention_mode()  # a bad MECHSERVE_ATTENTION is a usage error, caught before any work
+            except ValueError as exc:
+                raise CliError(str(exc)) from None
         return int(args.handler(args) or 0)
     except SystemExit as exc:  # --help and --version
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else report(str(exc.code))
@@ -84,6 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get(TRACEBACK_ENV):
             raise
         return report(f"internal error: {type(exc).__name__}: {exc} (set {TRACEBACK_ENV}=1 for a traceback)")
+
+
+def _runs_a_model(args: argparse.Namespace, argv: Sequence[str] | None) -> bool:
+    """Whether this command runs a real model (so ``MECHSERVE_ATTENTION`` matters); never for ``--help``."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in words or "--help" in words:
+        return False
+    return args.command in ("generate", "serve", "bench", "conform") or getattr(args, "backend", None) == "torch"
 
 
 def _silence_stdout() -> None:

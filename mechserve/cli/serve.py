@@ -178,6 +178,7 @@ def _engine(args: argparse.Namespace) -> Any:
     from mechserve.async_llm import AsyncLLM
     from mechserve.backends.engine import KVMemoryError
     from mechserve.backends.models import ModelLoadError
+    from mechserve.backends.native import NativeKernelError
 
     try:
         return AsyncLLM(
@@ -201,5 +202,5 @@ def _engine(args: argparse.Namespace) -> Any:
         raise CliError(str(exc)) from None
     except KVMemoryError as exc:
         raise CliError(kv_message(exc)) from None
-    except ValueError as exc:
+    except (ValueError, NativeKernelError) as exc:
         raise CliError(str(exc)) from None

@@ -49,6 +49,32 @@ def test_native_mode_without_a_compiler_is_a_clear_error(monkeypatch: pytest.Mon
         native.build()
 
 
+def test_a_corrupt_cached_library_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("MECHSERVE_CACHE", str(tmp_path))
+    native._load.cache_clear()
+    try:
+        path = native.build()
+        path.write_bytes(b"")  # an interrupted copy, say
+        native._load.cache_clear()
+        assert native._load().mechserve_paged_attention_abi() == native.ABI
+        assert path.stat().st_size > 0 and path.stat().st_mode & 0o005  # rebuilt, and loadable by others
+    finally:
+        native._load.cache_clear()
+
+
+def test_cxx_may_carry_words_but_must_name_a_program(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("MECHSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "g++ -Wall")
+    assert native._compiler() == ["g++", "-Wall"]
+    assert native.build().exists()
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(native.NativeKernelError, match="does not name an executable"):
+        native.build()
+    monkeypatch.setenv("CXX", "/bin/false")
+    with pytest.raises(native.NativeKernelError, match=r"failed to build paged_attention.cpp \(exit 1\): no message"):
+        native.build()
+
+
 def test_short_items_go_to_the_kernel_and_long_ones_to_sdpa() -> None:
     spans = [Span(0, 0, 20, [0, 1, 2, 3, 4]), Span(20, 7, 1, [5, 6]), Span(21, 3, 4, [7, 8])]
     batch = build_attention_batch(spans, list(range(25)), 4, group_size=2, native=True)

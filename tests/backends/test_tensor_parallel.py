@@ -164,6 +164,19 @@ def test_a_planted_disagreement_is_a_group_violation_and_stops_the_group(cores, 
     assert core.group.closed and gone(pids)
 
 
+def test_a_rank_error_is_reported_as_itself(loaded, capfd) -> None:
+    """A rank that fails answers with its error and exits cleanly: the driver names that error, not
+    the clean exit (which once hid it), and the rank prints no traceback."""
+    core = EngineCore(loaded, EngineConfig(**{**_fields(CONFIG), "world_size": 2}), rank_timeout_s=60)
+    assert core.group is not None
+    pids = core.group.pids  # type: ignore[attr-defined]
+    with pytest.raises(RankError, match="rank 1: RuntimeError: planted rank failure") as info:
+        generate(core, plant=(1, "raise"))
+    assert "exited" not in str(info.value)
+    assert core.group.closed and gone(pids)
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_a_killed_rank_is_an_error_not_a_hang(loaded) -> None:
     core = EngineCore(loaded, EngineConfig(**{**_fields(CONFIG), "world_size": 2}), rank_timeout_s=60)
     assert core.group is not None

@@ -450,4 +450,8 @@ def test_ordinary_request_ids_are_fine(cli, spec_file, rid: str) -> None:
 
 def test_bad_attention_mode_is_a_usage_error(cli, monkeypatch) -> None:
     monkeypatch.setenv("MECHSERVE_ATTENTION", "gpu")
-    assert_one_error_line(cli("mechs"), "MECHSERVE_ATTENTION must be one of auto, native, torch", "'gpu'")
+    assert_one_error_line(
+        cli("generate", "hi", "--max-tokens", "2"), "MECHSERVE_ATTENTION must be one of auto, native, torch", "'gpu'"
+    )
+    assert cli("generate", "--help").code == 0  # help and model-free commands do not care
+    assert cli("mechs").code == 0
