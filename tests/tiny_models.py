@@ -22,20 +22,9 @@ def tiny_config(model_type: str = "llama", **overrides: Any) -> Any:
     """A 2-layer, hidden-64, 4-head / 2-KV-head config; large init so greedy choices are not near ties."""
     from transformers import AutoConfig
 
-    fields: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-    )
+    from mechserve.conformance.target import TINY_CONFIG
+
+    fields: dict[str, Any] = {**TINY_CONFIG, "vocab_size": VOCAB}
     fields.update(overrides)
     return AutoConfig.for_model(model_type, **fields)
 

@@ -112,30 +112,9 @@ def spec_path(tmp_path: Path) -> Callable[[dict[str, Any]], str]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved 2-layer random Llama with a word-level tokenizer (``w0`` .. ``w127``); needs torch."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from tiny_models import save_tiny, save_word_tokenizer, tiny_config
 
     path = tmp_path_factory.mktemp("viz-tiny")
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval().save_pretrained(path)
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(path)
+    save_tiny(path, tiny_config())
+    save_word_tokenizer(path)
     return path
