@@ -15,14 +15,14 @@ __version__ = "0.1.0"
 
 # name -> the module that defines it (imported on first access).
 _LAZY = {
-    "LLM": "mechserve.llm",
-    "AsyncLLM": "mechserve.async_llm",
-    "RequestsRejected": "mechserve.llm",
-    "EngineCore": "mechserve.engine_core",
-    "RequestRejected": "mechserve.engine_core",
-    "SamplingParams": "mechserve.params",
-    "RequestOutput": "mechserve.outputs",
-    "CompletionOutput": "mechserve.outputs",
+    "LLM": "mechserve.entrypoints.llm",
+    "AsyncLLM": "mechserve.entrypoints.async_llm",
+    "RequestsRejected": "mechserve.entrypoints.llm",
+    "EngineCore": "mechserve.engine.core",
+    "RequestRejected": "mechserve.engine.core",
+    "SamplingParams": "mechserve.api.params",
+    "RequestOutput": "mechserve.api.outputs",
+    "CompletionOutput": "mechserve.api.outputs",
 }
 
 __all__ = ["__version__", *_LAZY]

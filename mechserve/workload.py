@@ -7,7 +7,7 @@ raises one ``WorkloadError`` whose message names the offending field::
 
     requests[2].max_new_tokens: must be an integer >= 0, got "x"
 
-Every size has an upper limit (``ENGINE_LIMITS``, ``MAX_*``) so that no value,
+Every size has an upper limit (``mechserve.api.limits``) so that no value,
 however large, makes the engine allocate without bound or step for ever
 before it says anything.
 
@@ -31,6 +31,15 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from mechserve.api.limits import (
+    ENGINE_LIMITS,
+    MAX_ARRIVAL_STEP,
+    MAX_NEW_TOKENS,
+    MAX_PROMPT_LEN,
+    MAX_SLOTS,
+    MAX_TOTAL_PROMPT_TOKENS,
+    TOKEN_ID_LIMIT,
+)
 from mechserve.spec import RUNGS
 
 ENGINE_DEFAULTS: Mapping[str, int] = {
@@ -45,23 +54,6 @@ ENGINE_OPTIONAL = ("max_waiting", "max_running", "max_model_len")
 ENGINE_KEYS = (*ENGINE_DEFAULTS, *ENGINE_OPTIONAL)
 # spec_len may be 0; every other engine value is a size and must be > 0.
 _ENGINE_MINIMUM = {"spec_len": 0}
-# Upper limits: the pool's slots are Python lists, and everything else bounds steps or ranks.
-ENGINE_LIMITS: Mapping[str, int] = {
-    "max_step_tokens": 1_000_000,
-    "page_size": 65_536,
-    "num_pages": 1_000_000,
-    "spec_len": 64,
-    "world_size": 64,
-    "max_waiting": 1_000_000,
-    "max_running": 1_000_000,
-    "max_model_len": 1_000_000_000,
-}
-MAX_SLOTS = 16_777_216  # num_pages x page_size
-MAX_PROMPT_LEN = 1_000_000
-MAX_TOTAL_PROMPT_TOKENS = 4_000_000  # all prompts of one workload together
-MAX_ARRIVAL_STEP = 1_000_000
-MAX_NEW_TOKENS = 1_000_000_000  # allocates nothing by itself
-TOKEN_ID_LIMIT = 2**31  # token ids are < 2**31
 TOP_KEYS = ("engine", "requests")
 REQUEST_KEYS = (
     "request_id",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -62,7 +63,7 @@ def matmul_peak(model: Any, rows: Sequence[int], repeats: int = 3) -> dict[str, 
         for name, (fan_in, fan_out) in linear_shapes(model).items():
             x = torch.randn(m, fan_in).to(dtype)
             w = torch.randn(fan_out, fan_in).to(dtype)
-            seconds = _median_time(lambda x=x, w=w: F.linear(x, w), repeats)
+            seconds = _median_time(partial(F.linear, x, w), repeats)
             row[name] = 2 * m * fan_in * fan_out / seconds / 1e9
             best = max(best, row[name])
         table[str(m)] = row
@@ -78,7 +79,7 @@ def prefill_probe(
     model: Any, prompt_len: int, peak_gflops: float, repeats: int = 3, page_size: int = 16
 ) -> dict[str, Any]:
     """One ``prompt_len``-token prefill forward: median seconds, tokens/s, GFLOP/s and MFU."""
-    from mechserve.backends.paged_kv import Span, build_attention_batch
+    from mechserve.kv.paged import Span, build_attention_batch
 
     pages = -(-prompt_len // page_size)
     cache = model.new_cache(pages + 1, page_size)
@@ -107,7 +108,7 @@ def decode_probe(
     model: Any, batch: int, context: int, peak_gflops: float, repeats: int = 3, page_size: int = 16
 ) -> dict[str, Any]:
     """One decode step of ``batch`` requests each at ``context`` positions (KV filled with noise)."""
-    from mechserve.backends.paged_kv import Span, build_attention_batch
+    from mechserve.kv.paged import Span, build_attention_batch
 
     per = -(-(context + 1) // page_size)
     cache = model.new_cache(batch * per + 1, page_size)

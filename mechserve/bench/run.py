@@ -65,7 +65,7 @@ def _positive_int(text: str, limit: int | None = None) -> int:
 
 def _engine_int(name: str) -> Any:
     """A positive integer no larger than the engine's limit for ``name`` (``ENGINE_LIMITS``)."""
-    from mechserve.workload import ENGINE_LIMITS
+    from mechserve.api.limits import ENGINE_LIMITS
 
     return lambda text: _positive_int(text, ENGINE_LIMITS[name])
 
@@ -225,12 +225,13 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run everything ``args`` asks for; write ``results.json`` (and plots) into ``args.out``; return the document."""
-    from mechserve.backends.engine import configure_threads
-    from mechserve.backends.models import load_model, resolve_model
-    from mechserve.bench import engines as eng
-    from mechserve.bench.metrics import latency_summary, useful_flops
+    from mechserve.bench import runners as eng
     from mechserve.bench.roofline import linear_params, roofline
+    from mechserve.bench.timings import latency_summary, useful_flops
     from mechserve.bench.workloads import SIZES, make_workload
+    from mechserve.engine.executors import configure_threads
+    from mechserve.model.checkpoint import resolve_model
+    from mechserve.model.loader import load_model
 
     if not args.no_plots:
         import importlib.util
@@ -266,8 +267,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "skipped": [],
     }
     optional = {n: eng.OptionalRunner(n) for n in args.engine if n in ("llama-cpp", "vllm")}
-    for name, runner in optional.items():
-        reason = runner.available()
+    for name, peer in optional.items():
+        reason = peer.available()
         if reason:
             print(reason, file=sys.stderr)
             results["skipped"].append({"engine": name, "reason": reason})

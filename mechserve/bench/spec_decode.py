@@ -112,7 +112,7 @@ class Tally:
 
 def configurations(args: argparse.Namespace) -> dict[str, Any]:
     """Name -> ``SpeculativeConfig`` (None: off) for ``args.configs``."""
-    from mechserve.backends.speculative import SpeculativeConfig
+    from mechserve.api.config import SpeculativeConfig
 
     k = args.spec_len
     every = {
@@ -138,11 +138,12 @@ def configurations(args: argparse.Namespace) -> dict[str, Any]:
 
 def one_call(llm: Any, prompts: Sequence[str], params: Any, tally: Tally) -> None:
     """Generate ``prompts`` in one call (chat template) and add what it cost and did to ``tally``."""
-    stats = llm.core.executor.stats
+    stats = llm.core.stats(executor=True).executor
     before = (stats.forwards, stats.windows, stats.emitted, stats.proposed, stats.accepted)
     started = time.perf_counter()
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     tally.wall_s += time.perf_counter() - started
+    stats = llm.core.stats(executor=True).executor
     after = (stats.forwards, stats.windows, stats.emitted, stats.proposed, stats.accepted)
     delta = [a - b for a, b in zip(after, before)]
     tally.forwards += delta[0]
@@ -160,10 +161,10 @@ def one_call(llm: Any, prompts: Sequence[str], params: Any, tally: Tally) -> Non
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (set, batch, configuration) cell; return the report."""
-    from mechserve.backends.engine import configure_threads
-    from mechserve.backends.models import load_model
-    from mechserve.llm import LLM
-    from mechserve.params import SamplingParams
+    from mechserve.api.params import SamplingParams
+    from mechserve.engine.executors import configure_threads
+    from mechserve.entrypoints.llm import LLM
+    from mechserve.model.loader import load_model
 
     threads = configure_threads()
     loaded = load_model(args.model)
@@ -230,9 +231,9 @@ def costs(args: argparse.Namespace) -> dict[str, Any]:
     relative to one row at batch 1; ``row_cost``/``jump_cost`` fitted as the ``Governor`` uses them."""
     import torch
 
-    from mechserve.backends.engine import configure_threads
-    from mechserve.backends.models import load_model
-    from mechserve.backends.paged_kv import Span, build_attention_batch
+    from mechserve.engine.executors import configure_threads
+    from mechserve.kv.paged import Span, build_attention_batch
+    from mechserve.model.loader import load_model
 
     configure_threads()
     model = load_model(args.model, tokenizer=False).model
@@ -242,7 +243,10 @@ def costs(args: argparse.Namespace) -> dict[str, Any]:
     for b, m in shapes:
         per = (ctx + m) // ps + 1
         cache = model.new_cache(b * per, ps)
-        spans, slots, ids, pos = [], [], [], []
+        spans: list[Any] = []
+        slots: list[int] = []
+        ids: list[int] = []
+        pos: list[int] = []
         for i in range(b):
             table_ = list(range(i * per, (i + 1) * per))
             spans.append(Span(len(ids), ctx, m, table_))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 WORKLOADS = ("throughput", "latency", "prefix", "spec", "serve")
 
@@ -101,7 +102,9 @@ def make_workload(
     s: dict[str, object] = sizes
     reqs: list[BenchRequest] = []
     if name == "throughput":
-        (plo, phi), (olo, ohi) = s["prompt_range"], s["output_range"]  # type: ignore[misc]
+        prompt_range: Any = s["prompt_range"]
+        output_range: Any = s["output_range"]
+        (plo, phi), (olo, ohi) = prompt_range, output_range
         for _ in range(int(s["num"])):  # type: ignore[call-overload]
             reqs.append(BenchRequest(ids(rng.randint(plo, phi)), rng.randint(olo, ohi)))
     elif name in ("latency", "serve"):

@@ -34,7 +34,7 @@ BENCHMARKS = (
     ),
     (
         "tp",
-        "mechserve.bench.tensor_parallel",
+        "mechserve.bench.world_sizes",
         "output tokens/s of one greedy run at several tensor-parallel world sizes (ids compared)",
     ),
     (

@@ -98,9 +98,9 @@ def _load_target(model: str) -> Any:
             "the replay, contract, kv and invariance checks need torch: pip install 'mechserve[torch]' "
             "(or run --checks ladder)"
         ) from None
-    from mechserve.backends.engine import configure_threads
-    from mechserve.backends.models import ModelLoadError
+    from mechserve.api.errors import ModelLoadError
     from mechserve.conformance.target import TINY, load_target
+    from mechserve.engine.executors import configure_threads
 
     if model == TINY:
         torch.set_num_threads(1)  # a 2-layer model gains nothing from more, and loses much on a busy machine

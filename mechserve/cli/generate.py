@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -30,16 +29,12 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
+from mechserve.api import config as engine_settings
+from mechserve.api.config import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PAGE_SIZE
+from mechserve.api.limits import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_SAMPLES, MAX_SLOTS
 from mechserve.cli.errors import CliError, engine_failure
 from mechserve.cli.viz import VizOutputs, add_output_flags
 from mechserve.spec import m12_admission_control as m12
-from mechserve.workload import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_SLOTS
-
-MAX_KV_MEMORY = 1 << 50
-MAX_SAMPLES = 64
-DEFAULT_MAX_STEP_TOKENS = 2048  # vLLM's chunked-prefill default (mechserve.backends.engine)
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)b?|(b)?)\s*", re.IGNORECASE)
 
 
 def integer(minimum: int, maximum: int) -> Callable[[str], int]:
@@ -68,26 +63,12 @@ def prompt_text(text: str) -> str:
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``512MiB``, ``2GiB``, ``1.5G``, ``4GB`` (powers of 1000) or a plain number of bytes.
-
-    ``K``/``M``/``G``/``T`` with or without ``i``/``iB`` are powers of 1024;
-    ``KB``/``MB``/``GB``/``TB`` are powers of 1000.  Raises
-    ``argparse.ArgumentTypeError`` for anything else, zero, or more than
-    ``MAX_KV_MEMORY``.
-    """
-    match = _SIZE.fullmatch(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"expected a size such as 512MiB or 2GiB, got {text!r}")
-    number, unit, binary, _ = match.groups()
-    unit = (unit or "").lower()
-    decimal = bool(unit) and not binary and text.strip().lower().endswith("b")
-    scale = 1000 ** "bkmgt".index(unit) if decimal else _UNITS[unit]
-    value = float(number) * scale
-    if not math.isfinite(value) or value > MAX_KV_MEMORY:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_KV_MEMORY} bytes (1 PiB), got {text!r}")
-    if int(value) <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return int(value)
+    """An argparse ``type=`` for a size: ``512MiB``, ``2GiB``, ``1.5G``, ``4GB`` or a number of bytes
+    (``mechserve.api.config.parse_size``; ``argparse.ArgumentTypeError`` for anything else)."""
+    try:
+        return engine_settings.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--page-size",
         type=integer(1, ENGINE_LIMITS["page_size"]),
-        default=16,
+        default=DEFAULT_PAGE_SIZE,
         metavar="N",
         help="KV positions per page (default 16)",
     )
@@ -189,7 +170,7 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
 
 def draft_model(text: str) -> str:
     """An argparse ``type=`` for ``--draft-model``: ``MODEL[:layers=N]``."""
-    from mechserve.backends.speculative import parse_draft_model
+    from mechserve.api.config import parse_draft_model
 
     try:
         parse_draft_model(text)
@@ -211,7 +192,7 @@ def speculative_config(args: argparse.Namespace) -> Any:
         raise CliError(f"--spec-method {method} needs --spec-len >= 1 (or leave --spec-len out for 3)")
     if args.ngram_min > args.ngram_max:
         raise CliError(f"--ngram-min {args.ngram_min} is more than --ngram-max {args.ngram_max}")
-    from mechserve.backends.speculative import SpeculativeConfig
+    from mechserve.api.config import SpeculativeConfig
 
     return SpeculativeConfig(
         method=method or "ngram",
@@ -302,7 +283,7 @@ _PARAM_FLAGS = {
 
 def sampling_params(args: argparse.Namespace) -> Any:
     """The request's ``SamplingParams`` from the flags; raises ``CliError`` naming the flag of a bad value."""
-    from mechserve.params import SamplingParams
+    from mechserve.api.params import SamplingParams
 
     try:
         return SamplingParams(
@@ -342,7 +323,7 @@ def load(model: str, dtype: str | None, world_size: int = 1) -> Any:
     the ranks load their shards); ``ModelLoadError`` propagates."""
     import torch
 
-    from mechserve.backends.models import load_model
+    from mechserve.model.loader import load_model
 
     return load_model(model, dtype=getattr(torch, dtype or "float32"), weights=world_size == 1)
 
@@ -368,16 +349,22 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     params = sampling_params(args)
     viz = VizOutputs.from_args(args)
-    from mechserve.backends.engine import configure_threads, first_line
-    from mechserve.backends.models import ModelLoadError
-    from mechserve.backends.native import NativeKernelError
-    from mechserve.engine_core import EngineCore, KVMemoryError, RankError, RequestRejected
+    from mechserve.api.errors import (
+        KVMemoryError,
+        ModelLoadError,
+        NativeKernelError,
+        RankError,
+        RequestRejected,
+        first_line,
+    )
+    from mechserve.engine.core import EngineCore
+    from mechserve.engine.executors import configure_threads
 
     try:
         configure_threads()
         loaded = load(args.model, args.dtype, args.world_size)
         prompt, ids = prompt_ids(loaded.tokenizer, args.prompt, args.chat)
-        core = EngineCore(loaded, engine_config(args, loaded.model, len(ids)))
+        core = EngineCore(loaded, engine_config(args, loaded.model, len(ids)), keep_finished=True)
         request_id = core.add_request(ids, params, request_id="r0", prompt=prompt)
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
@@ -388,29 +375,29 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"request rejected: {exc.reason.value} ({exc.detail}; {hint})") from None
     except (ValueError, RankError, NativeKernelError) as exc:
         raise CliError(first_line(exc)) from None
-    recorder = viz.recorder(core.engine, f"generate · model {args.model}", _decoder(core.tokenizer))
+    recorder = viz.recorder(core.scheduler.spec_engine, f"generate · model {args.model}", _decoder(core.tokenizer))
     clock = Clock()
     console = Console(highlight=False, soft_wrap=True)
     show = (lambda record: None) if args.quiet else _print_json if args.json else _print_trace(console)
-    done = None
+
+    def seen(out: Any) -> None:
+        clock.step(out.record)
+        show(out.record)
+        if recorder is not None:
+            recorder(out.record)
+
     try:
-        while core.has_unfinished():
-            out = core.step()
-            clock.step(out.record)
-            show(out.record)
-            if recorder is not None:
-                recorder(out.record)
-            done = next((o for o in out.finished if o.request_id == request_id), done)
+        finished = core.run_until_idle(seen)
     except Exception as exc:  # an engine or executor failure part-way: the steps so far are printed (D3)
         core.close()
-        raise CliError(step_failure(exc, core.engine.step_counter)) from exc
+        raise CliError(step_failure(exc, core.step_counter)) from exc
     clock.stop()
-    assert done is not None
+    (done,) = [o for o in finished if o.request_id == request_id]
     try:
         print_result(args, console, core, done, clock, prompt)
     finally:
         core.close()
-    viz.write(recorder, core.engine.summary(), [output_json(done.request_id, c, None) for c in done.outputs])
+    viz.write(recorder, core.summary(), [output_json(done.request_id, c, None) for c in done.outputs])
     return 0
 
 
@@ -424,12 +411,14 @@ def _decoder(tokenizer: Any) -> Callable[[Any], str] | None:
 def engine_config(args: argparse.Namespace, model: Any, prompt_len: int) -> Any:
     """The ``EngineConfig`` the flags ask for; without ``--num-pages`` or ``--kv-memory`` the pool is sized
     for this request's samples (capped at ``DEFAULT_KV_BYTES``)."""
-    from mechserve.backends.engine import DEFAULT_KV_BYTES, EngineConfig, auto_num_pages, model_context, page_bytes
+    from mechserve.api.config import DEFAULT_KV_BYTES, EngineConfig
+    from mechserve.engine.pool import auto_num_pages, model_context, page_bytes
 
     pages = auto_num_pages(
         [prompt_len] * args.n, args.max_tokens, args.page_size, model, DEFAULT_KV_BYTES, model_context(model)
     )
     return EngineConfig(
+        dtype=args.dtype or "float32",
         max_step_tokens=args.max_step_tokens,
         page_size=args.page_size,
         num_pages=args.num_pages,
@@ -449,7 +438,7 @@ def prompt_ids(tokenizer: Any, text: str, chat: bool) -> tuple[str, list[int]]:
         raise ValueError("the model has no tokenizer, so it cannot take a text prompt")
     if not chat:
         return text, list(tokenizer(text).input_ids)
-    from mechserve.llm import apply_chat_template
+    from mechserve.entrypoints.prompts import apply_chat_template
 
     templated = apply_chat_template(tokenizer, [{"role": "user", "content": text}], True, None)
     return templated, list(tokenizer(templated, add_special_tokens=False).input_ids)
@@ -476,7 +465,8 @@ def print_result(args: argparse.Namespace, console: Console, core: Any, done: An
     reasons = ", ".join(finish_text(c) for c in done.outputs)
     console.print(Text(clock.report(len(done.prompt_token_ids), generated, reasons), style="dim"))
     if core.speculative is not None:
-        console.print(Text(speculation_report(core.speculative.method, core.executor.stats), style="dim"))
+        stats = core.stats(executor=True).executor
+        console.print(Text(speculation_report(core.speculative.method, stats), style="dim"))
 
 
 def speculation_report(method: str, stats: Any) -> str:
@@ -562,25 +552,25 @@ def kv_message(exc: Any) -> str:
 def summary(core: Any, done: Any) -> list[dict[str, Any]]:
     """The engine's summary, each sample a stop string ended marked with ``"stop_string"``.
 
-    A stop string is found in detokenized text, outside the engine (as in
-    vLLM, whose output processor aborts such requests in the engine core), so
-    the engine's own entry says ABORTED; ``stop_string`` says why.
+    A stop string is found in detokenized text, after the scheduler's step (as in vLLM, whose
+    output processor finishes such requests in the engine core); the summary says
+    ``FINISHED``/``STOP`` and ``stop_string`` says which string.
     """
-    entries = core.engine.summary()
+    entries = core.summary()
     stopped = {
         (done.request_id if len(done.outputs) == 1 else f"{done.request_id}#{c.index}"): c.stop_reason
         for c in done.outputs
         if isinstance(c.stop_reason, str)
     }
     for entry in entries:
-        if entry["state"] == "ABORTED" and entry["request_id"] in stopped:
+        if entry["finish_reason"] == "STOP" and entry["request_id"] in stopped:
             entry["stop_string"] = stopped[entry["request_id"]]
     return entries
 
 
 def step_failure(exc: BaseException, step_counter: int) -> str:
-    """The error line for a failure inside ``Generation.run``: ``run``'s wording, or out of memory."""
-    from mechserve.backends.engine import first_line, is_allocation_failure
+    """The error line for a failure inside an engine step: ``run``'s wording, or out of memory."""
+    from mechserve.api.errors import first_line, is_allocation_failure
 
     if is_allocation_failure(exc):
         return (

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from mechserve import __version__
-from mechserve.backends.native import mode as attention_mode
+from mechserve.api.env import attention_mode
 from mechserve.cli import bench, conform, demo, diff, lazy, mechs, run, serve, viz
 from mechserve.cli.errors import CliError, report
 from mechserve.cli.parser import Parser

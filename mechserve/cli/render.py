@@ -1,6 +1,6 @@
 """How a run is printed: JSON lines (the fixed contract) or a readable rich view (D5).
 
-Both views receive each step record as soon as the engine produces it
+Both views receive each step record as the engine produces it
 (``Engine.run(on_step=view.step)``), so the steps before an engine error are
 already printed when the error is reported; ``finish`` prints the summary.
 """

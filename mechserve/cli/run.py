@@ -7,7 +7,7 @@ A request's ``prompt_len`` becomes that many real token ids (its synthetic
 ids mapped onto the model's ordinary tokens, ``real_prompt``), explicit
 ``tokens`` are used as ids, and sampling is greedy.  What only the scripted
 model has (``accept_script``, ``eos_after``) is refused.  ``--world-size N``
-runs N tensor-parallel rank processes (``mechserve.backends.rank_group``).
+runs N tensor-parallel rank processes (``mechserve.executor.rank_group``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+from mechserve.api.limits import ENGINE_LIMITS
 from mechserve.cli.errors import CliError, engine_failure
 from mechserve.cli.lazy import GENERATE_MODULE
 from mechserve.cli.render import IDLE, JsonView, TextView, View
@@ -28,7 +29,6 @@ from mechserve.spec import TOP
 from mechserve.workload import (
     ENGINE_DEFAULTS,
     ENGINE_KEYS,
-    ENGINE_LIMITS,
     REQUEST_FLAG,
     RequestSpec,
     Workload,
@@ -271,10 +271,11 @@ def execute_torch(
     """
     check_torch_workload(rung, workload)
     try:
-        from mechserve.backends.engine import EngineConfig, configure_threads, first_line
-        from mechserve.backends.models import ModelLoadError
-        from mechserve.engine_core import EngineCore, KVMemoryError, RankError, RequestRejected
-        from mechserve.params import SamplingParams
+        from mechserve.api.config import EngineConfig
+        from mechserve.api.errors import KVMemoryError, ModelLoadError, RankError, RequestRejected, first_line
+        from mechserve.api.params import SamplingParams
+        from mechserve.engine.core import EngineCore
+        from mechserve.engine.executors import configure_threads
     except ModuleNotFoundError as exc:
         raise CliError(f"--backend torch needs {exc.name!r}: pip install 'mechserve[torch]'") from None
     generate = importlib.import_module(GENERATE_MODULE)  # its error wording and model loading are shared
@@ -286,6 +287,7 @@ def execute_torch(
         ordinary = ordinary_ids(vocab, loaded.tokenizer, loaded.eos_token_ids)
         prompts = [real_prompt(req, vocab, ordinary) for req in workload.requests]
         config = EngineConfig(
+            dtype=dtype or "float32",
             max_step_tokens=e["max_step_tokens"],
             page_size=e["page_size"],
             num_pages=e["num_pages"],
@@ -295,7 +297,7 @@ def execute_torch(
             max_waiting=e.get("max_waiting"),
             world_size=e["world_size"],
         )
-        core = EngineCore(loaded, config)
+        core = EngineCore(loaded, config, keep_finished=True)
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
     except KVMemoryError as exc:
@@ -307,25 +309,25 @@ def execute_torch(
     viz = viz or VizOutputs()
     tokenizer = loaded.tokenizer
     decode = None if tokenizer is None else lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True))
-    recorder = viz.recorder(core.engine, f"{header(rung, workload)} · model {model}", decode)
+    recorder = viz.recorder(core.scheduler.spec_engine, f"{header(rung, workload)} · model {model}", decode)
     for req, ids in zip(workload.requests, prompts):
         params = SamplingParams(temperature=0.0, max_tokens=req.max_new_tokens, stop_token_ids=req.stop_token_ids)
         with contextlib.suppress(RequestRejected):  # the next step's `rejected` field shows it
             core.add_request(ids, params, request_id=req.request_id, arrival_step=req.arrival_step)
-    outputs: dict[str, Any] = {}
+
+    def seen(out: Any) -> None:
+        view.step(out.record, STUCK if core.stats().running else IDLE)
+        if recorder is not None:
+            recorder(out.record)
+
     try:
-        while core.has_unfinished():
-            out = core.step()
-            view.step(out.record, STUCK if core.engine.running else IDLE)
-            if recorder is not None:
-                recorder(out.record)
-            outputs.update((o.request_id, o) for o in out.finished)
+        outputs = {o.request_id: o for o in core.run_until_idle(seen)}
     except BrokenPipeError:
         raise
     except Exception as exc:  # any engine failure is reported, never a traceback (D3)
         view.flush()
         viz.write(recorder, None)
-        raise CliError(generate.step_failure(exc, core.engine.step_counter)) from exc
+        raise CliError(generate.step_failure(exc, core.step_counter)) from exc
     finally:
         core.close()
     texts = [
@@ -339,6 +341,6 @@ def execute_torch(
         for req in workload.requests
         if req.request_id in outputs
     ]
-    view.finish(core.engine.summary(), texts)
-    viz.write(recorder, core.engine.summary(), texts)
+    view.finish(core.summary(), texts)
+    viz.write(recorder, core.summary(), texts)
     return 0

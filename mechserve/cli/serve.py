@@ -1,4 +1,4 @@
-"""``mechserve serve``: the OpenAI-compatible HTTP server (``mechserve.server``) in the foreground.
+"""``mechserve serve``: the OpenAI-compatible HTTP server (``mechserve.http``) in the foreground.
 
 Importing this module is cheap (no torch, no FastAPI); ``run`` imports them.
 The model is loaded and the KV cache allocated before the socket is bound,
@@ -16,9 +16,10 @@ import os
 import sys
 from typing import Any
 
+from mechserve.api.config import DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS
+from mechserve.api.limits import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_SLOTS
 from mechserve.cli.errors import CliError
 from mechserve.cli.generate import (
-    DEFAULT_MAX_STEP_TOKENS,
     add_dtype_argument,
     add_speculative_arguments,
     integer,
@@ -26,11 +27,10 @@ from mechserve.cli.generate import (
     parse_size,
     speculative_config,
 )
-from mechserve.workload import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_SLOTS
 
 HELP = "serve a model over an OpenAI-compatible HTTP API (needs the serve extra)"
 API_KEY_ENV = "MECHSERVE_API_KEY"
-DEFAULT_MAX_RUNNING = 64  # mechserve.async_llm's defaults (not imported: that would import torch)
+# A server bounds its queue: more waiting requests get 429 (an offline LLM batch has no such bound).
 DEFAULT_MAX_WAITING = 256
 SERVE_MAX_STEP_TOKENS = 512  # prefill chunks interleaved with decodes keep inter-token latency low
 GRACEFUL_SHUTDOWN_SECONDS = 5
@@ -162,11 +162,11 @@ def _speculation(core: Any) -> str:
 
 
 def _imports() -> tuple[Any, Any]:
-    """uvicorn and ``mechserve.server``; ``CliError`` naming the extra when one is missing."""
+    """uvicorn and ``mechserve.http``; ``CliError`` naming the extra when one is missing."""
     try:
         import uvicorn
 
-        import mechserve.server as server_module
+        import mechserve.http as server_module
     except ModuleNotFoundError as exc:
         extra = "torch" if exc.name in ("torch", "transformers", "safetensors") else "serve"
         raise CliError(f"serve needs {exc.name!r}: pip install 'mechserve[{extra}]'") from None
@@ -175,10 +175,8 @@ def _imports() -> tuple[Any, Any]:
 
 def _engine(args: argparse.Namespace) -> Any:
     """The ``AsyncLLM`` the flags describe (model loaded, KV cache allocated, engine thread not started)."""
-    from mechserve.async_llm import AsyncLLM
-    from mechserve.backends.engine import KVMemoryError
-    from mechserve.backends.models import ModelLoadError
-    from mechserve.backends.native import NativeKernelError
+    from mechserve.api.errors import KVMemoryError, ModelLoadError, NativeKernelError
+    from mechserve.entrypoints.async_llm import AsyncLLM
 
     try:
         return AsyncLLM(

@@ -22,6 +22,7 @@ import argparse
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, fmt in (("png", "png"), ("svg", "svg")):
         path = getattr(args, flag)
         if path:
-            _write(path, what, lambda path, fmt=fmt: _plot(trace, path, fmt))
+            _write(path, what, partial(_plot, trace, fmt=fmt))
     return 0
 
 
@@ -133,7 +134,7 @@ class VizOutputs:
             return
         trace = recorder.trace(summary, outputs)
         if self.viz and self.viz.lower().endswith(".json"):
-            _write(self.viz, "the trace document", lambda path: Path(path).write_text(trace.dumps(), encoding="utf-8"))
+            _write(self.viz, "the trace document", lambda path: _write_text(path, trace.dumps()))
         elif self.viz:
             _write(self.viz, "the interactive viewer", lambda path: _html(trace, path))
         if self.plot:
@@ -157,6 +158,10 @@ def _plot(trace: Trace, path: str, fmt: str | None) -> None:
     from mechserve.viz.plot import write_plot
 
     write_plot(trace, path, fmt=fmt)
+
+
+def _write_text(path: str, text: str) -> None:
+    Path(path).write_text(text, encoding="utf-8")
 
 
 def _write(path: str, what: str, write: Callable[[str], None]) -> None:

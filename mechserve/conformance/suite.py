@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, given
@@ -208,6 +209,16 @@ def check_executor(
     return Report(name, seed, workloads, results)
 
 
+Record = Callable[[Any, Callable[[], Mapping[str, Any]]], None]
+
+
+def _ladder_example(record: Record, upper: str, workload: Mapping[str, Any]) -> None:
+    """One ladder-consistency example: the pair below ``upper`` on ``workload``, recorded."""
+    from mechserve.conformance.ladder import check_ladder_pair
+
+    record({"rung": upper, **workload}, lambda: check_ladder_pair(upper, workload))
+
+
 def _run_check(
     check: str,
     target: Any,
@@ -236,7 +247,7 @@ def _run_check(
             progress(check, result.workloads, total)
 
     if check == "ladder":
-        from mechserve.conformance.ladder import PAIRS, check_ladder_pair
+        from mechserve.conformance.ladder import PAIRS
         from mechserve.conformance.strategies import mechanism_idle
 
         total = examples * len(PAIRS)
@@ -247,7 +258,7 @@ def _run_check(
                 mechanism_idle(upper),
                 examples,
                 seed,
-                lambda w, upper=upper: record({"rung": upper, **w}, lambda: check_ladder_pair(upper, w)),
+                partial(_ladder_example, record, upper),
             )
         return
 

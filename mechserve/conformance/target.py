@@ -6,7 +6,7 @@ A target bundles what the five checks need to know about an executor besides its
                                          rank per run; ranks may share weights)
     kv_of(executor)                      its K and V tensors, [num_layers, num_pages, page_size, ...]
                                          (default: ``executor.cache.k`` / ``executor.cache.v``, the
-                                         layout of ``mechserve.backends.paged_kv``)
+                                         layout of ``mechserve.kv.paged``)
     dense_kv(token_ids)                  the reference K and V of a dense forward over ``token_ids`` (no
                                          paging, no cache reuse): [num_layers, len(token_ids), ...];
                                          a NaN entry means "no reference" (e.g. outside a sliding window)
@@ -195,7 +195,7 @@ def own_dense_kv(model: Any) -> Callable[[Sequence[int]], KV]:
 
     Returns ``ids -> (K, V)``, each [num_layers, len(ids), num_kv_heads, head_dim] in the model dtype.
     """
-    from mechserve.backends.paged_kv import Span, build_attention_batch
+    from mechserve.kv.paged import Span, build_attention_batch
 
     def dense(ids: Sequence[int]) -> KV:
         n = len(ids)
@@ -213,7 +213,7 @@ def own_dense_kv(model: Any) -> Callable[[Sequence[int]], KV]:
 
 def own_greedy(model: Any, eos_token_ids: Sequence[int] = ()) -> Callable[[Sequence[int], int], list[int]]:
     """Greedy ids by a full dense forward per token (no KV reuse): ``(prompt, n) -> ids``, stops at EOS."""
-    from mechserve.backends.paged_kv import Span, build_attention_batch
+    from mechserve.kv.paged import Span, build_attention_batch
 
     def greedy(prompt: Sequence[int], n: int) -> list[int]:
         seq, out = list(prompt), []
@@ -256,7 +256,7 @@ def torch_target(
     its ``use_cache=True`` forward and greedy ids from its ``generate``; without it they come from
     ``model``'s own dense forward.
     """
-    from mechserve.backends.torch_executor import TorchExecutor
+    from mechserve.executor.torch_executor import TorchExecutor
 
     eos = tuple(int(t) for t in eos_token_ids)
 
@@ -283,8 +283,8 @@ def tiny_model(seed: int = 0) -> tuple[Any, Any]:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from mechserve.backends.llama import LlamaModel
-    from mechserve.backends.models import Checkpoint
+    from mechserve.model.checkpoint import Checkpoint
+    from mechserve.model.llama import LlamaModel
 
     config = AutoConfig.for_model("llama", **TINY_CONFIG)
     with torch.random.fork_rng(devices=[]), _quiet_transformers():
@@ -304,13 +304,14 @@ def load_target(model: str = "smollm2", **executor_kwargs: Any) -> Target:
     """``"tiny"``, ``"smollm2"`` (the embedded model) or a local Hugging Face directory, as a ``Target``.
 
     References come from transformers loading the same (converted) checkpoint in float32.  Raises
-    ``ModelLoadError`` (``mechserve.backends.models``) when the model cannot be loaded.
+    ``ModelLoadError`` (``mechserve.model.checkpoint``) when the model cannot be loaded.
     """
     if model == TINY:
         return tiny_target(**executor_kwargs)
     from transformers import AutoModelForCausalLM
 
-    from mechserve.backends.models import ModelLoadError, load_model
+    from mechserve.api.errors import ModelLoadError
+    from mechserve.model.loader import load_model
 
     loaded = load_model(model, tokenizer=False)
     try:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib.artist import Artist
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
@@ -164,7 +165,7 @@ def draw_timeline(ax: Any, timeline: Timeline) -> None:
         "rejected": dict(marker="x", dx=0.0, dy=0.0),
         "aborted": dict(marker="X", dx=0.0, dy=0.0),
     }
-    handles = [
+    handles: list[Artist] = [
         Patch(color=color, label=label)
         for code, (_, color, label) in enumerate(CELLS)
         if code and (codes == code).any()
@@ -173,7 +174,7 @@ def draw_timeline(ax: Any, timeline: Timeline) -> None:
         points = timeline.marks.get(name) or []
         if not points:
             continue
-        s = style[name]
+        s: dict[str, Any] = style[name]
         xs = [c + s["dx"] for _, c in points]
         ys = [r + s["dy"] for r, _ in points]
         if name == "finished":  # an end cap on the cell's right edge
@@ -209,7 +210,10 @@ def draw_pages(ax: Any, trace: Trace) -> None:
                     text, color = ("C", "white") if o is CACHE else (_short(o, 4), "black")
                     ax.text(c, p, text, ha="center", va="center", fontsize=7, color=color)
     evicted = [(c, p) for c, record in enumerate(trace.records) for p in record.get("evicted", ())]
-    handles = [Patch(color=FREE_COLOR, label="free"), Patch(color=CACHE_COLOR, label="cache (published block)")]
+    handles: list[Artist] = [
+        Patch(color=FREE_COLOR, label="free"),
+        Patch(color=CACHE_COLOR, label="cache (published block)"),
+    ]
     if len(ids) <= 10:
         used = {o for snap in trace.snapshots for o in snap.owners or () if isinstance(o, str)}
         handles += [Patch(color=request_color(index[rid]), label=f"{rid}'s page") for rid in ids if rid in used]

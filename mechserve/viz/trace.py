@@ -326,7 +326,7 @@ def _from_document(doc: dict[str, Any], source: str) -> Trace:
             outputs=doc.get("outputs"),
             snapshots=snapshots,
             title=str(doc.get("title") or ""),
-            source=doc.get("source") if doc.get("source") in SOURCES else "spec",
+            source=str(doc["source"]) if doc.get("source") in SOURCES else "spec",
             engine={k: int(v) for k, v in (doc.get("engine") or {}).items()},
             prompts={str(k): str(v) for k, v in (doc.get("prompts") or {}).items()},
         )

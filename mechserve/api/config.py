@@ -1,0 +1,344 @@
+"""The one engine configuration: ``EngineConfig`` and ``SpeculativeConfig`` (standard library only).
+
+``LLM(**kw)``, ``AsyncLLM(**kw)``, ``mechserve generate``/``serve`` and the benchmark all build one
+``EngineConfig``; its fields, their defaults and their checks live here and nowhere else::
+
+    LLM("smollm2", max_step_tokens=512, kv_memory="1GiB", speculative_config={"num_speculative_tokens": 4})
+        -> EngineConfig.from_args(...)        our names, vLLM's names (max_num_seqs, tensor_parallel_size,
+                                              enable_prefix_caching, max_num_batched_tokens, block_size),
+                                              sizes as "512MiB", a speculative_config dict
+        -> EngineConfig(...)                  every value checked in __post_init__ (ValueError names it)
+
+Sizes are bounded by ``mechserve.api.limits``.  Nothing here imports torch: ``dtype`` is a name
+(``"float32"``, ``"bfloat16"``, ``"float16"``), turned into a torch dtype where the model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from mechserve.api.limits import ENGINE_LIMITS, MAX_KV_MEMORY, MAX_SLOTS, MAX_SPEC_LEN
+
+# vLLM's chunked-prefill default; a smaller budget splits a long prompt into many slower steps.
+DEFAULT_MAX_STEP_TOKENS = 2048
+DEFAULT_PAGE_SIZE = 16
+# At most this many requests run at once (vLLM's max_num_seqs); on a CPU a step of 64 decodes
+# already takes a third of a second, so more would only lengthen every request's steps.
+DEFAULT_MAX_RUNNING = 64
+# Cap on the KV cache when the pool is sized automatically (no num_pages, no kv_memory).
+DEFAULT_KV_BYTES = 2 << 30
+
+# dtype names -> the canonical name ("auto" is float32 on a CPU, the mode checked against transformers).
+DTYPES: Mapping[str, str] = {
+    "auto": "float32",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+
+METHODS = ("ngram", "draft")
+_LAYERS = re.compile(r"^(?P<model>.+?)(?::layers=(?P<layers>\d+))?$")
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)b?|(b)?)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``512MiB``, ``2GiB``, ``1.5G``, ``4GB`` (powers of 1000) or a plain number of bytes.
+
+    ``K``/``M``/``G``/``T`` with or without ``i``/``iB`` are powers of 1024;
+    ``KB``/``MB``/``GB``/``TB`` are powers of 1000.  Raises ``ValueError``
+    for anything else, zero, or more than ``MAX_KV_MEMORY`` (1 PiB).
+    """
+    match = _SIZE.fullmatch(text)
+    if not match:
+        raise ValueError(f"expected a size such as 512MiB or 2GiB, got {text!r}")
+    number, unit, binary, _ = match.groups()
+    unit = (unit or "").lower()
+    decimal = bool(unit) and not binary and text.strip().lower().endswith("b")
+    scale = 1000 ** "bkmgt".index(unit) if decimal else _UNITS[unit]
+    value = float(number) * scale
+    if not math.isfinite(value) or value > MAX_KV_MEMORY:
+        raise ValueError(f"must be at most {MAX_KV_MEMORY} bytes (1 PiB), got {text!r}")
+    if int(value) <= 0:
+        raise ValueError(f"must be > 0, got {text!r}")
+    return int(value)
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes for people: ``12.3 GiB``, ``512.0 MiB``, ``64 B``."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def dtype_name(dtype: object) -> str:
+    """The canonical name of ``dtype``: a name of ``DTYPES`` (any case) or a torch dtype of one.
+
+    Raises ``ValueError`` for anything else.
+    """
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[name]
+
+
+def parse_draft_model(spec: str) -> tuple[str, int | None]:
+    """``"MODEL[:layers=N]"`` as ``(MODEL, N or None)``; ``ValueError`` for an empty model or a bad ``N``."""
+    m = _LAYERS.match(spec.strip()) if isinstance(spec, str) else None
+    if m is None or not m.group("model"):
+        raise ValueError(f"draft model must be MODEL[:layers=N], e.g. smollm2:layers=4, got {spec!r}")
+    if re.search(r":layers=", m.group("model")):
+        raise ValueError(f"draft model {spec!r}: layers must be a whole number >= 1, e.g. smollm2:layers=4")
+    layers = m.group("layers")
+    if layers is not None and int(layers) < 1:
+        raise ValueError(f"draft model {spec!r}: layers must be >= 1")
+    return m.group("model"), int(layers) if layers is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """What speculates and how far (vLLM's ``speculative_config``).
+
+    ``method``: ``"ngram"`` (prompt lookup: the longest suffix n-gram, ``ngram_min`` <= n <=
+    ``ngram_max``, found earlier in the request's own tokens) or ``"draft"`` (``draft_model``, a
+    ``MODEL[:layers=N]`` spec, e.g. ``"smollm2:layers=4"``).  ``num_speculative_tokens`` is the
+    engine's ``spec_len``: the most guesses per decode window.  ``adaptive``: before each step the
+    control side lowers ``spec_len`` (down to 0) to what the acceptance so far and the proposals at
+    hand pay for (``mechserve.executor.governor.Governor``); off, every window carries
+    ``num_speculative_tokens`` guesses (a short proposal is padded).  Raises ``ValueError`` for a bad
+    value.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    ngram_min: int = 1
+    ngram_max: int = 3
+    draft_model: str | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not _is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= MAX_SPEC_LEN:
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in [1, {MAX_SPEC_LEN}], got {self.num_speculative_tokens!r}"
+            )
+        if not _is_int(self.ngram_min) or not 1 <= self.ngram_min <= MAX_SPEC_LEN:
+            raise ValueError(f"ngram_min must be an integer in [1, {MAX_SPEC_LEN}], got {self.ngram_min!r}")
+        if not _is_int(self.ngram_max) or not self.ngram_min <= self.ngram_max <= MAX_SPEC_LEN:
+            raise ValueError(
+                f"ngram_max must be an integer in [ngram_min ({self.ngram_min}), {MAX_SPEC_LEN}], got {self.ngram_max!r}"
+            )
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError('method "draft" needs a draft_model, e.g. "smollm2:layers=4"')
+        if self.method == "ngram" and self.draft_model:
+            raise ValueError(f'draft_model {self.draft_model!r} is given but method is "ngram"; use method="draft"')
+        if self.draft_model is not None:
+            parse_draft_model(self.draft_model)
+
+    # vLLM's names for our fields.
+    ALIASES: ClassVar[Mapping[str, str]] = {
+        "prompt_lookup_min": "ngram_min",
+        "prompt_lookup_max": "ngram_max",
+        "model": "draft_model",
+    }
+
+    @classmethod
+    def of(cls, config: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+        """A ``SpeculativeConfig`` from itself or a dict of its fields (vLLM's names too; a dict with a draft
+        model and no method means ``"draft"``, vLLM's method ``"draft_model"`` is ours ``"draft"``).
+
+        Raises ``ValueError`` for another type, an unknown field or a bad value.
+        """
+        if config is None or isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, Mapping):
+            raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(config).__name__}")
+        fields = {cls.ALIASES.get(k, k): v for k, v in config.items()}
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}")
+        if fields.get("method") == "draft_model":
+            fields["method"] = "draft"
+        if fields.get("draft_model") and "method" not in fields:
+            fields["method"] = "draft"
+        return cls(**fields)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything that sizes and shapes one engine; ``LLM`` and ``AsyncLLM`` take exactly these fields.
+
+    * ``dtype``: weights, activations and KV cache: ``"float32"`` (default, the mode checked
+      against transformers; ``"auto"`` means it on a CPU), ``"bfloat16"`` or ``"float16"``.
+    * ``max_step_tokens``: the per-step token budget (vLLM's ``max_num_batched_tokens``), which is
+      also the prefill chunk; ``page_size``: positions per KV page (``block_size``).
+    * The pool: ``num_pages`` pages, else as many as ``kv_memory`` bytes hold (an int or a size such
+      as ``"512MiB"``), else automatic: enough for a full context and ``AUTO_MAX_POSITIONS`` positions,
+      capped at ``max_kv_bytes`` and half the available memory (``mechserve.engine.pool``).
+      ``check_memory`` refuses a cache larger than the available memory.
+    * ``max_model_len``: the longest prompt + output a request may have (None: the model's
+      ``max_position_embeddings``).
+    * ``prefix_caching``: reuse and publish prompt pages (``enable_prefix_caching``);
+      ``hold_shared_prefix``: with prefix caching, admit a request only once the prompt prefix it
+      shares with a running request is cached, so that the shared part is computed once (m12's
+      option, SGLang's in-batch prefix caching).
+    * ``max_running``: the most requests running at once, the rest wait (``max_num_seqs``; default
+      ``DEFAULT_MAX_RUNNING``); ``max_waiting``: the most that may wait, beyond which a request is
+      refused ``OVERLOADED`` (None: no limit).
+    * ``spec_len``: guesses per decode window with prompt lookup, or ``speculative`` (a
+      ``SpeculativeConfig``; its ``num_speculative_tokens`` becomes ``spec_len``, which must then
+      be 0 or equal to it).
+    * ``seed``: seeds the generator that unseeded sampling requests share.
+    * ``world_size``: tensor-parallel rank processes (``tensor_parallel_size``;
+      ``mechserve.executor.rank_group``).
+
+    Raises ``ValueError`` naming the field of a bad value.
+    """
+
+    dtype: str = "float32"
+    max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
+    page_size: int = DEFAULT_PAGE_SIZE
+    num_pages: int | None = None
+    kv_memory: int | None = None
+    max_kv_bytes: int = DEFAULT_KV_BYTES
+    check_memory: bool = True
+    max_model_len: int | None = None
+    prefix_caching: bool = True
+    hold_shared_prefix: bool = True
+    max_running: int | None = DEFAULT_MAX_RUNNING
+    max_waiting: int | None = None
+    spec_len: int = 0
+    speculative: SpeculativeConfig | None = None
+    seed: int | None = 0
+    world_size: int = 1
+
+    # vLLM's names (LLM/EngineArgs keyword arguments) for our fields.
+    ALIASES: ClassVar[Mapping[str, str]] = {
+        "max_num_seqs": "max_running",
+        "max_num_batched_tokens": "max_step_tokens",
+        "enable_prefix_caching": "prefix_caching",
+        "tensor_parallel_size": "world_size",
+        "block_size": "page_size",
+        "speculative_config": "speculative",
+    }
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        _size("max_step_tokens", self.max_step_tokens, 1)
+        _size("page_size", self.page_size, 1)
+        _size("num_pages", self.num_pages, 1, optional=True)
+        if self.num_pages is not None and self.num_pages * self.page_size > MAX_SLOTS:
+            raise ValueError(
+                f"num_pages {self.num_pages} x page_size {self.page_size} = {self.num_pages * self.page_size} slots, "
+                f"over mechserve's limit of {MAX_SLOTS}"
+            )
+        if isinstance(self.kv_memory, str):
+            try:
+                object.__setattr__(self, "kv_memory", parse_size(self.kv_memory))
+            except ValueError as exc:
+                raise ValueError(f"kv_memory: {exc}") from None
+        if self.kv_memory is not None and (not _is_int(self.kv_memory) or not 0 < self.kv_memory <= MAX_KV_MEMORY):
+            raise ValueError(
+                f"kv_memory must be a number of bytes in [1, {MAX_KV_MEMORY}] or a size such as '512MiB', "
+                f"got {self.kv_memory!r}"
+            )
+        if not _is_int(self.max_kv_bytes) or self.max_kv_bytes <= 0:
+            raise ValueError(f"max_kv_bytes must be an integer > 0, got {self.max_kv_bytes!r}")
+        _size("max_model_len", self.max_model_len, 1, optional=True)
+        _size("max_running", self.max_running, 1, optional=True)
+        _size("max_waiting", self.max_waiting, 1, optional=True)
+        _size("spec_len", self.spec_len, 0)
+        _size("world_size", self.world_size, 1)
+        for name in ("check_memory", "prefix_caching", "hold_shared_prefix"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.speculative is not None:
+            if not isinstance(self.speculative, SpeculativeConfig):
+                raise ValueError(f"speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}")
+            k = self.speculative.num_speculative_tokens
+            if self.spec_len not in (0, k):
+                raise ValueError(f"spec_len {self.spec_len} differs from speculative.num_speculative_tokens {k}")
+            object.__setattr__(self, "spec_len", k)
+
+    @classmethod
+    def from_args(cls, **kwargs: Any) -> EngineConfig:
+        """An ``EngineConfig`` from keyword arguments: our field names or vLLM's (``ALIASES``).
+
+        ``speculative_config`` may be a ``SpeculativeConfig`` or a dict of its fields (vLLM's names
+        too); ``kv_memory`` a number of bytes or a size such as ``"512MiB"``.  Raises ``TypeError``
+        for an unknown argument (naming the close matches) and ``ValueError`` for one given under
+        both names or a bad value.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        fields: dict[str, Any] = {}
+        given: dict[str, str] = {}
+        for key, value in kwargs.items():
+            name = cls.ALIASES.get(key, key)
+            if name not in names:
+                import difflib
+
+                close = difflib.get_close_matches(key, [*names, *cls.ALIASES], n=3)
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise TypeError(f"unexpected engine argument {key!r}{hint}; see EngineConfig for the list")
+            if name in fields:
+                raise ValueError(f"{key} and {given[name]} name the same setting; give one of them")
+            fields[name], given[name] = value, key
+        if "speculative" in fields:
+            fields["speculative"] = SpeculativeConfig.of(fields["speculative"])
+        return cls(**fields)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """This config with ``changes`` (our names), checked again."""
+        return dataclasses.replace(self, **changes)
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """``speculative``, or prompt lookup with ``spec_len`` guesses when only ``spec_len`` is set (None: off)."""
+        if self.speculative is not None or self.spec_len == 0:
+            return self.speculative
+        return SpeculativeConfig(method="ngram", num_speculative_tokens=self.spec_len)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _size(name: str, value: object, minimum: int, *, optional: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is an integer in ``[minimum, ENGINE_LIMITS[name]]`` (or None)."""
+    if value is None and optional:
+        return
+    limit = ENGINE_LIMITS[name]
+    if not _is_int(value) or not minimum <= value <= limit:  # type: ignore[operator]
+        bound = "> 0" if minimum == 1 else f">= {minimum}"
+        raise ValueError(f"{name} must be an integer {bound} and at most {limit}, got {value!r}")
+
+
+__all__ = [
+    "DEFAULT_KV_BYTES",
+    "DEFAULT_MAX_RUNNING",
+    "DEFAULT_MAX_STEP_TOKENS",
+    "DEFAULT_PAGE_SIZE",
+    "DTYPES",
+    "METHODS",
+    "EngineConfig",
+    "SpeculativeConfig",
+    "dtype_name",
+    "format_bytes",
+    "parse_draft_model",
+    "parse_size",
+]

@@ -1,0 +1,61 @@
+"""Every environment variable mechserve reads, in one place (standard library only).
+
+==========================  ===========================================================================
+``MECHSERVE_CACHE``         where converted models and built kernels live (default ``~/.cache/mechserve``)
+``MECHSERVE_ATTENTION``     ``auto`` (default), ``native`` or ``torch``: the decode attention path
+``MECHSERVE_RANK_TIMEOUT``  seconds a tensor-parallel rank may take to answer one step (default 300)
+``MECHSERVE_TRACEBACK``     set: a rank's full traceback on its stderr (the driver reports one line)
+``CXX``                     the C++ compiler that builds the native kernel (default c++/g++/clang++)
+==========================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mechserve.api.errors import ModelLoadError
+
+CACHE_ENV = "MECHSERVE_CACHE"
+ATTENTION_ENV = "MECHSERVE_ATTENTION"
+ATTENTION_MODES = ("auto", "native", "torch")
+RANK_TIMEOUT_ENV = "MECHSERVE_RANK_TIMEOUT"
+DEFAULT_RANK_TIMEOUT_S = 300.0
+
+
+def cache_dir() -> Path:
+    """``$MECHSERVE_CACHE`` or ``~/.cache/mechserve``; ``ModelLoadError`` if neither can be named."""
+    try:
+        return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "mechserve").expanduser()
+    except RuntimeError:  # no home directory to expand
+        raise ModelLoadError(
+            f"no home directory for the model cache; set {CACHE_ENV} to a writable directory"
+        ) from None
+
+
+def attention_mode() -> str:
+    """``MECHSERVE_ATTENTION`` (``auto``/``native``/``torch``); raises ``ValueError`` on anything else."""
+    value = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if value not in ATTENTION_MODES:
+        raise ValueError(f"{ATTENTION_ENV} must be one of {', '.join(ATTENTION_MODES)}, got {value!r}")
+    return value
+
+
+def rank_timeout() -> float:
+    """``MECHSERVE_RANK_TIMEOUT`` seconds if set (a positive number), else ``DEFAULT_RANK_TIMEOUT_S``."""
+    raw = os.environ.get(RANK_TIMEOUT_ENV)
+    try:
+        value = float(raw) if raw else DEFAULT_RANK_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{RANK_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{RANK_TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def traceback_wanted() -> bool:
+    """Whether ``MECHSERVE_TRACEBACK`` asks for full tracebacks."""
+    return bool(os.environ.get("MECHSERVE_TRACEBACK"))
+
+
+__all__ = ["ATTENTION_MODES", "CACHE_ENV", "attention_mode", "cache_dir", "rank_timeout", "traceback_wanted"]

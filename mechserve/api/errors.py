@@ -1,0 +1,88 @@
+"""The errors a caller of mechserve can meet, in one place (standard library and the spec only).
+
+Each names what went wrong in its message; the CLI prints it as one line (exit status 2) and the
+HTTP server turns it into an OpenAI-style 4xx/5xx body::
+
+    ValueError
+      RequestRejected     m12's door refused a request (reason: the spec's RejectReason)
+      KVMemoryError       the KV cache does not fit (the budget, the available memory, or allocation)
+    ModelLoadError        a model could not be resolved or loaded
+    RuntimeError
+      EngineDeadError     the background stepper is not running (never started, shut down, dead)
+      EngineStepError     an engine step raised; every request in flight ended with it
+      RankError           a tensor-parallel rank crashed, hung or raised; the group was shut down
+      NativeKernelError   the native paged-attention kernel could not be built or loaded
+"""
+
+from __future__ import annotations
+
+from mechserve.spec.m12_admission_control import RejectReason
+
+
+class RequestRejected(ValueError):
+    """m12's door refused a request.  ``reason`` is the ``RejectReason``; ``detail`` names the limit."""
+
+    def __init__(self, request_id: str, reason: RejectReason, detail: str) -> None:
+        super().__init__(f"request {request_id!r} rejected: {reason.value} ({detail})")
+        self.request_id = request_id
+        self.reason = reason
+        self.detail = detail
+
+
+class KVMemoryError(ValueError):
+    """The KV cache would not fit: over the ``kv_memory`` budget, over the available memory, or its
+    allocation failed.  ``sized_by`` says what chose ``num_pages``: ``"num_pages"``, ``"kv_memory"``
+    or ``"auto"``."""
+
+    def __init__(self, message: str, *, kv_bytes: int, num_pages: int, sized_by: str) -> None:
+        super().__init__(message)
+        self.kv_bytes = kv_bytes
+        self.num_pages = num_pages
+        self.sized_by = sized_by
+
+
+class ModelLoadError(Exception):
+    """A model could not be resolved or loaded; the message names the problem."""
+
+
+class EngineDeadError(RuntimeError):
+    """The background stepper is not running (never started, shut down, or dead after a failed step)."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised; every request in flight at that moment ends with this error."""
+
+
+class RankError(RuntimeError):
+    """A rank crashed, hung past the timeout or raised; the group was shut down and serves no more."""
+
+
+class NativeKernelError(RuntimeError):
+    """The native kernel could not be built or loaded (no compiler, a compile error, an ABI mismatch)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, at most 200 characters (its type's name if it has none)."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    line = lines[0].strip()
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def is_allocation_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch (or Python) failing to allocate memory."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and "alloc" in str(exc).lower()
+
+
+__all__ = [
+    "EngineDeadError",
+    "EngineStepError",
+    "KVMemoryError",
+    "ModelLoadError",
+    "NativeKernelError",
+    "RankError",
+    "RequestRejected",
+    "first_line",
+    "is_allocation_failure",
+]

@@ -1,0 +1,53 @@
+"""Every upper limit mechserve enforces, in one place (standard library only).
+
+No value a user can give, however large, may make mechserve allocate without bound, step for ever
+before it says anything, or start unbounded work: each size has a limit here, and every entry
+point (the spec-ladder workloads of ``mechserve run``, ``EngineConfig`` behind ``LLM``/``AsyncLLM``,
+the CLI flags and the HTTP fields) checks against the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# Engine sizes (the keys of a workload's engine section, the fields of EngineConfig).
+ENGINE_LIMITS: Mapping[str, int] = {
+    "max_step_tokens": 1_000_000,
+    "page_size": 65_536,
+    "num_pages": 1_000_000,
+    "spec_len": 64,
+    "world_size": 64,
+    "max_waiting": 1_000_000,
+    "max_running": 1_000_000,
+    "max_model_len": 1_000_000_000,
+}
+# The spec's page pool keeps Python bookkeeping per slot: num_pages x page_size at most this.
+MAX_SLOTS = 16_777_216
+MAX_PAGES = ENGINE_LIMITS["num_pages"]
+# Guesses per decode window (spec_len, num_speculative_tokens).
+MAX_SPEC_LEN = ENGINE_LIMITS["spec_len"]
+# Requests.
+MAX_PROMPT_LEN = 1_000_000
+MAX_TOTAL_PROMPT_TOKENS = 4_000_000  # all prompts of one workload together
+MAX_ARRIVAL_STEP = 1_000_000
+MAX_NEW_TOKENS = 1_000_000_000  # allocates nothing by itself
+TOKEN_ID_LIMIT = 2**31  # token ids are < 2**31
+MAX_LOGPROBS = 20  # top-N log-probabilities per position
+MAX_SAMPLES = 64  # n, independent samples of one prompt
+# A KV budget (kv_memory, --kv-memory): 1 PiB.
+MAX_KV_MEMORY = 1 << 50
+
+__all__ = [
+    "ENGINE_LIMITS",
+    "MAX_ARRIVAL_STEP",
+    "MAX_KV_MEMORY",
+    "MAX_LOGPROBS",
+    "MAX_NEW_TOKENS",
+    "MAX_PAGES",
+    "MAX_PROMPT_LEN",
+    "MAX_SAMPLES",
+    "MAX_SLOTS",
+    "MAX_SPEC_LEN",
+    "MAX_TOTAL_PROMPT_TOKENS",
+    "TOKEN_ID_LIMIT",
+]

@@ -1,0 +1,309 @@
+"""The engines the harness compares, behind one runner interface.
+
+``Runner.run(workload, variant)`` submits every request of a ``Workload`` (all at once, or one at a
+time when ``workload.sequential``), waits for exactly the wanted tokens and returns a ``RunResult``:
+per-request timestamps (``RequestTiming``), the generated ids, the run's wall time and peak RSS, and
+engine-side figures where the engine has them.
+
+* ``mechserve``: ``EngineCore`` (continuous batching under the m12 spec scheduler, paged KV, chunked
+  prefill).  Variants: ``default``; on the prefix workload ``prefix-cache`` (with m12's
+  shared-prefix hold, the product default) / ``no-prefix-cache``;
+  on the spec workload ``no-spec`` / ``ngram-K`` (prompt lookup with K guesses).  Its figures
+  come from the trace (``metrics.trace_stats``) plus step, executor and forward times.
+* ``hf``: transformers ``generate``, static batching with left padding, greedy, EOS suppressed until
+  the batch's longest request is done; a request's tokens are its first ``max_tokens`` of its batch
+  (the rest is waste, as in static batching).  Its per-token times come from a streamer.
+* ``llama-cpp`` and ``vllm``: optional; ``available()`` says why they are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from mechserve.bench.timings import RequestTiming, trace_stats
+from mechserve.bench.workloads import Workload
+
+ENGINES = ("mechserve", "hf", "llama-cpp", "vllm")
+MODES = {"exact": torch.float32, "fast": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class RunResult:
+    """One engine's run of one workload (times in seconds, memory in bytes)."""
+
+    engine: str
+    variant: str
+    mode: str
+    timings: list[RequestTiming]
+    duration: float
+    outputs: list[list[int]]
+    peak_rss_bytes: int | None
+    engine_stats: dict[str, Any] | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (Linux ``clear_refs`` 5); False where that is not possible."""
+    try:
+        with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int | None:
+    """This process's peak resident set size in bytes since the last reset (``VmHWM``); None if unknown."""
+    try:
+        for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class Runner:
+    """The interface: ``name``, ``available()`` (None, or why it is skipped), ``variants(workload)``,
+    ``run(workload, variant)``."""
+
+    name = "?"
+
+    def available(self) -> str | None:
+        return None
+
+    def variants(self, workload: Workload) -> list[str]:
+        return ["default"]
+
+    def run(self, workload: Workload, variant: str) -> RunResult:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@contextmanager
+def _timed(obj: Any, attr: str, sink: list[float]) -> Iterator[None]:
+    """Wrap ``obj.attr`` (a bound method) so that each call's seconds are appended to ``sink``."""
+    inner: Callable[..., Any] = getattr(obj, attr)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            sink.append(time.perf_counter() - t)
+
+    setattr(obj, attr, wrapper)
+    try:
+        yield
+    finally:
+        delattr(obj, attr)  # the class's method shows through again
+
+
+class MechserveRunner(Runner):
+    """``EngineCore`` over the loaded model, one fresh engine (and KV cache) per run."""
+
+    name = "mechserve"
+
+    def __init__(
+        self, loaded: Any, mode: str, *, max_step_tokens: int = 512, page_size: int = 16, spec_len: int | None = None
+    ) -> None:
+        """``spec_len``: also run the throughput and latency workloads with prompt-lookup speculation
+        (variant ``ngram-<spec_len>``)."""
+        self.loaded = loaded
+        self.mode = mode
+        self.spec_len = spec_len
+        self.max_step_tokens = max_step_tokens
+        self.page_size = page_size
+
+    def variants(self, workload: Workload) -> list[str]:
+        if workload.name == "prefix":
+            return ["prefix-cache", "no-prefix-cache"]
+        if workload.name == "spec":
+            return ["no-spec", "ngram-4"]
+        return ["default"] + ([f"ngram-{self.spec_len}"] if self.spec_len else [])
+
+    def _core(self, workload: Workload, variant: str) -> Any:
+        from mechserve.api.config import EngineConfig, dtype_name
+        from mechserve.engine.core import EngineCore
+
+        spec_len = int(variant.split("-")[1]) if variant.startswith("ngram-") else 0
+        longest = max(len(r.prompt_ids) + r.max_tokens for r in workload.requests)
+        batch = 1 if workload.sequential else len(workload.requests)
+        pages = batch * -(-longest // self.page_size) + 8
+        config = EngineConfig(
+            dtype=dtype_name(self.loaded.model.dtype),
+            max_step_tokens=self.max_step_tokens,
+            page_size=self.page_size,
+            num_pages=pages,
+            spec_len=spec_len,
+            prefix_caching=variant != "no-prefix-cache",
+            max_running=None,  # every request of the workload may run at once, as in the static batches it is compared with
+            seed=0,
+        )
+        return EngineCore(self.loaded, config)
+
+    def run(self, workload: Workload, variant: str) -> RunResult:
+        from mechserve.api.params import SamplingParams
+
+        core = self._core(workload, variant)
+        _warm_up(core, SamplingParams)
+        step_s: list[float] = []
+        exec_s: list[float] = []
+        fwd_s: list[float] = []
+        records: list[Any] = []
+        finished: dict[str, Any] = {}
+
+        last = [0.0]
+
+        def seen(out: Any) -> None:
+            now = time.perf_counter()
+            step_s.append(now - last[0])
+            records.append(out.record)
+            finished.update((o.request_id, o) for o in out.finished)
+            last[0] = time.perf_counter()
+
+        def drain() -> None:
+            last[0] = time.perf_counter()
+            core.run_until_idle(seen)
+
+        ids: list[str] = []
+        reset_peak_rss()
+        with _timed(core.executor, "execute", exec_s), _timed(core.model, "forward", fwd_s):
+            start = time.perf_counter()
+            for r in workload.requests:
+                params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
+                ids.append(core.add_request(list(r.prompt_ids), params))
+                if workload.sequential:
+                    drain()
+            drain()
+            duration = time.perf_counter() - start
+        rss = peak_rss()
+        timings, outputs = [], []
+        for rid, r in zip(ids, workload.requests):
+            o = finished[rid]
+            timings.append(RequestTiming(len(r.prompt_ids), o.metrics.arrival_time, o.metrics.token_times[0]))
+            outputs.append(list(o.outputs[0].token_ids))
+        stats = trace_stats(records, workload.prompt_tokens)
+        step_total, exec_total, fwd_total = sum(step_s), sum(exec_s), sum(fwd_s)
+        stats.update(
+            step_time_s=step_total,
+            executor_time_s=exec_total,
+            forward_time_s=fwd_total,
+            scheduler_time_s=step_total - exec_total,
+            scheduler_fraction=(step_total - exec_total) / step_total if step_total else None,
+            step_time_series_s=step_s,
+        )
+        c = core.config
+        settings = {
+            "max_step_tokens": self.max_step_tokens,
+            "page_size": self.page_size,
+            "num_pages": core.num_pages,
+            "prefix_caching": c.prefix_caching,
+            "hold_shared_prefix": c.prefix_caching and c.hold_shared_prefix,
+        }
+        return RunResult(self.name, variant, self.mode, timings, duration, outputs, rss, stats, settings)
+
+
+def _warm_up(core: Any, sampling_params: Any) -> None:
+    """One short request through a fresh engine, so first-call costs stay out of the timed run."""
+    core.add_request([1, 2, 3, 4, 5, 6, 7, 8], sampling_params(temperature=0, max_tokens=2, ignore_eos=True))
+    core.run_until_idle()
+
+
+class HFRunner(Runner):
+    """transformers ``generate`` with static batches of ``batch_size`` (left padding, greedy)."""
+
+    name = "hf"
+
+    def __init__(self, path: Path, mode: str, *, batch_size: int | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=MODES[mode], attn_implementation="sdpa").eval()
+        self.mode = mode
+        self.batch_size = batch_size
+        self.pad_id = 0
+
+    def run(self, workload: Workload, variant: str) -> RunResult:
+        reqs = workload.requests
+        size = 1 if workload.sequential else min(self.batch_size or len(reqs), len(reqs))
+        self._generate([(1, 2, 3, 4)], 2)  # warm-up
+        timings: list[RequestTiming] = []
+        outputs: list[list[int]] = []
+        reset_peak_rss()
+        start = time.perf_counter()
+        for b in range(0, len(reqs), size):
+            batch = reqs[b : b + size]
+            arrival = time.perf_counter() if workload.sequential else start
+            ids, times = self._generate([r.prompt_ids for r in batch], max(r.max_tokens for r in batch))
+            for i, r in enumerate(batch):
+                timings.append(RequestTiming(len(r.prompt_ids), arrival, tuple(times[: r.max_tokens])))
+                outputs.append(ids[i][: r.max_tokens])
+        duration = time.perf_counter() - start
+        return RunResult(
+            self.name, variant, self.mode, timings, duration, outputs, peak_rss(), None, {"batch_size": size}
+        )
+
+    def _generate(self, prompts: Sequence[Sequence[int]], new: int) -> tuple[list[list[int]], list[float]]:
+        """Left-padded greedy generation of exactly ``new`` tokens per row; the ids and each token step's time."""
+        longest = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad_id] * (longest - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+        streamer = _TimeStreamer()
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=self.pad_id,
+                streamer=streamer,
+            )
+        return out[:, longest:].tolist(), streamer.times
+
+
+class _TimeStreamer:
+    """A transformers streamer that keeps the time of each generated-token step (the first ``put`` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class OptionalRunner(Runner):
+    """An engine used only where its package is installed (``llama-cpp``: llama-cpp-python, ``vllm``)."""
+
+    PACKAGES: ClassVar[dict[str, tuple[str, str]]] = {
+        "llama-cpp": ("llama_cpp", "llama-cpp-python"),
+        "vllm": ("vllm", "vllm"),
+    }
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def available(self) -> str | None:
+        import importlib.util
+
+        module, package = self.PACKAGES[self.name]
+        if importlib.util.find_spec(module) is None:
+            return f"{self.name} skipped: the {package!r} package is not installed (pip install {package})"
+        return f"{self.name} skipped: {package} is installed, but its runner is not done in this harness yet"
+
+
+__all__ = ["ENGINES", "MODES", "HFRunner", "MechserveRunner", "OptionalRunner", "RunResult", "Runner"]

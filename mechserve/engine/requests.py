@@ -1,0 +1,104 @@
+"""A submitted request in front of the boundary: its ``n`` samples, their kept ids, text and timings.
+
+The scheduler (m12) knows one request per sample (``"<id>#<j>"`` for ``n > 1``) and its token ids;
+``EngineCore`` keeps, for each, what the user gets back: the ids it keeps after the stop cuts, the
+text (``OutputText``: incremental detokenization and stop strings), logprobs, and the times that
+vLLM's ``RequestOutput.metrics`` reports::
+
+    RequestGroup  request_id, prompt, prompt ids, arrival/admission/first-token times
+      └─ Sample   engine id, params, OutputText, kept ids and logprobs, token times, finish
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mechserve.api.outputs import CompletionOutput, RequestMetrics, RequestOutput, SampleDelta, TokenLogprobs
+from mechserve.api.params import SamplingParams
+from mechserve.engine.detokenizer import OutputText
+
+
+@dataclass(eq=False)
+class Sample:
+    """One sample of a request: the m12 request ``engine_id``, its kept ids, text and finish."""
+
+    engine_id: str
+    index: int
+    params: SamplingParams
+    text: OutputText
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Kept since the last delta (ids and logprobs).
+    new_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def delta(self, request_id: str) -> SampleDelta:
+        """What this sample gained since the last delta (streamable text, ids, logprobs, its finish)."""
+        delta = SampleDelta(
+            request_id=request_id,
+            index=self.index,
+            token_ids=self.new_ids,
+            text=self.text.take(final=self.finished),
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=self.new_logprobs if self.logprobs is not None else None,
+        )
+        self.new_ids, self.new_logprobs = [], []
+        return delta
+
+    def completion(self) -> CompletionOutput:
+        """This sample as vLLM's ``CompletionOutput``."""
+        return CompletionOutput(
+            index=self.index,
+            text=self.text.text,
+            token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            cumulative_logprob=sum(lp.logprob for lp in self.logprobs) if self.logprobs is not None else None,
+        )
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """One submitted request: its ``n`` samples and its times (seconds of ``time.perf_counter()``).
+
+    ``arrival_time``: submission; ``scheduled_time``: when a sample was first admitted (the end of
+    its queue time); ``first_token_time``: when the step that produced its first token returned.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    samples: list[Sample]
+    arrival_time: float
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    def output(self, now: float | None = None) -> RequestOutput:
+        """The ``RequestOutput`` as it stands (``now``: its end time, if it has ended)."""
+        finished = self.finished
+        metrics = RequestMetrics(
+            arrival_time=self.arrival_time,
+            first_token_time=self.first_token_time,
+            finished_time=now if finished else None,
+            token_times=tuple(tuple(s.token_times) for s in self.samples),
+            scheduled_time=self.scheduled_time,
+        )
+        completions = [s.completion() for s in self.samples]
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), completions, finished, metrics)
+
+
+__all__ = ["RequestGroup", "Sample"]

@@ -1,0 +1,333 @@
+"""The async engine: ``AsyncLLM``, the m12 engine serving requests that arrive while it runs.
+
+One background thread owns the ``EngineCore`` and steps it
+(``mechserve.entrypoints.stepper``); an asyncio program submits requests,
+streams their tokens and aborts them, and its event loop never waits on a
+forward pass::
+
+    >>> async with AsyncLLM("smollm2") as llm:
+    ...     async for event in llm.stream("The capital of France is", SamplingParams(temperature=0, max_tokens=8)):
+    ...         print(event.text, end="", flush=True)
+    ...     out = await llm.generate("def fibonacci(n):", SamplingParams(max_tokens=32))
+
+A request is accepted or refused at once (``RequestRejected`` names the
+limit: empty prompt, too long, never fits the pool, ``max_waiting`` requests
+already waiting); an accepted one yields one ``StreamEvent`` per engine step
+that gave it text or tokens, the last one carrying its ``RequestOutput``.
+``abort`` (or leaving a ``stream`` early) takes it out of the engine before
+the next step: its private pages return, its cached prompt pages stay cached,
+the step record lists it under ``aborted``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import replace
+from types import MappingProxyType, TracebackType
+from typing import Any, TypeVar
+
+from mechserve.api.config import EngineConfig
+from mechserve.api.errors import EngineDeadError, EngineStepError, RequestRejected
+from mechserve.api.outputs import RequestOutput, SampleDelta, StepOutput
+from mechserve.api.params import SamplingParams
+from mechserve.engine.core import EngineCore, EngineStats
+from mechserve.entrypoints.events import Admission, StreamEvent
+from mechserve.entrypoints.llm import engine_config
+from mechserve.entrypoints.metrics import ServingMetrics
+from mechserve.entrypoints.prompts import Chat, PromptInput
+from mechserve.entrypoints.stepper import AddCommand, Stepper
+from mechserve.model.checkpoint import EMBEDDED
+from mechserve.model.loader import LoadedModel
+
+__all__ = [
+    "AsyncLLM",
+    "Chat",
+    "EngineDeadError",
+    "EngineStepError",
+    "RequestRejected",
+    "RequestStream",
+    "StreamEvent",
+    "merge_events",
+]
+
+T = TypeVar("T")
+
+
+class RequestStream:
+    """One accepted request's events, in step order; iterate it once (``async for``) or ``await result()``.
+
+    ``prompt``, ``prompt_token_ids`` and ``params`` (with ``max_tokens``
+    as fitted) are set on acceptance; ``output`` once the last event has
+    been read.  Iterating raises ``EngineStepError`` / ``EngineDeadError`` if
+    the engine failed or shut down under the request.
+    """
+
+    def __init__(self, request_id: str, engine: Stepper) -> None:
+        self.request_id = request_id
+        self.prompt: str | None = None
+        self.prompt_token_ids: list[int] = []
+        self.params: SamplingParams | None = None
+        self.output: RequestOutput | None = None
+        self._stepper = engine
+        self._items: deque[StreamEvent | BaseException] = deque()  # delivered, not yet read
+        self._ready = asyncio.Event()
+        self._done = False
+
+    @property
+    def finished(self) -> bool:
+        """Whether the last event (or an error) has been read."""
+        return self._done
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if self._done:
+            raise StopAsyncIteration
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.output is not None:
+            self._done = True
+            self.output = item.output
+        return item
+
+    def coalesced(self) -> AsyncIterator[StreamEvent]:
+        """Like iterating, but every event already waiting when the consumer comes back is merged into one
+        (a slow consumer, such as a busy HTTP server, sends fewer, larger chunks; nothing is lost)."""
+        return _Coalesced(self)
+
+    async def result(self) -> RequestOutput:
+        """Read the remaining events; return the final ``RequestOutput``."""
+        async for _ in self:
+            pass
+        assert self.output is not None
+        return self.output
+
+    def abort(self) -> None:
+        """Take the request out of the engine before its next step, unless it already ended; returns at once."""
+        if not self._done:
+            self._stepper.abort(self.request_id)
+
+    def _accept(self, admission: Admission) -> None:
+        self.prompt = admission.prompt
+        self.prompt_token_ids = admission.prompt_token_ids
+        self.params = admission.params
+
+    def _put(self, item: StreamEvent | BaseException) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+
+class _Coalesced:
+    """``RequestStream.coalesced()``: an iterator object, not a generator, so there is nothing to close."""
+
+    def __init__(self, stream: RequestStream) -> None:
+        self.stream = stream
+
+    def __aiter__(self) -> _Coalesced:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        s = self.stream
+        events = [await s.__anext__()]
+        while not s.finished and s._items and not isinstance(s._items[0], BaseException):
+            events.append(await s.__anext__())
+        return merge_events(events)
+
+
+def merge_events(events: Sequence[StreamEvent]) -> StreamEvent:
+    """Consecutive events of one request as one: per sample, ids, text and logprobs joined, the last finish."""
+    if len(events) == 1:
+        return events[0]
+    merged: dict[int, SampleDelta] = {}
+    for event in events:
+        for d in event.samples:
+            a = merged.get(d.index)
+            merged[d.index] = d if a is None else _join(a, d)
+    token_text = {k: v for event in events for k, v in event.token_text.items()}
+    last = events[-1]
+    samples = tuple(merged[i] for i in sorted(merged))
+    return StreamEvent(last.request_id, samples, last.output, MappingProxyType(token_text))
+
+
+def _join(a: SampleDelta, b: SampleDelta) -> SampleDelta:
+    logprobs = None if a.logprobs is None and b.logprobs is None else [*(a.logprobs or ()), *(b.logprobs or ())]
+    return replace(b, token_ids=[*a.token_ids, *b.token_ids], text=a.text + b.text, logprobs=logprobs)
+
+
+class AsyncLLM:
+    """A model served by the m12 engine to requests that arrive while it runs; an async context manager.
+
+    ``model`` and the engine settings are ``LLM``'s, with the same defaults (``"smollm2"``, a local
+    Hugging Face directory or a ``LoadedModel``; any field of ``EngineConfig``, vLLM's names for
+    them, ``speculative_config``, or a whole ``config``): among them the admission limits,
+    ``max_running`` requests run at once (the rest wait) and at most ``max_waiting`` wait, beyond
+    which a request is refused ``OVERLOADED`` (None lifts a limit).  ``trace=True`` keeps every
+    step record in ``trace``; ``on_step`` sees every ``StepOutput`` on the engine thread.
+    ``model_name`` names the model in metrics and in the server.
+
+    The model is loaded and the KV cache allocated here; the engine thread starts with
+    ``start()`` or ``async with`` and stops with ``shutdown()`` (or leaving the block), which
+    aborts what is still running.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | LoadedModel = EMBEDDED,
+        *,
+        trace: bool = False,
+        on_step: Callable[[StepOutput], None] | None = None,
+        model_name: str | None = None,
+        config: EngineConfig | None = None,
+        **engine_args: Any,
+    ) -> None:
+        self.core = EngineCore.open(model, engine_config(config, engine_args))
+        loaded_name = model.path.name if isinstance(model, LoadedModel) else os.fspath(model)
+        self.model_name = model_name or loaded_name
+        self.metrics = ServingMetrics(self.model_name)
+        self._stepper = Stepper(self.core, self.metrics, on_step=on_step, keep_trace=trace)
+
+    # Lifecycle ----------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (once)."""
+        self._stepper.start()
+
+    async def shutdown(self) -> None:
+        """Abort every live request and stop the engine thread (joined off the event loop)."""
+        await asyncio.to_thread(self._stepper.stop)
+        self.core.close()
+
+    async def __aenter__(self) -> AsyncLLM:
+        self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.shutdown()
+
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread runs and takes requests."""
+        return self._stepper.alive
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure that killed the engine, if it is dead."""
+        return self._stepper.error
+
+    @property
+    def trace(self) -> list[Any]:
+        """Every step record so far (with ``trace=True``; else empty)."""
+        return list(self._stepper.trace or ())
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The longest prompt + output a request may have."""
+        return self.core.max_model_len
+
+    # Requests -----------------------------------------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        fit_max_tokens: bool = False,
+    ) -> RequestStream:
+        """Submit one request; return its ``RequestStream`` once the engine has accepted it.
+
+        ``prompt``: text, token ids, a vLLM-style dict (``{"prompt": ...}``
+        or ``{"prompt_token_ids": [...]}``) or a ``Chat``.  ``params``
+        default to vLLM's (temperature 1.0, max_tokens 16).
+        ``fit_max_tokens`` lowers ``max_tokens`` to what the prompt leaves of
+        the model's context and of the pool (OpenAI chat's "as many as fit").
+        Raises ``RequestRejected`` (a ``ValueError``) when m12's door refuses
+        it, ``ValueError`` for a prompt that cannot be encoded or a token id
+        outside the vocabulary, ``EngineDeadError`` when the engine is not
+        running.  Cancelled while waiting, it aborts the request.
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        request_id = f"req-{uuid.uuid4().hex}" if request_id is None else str(request_id)
+        stream = RequestStream(request_id, self._stepper)
+        command = AddCommand(
+            request_id, prompt, params, stream._put, asyncio.get_running_loop(), fit_max_tokens=fit_max_tokens
+        )
+        future = self._stepper.add(command)
+        try:
+            admission = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self._stepper.abort(request_id)  # queued after the add: it cannot miss it
+            raise
+        stream._accept(admission)
+        return stream
+
+    async def stream(
+        self, prompt: PromptInput, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> AsyncIterator[StreamEvent]:
+        """Submit a request and yield its events as the engine produces them; leaving early aborts it.
+
+        Raises what ``add_request`` raises, before the first event.
+        """
+        handle = await self.add_request(prompt, params, request_id=request_id)
+        try:
+            async for event in handle:
+                yield event
+        finally:
+            handle.abort()
+
+    async def generate(
+        self, prompt: PromptInput, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> RequestOutput:
+        """Submit a request and return its ``RequestOutput`` when it ends; cancelling the call aborts it."""
+        handle = await self.add_request(prompt, params, request_id=request_id)
+        try:
+            return await handle.result()
+        finally:
+            handle.abort()
+
+    async def chat(
+        self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None, **kwargs: Any
+    ) -> RequestOutput:
+        """``generate`` on one conversation through the model's chat template."""
+        return await self.generate(Chat(messages), params, **kwargs)
+
+    def abort(self, request_id: str) -> asyncio.Future[bool]:
+        """Take a request out of the engine before its next step; await it to learn whether it was live.
+
+        Its private pages return at once, its cached prompt pages stay
+        cached; its stream ends with finish reason ``"abort"``.
+        """
+        return asyncio.wrap_future(self._stepper.abort(request_id))
+
+    # The engine, between steps ------------------------------------------------------------------------------------
+
+    async def run_in_engine(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run ``fn(core)`` on the engine thread between two steps and return its result (tests, debugging)."""
+        return await asyncio.wrap_future(self._stepper.call(fn))
+
+    def call_in_engine(self, fn: Callable[[EngineCore], T]) -> Future[T]:
+        """``run_in_engine`` for any thread: a ``concurrent.futures.Future`` of ``fn(core)``."""
+        return self._stepper.call(fn)
+
+    async def stats(self) -> EngineStats:
+        """``EngineCore.stats()`` read between two steps: requests running and waiting, pages, counters."""
+        return await self.run_in_engine(lambda core: core.stats())
+
+    async def check_pages(self) -> None:
+        """``EngineCore.check_pages`` between two steps: raises ``AssertionError`` on a leak or inconsistency."""
+        await self.run_in_engine(lambda core: core.check_pages())

@@ -1,0 +1,342 @@
+"""Draft proposers: what a decode window guesses, behind the executor boundary.
+
+A proposer sees every plan item of a step as a ``Window`` (the item, the request's ids so far and the
+number of guesses the window has room for) and returns one ``Draft`` per window: at most ``slots``
+guesses, and for a draft that was sampled (not a point mass) the distributions ``q`` they were drawn
+from.  The executor pads a short point-mass draft to fill the window (every planned position is
+computed)::
+
+    NgramProposer        prompt lookup: the longest suffix n-gram (min_n <= n <= max_n) of the
+                         request's ids found earlier in them (earliest occurrence on ties); the ids
+                         that followed it.  No model.
+    CallableProposer     any ``(history, num) -> ids`` function (tests rig drafts with it; the
+                         original lookup ``propose_ngram``, most recent match, is one)
+    DraftModelProposer   a second Llama-family model with the same vocabulary: ``slots``
+                         autoregressive rounds over its own paged KV (below)
+
+``available(history, cap)`` says, before a step, how many guesses the proposer would have for a
+request (the control side sizes windows with it); ``release`` forgets a request.
+
+The draft model's KV (``DraftModelProposer``) has the target's geometry in pages (``num_pages`` x
+``page_size``, its own layers and heads) and is read and written through the plan's page tables, so
+a page the control side frees, caches, shares or rolls back holds draft state exactly as it holds
+target state.  Each step writes the draft KV of every known position the target computes (so a
+prompt page published to the cache carries valid draft KV for whoever reuses it) and of the guesses
+it feeds back in; the last guess of a window is never fed back, so when every guess was accepted
+the draft is one position behind and catches up from the request's ids in the next step::
+
+    draft KV valid for [0, valid);  next item starts at s (the spec's computed)
+    s <= valid (a rollback, a preemption, a prefix hit): valid := s, nothing to redo
+    s >  valid (all guesses accepted last step):       rows valid .. s-1 from the history first
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from mechserve.executor.sampling import STREAM_DRAFT, Row, Sampler
+from mechserve.kv.paged import Span, build_attention_batch
+from mechserve.model.llama import LlamaModel
+from mechserve.spec.m12_admission_control import PlanItem
+
+
+def propose_ngram(history: Sequence[int], num: int, max_ngram: int = 3, filler: int | None = None) -> list[int]:
+    """``num`` guesses that continue ``history`` by prompt lookup.
+
+    Finds the most recent earlier occurrence of the longest suffix n-gram
+    (``max_ngram`` down to 1) and proposes the tokens that followed it.
+    Unknown history entries are negative and never proposed; short or missing
+    proposals are padded with ``filler`` (default: the last history token).
+    """
+    if num <= 0:
+        return []
+    arr = np.asarray(history, dtype=np.int64)
+    n_hist = arr.shape[0]
+    pad = int(arr[-1]) if filler is None else filler
+    for n in range(min(max_ngram, n_hist - 1), 0, -1):
+        suffix = arr[n_hist - n :]
+        if (suffix < 0).any():
+            continue
+        # windows starting at i cover [i, i + n) with i + n <= n_hist - 1, so a follower exists
+        windows = sliding_window_view(arr[: n_hist - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            i = int(hits[-1]) + n
+            follow = [int(t) for t in arr[i : i + num]]
+            follow = [t if t >= 0 else pad for t in follow]
+            return follow + [pad] * (num - len(follow))
+    return [pad] * num
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One plan item as a proposer sees it.
+
+    ``history``: the request's ids by position, ending at the item's last known id (-1 =
+    unknown); ``slots``: the guess positions of the window (``num_tokens - len(token_ids)``, 0 for
+    an item that is not a decode window); ``row``: the sampling row of the first guess (its params, token
+    index ``item.generated`` and min_tokens bans; guess ``j`` has token index ``generated + j``).
+    """
+
+    item: PlanItem
+    history: list[int]
+    slots: int
+    row: Row
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """A window's guesses and, for sampled guesses, ``q``: [len(tokens), V] float32, the draft's
+    distribution at each guess (None: every guess is a point mass)."""
+
+    tokens: tuple[int, ...] = ()
+    q: torch.Tensor | None = None
+
+
+NO_DRAFT = Draft()
+
+
+class Proposer(Protocol):
+    """Guesses for each window of a step (``len(draft.tokens) <= window.slots``)."""
+
+    def propose(self, windows: Sequence[Window]) -> list[Draft]: ...
+
+    def available(self, history: Sequence[int], cap: int) -> int: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+def lookup_ngram(history: Sequence[int], num: int, min_n: int = 1, max_n: int = 3) -> list[int]:
+    """Up to ``num`` ids that followed the longest suffix n-gram of ``history`` earlier in it.
+
+    Tries ``n = max_n`` down to ``min_n``; takes the earliest occurrence that has a follower and
+    returns the ids after it (fewer than ``num`` at the end of the history, and never past an
+    unknown (negative) id).  No match: ``[]``.
+    """
+    length = len(history)
+    if num <= 0 or length < min_n + 1:
+        return []
+    arr = np.asarray(history, dtype=np.int64)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = arr[length - n :]
+        if (suffix < 0).any():
+            continue
+        # windows starting at i cover [i, i + n) with i + n <= length - 1, so a follower exists
+        hits = np.flatnonzero((sliding_window_view(arr[: length - 1], n) == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[0]) + n
+            follow = arr[start : start + num]
+            unknown = np.flatnonzero(follow < 0)
+            return follow[: unknown[0] if unknown.size else num].tolist()
+    return []
+
+
+class NgramProposer:
+    """Prompt lookup: ``lookup_ngram`` with ``min_n``..``max_n``."""
+
+    def __init__(self, min_n: int = 1, max_n: int = 3) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, windows: Sequence[Window]) -> list[Draft]:
+        return [
+            Draft(tuple(found)) if (found := lookup_ngram(w.history, w.slots, self.min_n, self.max_n)) else NO_DRAFT
+            for w in windows
+        ]
+
+    def available(self, history: Sequence[int], cap: int) -> int:
+        return len(lookup_ngram(history, cap, self.min_n, self.max_n))
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+class CallableProposer:
+    """Point-mass guesses from ``fn(history, num)``: its first ``num`` ids, up to the first unknown one."""
+
+    def __init__(self, fn: Callable[[Sequence[int], int], Sequence[int]]) -> None:
+        self.fn = fn
+
+    def propose(self, windows: Sequence[Window]) -> list[Draft]:
+        drafts = []
+        for w in windows:
+            ids = self._ids(w.history, w.slots)
+            drafts.append(Draft(tuple(ids)) if ids else NO_DRAFT)
+        return drafts
+
+    def available(self, history: Sequence[int], cap: int) -> int:
+        return len(self._ids(history, cap))
+
+    def _ids(self, history: Sequence[int], num: int) -> list[int]:
+        ids = [int(t) for t in list(self.fn(history, num))[:num]] if num > 0 else []
+        cut = next((j for j, t in enumerate(ids) if t < 0), len(ids))
+        return ids[:cut]
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+class DraftModelProposer:
+    """Guesses from ``model`` (same vocabulary as the target) over its own paged KV (module docstring).
+
+    Each step: round 1 is one forward over every item's known rows (plus catch-up rows), with
+    logits at the last known row of each window; round ``r`` feeds guess ``r - 1`` of each window
+    with more than ``r - 1`` slots.  Every window gets exactly ``slots`` guesses.  A greedy
+    request's guess is the draft's argmax (a point mass); a sampling request's guess is drawn from
+    the draft's distribution after the request's own min_tokens bans, temperature, top-k, top-p and
+    min-p (``Sampler.probs``), from the seeded stream ``STREAM_DRAFT`` at the guess's token index,
+    and ``q`` ([V] float32 per guess) is kept for verification.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_pages: int,
+        page_size: int,
+        sampler: Sampler,
+        *,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model = model
+        self.page_size = page_size
+        self.cache = model.new_cache(num_pages, page_size, kv_dtype)
+        self.sampler = sampler
+        self._valid: dict[str, int] = {}
+
+    def valid(self, request_id: str) -> int | None:
+        """Leading positions of ``request_id`` whose draft KV is valid (None: not seen yet)."""
+        return self._valid.get(request_id)
+
+    def available(self, history: Sequence[int], cap: int) -> int:
+        return cap
+
+    def release(self, request_id: str) -> None:
+        self._valid.pop(request_id, None)
+
+    def propose(self, windows: Sequence[Window]) -> list[Draft]:
+        caps = [w.slots for w in windows]
+        guesses: list[list[int]] = [[] for _ in windows]
+        qs: list[list[torch.Tensor]] = [[] for _ in windows]
+        drafting = self._first_round(windows, caps, guesses, qs)
+        for r in range(2, max(caps, default=0) + 1):
+            drafting = [i for i in drafting if caps[i] >= r]
+            self._next_round(windows, drafting, r, guesses, qs)
+        for i, w in enumerate(windows):
+            known_end = w.item.start_position + len(w.item.token_ids)
+            self._valid[w.item.request_id] = known_end + max(0, len(guesses[i]) - 1)
+        return [Draft(tuple(g), torch.stack(q) if q else None) if g else NO_DRAFT for g, q in zip(guesses, qs)]
+
+    def _first_round(
+        self, windows: Sequence[Window], caps: list[int], guesses: list[list[int]], qs: list[list[torch.Tensor]]
+    ) -> list[int]:
+        """One forward over catch-up and known rows of every item; the first guess of each drafting window."""
+        ps = self.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[Span] = []
+        logit_rows: list[int] = []
+        drafting: list[int] = []
+        for i, w in enumerate(windows):
+            item = w.item
+            start = item.start_position
+            first = min(self._valid.get(item.request_id, start), start)
+            lag = w.history[first:start]
+            if any(t < 0 for t in lag):  # never happens: a lag is only ever accepted guesses
+                raise AssertionError(f"{item.request_id}: draft catch-up over unknown ids")
+            row = len(ids)
+            ids += [*lag, *item.token_ids]
+            end = start + len(item.token_ids)
+            positions += range(first, end)
+            table = item.page_table
+            slots += [table[p // ps] * ps + p % ps for p in range(first, end)]
+            spans.append(Span(row, first, end - first, table))
+            if caps[i] > 0:
+                logit_rows.append(len(ids) - 1)
+                drafting.append(i)
+        self._forward(ids, positions, slots, spans, logit_rows, windows, drafting, 1, guesses, qs)
+        return drafting
+
+    def _next_round(
+        self,
+        windows: Sequence[Window],
+        drafting: list[int],
+        r: int,
+        guesses: list[list[int]],
+        qs: list[list[torch.Tensor]],
+    ) -> None:
+        """Feed guess ``r - 1`` of each drafting window; choose guess ``r``."""
+        if not drafting:
+            return
+        ps = self.page_size
+        ids, positions, slots, spans = [], [], [], []
+        for row, i in enumerate(drafting):
+            item = windows[i].item
+            pos = item.start_position + len(item.token_ids) + r - 2
+            ids.append(guesses[i][-1])
+            positions.append(pos)
+            slots.append(item.page_table[pos // ps] * ps + pos % ps)
+            spans.append(Span(row, pos, 1, item.page_table))
+        self._forward(ids, positions, slots, spans, list(range(len(drafting))), windows, drafting, r, guesses, qs)
+
+    def _forward(
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        spans: list[Span],
+        logit_rows: list[int],
+        windows: Sequence[Window],
+        drafting: list[int],
+        r: int,
+        guesses: list[list[int]],
+        qs: list[list[torch.Tensor]],
+    ) -> None:
+        """One draft forward (writes its KV); guess ``r`` of each of ``drafting`` from ``logit_rows``."""
+        if not ids:
+            return
+        arch = self.model.arch
+        batch = build_attention_batch(
+            spans, slots, self.page_size, arch.num_heads // arch.num_kv_heads, self.model.distinct_windows
+        )
+        logits = self.model.forward(
+            torch.tensor(ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            self.cache,
+            batch,
+            torch.tensor(logit_rows, dtype=torch.int64),
+        )
+        if not drafting:
+            return
+        rows = [windows[i].row._replace(token_index=windows[i].row.token_index + r - 1) for i in drafting]
+        if all(row.params.greedy for row in rows):
+            for i, t in zip(drafting, self.sampler.choose(logits, rows)):
+                guesses[i].append(t)
+            return
+        probs = self.sampler.probs(logits, rows)  # [W, V]
+        sampled = [j for j, row in enumerate(rows) if not row.params.greedy]
+        drawn = dict(zip(sampled, self.sampler.draw(probs[sampled], [rows[j] for j in sampled], STREAM_DRAFT)))
+        for j, i in enumerate(drafting):
+            if j in drawn:
+                guesses[i].append(drawn[j])
+                qs[i].append(probs[j])
+            else:
+                guesses[i].append(int(probs[j].argmax()))
+
+
+__all__ = [
+    "NO_DRAFT",
+    "CallableProposer",
+    "Draft",
+    "DraftModelProposer",
+    "NgramProposer",
+    "Proposer",
+    "Window",
+    "lookup_ngram",
+    "propose_ngram",
+]

@@ -1,0 +1,100 @@
+"""The executor contract: what ``EngineCore`` asks of whatever runs its plans behind the boundary.
+
+The spec (m10) fixes the data plane: one frozen plan per step in, one outcome per plan item out,
+validated by the engine's commit (``mechserve.spec.m12_admission_control.Executor``).  A real
+executor also keeps per-request state that the spec does not model (sampling params, token
+history for proposers, logprobs); ``EngineCore`` drives it through the control methods below and
+through nothing else, so any class with these methods can stand behind the engine::
+
+    EngineCore                                   Executor
+    ──────────                                   ────────
+    building m12 ──────────── rank_executors() -> the executors m12's group joins (m11):
+                                                   [self] for one rank, one proxy per rank process
+    add_request (after the door) ─ add_request(id, prompt_ids, params, eos_token_ids=...)
+    before a step ──────────────── advise(caps, max_k) -> spec_len for the coming step
+    m12.step() ──────────────────── execute(plan) -> outcomes            (through rank_executors)
+    after a step ───────────────── take_logprobs(id) -> one TokenLogprobs per appended id
+    a request leaves ───────────── release(id)
+    stats() ───────────────────── ExecutorStats (forwards, rows, speculation counts)
+    close() ───────────────────── stop rank processes (nothing for one rank)
+
+``TorchExecutor`` (one process) and ``RankGroup`` (tensor-parallel rank processes) implement it;
+``docs/executors.md`` shows a third, written from scratch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from mechserve.api.outputs import TokenLogprobs
+from mechserve.api.params import SamplingParams
+from mechserve.spec import m12_admission_control as m12
+
+
+@dataclass(slots=True)
+class ExecutorStats:
+    """Counters since the executor was built.
+
+    ``forwards``: target forwards; ``rows``: target rows computed; ``windows``: decode windows;
+    ``slots``: their guess positions; ``proposed``: guesses the proposer made (the rest of the slots
+    were pads); ``accepted``: of those, accepted by the executor's verdict (before the control
+    side's cuts: an EOS or stop id inside an accepted run, a stop string, max_tokens);
+    ``emitted``: ids the decode windows appended (accepted guesses and pads, plus one each).
+    """
+
+    forwards: int = 0
+    rows: int = 0
+    windows: int = 0
+    slots: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Anything ``EngineCore`` can drive: m12's ``execute`` plus the control methods (module docstring)."""
+
+    def execute(self, plan: tuple[m12.PlanItem, ...]) -> tuple[m12.Outcome, ...]:
+        """One step: an outcome per plan item, in item order (every rank's, joined, for a group)."""
+        ...
+
+    def rank_executors(self) -> Sequence[m12.Executor]:
+        """The per-rank executors m12's group fans each plan out to and joins (m11)."""
+        ...
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int] | None = None,
+        params: SamplingParams = ...,
+        *,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        """Register a request the door accepted: how it samples, its end ids and its prompt (for drafting)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget a request that left the engine (finished, aborted, stopped)."""
+        ...
+
+    def take_logprobs(self, request_id: str) -> list[TokenLogprobs]:
+        """The logprobs recorded for ``request_id`` since the last call (one per appended id)."""
+        ...
+
+    def advise(self, caps: Sequence[tuple[str, int]], max_k: int) -> int:
+        """The ``spec_len`` in ``0..max_k`` that pays best for the requests about to draft."""
+        ...
+
+    def stats(self) -> ExecutorStats:
+        """A copy of the counters."""
+        ...
+
+    def close(self) -> None:
+        """Release what the executor holds outside this process (rank processes); idempotent."""
+        ...
+
+
+__all__ = ["Executor", "ExecutorStats"]

@@ -1,0 +1,429 @@
+"""The torch executor: real weights and real paged KV tensors behind the m12 boundary.
+
+Each ``execute(plan)`` asks the proposer for each decode window's guesses, runs one target forward
+over every plan item (see ``paged_kv`` for the flat-batch layout), then returns one outcome per item::
+
+    item (start s, n tokens, k known ids)     positions s .. s+k-1: known ids
+                                              positions s+k .. s+n-1: guesses (decode windows only)
+    sampling item:  logits rows s+k-1 .. s+n-1  ->  targets; row j chooses output token generated + j
+                    verdict: a leading guesses accepted, token_ids = guesses[:a] + [t_a]
+    other item:     no logits, no ids
+
+Verification is speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding", ICML; Chen et al. 2023, "Accelerating Large Language Model Decoding with
+Speculative Sampling"): accept guess ``g`` with probability ``min(1, p(g) / q(g))``, else draw from
+``norm(max(0, p - q))``; after the last accepted guess of a window the bonus token is drawn from
+``p``.  ``p`` and ``q`` are the target's and the draft's distributions after the request's own
+min_tokens bans, temperature, top-k, top-p and min-p.
+
+* Point-mass drafts (prompt lookup, any greedy request): accepting with probability ``p(g)`` and
+  otherwise drawing from ``p`` without ``g`` is exactly: draw ``t ~ p`` at the row and accept iff
+  ``t == g``; the first mismatch ``t`` is the correction.  Greedy is the case where ``p`` is the
+  argmax: accept while the guesses equal the target's argmax, so the output is token for token the
+  non-speculative greedy output.  Each row draws from the request's ``(seed, token index)``
+  generator, so a seeded request's ids do not depend on speculation at all.
+* Sampled drafts (a draft model on a sampling request, ``q`` given): ``verify_draft`` with one
+  acceptance uniform per guess (stream ``STREAM_ACCEPT``) and the residual or bonus drawn from
+  the plain sampling stream.  Every emitted id is distributed as the target's own sampling.  A
+  seeded request is reproducible for one run configuration (its guesses come from the seeded
+  ``STREAM_DRAFT``), but which token indices are drafted depends on the windows (batchmates,
+  budget, preemption, the adaptive spec_len), so its ids may differ between configurations,
+  unlike the point-mass case.
+
+The boundary requires every planned position to be computed and written, so a point-mass proposal
+shorter than its window is padded with the last known id (a pad is verified like any guess).
+Proposing fewer guesses than the window holds therefore saves nothing here; the control side
+avoids it by sizing the windows (``advise``, used by ``EngineCore``; see ``speculative``).
+
+The executor keeps each request's token history (known ids from the plans, plus its own accepted
+outputs) for the proposer.  A plan may begin mid-prompt after a prefix-cache hit: positions it never
+saw are kept as unknown (-1) unless the prompt was registered with ``add_request``.  The control
+side decides what stays (rollback, EOS, stop ids, freeing pages).  Requests that ask for
+``logprobs`` get one ``TokenLogprobs`` per appended id on a side channel, ``take_logprobs``.
+``stats()`` counts target forwards, proposed and accepted guesses (``ExecutorStats``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from mechserve.api.config import SpeculativeConfig
+from mechserve.api.outputs import TokenLogprobs
+from mechserve.api.params import GREEDY, SamplingParams
+from mechserve.executor.governor import Acceptance, Candidate, Governor, draft_governor
+from mechserve.executor.proposers import (
+    CallableProposer,
+    Draft,
+    DraftModelProposer,
+    NgramProposer,
+    Window,
+    propose_ngram,
+)
+from mechserve.executor.proposers import Proposer as DraftProposer
+from mechserve.executor.protocol import ExecutorStats
+from mechserve.executor.sampling import Row, Sampler, token_logprobs
+from mechserve.executor.verify import verify_draft
+from mechserve.kv.paged import AttentionBatch, Span, build_attention_batch
+from mechserve.model.llama import LlamaModel
+from mechserve.spec.m12_admission_control import Outcome, PlanItem
+
+# (history, num) -> up to num point-mass guesses; the executor pads a short proposal with the last known id.
+ProposerFn = Callable[[Sequence[int], int], Sequence[int]]
+# For callers that import the old name.
+Proposer = ProposerFn
+
+
+@dataclass(frozen=True, slots=True)
+class _Sampling:
+    """What sampling needs of one request: its params and the ids min_tokens bans."""
+
+    params: SamplingParams
+    banned: tuple[int, ...]
+
+
+_DEFAULT = _Sampling(GREEDY, ())
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One step's flat batch.
+
+    ``input_ids``/``positions``: [T] int64; ``logit_rows``: [R] int64 rows that sample, with ``rows``
+    (R entries); ``guesses``: per item, the ids placed after its known ids; ``sampled``: the windows
+    drafted from a distribution, as (index of their first of the R rows, draft); ``logprob_rows``:
+    per item, the indices into the R rows whose logprobs are recorded (empty for items that do not
+    ask), and ``num_logprobs`` the N of each of those rows.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    batch: AttentionBatch
+    logit_rows: torch.Tensor
+    rows: list[Row]
+    guesses: list[list[int]]
+    sampled: list[tuple[int, Draft]]
+    logprob_rows: list[range]
+    num_logprobs: list[int]
+
+
+class TorchExecutor:
+    """One rank executor running ``model`` on a paged KV cache of ``num_pages`` x ``page_size`` slots.
+
+    The cache geometry must equal the engine's (the engine's page ids index this cache).
+    ``kv_dtype`` defaults to the model's dtype; ``sampler`` chooses tokens (default: a ``Sampler``
+    with a fresh seed for unseeded requests).  Guesses come from, in this order: ``draft_model`` (a
+    ``LlamaModel`` with the target's vocabulary, its KV in its own pages of the same geometry),
+    ``proposer`` (a ``(history, num) -> ids`` function), prompt lookup with the n-gram bounds of
+    ``speculative`` (``NgramProposer``), or without ``speculative`` the original ``propose_ngram``
+    (``max_ngram``, the most recent match).  ``governor`` prices guesses for ``advise``
+    (default: the CPU costs, with the draft model's own rounds).  Raises ``ValueError`` for a
+    draft model with another vocabulary, or a ``speculative`` method that does not match
+    ``draft_model``.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_pages: int,
+        page_size: int,
+        *,
+        kv_dtype: torch.dtype | None = None,
+        max_ngram: int = 3,
+        sampler: Sampler | None = None,
+        proposer: ProposerFn | None = None,
+        speculative: SpeculativeConfig | None = None,
+        draft_model: LlamaModel | None = None,
+        governor: Governor | None = None,
+    ) -> None:
+        self.model = model
+        self.page_size = page_size
+        self.cache = model.new_cache(num_pages, page_size, kv_dtype)
+        self.max_ngram = max_ngram
+        self.sampler = sampler or Sampler()
+        self.speculative = speculative
+        self.proposer: DraftProposer = self._new_proposer(num_pages, kv_dtype, proposer, draft_model)
+        max_k = speculative.num_speculative_tokens if speculative is not None else 8
+        self.governor = governor or (draft_governor(draft_model, model, max_k) if draft_model else Governor())
+        self.acceptance = Acceptance()
+        self.counters = ExecutorStats()
+        self._proposed: list[int] = []  # this step's proposal lengths, per item (before padding)
+        self._history: dict[str, list[int]] = {}
+        self._sampling: dict[str, _Sampling] = {}
+        self._logprobs: dict[str, list[TokenLogprobs]] = {}
+
+    def _new_proposer(
+        self, num_pages: int, kv_dtype: torch.dtype | None, fn: ProposerFn | None, draft: LlamaModel | None
+    ) -> DraftProposer:
+        spec = self.speculative
+        if draft is not None:
+            if spec is not None and spec.method != "draft":
+                raise ValueError(f'a draft model was given but the speculative method is "{spec.method}"')
+            if draft.arch.vocab_size != self.model.arch.vocab_size:
+                raise ValueError(
+                    f"the draft model's vocabulary ({draft.arch.vocab_size} ids) differs from the target's "
+                    f"({self.model.arch.vocab_size})"
+                )
+            return DraftModelProposer(draft, num_pages, self.page_size, self.sampler, kv_dtype=kv_dtype)
+        if spec is not None and spec.method == "draft":
+            raise ValueError('speculative method "draft" needs a draft_model')
+        if fn is not None:
+            return CallableProposer(fn)
+        if spec is None:  # the original prompt lookup: most recent match, padded by the proposer itself
+            return CallableProposer(partial(propose_ngram, max_ngram=self.max_ngram))
+        return NgramProposer(spec.ngram_min, spec.ngram_max)
+
+    @property
+    def draft_cache(self) -> object | None:
+        """The draft model's paged KV cache (None without a draft model)."""
+        return getattr(self.proposer, "cache", None)
+
+    def rank_executors(self) -> list[TorchExecutor]:
+        """One rank: m12's group joins this executor alone."""
+        return [self]
+
+    def stats(self) -> ExecutorStats:
+        """A copy of the counters (``ExecutorStats``)."""
+        return dataclasses.replace(self.counters)
+
+    def close(self) -> None:
+        """Nothing to stop: the model and the KV cache live in this process."""
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int] | None = None,
+        params: SamplingParams = GREEDY,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        stop_token_ids: Sequence[int] = (),
+    ) -> None:
+        """Register a request's sampling params, its end ids and (optionally) its prompt, for drafting.
+
+        While fewer than ``params.min_tokens`` tokens exist, the stop ids
+        (``stop_token_ids`` and ``params.stop_token_ids``) and, unless
+        ``params.ignore_eos``, the ``eos_token_ids`` are never chosen.  An
+        unregistered request is greedy with no min_tokens.
+        """
+        ends = [*stop_token_ids, *params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]
+        banned = tuple(dict.fromkeys(ends)) if params.min_tokens > 0 else ()
+        self._sampling[request_id] = _Sampling(params, banned)
+        self._logprobs.pop(request_id, None)
+        if prompt_ids is not None:
+            self._history[request_id] = list(prompt_ids)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's history, params, drafting state and untaken logprobs (take them first)."""
+        self._history.pop(request_id, None)
+        self._sampling.pop(request_id, None)
+        self._logprobs.pop(request_id, None)
+        self.proposer.release(request_id)
+        self.acceptance.release(request_id)
+
+    def history(self, request_id: str) -> list[int]:
+        """The ids this executor knows for ``request_id``, by position (-1 = unknown)."""
+        return list(self._history.get(request_id, ()))
+
+    def take_logprobs(self, request_id: str) -> list[TokenLogprobs]:
+        """What was recorded for ``request_id`` since the last call, then forget it.
+
+        One entry per id the executor appended (accepted guesses and the
+        sampled id, in order), only for a request registered with
+        ``params.logprobs`` set.  The control side may keep fewer ids than
+        were appended (an EOS or stop id inside an accepted run, a length
+        cap): cut to the step record's ``tokens``.
+        """
+        return self._logprobs.pop(request_id, [])
+
+    def advise(self, caps: Sequence[tuple[str, int]], max_k: int) -> int:
+        """The ``spec_len`` (``0..max_k``) that pays best next step, for requests about to draft.
+
+        ``caps``: ``(request_id, cap)`` per caught-up request, ``cap`` the guesses the spec allows it
+        (``min(max_k, max_new_tokens - generated - 1)``).  Asks the proposer how many guesses it has
+        for each (from the ids this executor knows) and weighs them with each request's acceptance so
+        far (``Governor.choose``).
+        """
+        candidates = [
+            Candidate(cap, self.proposer.available(self._history.get(rid, ()), cap), self.acceptance.rate(rid))
+            for rid, cap in caps
+            if cap > 0 and self._history.get(rid)
+        ]
+        return self.governor.choose(candidates, max_k)
+
+    def execute(self, plan: tuple[PlanItem, ...]) -> tuple[Outcome, ...]:
+        """Run one step: drafts, one target forward over all items, then verdicts and sampled ids per item."""
+        if not plan:
+            return ()
+        windows = [self._window(item) for item in plan]
+        proposed = self.proposer.propose(windows)
+        self._proposed = [len(d.tokens) for d in proposed]
+        step = self._flatten(plan, [self._fill(d, w) for d, w in zip(proposed, windows)])
+        logits = self.model.forward(step.input_ids, step.positions, self.cache, step.batch, step.logit_rows)
+        self.counters.forwards += 1
+        self.counters.rows += int(step.input_ids.numel())
+        targets = self._targets(step, logits)
+        recorded = self._record_logprobs(step, logits, targets) if step.num_logprobs else None
+        return self._verdicts(plan, step.guesses, targets, recorded)
+
+    @staticmethod
+    def _fill(d: Draft, w: Window) -> Draft:
+        """``d`` padded with the last known id to the window's ``slots`` guesses (every position is computed)."""
+        missing = w.slots - len(d.tokens)
+        if missing <= 0:
+            return d
+        if d.q is not None:
+            raise ValueError(f"{w.item.request_id}: a sampled draft must fill its window")
+        return Draft((*d.tokens, *[w.history[-1]] * missing))
+
+    def _window(self, item: PlanItem) -> Window:
+        """Check the item, update the request's history with its known ids; the proposer's view of it."""
+        known = len(item.token_ids)
+        if not 0 < known <= item.num_tokens:
+            raise ValueError(f"{item.request_id}: {known} known id(s) for {item.num_tokens} token(s)")
+        if known < item.num_tokens and not item.decode:
+            raise ValueError(f"{item.request_id}: {item.num_tokens - known} guess position(s) outside a decode window")
+        if len(item.page_table) * self.page_size < item.start_position + item.num_tokens:
+            raise ValueError(
+                f"{item.request_id}: page table does not back position {item.start_position + item.num_tokens - 1}"
+            )
+        hist = self._observe(item)
+        s = self._sampling.get(item.request_id, _DEFAULT)
+        return Window(item, hist, item.num_tokens - known, Row(s.params, item.generated, s.banned))
+
+    def _flatten(self, plan: tuple[PlanItem, ...], drafts: list[Draft]) -> _Step:
+        """Lay the items out as one flat batch: known ids then guesses per item, in plan order."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[Span] = []
+        logit_rows: list[int] = []
+        rows: list[Row] = []
+        windows: list[tuple[int, Draft]] = []
+        logprob_rows: list[range] = []
+        num_logprobs: list[int] = []
+        ps = self.page_size
+        for item, d in zip(plan, drafts):
+            known = len(item.token_ids)
+            row = len(input_ids)
+            spans.append(Span(row, item.start_position, item.num_tokens, item.page_table))
+            input_ids += [*item.token_ids, *d.tokens]
+            positions += [p for p, _, _ in item.placements]
+            slots += [page * ps + offset for _, page, offset in item.placements]
+            span = range(len(rows), len(rows) + len(d.tokens) + 1) if item.sample else range(0)
+            if item.sample:
+                # the last known row predicts the first guess; each guess row predicts the next
+                logit_rows += range(row + known - 1, row + item.num_tokens)
+                s = self._sampling.get(item.request_id, _DEFAULT)
+                windows.append((len(rows), d))
+                rows += [Row(s.params, item.generated + j, s.banned) for j in range(len(d.tokens) + 1)]
+                if s.params.logprobs is not None:
+                    num_logprobs += [s.params.logprobs] * len(span)
+                else:
+                    span = range(0)
+            logprob_rows.append(span)
+        arch = self.model.arch
+        batch = build_attention_batch(
+            spans, slots, ps, arch.num_heads // arch.num_kv_heads, self.model.distinct_windows
+        )
+        return _Step(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            batch=batch,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.int64),
+            rows=rows,
+            guesses=[list(d.tokens) for d in drafts],
+            sampled=[(first, d) for first, d in windows if d.q is not None],
+            logprob_rows=logprob_rows,
+            num_logprobs=num_logprobs,
+        )
+
+    def _targets(self, step: _Step, logits: torch.Tensor) -> list[int]:
+        """One id per sampling row, such that accepting each window's guesses while they equal the ids is the verdict.
+
+        Rows of point-mass windows: the id ``Sampler.choose`` draws from ``p``.  Rows of a window
+        drafted from ``q``: its accepted guesses, then the residual or bonus id, then (rows the
+        verdict never reaches) the guesses themselves (``_reject_sample``).
+        """
+        if not step.sampled:
+            return self.sampler.choose(logits, step.rows) if step.rows else []  # the hot path
+        mine = {r for first, d in step.sampled for r in range(first, first + len(d.tokens) + 1)}
+        point = [r for r in range(len(step.rows)) if r not in mine]
+        targets = [0] * len(step.rows)
+        if point:
+            for r, t in zip(point, self.sampler.choose(logits[point], [step.rows[r] for r in point])):
+                targets[r] = t
+        for first, d in step.sampled:
+            targets[first : first + len(d.tokens) + 1] = self._reject_sample(step, logits, first, d)
+        return targets
+
+    def _reject_sample(self, step: _Step, logits: torch.Tensor, first: int, d: Draft) -> list[int]:
+        """Rejection sampling of one window whose guesses were drawn from ``d.q`` (``verify_draft``): its
+        rows' targets (accepted guesses, the residual or bonus id, then the rest of the guesses)."""
+        assert d.q is not None
+        k = len(d.tokens)
+        rows = step.rows[first : first + k + 1]
+        p = self.sampler.probs(logits[first : first + k + 1], rows)  # [k+1, V]
+        a, dist = verify_draft(p, d.q, d.tokens, self.sampler.uniforms(rows[:k]))
+        (t,) = self.sampler.draw(dist.unsqueeze(0).clone(), [rows[a]])
+        return [*d.tokens[:a], t, *d.tokens[a:]][: k + 1]
+
+    def _record_logprobs(self, step: _Step, logits: torch.Tensor, targets: list[int]) -> list[list[TokenLogprobs]]:
+        """Raw logprobs of the targets at the rows of items that ask; one list per item (empty if it does not)."""
+        wanted = [i for span in step.logprob_rows for i in span]
+        found = iter(token_logprobs(logits[wanted], [targets[i] for i in wanted], step.num_logprobs))
+        return [[next(found) for _ in span] for span in step.logprob_rows]
+
+    def _verdicts(
+        self,
+        plan: tuple[PlanItem, ...],
+        guesses: list[list[int]],
+        targets: list[int],
+        recorded: list[list[TokenLogprobs]] | None,
+    ) -> tuple[Outcome, ...]:
+        """Accept each decode window's leading guesses that match the targets; append the ids to history."""
+        outcomes = []
+        offset = 0
+        stats = self.counters
+        for n, (item, g) in enumerate(zip(plan, guesses)):
+            accepted = 0
+            ids: tuple[int, ...] = ()
+            if item.sample:
+                t = targets[offset : offset + len(g) + 1]
+                offset += len(g) + 1
+                if item.decode:
+                    while accepted < len(g) and g[accepted] == t[accepted]:
+                        accepted += 1
+                ids = (*g[:accepted], t[accepted])
+                self._history[item.request_id] += ids
+                if recorded is not None and recorded[n]:
+                    # accepted guesses equal the targets, so the appended ids are t0 .. t_a
+                    self._logprobs.setdefault(item.request_id, []).extend(recorded[n][: accepted + 1])
+            if item.decode:
+                real = self._proposed[n]
+                stats.windows += 1
+                stats.slots += len(g)
+                stats.proposed += real
+                stats.accepted += min(accepted, real)
+                stats.emitted += len(ids)
+                self.acceptance.observe(item.request_id, real, min(accepted, real))
+            outcomes.append(
+                Outcome(item.request_id, item.start_position, item.num_tokens, accepted, item.placements, ids)
+            )
+        return tuple(outcomes)
+
+    def _observe(self, item: PlanItem) -> list[int]:
+        """Update the request's history with the item's known ids; it then ends at the first guess."""
+        hist = self._history.setdefault(item.request_id, [])
+        start = item.start_position
+        if len(hist) < start:
+            hist.extend([-1] * (start - len(hist)))
+        del hist[start:]
+        hist.extend(item.token_ids)
+        return hist
+
+
+__all__ = ["Proposer", "ProposerFn", "TorchExecutor"]

@@ -1,0 +1,255 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over one ``AsyncLLM``.
+
+Endpoints::
+
+    POST /v1/completions        text or token-id prompts (one or several), n samples, SSE with stream: true
+    POST /v1/chat/completions   messages through the model's chat template, SSE with stream: true
+    GET  /v1/models, /v1/models/{id}
+    GET  /health                200 while the engine runs, 503 otherwise (never needs the API key)
+    GET  /metrics               Prometheus text (mechserve.entrypoints.metrics)
+
+A request is validated (``mechserve.http.protocol``), submitted and
+accepted or refused by the engine before any byte of the response is sent,
+so every refusal is a proper status code with an OpenAI error body
+(``mechserve.http.errors``).  A streamed response is a series of
+``data: {chunk}`` server-sent events ending with ``data: [DONE]``; with
+``stream_options.include_usage`` every chunk has ``"usage": null`` and a
+last chunk with no choices carries the usage.  A client that goes away,
+streaming or not, aborts its requests: their pages return before the next
+engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from mechserve import __version__
+from mechserve.api.errors import EngineDeadError, EngineStepError
+from mechserve.api.outputs import RequestOutput
+from mechserve.api.params import SamplingParams
+from mechserve.entrypoints.async_llm import AsyncLLM, RequestStream
+from mechserve.entrypoints.prompts import Chat, PromptInput
+from mechserve.http import responses as r
+from mechserve.http.errors import APIError, engine_error, install
+from mechserve.http.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
+from mechserve.http.streaming import ChatStream, CompletionStream, EventStream
+
+T = TypeVar("T")
+MAX_BODY_BYTES = 64 << 20
+MAX_PROMPTS = 256  # prompts in one completions request
+
+
+def build_app(llm: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    """The server's app over ``llm``, answering to ``model_name`` (default ``llm.model_name``).
+
+    With ``api_key`` every path but ``/health`` needs ``Authorization:
+    Bearer <api_key>``.  The app's lifespan starts ``llm``'s engine thread
+    if it is not running yet, and then also stops it.
+    """
+    name = model_name or llm.model_name
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = not llm.running
+        if owned:
+            llm.start()
+        try:
+            yield
+        finally:
+            if owned:
+                await llm.shutdown()
+
+    app = FastAPI(title="mechserve", version=__version__, lifespan=lifespan)
+    app.state.llm = llm
+    app.state.model_name = name
+    app.state.created = int(time.time())
+    install(app)
+    app.add_middleware(Guard, api_key=api_key)
+    _routes(app, llm, name)
+    return app
+
+
+def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not llm.running:
+            raise APIError(503, "the engine is not running", headers={"Retry-After": "5"})
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(llm.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [_model_card(app, llm, name)]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        _check_model(model_id, name)
+        return JSONResponse(_model_card(app, llm, name))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        model_name = _check_model(body.model, name)
+        prompts, params = _prepare(body, body.prompts)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=False)
+        stream = CompletionStream(handles, response_id, model_name, params, body.include_usage)
+        if body.stream:
+            return EventStream(stream.chunks(), handles)
+        outputs, token_text = await _unless_disconnected(request, _drain(handles), handles)
+        choices = r.completion_choices(outputs, params.n, token_text, params.logprobs is not None)
+        result = r.envelope("text_completion", response_id, stream.created, model_name, choices)
+        result["usage"] = r.usage((len(h.prompt_token_ids) for h in handles), outputs)
+        return JSONResponse(result)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        model_name = _check_model(body.model, name)
+        prompts, params = _prepare(body, lambda: [Chat(body.template_messages(), body.add_generation_prompt)])
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        fit = body.requested_max_tokens is None
+        handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=fit)
+        stream = ChatStream(handles, response_id, model_name, params, body.include_usage)
+        if body.stream:
+            return EventStream(stream.chunks(), handles)
+        outputs, token_text = await _unless_disconnected(request, _drain(handles), handles)
+        choices = r.chat_choices(outputs[0], token_text, params.logprobs is not None)
+        result = r.envelope("chat.completion", response_id, stream.created, model_name, choices)
+        result["usage"] = r.usage((len(h.prompt_token_ids) for h in handles), outputs)
+        return JSONResponse(result)
+
+
+def _model_card(app: FastAPI, llm: AsyncLLM, name: str) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": app.state.created,
+        "owned_by": "mechserve",
+        "max_model_len": llm.max_model_len,
+    }
+
+
+def _check_model(requested: str | None, served: str) -> str:
+    """The served model's name; 404 ``model_not_found`` for any other."""
+    if requested is None or requested == served:
+        return served
+    raise APIError(
+        404, f"The model `{requested}` does not exist (this server serves `{served}`)", code="model_not_found"
+    )
+
+
+def _prepare(body: Any, prompts: Callable[[], Sequence[PromptInput]]) -> tuple[list[PromptInput], SamplingParams]:
+    """The body's prompts and ``SamplingParams``; a 400 naming the field for anything unsupported or invalid."""
+    try:
+        body.check_supported()
+        found = list(prompts())
+        params = body.to_params()
+    except UnsupportedField as exc:
+        raise APIError(400, str(exc), param=exc.param, code="unsupported_parameter") from None
+    except ValueError as exc:
+        raise engine_error(exc, param=None) from None
+    if len(found) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(found)}", param="prompt")
+    return found, params
+
+
+async def _submit(
+    llm: AsyncLLM, prompts: Sequence[PromptInput], params: SamplingParams, response_id: str, *, fit_max_tokens: bool
+) -> list[RequestStream]:
+    """Submit every prompt at once (one engine step takes them all); all are accepted, or none is kept."""
+    ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
+    results = await asyncio.gather(
+        *(llm.add_request(p, params, request_id=i, fit_max_tokens=fit_max_tokens) for p, i in zip(prompts, ids)),
+        return_exceptions=True,
+    )
+    handles = [x for x in results if isinstance(x, RequestStream)]
+    failure = next((x for x in results if isinstance(x, BaseException)), None)
+    if failure is None:
+        return handles
+    for handle in handles:
+        handle.abort()
+    if not isinstance(failure, Exception):
+        raise failure
+    raise engine_error(failure, param="messages" if isinstance(prompts[0], Chat) else "prompt")
+
+
+async def _drain(handles: Sequence[RequestStream]) -> tuple[list[RequestOutput], dict[int, str]]:
+    """Every request's final output, and the text of every token id their logprobs name."""
+    token_text: dict[int, str] = {}
+    outputs = []
+    try:
+        for handle in handles:
+            async for event in handle:
+                token_text.update(event.token_text)
+            assert handle.output is not None
+            outputs.append(handle.output)
+    except (EngineStepError, EngineDeadError) as exc:
+        raise engine_error(exc) from None
+    return outputs, token_text
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T], handles: Sequence[RequestStream]) -> T:
+    """``await work``, unless the client disconnects first: then abort ``handles`` (the response goes nowhere)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            for handle in handles:
+                handle.abort()
+    if not task.done() or task.cancelled():
+        raise APIError(499, "the client closed the request")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Guard:
+    """ASGI middleware: the API key on every path but ``/health``, and a cap on the declared body size."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            error = self._check(scope["path"], headers)
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
+        if self.api_key is not None and path != "/health":
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.api_key):
+                return APIError(
+                    401,
+                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        length = headers.get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.max_body:
+            return APIError(413, f"the request body is over {self.max_body} bytes", code="body_too_large")
+        return None

@@ -1,0 +1,157 @@
+"""Every failure as an OpenAI-style error body, ``{"error": {"message", "type", "param", "code"}}``.
+
+Status codes, so that bad input never reads as a server fault::
+
+    400 invalid_request_error   malformed JSON, a wrong type, a value out of range, an unsupported field,
+                                a prompt the engine refuses (empty, too long, never fits the KV pool,
+                                a token id outside the vocabulary)
+    401 invalid_request_error   a missing or wrong API key (code invalid_api_key)
+    404 invalid_request_error   an unknown model (code model_not_found) or path
+    405, 413                    wrong method, body too large
+    429 overloaded_error        max_waiting requests already wait (m12's OVERLOADED); Retry-After is set
+    500 server_error            an engine step failed under the request (a bug or out of memory)
+    503 server_error            the engine is not running (shutting down, or dead after a failure)
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mechserve.api.errors import EngineDeadError, EngineStepError, RequestRejected
+from mechserve.spec.m12_admission_control import RejectReason
+
+log = logging.getLogger("mechserve.http")
+RETRY_AFTER_SECONDS = 1
+# m12's door refusal -> (status, code)
+_REJECT = {
+    RejectReason.EMPTY_PROMPT: (400, "empty_prompt"),
+    RejectReason.TOO_LONG: (400, "context_length_exceeded"),
+    RejectReason.NEVER_FITS: (400, "context_length_exceeded"),
+    RejectReason.BAD_MAX_NEW_TOKENS: (400, "invalid_value"),
+    RejectReason.DUPLICATE_ID: (400, "duplicate_request_id"),
+    RejectReason.OVERLOADED: (429, "overloaded"),
+}
+
+
+class APIError(Exception):
+    """An error to answer with ``status`` and an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def engine_error(exc: Exception, param: str | None = "prompt") -> APIError:
+    """What ``AsyncLLM.add_request`` (or a stream) raised, as an ``APIError``."""
+    if isinstance(exc, RequestRejected):
+        status, code = _REJECT.get(exc.reason, (400, None))
+        if exc.reason is RejectReason.OVERLOADED:
+            return APIError(
+                429,
+                f"the server is overloaded: {exc.detail}; retry later",
+                type="overloaded_error",
+                code=code,
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
+        return APIError(status, _reject_text(exc.reason, exc.detail), param=param, code=code)
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine is not available: {exc}", headers={"Retry-After": "5"})
+    if isinstance(exc, EngineStepError):
+        return APIError(500, str(exc))
+    if isinstance(exc, ValueError):
+        field, _, _ = str(exc).partition(" ")
+        return APIError(400, str(exc), param=field if field.isidentifier() else param, code="invalid_value")
+    log.exception("unexpected error", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}")
+
+
+def _reject_text(reason: RejectReason, detail: str) -> str:
+    if reason is RejectReason.EMPTY_PROMPT:
+        return f"{detail}; give a prompt that encodes to at least one token"
+    if reason is RejectReason.TOO_LONG:
+        return f"the request does not fit the model's context: {detail}; shorten the prompt or lower max_tokens"
+    if reason is RejectReason.NEVER_FITS:
+        return f"the request can never fit the KV cache: {detail}; shorten the prompt or lower max_tokens"
+    return f"the request was refused ({reason.value}): {detail}"
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """pydantic's most telling complaint about the body as a 400 naming the field.
+
+    A union (``stop``: a string or a list of strings) fails once per member;
+    a constraint broken by the member the value has the type of (a list too
+    long) says more than "not a string", so it is reported first.  Union
+    member tags (``str``, ``list[str]``, a model's name) are left out of the
+    field's path.
+    """
+    errors = sorted(exc.errors(), key=lambda e: str(e.get("type", "")).endswith("_type"))
+    first: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
+    loc = [str(part) for part in first.get("loc", ())[1:] if not _UNION_TAG.match(str(part))]
+    if not loc:
+        return APIError(400, f"the request body must be a JSON object ({first.get('msg')})", code="invalid_json")
+    param = ".".join(loc)
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return APIError(400, f"{param}: {first.get('msg')}{more}", param=param, code="invalid_value")
+
+
+# What pydantic puts in an error's location for the member of a union: str, list[int], TextPart, function-after[...]
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[A-Z]\w*|.*[\[\]-].*)$")
+
+
+def install(app: FastAPI) -> None:
+    """Answer every error of ``app`` with an OpenAI error body (and never a stack trace)."""
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "error"
+        message = (
+            exc.detail if isinstance(exc.detail, str) and exc.detail != phrase else f"{phrase}: {request.url.path}"
+        )
+        kind = "not_found_error" if status == 404 else None
+        return APIError(status, message, type=kind, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s", request.url.path, exc_info=exc)
+        return APIError(500, f"internal error: {type(exc).__name__}").response()

@@ -1,0 +1,219 @@
+"""The native paged-attention kernel: built from ``csrc/paged_attention.cpp`` on first use, called through ctypes.
+
+The kernel attends short query runs (decode steps and speculative windows) straight from the page
+pool, reading each K/V page once (see the source for the layouts and the algorithm).  It is built
+with the system C++ compiler (``$CXX``, else ``c++``/``g++``) into the cache directory
+(``MECHSERVE_CACHE``, see ``mechserve.api.env``), keyed by the source, the
+compiler and the CPU, so a build happens once per machine; concurrent builders each write a
+temporary file and rename it into place.  It runs on the OpenMP runtime torch already loaded
+(``libgomp.so.1`` is resolved by soname), so it shares no threads with a second runtime.
+
+Which attention path a step uses is chosen by ``MECHSERVE_ATTENTION`` (``mechserve.api.env.attention_mode``):
+
+* unset or ``auto``: the kernel when it builds, else torch's gather-then-SDPA path with a single
+  warning on stderr saying why;
+* ``native``: the kernel, and ``NativeKernelError`` if it cannot be built;
+* ``torch``: always the gather-then-SDPA path (the reference the kernel is tested against).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mechserve.api.env import attention_mode, cache_dir
+from mechserve.api.errors import NativeKernelError
+
+if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can check the mode without it
+    import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+ABI = 1
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
+# Query runs up to this length go to the kernel; longer ones (prefill chunks) are matmul-bound and
+# go to SDPA over a gathered context, where the gather is small next to the compute.
+MAX_QUERY = 16
+
+
+def _compiler() -> list[str]:
+    """``$CXX`` split like a shell word list (e.g. ``ccache g++``), else the first of c++/g++/clang++ found."""
+    given = os.environ.get("CXX", "").strip()
+    if given:
+        try:
+            words = shlex.split(given)
+        except ValueError as exc:
+            raise NativeKernelError(f"CXX={given!r} is not a command line: {exc}") from None
+        if not words or not shutil.which(words[0]):
+            raise NativeKernelError(f"CXX={given!r} does not name an executable on PATH")
+        return words
+    for name in ("c++", "g++", "clang++"):
+        if shutil.which(name):
+            return [name]
+    raise NativeKernelError("no C++ compiler found (set CXX, or install g++)")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _library_path(compiler: list[str]) -> Path:
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(
+        "\0".join(
+            [SOURCE.read_text(), " ".join(compiler), version, " ".join(FLAGS), _cpu_flags(), platform.machine()]
+        ).encode()
+    ).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"paged_attention-{key}.so"
+
+
+def build() -> Path:
+    """Compile the kernel if this machine has no build of the current source; return the library's path.
+
+    Raises ``NativeKernelError`` with the compiler's message if it cannot be built.
+    """
+    compiler = _compiler()
+    target = _library_path(compiler)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [*compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=False, timeout=300
+        )
+        if done.returncode != 0:
+            said = (done.stderr or done.stdout).strip()[-2000:] or "no message"
+            raise NativeKernelError(
+                f"{' '.join(compiler)} failed to build {SOURCE.name} (exit {done.returncode}): {said}"
+            )
+        os.chmod(tmp, 0o755)  # mkstemp makes it private; a shared cache must be loadable by others
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+_ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+
+
+def _open(path: Path) -> ctypes.CDLL | None:
+    """The library at ``path`` if it loads and has this ABI, else None."""
+    try:
+        lib = ctypes.CDLL(str(path))
+        if lib.mechserve_paged_attention_abi() == ABI:
+            return lib
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
+@cache
+def _load() -> ctypes.CDLL:
+    path = build()
+    lib = _open(path)
+    if lib is None:  # a truncated or foreign file under our name (an interrupted copy, a stale cache): rebuild
+        path.unlink(missing_ok=True)
+        path = build()
+        lib = _open(path)
+    if lib is None:
+        raise NativeKernelError(f"{path} does not load as the paged-attention kernel even after a rebuild")
+    for name in ("mechserve_paged_attention_f32", "mechserve_paged_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = _ARGS, None
+    return lib
+
+
+@cache
+def enabled() -> bool:
+    """Whether attention uses the kernel (per ``MECHSERVE_ATTENTION``; built on the first call).
+
+    Raises ``NativeKernelError`` in ``native`` mode when the kernel cannot be built.
+    """
+    chosen = attention_mode()
+    if chosen == "torch":
+        return False
+    try:
+        _load()
+    except (NativeKernelError, OSError, subprocess.SubprocessError) as exc:
+        if chosen == "native":
+            raise NativeKernelError(str(exc)) from exc
+        print(f"mechserve: native paged attention unavailable, using torch's path: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def supports(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether the kernel handles these dtypes (float32 or bfloat16, the same for queries and pages)."""
+    import torch
+
+    return q_dtype == kv_dtype and q_dtype in (torch.float32, torch.bfloat16)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    out: torch.Tensor,
+    items: torch.Tensor,
+    tables: torch.Tensor,
+    page_size: int,
+    scale: float,
+    window: int | None,
+) -> None:
+    """Attend the rows of ``items`` from the page pool, writing their rows of ``out``.
+
+    ``q``: [T, H, D] contiguous; ``k_pool``/``v_pool``: [P * page_size, KV, D] contiguous, the same
+    dtype as ``q`` (float32 or bfloat16); ``out``: [T, H * D] contiguous, ``q``'s dtype; ``items``:
+    [N, 4] int64 contiguous rows (first flat row, first position, query length, offset into
+    ``tables``); ``tables``: int32, the items' page tables concatenated.  Query ``j`` of an item at
+    position ``p = first position + j`` sees positions ``[0, p]`` (the last ``window`` of them
+    when ``window`` is set).  Runs on ``torch.get_num_threads()`` threads.  Raises ``ValueError``
+    on dtypes or shapes it does not handle.
+    """
+    import torch
+
+    t, h, d = q.shape
+    kv = k_pool.shape[1]
+    if not supports(q.dtype, k_pool.dtype) or v_pool.dtype != k_pool.dtype or out.dtype != q.dtype:
+        raise ValueError(f"native paged attention needs float32 or bfloat16 throughout, got {q.dtype}/{k_pool.dtype}")
+    if h % kv or k_pool.shape[2] != d or out.shape != (t, h * d) or items.dtype != torch.int64:
+        raise ValueError("native paged attention: inconsistent shapes")
+    for x in (q, k_pool, v_pool, out, items, tables):
+        if not x.is_contiguous():
+            raise ValueError("native paged attention needs contiguous tensors")
+    lib = _load()
+    fn = lib.mechserve_paged_attention_f32 if q.dtype == torch.float32 else lib.mechserve_paged_attention_bf16
+    fn(
+        q.data_ptr(),
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        out.data_ptr(),
+        items.data_ptr(),
+        tables.data_ptr(),
+        items.shape[0],
+        h,
+        kv,
+        d,
+        page_size,
+        window or 0,
+        scale,
+        torch.get_num_threads(),
+    )

