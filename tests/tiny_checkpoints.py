@@ -1,4 +1,8 @@
-"""Tiny random-weight Llama-family checkpoints built in the test session, and HF reference helpers."""
+"""Tiny random-weight Llama-family checkpoints built in the test session, and HF reference helpers.
+
+Imported as ``tiny_checkpoints`` (``tests/`` is on ``sys.path``); ``tests/executor``, ``tests/model``
+and ``tests/kv`` re-export its ``tiny`` fixture from their ``conftest.py``.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 from tiny_models import VOCAB, hf_greedy, random_prompts, save_tiny, tiny_config
 
-from mechserve.backends.llama import LlamaModel
-from mechserve.backends.models import load_model
+from mechserve.model.llama import LlamaModel
+from mechserve.model.loader import load_model
 
 __all__ = ["VOCAB", "Tiny", "build_tiny", "hf_greedy", "random_prompts", "save_tiny", "tiny_config"]
 

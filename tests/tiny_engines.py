@@ -1,4 +1,7 @@
-"""Models for the LLM / EngineCore tests: a tiny random Llama with a word tokenizer, and a rigged model.
+"""Models for the EngineCore, LLM and torch CLI tests: a tiny random Llama with a word tokenizer, and a rigged model.
+
+Imported as ``tiny_engines`` (``tests/`` is on ``sys.path``); the folders that use its fixtures
+re-export them from their ``conftest.py``.
 
 The rigged model is a real 1-layer Llama whose attention and MLP write
 nothing and whose head maps each token's one-hot embedding to a chosen
@@ -30,11 +33,11 @@ from tiny_models import (
     words,
 )
 
-from mechserve.backends.engine import EngineConfig
-from mechserve.backends.models import LoadedModel, load_model
-from mechserve.engine_core import EngineCore
+from mechserve.api.config import EngineConfig
+from mechserve.engine.core import EngineCore
+from mechserve.model.loader import LoadedModel, load_model
 
-# Re-exported for the test modules (``from .conftest import ...``).
+# Re-exported for the test modules.
 __all__ = ["CHAT_TEMPLATE", "VOCAB", "hf_greedy", "random_prompts", "save_tiny", "tiny_config", "words"]
 
 

@@ -15,7 +15,7 @@ import pytest
 from mechserve.cli.main import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
-from conftest import save_tiny, tiny_config
+from tiny_models import save_tiny, tiny_config
 
 RUN_FIELDS = {"engine", "variant", "mode", "settings", "metrics", "peak_rss_bytes", "useful_gflops_per_s", "mfu"}
 METRICS = {

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mechserve.bench.metrics import RequestTiming, latency_summary, percentile, trace_stats, useful_flops
+from mechserve.bench.timings import RequestTiming, latency_summary, percentile, trace_stats, useful_flops
 from mechserve.bench.workloads import make_workload
 from mechserve.workload import build_engine, load_rung, load_workload
 

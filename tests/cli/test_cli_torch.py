@@ -7,10 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tiny_engines import VOCAB, hf_greedy
 
 from mechserve.cli.main import main
-
-from .conftest import VOCAB, hf_greedy
 
 PROMPT = "w3 w14 w15 w92 w65 w35"
 PROMPT_IDS = [3, 14, 15, 92, 65, 35]
@@ -66,11 +65,13 @@ def test_generate_n_logprobs_stop(tiny_dir, capsys) -> None:
         assert o["finish_reason"] == "stop" and o["stop_reason"] == stop_word
         assert o["text"] == text[:cut] and o["token_ids"] == greedy[:consumed]
         assert [lp["token_id"] for lp in o["logprobs"]] == o["token_ids"] and len(o["logprobs"][0]["top"]) == 2
-    # The engine saw an abort (the stop string is found outside it); the summary says why.
+    # A stop string ends a sample with status STOP, not as an abort; the summary says which string.
     summary = final_json(out)["summary"]
-    assert [(e["request_id"], e["state"], e.get("stop_string")) for e in summary] == [
-        ("r0#0", "ABORTED", stop_word),
-        ("r0#1", "ABORTED", stop_word),
+    assert [
+        (e["request_id"], e["state"], e["finish_reason"], e["generated"], e.get("stop_string")) for e in summary
+    ] == [
+        ("r0#0", "FINISHED", "STOP", consumed, stop_word),
+        ("r0#1", "FINISHED", "STOP", consumed, stop_word),
     ]
     rc, out, err = call([*argv, "--stop-token-id", str(greedy[2])], capsys)
     (o,) = final_json(out)["outputs"]
@@ -90,8 +91,9 @@ def test_generate_text_view_shows_samples_and_logprobs(tiny_dir, capsys) -> None
     assert lines[-1].startswith("6 token(s)") and lines[-1].endswith("finished length, length")
 
 
-def test_the_trace_line_shows_a_stop_string_abort(tiny_dir, capsys) -> None:
-    """A new user saw an empty ``step 2`` line: the compact trace left out ``aborted``."""
+def test_the_trace_line_shows_a_stop_string_finish(tiny_dir, capsys) -> None:
+    """A stop string's finish is a finish with status STOP in the step that found it (it was once logged
+    as an abort, shown in an otherwise empty extra step); no step line is empty."""
     path, hf = tiny_dir
     greedy = hf_greedy(hf, PROMPT_IDS, 4)
     rc, out, err = call(
@@ -99,7 +101,8 @@ def test_the_trace_line_shows_a_stop_string_abort(tiny_dir, capsys) -> None:
     )
     assert rc == 0, err
     steps = [line for line in out.splitlines() if line.startswith("step")]
-    assert steps[-1].endswith("aborted r0"), steps
+    assert steps[-1].endswith("finished r0=STOP"), steps
+    assert not any("aborted" in line for line in steps), steps
     assert all(len(line.split()) > 2 for line in steps), steps
 
 

@@ -237,7 +237,7 @@ def test_empty_stop_list_is_allowed_on_every_rung() -> None:
 
 
 def test_total_prompt_tokens_are_bounded_while_parsing() -> None:
-    from mechserve.workload import MAX_TOTAL_PROMPT_TOKENS
+    from mechserve.api.limits import MAX_TOTAL_PROMPT_TOKENS
 
     flags = [f"r{i}:1000000:1" for i in range(MAX_TOTAL_PROMPT_TOKENS // 1_000_000)]
     assert len(workload_from_flags(flags).requests) == len(flags)

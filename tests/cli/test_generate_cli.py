@@ -6,15 +6,19 @@ import json
 from pathlib import Path
 
 import pytest
+from engine_runs import run_engine as generate
+from tiny_checkpoints import VOCAB, hf_greedy, save_tiny, tiny_config
 
-from mechserve.backends import engine as engine_module
-from mechserve.backends import models
-from mechserve.backends.engine import EngineConfig, Generation, KVMemoryError, available_memory, generate, page_bytes
+from mechserve.api.config import EngineConfig
+from mechserve.api.errors import KVMemoryError
 from mechserve.cli import generate as generate_cli
 from mechserve.cli.main import main
+from mechserve.engine import executors as executors_module
+from mechserve.engine import pool as engine_module
+from mechserve.engine.core import EngineCore
+from mechserve.engine.pool import available_memory, page_bytes
+from mechserve.model.loader import LoadedModel, load_model
 from mechserve.spec import m12_admission_control as m12
-
-from .conftest import VOCAB, hf_greedy, save_tiny, tiny_config
 
 
 def call(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -47,8 +51,8 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
 
 
 @pytest.fixture(scope="module")
-def tiny_loaded(tiny_dir: tuple[Path, object]) -> models.LoadedModel:
-    return models.load_model(str(tiny_dir[0]))
+def tiny_loaded(tiny_dir: tuple[Path, object]) -> LoadedModel:
+    return load_model(str(tiny_dir[0]))
 
 
 PROMPT = "w3 w14 w15 w92 w65 w35 w89 w79 w32 w38 w46 w26 w43 w38 w32 w79 w50 w28"
@@ -161,7 +165,7 @@ def test_arguments_are_checked_before_the_model_loads(
     def no_loading(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(models, "load_model", no_loading)
+    monkeypatch.setattr("mechserve.model.loader.load_model", no_loading)
     rc, _, err = call([PROMPT, "--model", "/no/such/dir", *extra], capsys)
     one_error_line(rc, err, message)
 
@@ -190,9 +194,9 @@ def test_longer_than_the_models_context_is_rejected(tiny_dir: tuple[Path, object
     assert out == ""
 
 
-def test_the_models_context_is_the_engines_max_model_len(tiny_loaded: models.LoadedModel) -> None:
-    fits = Generation(tiny_loaded.model, [PROMPT_IDS], 512 - len(PROMPT_IDS))
-    assert fits.max_model_len == 512 and fits.rejections == []
+def test_the_models_context_is_the_engines_max_model_len(tiny_loaded: LoadedModel) -> None:
+    fits = generate(tiny_loaded.model, [PROMPT_IDS], 512 - len(PROMPT_IDS))
+    assert fits.core.max_model_len == 512 and fits.completions[0].rejected is None
     over = generate(tiny_loaded.model, [PROMPT_IDS, [1, 2]], 512 - len(PROMPT_IDS) + 1)
     assert over.completions[0].rejected == "TOO_LONG" and over.completions[0].token_ids == ()
     assert over.completions[1].rejected is None and over.completions[1].finish_reason == "LENGTH"
@@ -229,13 +233,13 @@ def test_no_meminfo_means_no_check(tmp_path: Path) -> None:
     assert available_memory(str(tmp_path / "odd")) is None
 
 
-def test_kv_memory_sizes_the_pool(tiny_loaded: models.LoadedModel) -> None:
+def test_kv_memory_sizes_the_pool(tiny_loaded: LoadedModel) -> None:
     per_page = page_bytes(tiny_loaded.model, 16)
     assert per_page == 2 * 2 * 16 * 2 * 16 * 4
-    run = Generation(tiny_loaded.model, [PROMPT_IDS], 4, config=EngineConfig(kv_memory=10 * per_page + 5))
-    assert (run.num_pages, run.sized_by) == (10, "kv_memory")
+    core = EngineCore(tiny_loaded, EngineConfig(kv_memory=10 * per_page + 5))
+    assert (core.num_pages, core.sized_by) == (10, "kv_memory")
     with pytest.raises(KVMemoryError, match="holds no page"):
-        Generation(tiny_loaded.model, [PROMPT_IDS], 4, config=EngineConfig(kv_memory=per_page - 1))
+        EngineCore(tiny_loaded, EngineConfig(kv_memory=per_page - 1))
 
 
 @pytest.mark.parametrize(
@@ -266,7 +270,7 @@ def test_allocation_failure_is_a_clear_error(
             "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 8000000 bytes"
         )
 
-    monkeypatch.setattr(engine_module, "TorchExecutor", no_memory)
+    monkeypatch.setattr(executors_module, "TorchExecutor", no_memory)
     rc, _, err = call([PROMPT, "--model", str(path), "--num-pages", "64"], capsys)
     one_error_line(
         rc,
@@ -297,7 +301,7 @@ class _FailingAt:
         return inner
 
 
-engine_module_executor = engine_module.TorchExecutor
+engine_module_executor = executors_module.TorchExecutor
 
 
 @pytest.mark.parametrize(
@@ -313,7 +317,7 @@ def test_engine_error_part_way_prints_the_steps_before_it(
     error: Exception, message: str, tiny_dir: tuple[Path, object], monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     path, _ = tiny_dir
-    monkeypatch.setattr(engine_module, "TorchExecutor", _FailingAt(2, error))
+    monkeypatch.setattr(executors_module, "TorchExecutor", _FailingAt(2, error))
     rc, out, err = call([PROMPT, "--model", str(path), "--max-tokens", "6", "--max-step-tokens", "8"], capsys)
     one_error_line(rc, err, message)
     assert [line.split()[1] for line in out.splitlines()] == ["0", "1"]

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from .conftest import hf_greedy
-from .test_cli_torch import PROMPT, PROMPT_IDS, call, final_json
+from test_cli_torch import PROMPT, PROMPT_IDS, call, final_json
+from tiny_engines import hf_greedy
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from mechserve.backends.torch_executor import TorchExecutor
+from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.spec import m09_speculative_decode as m09
 from mechserve.spec import m12_admission_control as m12
 from mechserve.spec.m12_admission_control import Outcome, PlanItem

@@ -7,10 +7,11 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
+from engine_runs import run_engine as generate
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mechserve.backends.engine import EngineConfig, generate
+from mechserve.api.config import EngineConfig, SpeculativeConfig
 from mechserve.conformance import ReplayMismatch, Target, check_replay, compare, real_workloads
 from mechserve.conformance.replay import ReplayExecutor, replay
 from mechserve.conformance.runner import build_engine, end_state, run_workload
@@ -49,10 +50,11 @@ def test_the_scripted_executor_replays_itself(workload: dict[str, Any]) -> None:
 
 
 def test_the_product_engine_path_replays(target: Target, tiny_pair: Any) -> None:
-    """``mechserve.backends.engine.generate`` (what ``mechserve generate`` runs) produces a spec trace."""
+    """``EngineCore`` (what ``mechserve generate`` and ``LLM`` run) produces a spec trace."""
     model, _ = tiny_pair
     prompts = [[40, 41, 42, 43, 44, 45, 46, 47, 48], [40, 41, 42, 43, 44, 45, 46, 47, 60, 61], [70, 71, 72]]
-    config = EngineConfig(max_step_tokens=6, page_size=4, num_pages=9, spec_len=2)
+    fixed = SpeculativeConfig(num_speculative_tokens=2, adaptive=False)  # the workload's spec_len, every step
+    config = EngineConfig(max_step_tokens=6, page_size=4, num_pages=9, speculative=fixed)
     result = generate(model, prompts, 7, config=config, arrivals=[0, 1, 1])
     workload = {
         "engine": {

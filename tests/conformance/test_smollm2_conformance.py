@@ -72,7 +72,7 @@ def test_planted_faults_are_caught_on_smollm2(
 
 
 def test_the_command_on_smollm2(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("mechserve.backends.engine.configure_threads", lambda: 1)
+    monkeypatch.setattr("mechserve.engine.executors.configure_threads", lambda: 1)
     code = main(["conform", "--workloads", "2", "--checks", "replay,contract,kv", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["passed"] and report["target"] == "smollm2"

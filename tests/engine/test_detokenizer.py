@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings (``mechserve.detokenizer``), without a model.
+"""Incremental detokenization and stop strings (``mechserve.engine.detokenizer``), without a model.
 
 The property at the end is field case BC19's whole kind: random token texts
 (multi-character tokens and pieces of multi-byte characters), random stop
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mechserve.detokenizer import IncrementalDetokenizer, OutputText, StopStrings, find_stop, held_suffix
+from mechserve.engine.detokenizer import IncrementalDetokenizer, OutputText, StopStrings, find_stop, held_suffix
 
 
 def byte_decoder(pieces: Sequence[bytes]):

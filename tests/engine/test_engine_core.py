@@ -5,13 +5,13 @@ from __future__ import annotations
 import re
 
 import pytest
+from tiny_engines import VOCAB, core, drain, hf_greedy, random_prompts
 
-from mechserve.bench.metrics import trace_stats
-from mechserve.engine_core import EngineCore, RequestRejected
-from mechserve.params import SamplingParams
+from mechserve.api.errors import RequestRejected
+from mechserve.api.params import SamplingParams
+from mechserve.bench.timings import trace_stats
+from mechserve.engine.core import EngineCore
 from mechserve.spec import m12_admission_control as m12
-
-from .conftest import VOCAB, core, drain, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
@@ -85,7 +85,7 @@ def test_abort_mid_run(tiny, tiny_hf) -> None:
     b = c.add_request(drop, SamplingParams(temperature=0.0, max_tokens=10))
     outs = [c.step() for _ in range(4)]
     assert c.abort(b) and not c.abort(b) and not c.abort("nope")
-    assert c.page_counts()["private"] > 0  # a still holds its pages
+    assert c.stats().pages.private > 0  # a still holds its pages
     outs += drain(c)
     done = finished(outs)
     assert done[b].outputs[0].finish_reason == "abort" and done[b].finished
@@ -104,8 +104,8 @@ def test_page_conservation_with_prefix_caching(tiny) -> None:
     c.add_request([*shared, 1, 2], GREEDY)
     outs += drain(c)
     assert sum(sum(out.record.reused.values()) for out in outs) > 0
-    counts = c.page_counts()
-    assert counts["cached"] > 0 and counts["free"] + counts["cached"] == c.num_pages
+    pages = c.stats().pages
+    assert pages.cached > 0 and pages.free + pages.cached == c.num_pages
     c.check_pages()
 
 
@@ -162,7 +162,7 @@ def test_bad_requests_are_rejected_at_submission_and_the_rest_keeps_running(
     for rid, p in zip((first, second), good):
         assert done[rid].outputs[0].token_ids == hf_greedy(tiny_hf, p, 8)
     c.check_pages()
-    assert c.page_counts()["private"] == 0
+    assert c.stats().pages.private == 0
 
 
 def test_door_refusals_are_request_rejected_and_in_the_trace(tiny) -> None:
@@ -189,7 +189,7 @@ def test_max_waiting_refuses_overload_without_leaving_samples_behind(tiny) -> No
         c.add_request([3, 4], SamplingParams(n=2, temperature=0.0, max_tokens=2))  # sample 0 fits, sample 1 not
     done = finished(drain(c))
     assert list(done) == ["0"]
-    assert all(r.state is not m12.RequestState.WAITING for r in c.engine.requests)
+    assert all(r.state is not m12.RequestState.WAITING for r in c.scheduler.spec_engine.requests)
     c.check_pages()
 
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tiny_engines import ToyTokenizer, core, drain, rigged
 
-from mechserve.params import SamplingParams
+from mechserve.api.params import SamplingParams
 from mechserve.spec import m12_admission_control as m12
-
-from .conftest import ToyTokenizer, core, drain, rigged
 
 TOKENS = [b"ABC", b"DEF", b"GHI", b"X", b"\xc3", b"\xa9", b"\xe2", b"\x82", b"\xac", b"Y"]
 
@@ -63,12 +62,13 @@ def test_bc19_stop_string_inside_and_across_tokens(toy) -> None:
     # R3, streamed: the chunks are exactly "AB" then nothing; "C" was never shown
     chunks = [d.text for out in outs for d in out.deltas if d.request_id == r3]
     assert "".join(chunks) == "AB" and all("C" not in chunk for chunk in chunks)
-    # the engine took them out with m12's abort (the trace says so); every page came back
-    aborted = [rid for out in outs for rid in out.record.aborted]
-    assert sorted(aborted) == ["R1", "R2", "R3"]
-    assert all(r.state is m12.RequestState.ABORTED for r in c.engine.requests)
+    # each finished with status STOP in the step that found its string (not an abort); every page came back
+    stopped = {rid: reason for out in outs for rid, reason in out.record.finished.items()}
+    assert stopped == dict.fromkeys(["R1", "R2", "R3"], m12.FinishReason.STOP)
+    assert not any(out.record.aborted for out in outs)
+    assert [e["state"] for e in c.summary()] == ["FINISHED"] * 3
     c.check_pages()
-    assert c.page_counts()["private"] == 0
+    assert c.stats().pages.private == 0
 
 
 def test_bc19_streamed_prefix_never_retracted_when_no_stop_follows(toy) -> None:

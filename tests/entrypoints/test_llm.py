@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_engines import VOCAB, hf_greedy, random_prompts, words
 
-from mechserve.llm import LLM, RequestsRejected, torch_dtype
-from mechserve.params import SamplingParams
-
-from .conftest import VOCAB, hf_greedy, random_prompts, words
+from mechserve.api.params import SamplingParams
+from mechserve.entrypoints.llm import LLM, RequestsRejected
+from mechserve.model.loader import torch_dtype
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
@@ -29,7 +29,7 @@ def pages_come_back(request: pytest.FixtureRequest):
     if "llm" in request.fixturenames:
         core = request.getfixturevalue("llm").core
         core.check_pages()
-        assert core.page_counts()["private"] == 0 and not core.has_unfinished()
+        assert core.stats().pages.private == 0 and not core.has_unfinished()
 
 
 def test_generate_strings_and_ids_in_input_order(llm: LLM, tiny_hf) -> None:
@@ -98,7 +98,7 @@ def test_bad_inputs_are_rejected_and_the_others_complete(llm: LLM, tiny_hf) -> N
     assert err.outputs[0].outputs[0].token_ids == hf_greedy(tiny_hf, good[0], 6)
     assert err.outputs[4].outputs[0].token_ids == hf_greedy(tiny_hf, good[1], 6)
     llm.core.check_pages()
-    assert llm.core.page_counts()["private"] == 0
+    assert llm.core.stats().pages.private == 0
     assert (
         llm.generate([good[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == err.outputs[0].outputs[0].token_ids
     )
@@ -186,7 +186,7 @@ def test_dtype_is_selectable(tiny_dir, tiny_hf) -> None:
 
 
 def test_kv_memory_sizes_the_pool(tiny) -> None:
-    from mechserve.backends.engine import page_bytes
+    from mechserve.engine.pool import page_bytes
 
     per_page = page_bytes(tiny.model, 4)
     llm = LLM(tiny, page_size=4, kv_memory=10 * per_page + 1)
@@ -197,8 +197,8 @@ def test_kv_memory_sizes_the_pool(tiny) -> None:
 
 def test_import_mechserve_never_imports_torch() -> None:
     code = (
-        "import sys, mechserve, mechserve.spec, mechserve.spec.m12_admission_control, mechserve.detokenizer\n"
-        "import mechserve.outputs\n"
+        "import sys, mechserve, mechserve.spec, mechserve.spec.m12_admission_control, mechserve.engine.detokenizer\n"
+        "import mechserve.api.outputs\n"
         "from mechserve import SamplingParams\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "assert mechserve.LLM.__name__ == 'LLM' and 'torch' in sys.modules\n"

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mechserve.backends.engine import EngineConfig
-from mechserve.backends.models import LoadedModel, load_model
-from mechserve.detokenizer import IncrementalDetokenizer
-from mechserve.engine_core import EngineCore
-from mechserve.llm import LLM
-from mechserve.params import SamplingParams
+from mechserve.api.config import EngineConfig
+from mechserve.api.params import SamplingParams
+from mechserve.engine.core import EngineCore
+from mechserve.engine.detokenizer import IncrementalDetokenizer
+from mechserve.entrypoints.llm import LLM
+from mechserve.model.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.e2e
 

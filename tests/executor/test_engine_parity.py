@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import pytest
+from engine_runs import Run as GenerateResult
+from engine_runs import run_engine as generate
+from tiny_checkpoints import Tiny, hf_greedy, random_prompts
 
-from mechserve.backends import torch_executor
-from mechserve.backends.engine import EngineConfig, GenerateResult, generate
-
-from .conftest import Tiny, hf_greedy, random_prompts
+from mechserve.api.config import EngineConfig, SpeculativeConfig
 
 NEW = 12
+FIXED_3 = SpeculativeConfig(num_speculative_tokens=3, adaptive=False)  # every window carries 3 guesses
 
 
 def assert_parity(tiny: Tiny, prompts: Sequence[Sequence[int]], result: GenerateResult, new: int = NEW) -> None:
@@ -70,7 +70,7 @@ def test_spec_len_three(tiny: Tiny) -> None:
     assert total(result, "drafted") > 0
 
 
-def test_spec_with_an_oracle_drafter_accepts_across_pages(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_spec_with_an_oracle_drafter_accepts_across_pages(tiny: Tiny) -> None:
     """A drafter that knows transformers' answer: every guess is accepted, pages fill several at a time."""
     prompts = random_prompts([5, 9], seed=9)
     want = {tuple(p): hf_greedy(tiny.hf, p, 20) for p in prompts}
@@ -82,14 +82,13 @@ def test_spec_with_an_oracle_drafter_accepts_across_pages(tiny: Tiny, monkeypatc
                 return (full[len(history) : len(history) + num] + [0] * num)[:num]
         raise AssertionError("unknown history")
 
-    monkeypatch.setattr(torch_executor, "propose_ngram", oracle)
-    result = generate(tiny.model, prompts, 20, config=EngineConfig(spec_len=3, page_size=2))
+    result = generate(tiny.model, prompts, 20, config=EngineConfig(speculative=FIXED_3, page_size=2), proposer=oracle)
     assert_parity(tiny, prompts, result, 20)
     assert total(result, "rolled_back") == 0
     assert total(result, "accepted") == total(result, "drafted") > 0
 
 
-def test_spec_with_a_wrong_drafter_rolls_back(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_spec_with_a_wrong_drafter_rolls_back(tiny: Tiny) -> None:
     prompts = random_prompts([7, 4], seed=10)
     want = {tuple(p): hf_greedy(tiny.hf, p, 15) for p in prompts}
 
@@ -100,8 +99,8 @@ def test_spec_with_a_wrong_drafter_rolls_back(tiny: Tiny, monkeypatch: pytest.Mo
                 return right[:1] + [(t + 1) % 128 for t in right[1:]]
         raise AssertionError("unknown history")
 
-    monkeypatch.setattr(torch_executor, "propose_ngram", half_right)
-    result = generate(tiny.model, prompts, 15, config=EngineConfig(spec_len=3, page_size=2, num_pages=12))
+    config = EngineConfig(speculative=FIXED_3, page_size=2, num_pages=12)
+    result = generate(tiny.model, prompts, 15, config=config, proposer=half_right)
     assert_parity(tiny, prompts, result, 15)
     assert total(result, "rolled_back") > 0 and total(result, "accepted") > 0
 

@@ -47,5 +47,5 @@ def test_the_python_example_runs_on_smollm2() -> None:
     scope: dict[str, object] = {}
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md", "exec"), scope)
-    stats = scope["llm"].core.executor.stats  # type: ignore[attr-defined]
+    stats = scope["llm"].core.stats(executor=True).executor  # type: ignore[attr-defined]
     assert "one two three" in out.getvalue() and stats.accepted > 0

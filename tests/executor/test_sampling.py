@@ -11,13 +11,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_checkpoints import Tiny, build_tiny
 
-from mechserve.backends.sampling import Row, Sampler, apply_top_p, token_logprobs
-from mechserve.backends.torch_executor import TorchExecutor
-from mechserve.params import SamplingParams
+from mechserve.api.params import SamplingParams
+from mechserve.executor.sampling import Row, Sampler, apply_top_p, token_logprobs
+from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.spec import m12_admission_control as m12
-
-from .conftest import Tiny, build_tiny
 
 SLACK = 1e-4  # float32 against the float64 reference at a mask's boundary
 
@@ -149,7 +148,7 @@ def test_min_tokens_bans_end_ids_only_below_min_tokens() -> None:
 
 def test_row_seed_is_stable() -> None:
     """Pinned values: a change here changes every seeded request's output (a compatibility break)."""
-    from mechserve.backends.sampling import row_seed
+    from mechserve.executor.sampling import row_seed
 
     assert row_seed(42, 0) == row_seed(42, 0) != row_seed(42, 1) != row_seed(43, 0)
     assert [row_seed(42, i) for i in range(3)] == PINNED_ROW_SEEDS

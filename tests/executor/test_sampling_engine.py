@@ -10,14 +10,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from tiny_checkpoints import VOCAB, Tiny, hf_greedy, random_prompts
 
-import mechserve.backends.torch_executor as torch_executor
-from mechserve.backends.sampling import Sampler, TokenLogprobs, propose_ngram
-from mechserve.backends.torch_executor import TorchExecutor
-from mechserve.params import SamplingParams
+import mechserve.executor.torch_executor as torch_executor
+from mechserve.api.outputs import TokenLogprobs
+from mechserve.api.params import SamplingParams
+from mechserve.executor.proposers import propose_ngram
+from mechserve.executor.sampling import Sampler
+from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.spec import m12_admission_control as m12
-
-from .conftest import VOCAB, Tiny, hf_greedy, random_prompts
 
 
 @dataclass(frozen=True)

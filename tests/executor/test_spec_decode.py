@@ -18,22 +18,21 @@ from typing import Any
 
 import pytest
 import torch
+from engine_runs import run_engine as generate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_checkpoints import Tiny, random_prompts, tiny_config
 
-from mechserve.backends.engine import EngineConfig, generate
-from mechserve.backends.llama import LlamaModel
-from mechserve.backends.models import LoadedModel, load_model
-from mechserve.backends.proposers import DraftModelProposer, Window, lookup_ngram
-from mechserve.backends.speculative import Candidate, Governor, SpeculativeConfig, parse_draft_model
-from mechserve.backends.torch_executor import TorchExecutor
+from mechserve.api.config import EngineConfig, SpeculativeConfig, parse_draft_model
+from mechserve.api.params import SamplingParams
 from mechserve.cli.main import main
-from mechserve.engine_core import EngineCore
-from mechserve.llm import speculative
-from mechserve.params import SamplingParams
+from mechserve.engine.core import EngineCore
+from mechserve.executor.governor import Candidate, Governor
+from mechserve.executor.proposers import DraftModelProposer, Window, lookup_ngram
+from mechserve.executor.torch_executor import TorchExecutor
+from mechserve.model.llama import LlamaModel
+from mechserve.model.loader import LoadedModel, load_model
 from mechserve.spec import m12_admission_control as m12
-
-from .conftest import Tiny, random_prompts, tiny_config
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False)
 
@@ -160,7 +159,7 @@ def test_greedy_output_equals_plain_decoding(
     assert got.outputs == plain
     assert total(got.records, "drafted") > 0
     if proposer == "draft-full":  # a draft equal to the target: every guess is accepted
-        assert got.executor.stats.accepted == got.executor.stats.proposed > 0
+        assert got.executor.stats().accepted == got.executor.stats().proposed > 0
         assert total(got.records, "accepted") == total(got.records, "drafted")
 
 
@@ -373,7 +372,14 @@ def test_a_stop_string_inside_an_accepted_run_cuts_ids_and_text(cycle_model: Lla
     (done,) = [o.outputs[0] for step in outs for o in step.finished]
     assert (done.text, done.finish_reason, done.stop_reason) == ("c", "stop", "he")
     assert done.token_ids == [2, 7, 4] and [lp.token_id for lp in done.logprobs or []] == [2, 7, 4]
-    assert any(len(ids) > 2 for step in outs for ids in step.record.tokens.values())  # cut inside a run
+    # The step that found the string reports what the request kept: its ids, and as accepted only the
+    # guesses before the cut; the guesses after it count as rolled back.
+    last = next(step.record for step in outs if step.record.finished)
+    kept = last.tokens["0"]
+    assert last.finished["0"] is m12.FinishReason.STOP and list(kept) == [2, 7, 4][-len(kept) :]
+    assert last.accepted["0"] == len(kept) - 1 < last.drafted["0"]
+    assert last.rolled_back["0"] == last.drafted["0"] - last.accepted["0"]
+    assert not last.aborted and core.summary()[0]["state"] == "FINISHED"
     core.check_pages()
 
 
@@ -450,7 +456,7 @@ def test_no_id_or_text_after_the_earliest_stop_eos_or_cap(
     if stop_string is not None:
         assert stop_string not in got.text
     if max_tokens >= 3 and end >= 2:
-        assert core.executor.stats.accepted > 0  # the run really was speculative
+        assert core.executor.stats().accepted > 0  # the run really was speculative
 
 
 # Conformance: the real runs obey the spec -------------------------------------------------------------------------
@@ -523,7 +529,7 @@ def test_adaptive_spec_len_backs_off_and_keeps_the_output(tiny: Tiny, cycle_mode
         for p in prompts:
             core.add_request(p, params)
         records = [o.record for o in drain(core)]
-        return [list(r.output_ids) for r in core.engine.requests], (records, core.executor.stats)
+        return [list(r.output_ids) for r in core.scheduler.spec_engine.requests], (records, core.executor.stats())
 
     got, (records, stats) = outputs(cycle_model, adaptive, [PROMPT])
     assert got == outputs(cycle_model, plain, [PROMPT])[0]
@@ -559,12 +565,12 @@ def test_speculative_config_checks() -> None:
     assert EngineConfig().speculative_config() is None
     with pytest.raises(ValueError, match="differs from"):
         EngineConfig(spec_len=2, speculative=SpeculativeConfig(num_speculative_tokens=5))
-    assert speculative({"model": "smollm2:layers=2", "num_speculative_tokens": 2}) == SpeculativeConfig(
+    assert SpeculativeConfig.of({"model": "smollm2:layers=2", "num_speculative_tokens": 2}) == SpeculativeConfig(
         method="draft", num_speculative_tokens=2, draft_model="smollm2:layers=2"
     )
-    assert speculative({"prompt_lookup_max": 4}).ngram_max == 4
+    assert SpeculativeConfig.of({"prompt_lookup_max": 4}).ngram_max == 4
     with pytest.raises(ValueError, match="unknown field"):
-        speculative({"draft_tensor_parallel_size": 1})
+        SpeculativeConfig.of({"draft_tensor_parallel_size": 1})
 
 
 def test_a_draft_model_must_share_the_vocabulary(tiny: Tiny, tmp_path: Path) -> None:

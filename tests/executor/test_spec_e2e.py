@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from mechserve.backends.models import LoadedModel, load_model
-from mechserve.backends.speculative import SpeculativeConfig
-from mechserve.llm import LLM
-from mechserve.params import SamplingParams
+from mechserve.api.config import SpeculativeConfig
+from mechserve.api.params import SamplingParams
+from mechserve.entrypoints.llm import LLM
+from mechserve.model.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.e2e
 
@@ -77,7 +77,7 @@ def test_speculative_greedy_equals_plain(smollm2: LoadedModel, plain: list[list[
     llm = LLM(smollm2, speculative_config=config, max_step_tokens=64 if batch else 2048)
     got = ids(llm, PROMPTS, batch)
     assert got == plain
-    stats = llm.core.executor.stats
+    stats = llm.core.stats(executor=True).executor
     assert stats.proposed > 0
     if config.method == "ngram":
         assert stats.accepted > 0  # the copy-heavy prompts

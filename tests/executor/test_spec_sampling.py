@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_checkpoints import tiny_config
 
-from mechserve.backends.llama import LlamaModel
-from mechserve.backends.models import Checkpoint
-from mechserve.backends.sampling import Sampler, verify_draft
-from mechserve.backends.speculative import SpeculativeConfig
-from mechserve.backends.torch_executor import TorchExecutor
-from mechserve.params import SamplingParams
+from mechserve.api.config import SpeculativeConfig
+from mechserve.api.params import SamplingParams
+from mechserve.executor.sampling import Sampler
+from mechserve.executor.torch_executor import TorchExecutor
+from mechserve.executor.verify import verify_draft
+from mechserve.model.checkpoint import Checkpoint
+from mechserve.model.llama import LlamaModel
 from mechserve.spec import m12_admission_control as m12
-
-from .conftest import tiny_config
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -155,7 +155,7 @@ def small_model(layers: int, seed: int) -> tuple[LlamaModel, object]:
 def target_joint(hf: object, params: SamplingParams, n: int) -> dict[tuple[int, ...], float]:
     """The exact probability of every continuation of ``PROMPT`` of length ``n`` under the processed distribution."""
     sampler = Sampler(seed=0)
-    from mechserve.backends.sampling import Row
+    from mechserve.executor.sampling import Row
 
     def probs(prefix: tuple[int, ...]) -> list[float]:
         with torch.no_grad():
@@ -218,7 +218,7 @@ def test_the_draft_really_was_rejected_and_accepted(small: tuple[LlamaModel, obj
     for r in requests:
         ex.add_request(r.request_id, PROMPT, PARAMS)
     m12.Engine(requests, 1 << 20, 8, 64, spec_len=2, executors=[ex], eos_token_ids=()).run()
-    assert 0 < ex.stats.accepted < ex.stats.proposed
+    assert 0 < ex.stats().accepted < ex.stats().proposed
 
 
 def seeded_runs(model: LlamaModel, draft: LlamaModel, seeds: Sequence[int]) -> Callable[[], list[list[int]]]:

@@ -13,19 +13,17 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from tiny_checkpoints import random_prompts, save_tiny, tiny_config
 
-from mechserve.backends.engine import EngineConfig
-from mechserve.backends.models import LoadedModel, load_model
-from mechserve.backends.rank_group import RankError
-from mechserve.backends.tensor_parallel import HeadSplit, RankShape, full_parameter_count
-from mechserve.engine_core import EngineCore
-from mechserve.params import SamplingParams
+from mechserve.api.config import EngineConfig
+from mechserve.api.errors import RankError
+from mechserve.api.params import SamplingParams
+from mechserve.engine.core import EngineCore
+from mechserve.model.loader import LoadedModel, load_model
+from mechserve.model.sharded import HeadSplit, RankShape, full_parameter_count
 from mechserve.spec import m12_admission_control as m12
-
-from .conftest import random_prompts, save_tiny, tiny_config
 
 HEADS, KV_HEADS, HIDDEN = 6, 3, 48
 CONFIG = EngineConfig(num_pages=48, page_size=4, max_step_tokens=16, spec_len=2)
@@ -53,8 +51,8 @@ def generate(core: EngineCore, *, plant: tuple[int, str] | None = None) -> dict[
     for i, (p, params) in enumerate(zip(prompts, PARAMS)):
         core.add_request(p, params, request_id=f"r{i}")
     if plant is not None:
-        assert core.group is not None
-        core.group.plant(*plant)
+        assert core.executor is not None
+        core.executor.plant(*plant)
     out: dict[str, list[int]] = {}
     while core.has_unfinished():
         step = core.step()
@@ -78,13 +76,9 @@ def cores(loaded: LoadedModel) -> Iterator[dict[int, EngineCore]]:
 
 def core_of(cores: dict[int, EngineCore], loaded: LoadedModel, world_size: int) -> EngineCore:
     core = cores.get(world_size)
-    if core is None or core.group is None or core.group.closed:
-        core = cores[world_size] = EngineCore(loaded, EngineConfig(**{**_fields(CONFIG), "world_size": world_size}))
+    if core is None or core.executor is None or core.executor.closed:
+        core = cores[world_size] = EngineCore(loaded, CONFIG.replace(world_size=world_size))
     return core
-
-
-def _fields(config: EngineConfig) -> dict[str, Any]:
-    return {f: getattr(config, f) for f in config.__dataclass_fields__ if f != "speculative"}
 
 
 def gone(pids: list[int]) -> bool:
@@ -133,7 +127,7 @@ def test_a_world_larger_than_the_heads_is_refused(loaded: LoadedModel) -> None:
 def test_ranks_generate_what_one_process_generates(cores, loaded, reference, world_size: int) -> None:
     core = core_of(cores, loaded, world_size)
     assert generate(core) == reference
-    assert core.engine.world_size == world_size
+    assert core.scheduler.spec_engine.world_size == world_size
     core.check_pages()
 
 
@@ -142,7 +136,7 @@ def test_rank_shards_sum_to_the_model_with_replicated_kv_heads_and_norms(cores, 
     """Exact relation: sharded parts partition the model; each replicated KV head is counted once per
     rank that holds it; norms (and row-parallel biases) are whole on every rank."""
     arch = loaded.model.arch
-    counts = core_of(cores, loaded, world_size).group.parameter_counts()  # type: ignore[union-attr]
+    counts = core_of(cores, loaded, world_size).executor.parameter_counts()  # type: ignore[union-attr]
     kv_per_head = arch.num_layers * 2 * arch.head_dim * arch.hidden_size  # K and V rows of one KV head
     replicated = arch.num_layers * 2 * arch.hidden_size + arch.hidden_size  # two norms per layer, final norm
     kv_held = sum(HeadSplit.of(HEADS, KV_HEADS, world_size, r).num_kv for r in range(world_size))
@@ -157,60 +151,60 @@ def test_rank_shards_sum_to_the_model_with_replicated_kv_heads_and_norms(cores, 
 
 def test_a_planted_disagreement_is_a_group_violation_and_stops_the_group(cores, loaded) -> None:
     core = core_of(cores, loaded, 2)
-    assert core.group is not None
-    pids = core.group.pids  # type: ignore[attr-defined]
+    assert core.executor is not None
+    pids = core.executor.pids  # type: ignore[attr-defined]
     with pytest.raises(m12.GroupViolation, match="rank 1 disagrees with rank 0"):
         generate(core, plant=(1, "disagree"))
-    assert core.group.closed and gone(pids)
+    assert core.executor.closed and gone(pids)
 
 
 def test_a_rank_error_is_reported_as_itself(loaded, capfd) -> None:
     """A rank that fails answers with its error and exits cleanly: the driver names that error, not
     the clean exit (which once hid it), and the rank prints no traceback."""
-    core = EngineCore(loaded, EngineConfig(**{**_fields(CONFIG), "world_size": 2}), rank_timeout_s=60)
-    assert core.group is not None
-    pids = core.group.pids  # type: ignore[attr-defined]
+    core = EngineCore(loaded, CONFIG.replace(world_size=2), rank_timeout_s=60)
+    assert core.executor is not None
+    pids = core.executor.pids  # type: ignore[attr-defined]
     with pytest.raises(RankError, match="rank 1: RuntimeError: planted rank failure") as info:
         generate(core, plant=(1, "raise"))
     assert "exited" not in str(info.value)
-    assert core.group.closed and gone(pids)
+    assert core.executor.closed and gone(pids)
     assert "Traceback" not in capfd.readouterr().err
 
 
 def test_a_killed_rank_is_an_error_not_a_hang(loaded) -> None:
-    core = EngineCore(loaded, EngineConfig(**{**_fields(CONFIG), "world_size": 2}), rank_timeout_s=60)
-    assert core.group is not None
-    pids = core.group.pids  # type: ignore[attr-defined]
+    core = EngineCore(loaded, CONFIG.replace(world_size=2), rank_timeout_s=60)
+    assert core.executor is not None
+    pids = core.executor.pids  # type: ignore[attr-defined]
     core.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8))
     core.step()
     os.kill(pids[1], signal.SIGKILL)
     with pytest.raises(RankError, match=r"rank 1 \(pid \d+\) exited with code -9"):
         while core.has_unfinished():
             core.step()
-    assert core.group.closed and gone(pids)
+    assert core.executor.closed and gone(pids)
     with pytest.raises(RankError, match="shut down"):
-        core.group.stats  # noqa: B018
+        core.executor.stats()
 
 
 @pytest.mark.slow
 def test_a_hung_rank_is_an_error_after_the_timeout(loaded) -> None:
-    core = EngineCore(loaded, EngineConfig(**{**_fields(CONFIG), "world_size": 2}), rank_timeout_s=3)
-    assert core.group is not None
-    pids = core.group.pids  # type: ignore[attr-defined]
+    core = EngineCore(loaded, CONFIG.replace(world_size=2), rank_timeout_s=3)
+    assert core.executor is not None
+    pids = core.executor.pids  # type: ignore[attr-defined]
     core.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8))
     core.step()
-    core.group.plant(0, "hang")
+    core.executor.plant(0, "hang")
     began = time.monotonic()
     with pytest.raises(RankError, match=r"did not answer 'execute' within 3 s"):
         core.step()
     assert time.monotonic() - began < 60  # the timeout, not a test-runner kill
-    assert core.group.closed and gone(pids)
+    assert core.executor.closed and gone(pids)
 
 
 def test_closing_stops_every_rank(cores, loaded) -> None:
     core = core_of(cores, loaded, 4)
-    assert core.group is not None
-    pids = core.group.pids  # type: ignore[attr-defined]
+    assert core.executor is not None
+    pids = core.executor.pids  # type: ignore[attr-defined]
     assert not gone(pids)
     core.close()
     core.close()  # idempotent
@@ -221,7 +215,7 @@ def test_closing_stops_every_rank(cores, loaded) -> None:
 
 
 def test_a_draft_model_with_ranks_is_refused(loaded) -> None:
-    from mechserve.backends.speculative import SpeculativeConfig
+    from mechserve.api.config import SpeculativeConfig
 
     spec = SpeculativeConfig(method="draft", num_speculative_tokens=2, draft_model=f"{loaded.path}:layers=1")
     with pytest.raises(ValueError, match="draft model with world_size > 1"):

@@ -6,14 +6,14 @@ import dataclasses
 
 import pytest
 import torch
+from engine_runs import run_engine as generate
+from tiny_checkpoints import Tiny, hf_greedy, random_prompts
 
-from mechserve.backends.engine import EngineConfig, generate
-from mechserve.backends.paged_kv import PagedKVCache, Span, build_attention_batch
-from mechserve.backends.sampling import propose_ngram
-from mechserve.backends.torch_executor import TorchExecutor
+from mechserve.api.config import EngineConfig
+from mechserve.executor.proposers import propose_ngram
+from mechserve.executor.torch_executor import TorchExecutor
+from mechserve.kv.paged import PagedKVCache, Span, build_attention_batch
 from mechserve.spec import m11_parallelism as m11
-
-from .conftest import Tiny, hf_greedy, random_prompts
 
 
 def item(rid: str, ids: list[int], start: int, n: int, table: list[int], ps: int, **kw: object) -> m11.PlanItem:

@@ -20,8 +20,8 @@ import torch
 from server_support import TINY_NAME, Served, serving
 from tiny_models import save_tiny, save_word_tokenizer, tiny_config
 
-from mechserve.async_llm import AsyncLLM
-from mechserve.backends.models import LoadedModel, load_model
+from mechserve.entrypoints.async_llm import AsyncLLM
+from mechserve.model.loader import LoadedModel, load_model
 
 
 @pytest.fixture(scope="session")
@@ -73,8 +73,8 @@ def tiny_server(tiny: LoadedModel) -> Iterator[Served]:
 def reference(tiny: LoadedModel) -> Callable[..., Any]:
     """``reference(prompt, **sampling)``: the ``RequestOutput`` of the request run alone by ``LLM.generate``
     (greedy unless ``temperature`` is given)."""
-    from mechserve.llm import LLM
-    from mechserve.params import SamplingParams
+    from mechserve.api.params import SamplingParams
+    from mechserve.entrypoints.llm import LLM
 
     llm = LLM(tiny, page_size=4, num_pages=256)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from tiny_models import CHAT_TEMPLATE, VOCAB, random_prompts, tiny_config, words
 
-from mechserve.async_llm import AsyncLLM
+from mechserve.entrypoints.async_llm import AsyncLLM
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -60,19 +60,25 @@ def wait_idle(llm: AsyncLLM, timeout: float = 20.0) -> dict[str, int]:
     (After shutdown the core is checked directly: nothing else touches it any more.)"""
     if not llm.running:
         llm.core.check_pages()
-        return llm.core.page_counts()
+        return page_counts(llm.core)
     deadline = time.monotonic() + timeout
-    while llm.call_in_engine(lambda core: core.has_unfinished() or bool(core.engine.live)).result(timeout):
+    while llm.call_in_engine(lambda core: core.has_unfinished() or core.scheduler.has_live()).result(timeout):
         assert time.monotonic() < deadline, "the engine did not become idle"
         time.sleep(0.01)
     llm.call_in_engine(lambda core: core.check_pages()).result(timeout)
-    return llm.call_in_engine(lambda core: core.page_counts()).result(timeout)
+    return llm.call_in_engine(page_counts).result(timeout)
+
+
+def page_counts(core: Any) -> dict[str, int]:
+    """``{"free", "cached", "private"}`` pages of ``core``'s pool (``EngineCore.stats``)."""
+    pages = core.stats().pages
+    return {"free": pages.free, "cached": pages.cached, "private": pages.private}
 
 
 @contextmanager
 def serving(llm: AsyncLLM, **app_options: Any) -> Iterator[Served]:
     """``llm`` behind a uvicorn server on 127.0.0.1 and a free port, for the ``with`` block."""
-    from mechserve.server import BackgroundServer, build_app
+    from mechserve.http import BackgroundServer, build_app
 
     with BackgroundServer(build_app(llm, **app_options)) as server:
         yield Served(server, llm, app_options.get("api_key") or "none")

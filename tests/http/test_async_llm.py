@@ -10,11 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from server_support import random_prompts, wait_idle, words
+from server_support import page_counts, random_prompts, wait_idle, words
 
-from mechserve.async_llm import AsyncLLM, EngineDeadError, EngineStepError, RequestRejected
-from mechserve.outputs import StepOutput
-from mechserve.params import SamplingParams
+from mechserve.api.outputs import StepOutput
+from mechserve.api.params import SamplingParams
+from mechserve.entrypoints.async_llm import AsyncLLM, EngineDeadError, EngineStepError, RequestRejected
 from mechserve.spec import m12_admission_control as m12
 
 
@@ -126,7 +126,7 @@ def test_a_slow_consumer_gets_merged_events_and_loses_nothing(make_llm) -> None:
 
 
 def _state(core: Any, rid: str) -> Any:
-    r = core.engine.live.get(rid)
+    r = core.scheduler.spec_engine.live.get(rid)
     return None if r is None else r
 
 
@@ -172,14 +172,17 @@ def test_abort_takes_the_request_out_at_once_and_returns_its_pages(make_llm, sta
             other = await llm.add_request(other_prompt, greedy(20), request_id="other")
             victim = await llm.add_request(victim_prompt, greedy(20), request_id="victim")
             await gate.reached()
-            r = llm.core.engine.live["victim"]  # the engine thread is parked in the gate
+            r = llm.core.scheduler.spec_engine.live["victim"]  # the engine thread is parked in the gate
             held.update(
-                pages=list(r.page_table), cached={p for p in r.page_table if llm.core.engine.pool.owner[p] is m12.CACHE}
+                pages=list(r.page_table),
+                cached={p for p in r.page_table if llm.core.scheduler.spec_engine.pool.owner[p] is m12.CACHE},
             )
             aborted = llm.abort("victim")  # queued: runs before the next step
             gate.open()
             assert await aborted
-            after = await llm.run_in_engine(lambda core: (list(core.engine.pool.owner), "victim" in core.engine.live))
+            after = await llm.run_in_engine(
+                lambda core: (list(core.scheduler.spec_engine.pool.owner), "victim" in core.scheduler.spec_engine.live)
+            )
             return await victim.result(), await other.result(), after
 
     victim_out, other_out, (owners, still_live) = asyncio.run(main())
@@ -206,7 +209,7 @@ def test_leaving_a_stream_early_aborts_the_request(make_llm) -> None:
                 if seen == 3:
                     break
             await asyncio.sleep(0.05)
-            return await llm.page_counts(), llm
+            return await llm.run_in_engine(page_counts), llm
 
     counts, llm = asyncio.run(main())
     assert counts["private"] == 0
@@ -234,7 +237,7 @@ def test_a_full_waiting_queue_refuses_new_requests_as_overloaded(make_llm) -> No
             await gate.reached()  # first runs; the next two arrive in the same batch of commands
             second = asyncio.ensure_future(llm.add_request("w4 w5", greedy(4), request_id="second"))
             third = asyncio.ensure_future(llm.add_request("w6 w7", greedy(4), request_id="third"))
-            while llm._engine.queued < 2:
+            while llm._stepper.queued < 2:
                 await asyncio.sleep(0.005)
             gate.open()
             accepted = await second
@@ -258,7 +261,7 @@ def test_bc26_empty_prompt_is_refused_and_the_async_engine_keeps_serving(make_ll
                 with pytest.raises(RequestRejected) as refused:
                     await llm.generate(empty, greedy(5))
                 assert refused.value.reason is m12.RejectReason.EMPTY_PROMPT
-            return await running, await llm.page_counts()
+            return await running, await llm.run_in_engine(page_counts)
 
     out, counts = asyncio.run(main())
     assert len(out.outputs[0].token_ids) == 3 and counts["private"] == 0
@@ -371,14 +374,14 @@ def test_a_submission_cancelled_before_the_engine_takes_it_never_runs(make_llm) 
             first = await llm.add_request("w1 w2", greedy(3), request_id="first")
             await gate.reached()
             late = asyncio.ensure_future(llm.add_request("w3 w4", greedy(3), request_id="late"))
-            while llm._engine.queued < 1:
+            while llm._stepper.queued < 1:
                 await asyncio.sleep(0.005)
             late.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await late
             gate.open()
             await first.result()
-            return await llm.run_in_engine(lambda core: "late" in core.engine.live)
+            return await llm.run_in_engine(lambda core: "late" in core.scheduler.spec_engine.live)
 
     assert asyncio.run(main()) is False
     assert not any("late" in record.admitted for record in llm.trace)
@@ -391,7 +394,7 @@ def test_a_bug_in_the_engine_thread_fails_every_waiter_instead_of_hanging_them(m
     def broken(*args: Any) -> Any:
         raise KeyError("a bug")
 
-    llm._engine._events = broken  # type: ignore[method-assign]
+    llm._stepper._events = broken  # type: ignore[method-assign]
 
     async def main() -> None:
         async with llm:

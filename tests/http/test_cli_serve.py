@@ -138,8 +138,8 @@ def test_serve_takes_the_speculation_flags(capsys, tiny_dir: Path) -> None:
     assert (spec.method, spec.num_speculative_tokens, spec.adaptive) == ("draft", 2, False)
     assert "draft model" in _speculation(llm.core) and "fixed" in _speculation(llm.core)
     plain = _engine(parse(["serve", "--model", str(tiny_dir), "--num-pages", "16"])).core
-    assert plain.speculative is None and plain.engine.hold_shared_prefix is True
+    assert plain.speculative is None and plain.scheduler.spec_engine.hold_shared_prefix is True
     unheld = _engine(parse(["serve", "--model", str(tiny_dir), "--num-pages", "16", "--no-hold-shared-prefix"]))
-    assert unheld.core.engine.hold_shared_prefix is False
+    assert unheld.core.scheduler.spec_engine.hold_shared_prefix is False
     code, _, err = run_cli(capsys, "serve", "--spec-method", "draft")
     assert code == 2 and "--draft-model" in err and err.count("\n") == 1

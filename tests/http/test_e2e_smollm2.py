@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from server_support import serving
 
-from mechserve.async_llm import AsyncLLM
-from mechserve.llm import LLM
-from mechserve.params import SamplingParams
+from mechserve.api.params import SamplingParams
+from mechserve.entrypoints.async_llm import AsyncLLM
+from mechserve.entrypoints.llm import LLM
 
 pytestmark = pytest.mark.e2e
 NAME = "smollm2"

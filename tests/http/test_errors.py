@@ -255,7 +255,7 @@ def test_a_full_waiting_queue_answers_429_with_retry_after(make_llm) -> None:
                     asyncio.ensure_future(client.post("/v1/completions", json={**OK, "max_tokens": 3}))
                     for _ in range(2)
                 ]
-                while served.llm._engine.queued < 2:  # both wait for the parked engine's next step boundary
+                while served.llm._stepper.queued < 2:  # both wait for the parked engine's next step boundary
                     await asyncio.sleep(0.01)
                 go.set()
                 return [await first, *[await r for r in later]]

@@ -19,8 +19,8 @@ import openai
 import pytest
 from server_support import TINY_NAME, random_prompts, serving, words
 
-from mechserve.async_llm import AsyncLLM
 from mechserve.bench.serve_client import percentile
+from mechserve.entrypoints.async_llm import AsyncLLM
 
 CLIENTS = 64
 LEAVE_SHARE = 0.25
@@ -164,8 +164,8 @@ SYSTEM = "You are a careful assistant. You answer in one short sentence and you 
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_load_smollm2_64_streaming_clients(smollm2) -> None:
-    from mechserve.llm import LLM
-    from mechserve.params import SamplingParams
+    from mechserve.api.params import SamplingParams
+    from mechserve.entrypoints.llm import LLM
 
     prompts = [p for passage in PASSAGES for p in (passage, SYSTEM + passage)]
     work = jobs(prompts, [8, 16, 24], count=128, seed=6)

@@ -6,14 +6,20 @@ import asyncio
 import re
 from types import SimpleNamespace
 
-from mechserve.params import SamplingParams
-from mechserve.serving.metrics import Histogram, ServingMetrics
+from mechserve.api.params import SamplingParams
+from mechserve.entrypoints.metrics import Histogram, ServingMetrics
 from mechserve.spec.m12_admission_control import RejectReason
 
 
 def record(**fields: object) -> SimpleNamespace:
     base: dict[str, object] = dict(tokens={}, preempted=(), reused={}, drafted={}, accepted={}, rejected=())
     return SimpleNamespace(**{**base, **fields})
+
+
+def step(record: SimpleNamespace, prompt_tokens: dict[str, int] | None = None, **counts: int) -> SimpleNamespace:
+    """A ``StepOutput``'s fields the metrics read."""
+    fields: dict[str, object] = {"prefix_hits": 0, "preemptions": 0, **counts}
+    return SimpleNamespace(record=record, prompt_tokens=prompt_tokens or {}, **fields)
 
 
 def test_histogram_buckets_are_cumulative_and_end_with_inf() -> None:
@@ -32,7 +38,8 @@ def test_histogram_buckets_are_cumulative_and_end_with_inf() -> None:
 
 def test_render_is_prometheus_text_with_every_family_typed_once() -> None:
     m = ServingMetrics('model "q"\n')
-    m.observe_step(record(tokens={"a": (1, 2)}, reused={"a": 8}, rejected=(("b", RejectReason.OVERLOADED),)), {"a": 10})
+    rec = record(tokens={"a": (1, 2)}, reused={"a": 8}, rejected=(("b", RejectReason.OVERLOADED),))
+    m.observe_step(step(rec, {"a": 10}, prefix_hits=8))
     m.observe_ttft(0.2)
     m.observe_itl([0.01, 0.02])
     m.observe_finished(["stop", "length"], 1.5)
@@ -51,12 +58,12 @@ def test_render_is_prometheus_text_with_every_family_typed_once() -> None:
     assert snap["generation_tokens"] == 2 and snap["itl_count"] == 2 and snap["ttft_count"] == 1
 
 
-def test_a_preemption_counts_only_when_computed_state_is_dropped() -> None:
-    """A new user saw 185 preemptions for 12 requests: m05 N9 also "preempts" page-less victims every step."""
+def test_the_metrics_count_the_steps_preemptions() -> None:
+    """Which preemptions count is the scheduler's call (``Scheduler.step``, tests/engine/test_scheduler.py)."""
     m = ServingMetrics("m")
-    m.observe_step(record(preempted=("a", "b", "c")), {}, computed_before={"a": 7, "c": 0})
+    m.observe_step(step(record(preempted=("a", "b", "c")), preemptions=1))
     assert m.snapshot()["preemptions"] == 1
-    m.observe_step(record(preempted=("a", "b")), {})
+    m.observe_step(step(record(preempted=("a", "b")), preemptions=2))
     assert m.snapshot()["preemptions"] == 3
 
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from server_support import TINY_NAME, random_prompts, words
 
-from mechserve.llm import apply_chat_template
+from mechserve.entrypoints.prompts import apply_chat_template
 
 
 def test_models_lists_the_served_model(tiny_server) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from server_support import serving
 
-from mechserve.async_llm import AsyncLLM
 from mechserve.cli.main import parse
+from mechserve.entrypoints.async_llm import AsyncLLM
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = (ROOT / "README.md").read_text(encoding="utf-8").split("## Serving", 1)[1].split("\n## ", 1)[0]

@@ -17,4 +17,4 @@ def test_completions_over_two_ranks_match_the_one_process_reference(make_llm, re
         )
         served.wait_idle()
     assert reply.choices[0].text == reference(prompt, max_tokens=6).outputs[0].text
-    assert llm.core.group is not None and llm.core.group.closed  # shutdown stopped the ranks
+    assert llm.core.executor is not None and llm.core.executor.closed  # shutdown stopped the ranks

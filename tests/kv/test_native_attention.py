@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mechserve.backends import native
-from mechserve.backends.paged_kv import PagedKVCache, Span, build_attention_batch, paged_attention
+from mechserve.kv import native
+from mechserve.kv.paged import PagedKVCache, Span, build_attention_batch, paged_attention
 
 
 def test_kernel_builds_and_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:

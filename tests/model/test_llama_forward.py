@@ -7,11 +7,10 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_checkpoints import Tiny, build_tiny, random_prompts
 
-from mechserve.backends.llama import LlamaModel
-from mechserve.backends.paged_kv import PagedKVCache, Span, build_attention_batch
-
-from .conftest import Tiny, build_tiny, random_prompts
+from mechserve.kv.paged import PagedKVCache, Span, build_attention_batch
+from mechserve.model.llama import LlamaModel
 
 TOL = 1e-4
 

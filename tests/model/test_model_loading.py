@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
+from tiny_checkpoints import save_tiny, tiny_config
 
-from mechserve.backends import models
-from mechserve.backends.models import ModelLoadError, eos_token_ids, load_model, resolve_model
-
-from .conftest import save_tiny, tiny_config
+from mechserve.api.errors import ModelLoadError
+from mechserve.model import checkpoint as models
+from mechserve.model.checkpoint import eos_token_ids, resolve_model
+from mechserve.model.loader import load_model
 
 
 def test_missing_directory(tmp_path: Path) -> None:

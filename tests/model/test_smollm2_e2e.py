@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+from engine_runs import run_engine as generate
 
-from mechserve.backends.engine import EngineConfig, generate
-from mechserve.backends.models import LoadedModel, load_model
+from mechserve.api.config import EngineConfig
 from mechserve.cli.main import main
+from mechserve.model.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.e2e
 

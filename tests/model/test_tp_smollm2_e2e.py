@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mechserve.backends.models import load_model
-from mechserve.backends.tensor_parallel import HeadSplit
-from mechserve.llm import LLM, SamplingParams
+from mechserve.entrypoints.llm import LLM, SamplingParams
+from mechserve.model.loader import load_model
+from mechserve.model.sharded import HeadSplit
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

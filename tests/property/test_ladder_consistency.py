@@ -3,7 +3,7 @@
 Traces are compared on the fields rung k has, together with the error type (and therefore the step
 it comes at, since a run's records stop there); where rung k+1 adds fields, they are checked to be
 empty (or zero) too.  Where the condition is "the mechanism never fired",
-the property is stated exactly: rung k+1 agrees with rung k for as long as rung k ran without needing
+the property is stated exactly: rung k+1 agrees with rung k for as rung k ran without needing
 the mechanism, and the step where rung k needed it is the step where rung k+1 used it.
 """
 

@@ -169,7 +169,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         step = self.engine.step_counter
         self.offer(R(rid, prompt, max_new, step + arrival, eos_after, script, stops, ignore_eos))
 
-    add_more = add  # a second rule with the same body: valid offers twice as often as any other rule
+    add_more = add  # a second rule with the same body: valid offers twice as any other rule
 
     @rule(
         kind=st.sampled_from(["zero tokens", "invalid", "oversize", "duplicate"]),
