@@ -14,7 +14,7 @@ SHELL := /bin/bash
 PIP_NOISE := is ignored: it is neither a file nor a directory
 QUIET_PIP = 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 
-.PHONY: setup demo test test-all lint clean-cache viz-readme
+.PHONY: setup browser demo test test-all lint clean-cache viz-readme
 
 setup: $(VENV)/.installed
 
@@ -30,16 +30,27 @@ demo: setup
 	$(MS) demo --explain
 	$(MS) generate "The three primary colours are" --max-tokens 32
 
-test: setup
+# The viewer's browser test (tests/viz/test_viewer_browser.py) drives Debian's Chromium and never skips
+# unless MECHSERVE_SKIP_BROWSER=1: install it when missing (apt-get update first, since a fresh
+# machine's lists may be empty; sudo when not root).
+browser:
+	@if [ -z "$$MECHSERVE_SKIP_BROWSER" ] && ! command -v $${MECHSERVE_CHROMIUM:-chromium} >/dev/null 2>&1; then \
+	  echo "make: installing Debian's chromium for the viewer's browser test"; \
+	  SUDO=""; [ "$$(id -u)" -eq 0 ] || SUDO="sudo"; \
+	  $$SUDO apt-get update -qq >/dev/null && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; \
+	fi
+
+test: setup browser
 	$(PY) -m pytest -q -m "not slow and not gpu"
 
-test-all: setup
+test-all: setup browser
 	$(PY) -m pytest -q -m "not gpu"
 
 lint: setup
 	$(VENV)/bin/ruff check mechserve tests
 	$(VENV)/bin/ruff format --check mechserve tests
-	$(VENV)/bin/mypy mechserve/spec
+	$(VENV)/bin/mypy mechserve
 
 # The README's picture of the demo: its timeline above its page map, drawn from a live `mechserve demo`.
 # The PNG carries no date or version, so an unchanged demo regenerates the same bytes; commit it.
