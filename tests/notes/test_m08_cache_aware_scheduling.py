@@ -10,6 +10,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from mechserve.conformance.strategies import build, workloads
 from mechserve.spec import m08_cache_aware_scheduling as m
 
 R = m.Request
@@ -273,6 +274,90 @@ def test_m08_n11_complete_prompt_blocks_are_published_at_every_chunk() -> None:
     assert dict(s2.published) == {}  # computed 7: the partial last block has no key
     assert shape(eng.cache) == [(0, [(1, [(2, [])])])]
     assert dict(s2.finished) == {"r": m.FinishReason.LENGTH}
+
+
+def resident(eng: m.Engine) -> dict[m.PrefixKey, int]:
+    """Every key in the radix tree, with its page."""
+    found, stack = {}, [eng.cache.root]
+    while stack:
+        for key, node in stack.pop().items():
+            found[key] = node.block
+            stack.append(node.children)
+    return found
+
+
+def publish_step(eng: m.Engine) -> m.StepRecord:
+    """``eng.step()``, checking N11 against the tree before it (request ids are unique here).
+
+    Walking the post-preemption work (``executed``, in work order), each request's first
+    ``c = ⌊min(computed, prompt_len) / page_size⌋`` prompt keys are looked up in the tree as it stands
+    after this step's evictions and the publishes before it; the missing ones are its new blocks.
+    ``published`` must be exactly that, in that order; afterwards those keys are cached, on
+    cache-owned pages, and a live request's table leads with the cached chain (its own pages or,
+    where an earlier item won, the adopted ones).
+    """
+    before = resident(eng)
+    t = eng.step()
+    by_id = {r.request_id: r for r in eng.requests}
+    cached = {key for key, page in before.items() if page not in t.evicted}
+    ps = eng.pool.page_size
+    expected = {}
+    for rid in t.executed:
+        r = by_id[rid]
+        keys = r.prompt_keys[: min(r.computed, r.prompt_len) // ps]
+        have = next((i for i, key in enumerate(keys) if key not in cached), len(keys))
+        if have < len(keys):
+            expected[rid] = len(keys) - have
+            cached.update(keys[have:])
+        pages = eng.cache.match(keys)
+        assert len(pages) == len(keys) and all(eng.pool.owner[p] is CACHE for p in pages), rid
+        if r.state is m.RequestState.RUNNING:
+            assert r.page_table[: len(keys)] == pages, rid
+    assert list(t.published.items()) == list(expected.items()), (dict(t.published), expected)
+    assert not set(t.published) & set(t.preempted)
+    return t
+
+
+def test_m08_n11_publish_follows_the_post_preemption_work_order() -> None:
+    # z and a (list order; ids not in alphabetical order) arrive together and compute the same two blocks
+    # [1, 2], [3, 4] in one step, while v, scheduled behind them, is preempted to make room
+    z = R("z", [1, 2, 3, 4, 5], 2, arrival_step=1)
+    a = R("a", [1, 2, 3, 4, 6, 7], 2, arrival_step=1)
+    v = R("v", [9, 9, 9], 4)
+    eng = m.Engine([z, a, v], 16, 2, 7)
+    s0 = publish_step(eng)
+    assert (dict(s0.published), v.page_table, list(eng.pool.free)) == ({"v": 1}, [0, 1], [2, 3, 4, 5, 6])
+    s1 = publish_step(eng)
+    assert (s1.scheduled, s1.preempted, list(s1.executed)) == (("z", "a", "v"), ("v",), ["z", "a"])
+    # z, first in the work, publishes the shared blocks; a adopts them, frees its copies 5 and 6 to the
+    # back of the free list, and publishes only its own third block; v, preempted, publishes nothing
+    assert list(s1.published.items()) == [("z", 2), ("a", 1)]
+    assert (z.page_table, a.page_table, list(eng.pool.free)) == ([2, 3, 4], [2, 3, 1], [5, 6])
+    assert shape(eng.cache) == [(0, []), (2, [(3, [(1, [])])])]
+    s2 = publish_step(eng)
+    assert (dict(s2.reused), dict(s2.published)) == ({"v": 2}, {})
+
+
+# Shared prompts on a tight pool; arrivals close together with a large budget make several requests
+# publish in the step of a preemption, and same-step publishers of one block (D2) common.
+_PUBLISHERS = st.one_of(
+    workloads(prompts="shared", pool="tight", max_requests=5, max_arrival=1, budget="large"),
+    workloads(prompts="shared", pool="tight", min_requests=2, max_requests=5, max_arrival=2),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(w=_PUBLISHERS, data=st.data())
+def test_m08_n11_every_step_publishes_in_post_preemption_work_order(w: dict, data: st.DataObject) -> None:
+    eng = build(m, w, validate=False)
+    # ids in shuffled order, so that list order (the work order) is not also the order of the ids
+    for r, rid in zip(eng.requests, data.draw(st.permutations([r.request_id for r in eng.requests]))):
+        r.request_id = rid
+    for _ in range(300):
+        if all(r.state is m.RequestState.FINISHED for r in eng.requests):
+            return
+        publish_step(eng)
+    raise AssertionError("the run did not stop")
 
 
 def test_m08_n12_blocks_holding_generated_tokens_are_never_published() -> None:
