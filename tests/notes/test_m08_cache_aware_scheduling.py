@@ -170,6 +170,16 @@ def test_m08_n6_reclaim_evicts_exactly_the_shortfall_to_the_back_of_the_free_lis
     # the evicted page went to the back of the free list: y took 3 first, then 2
     assert y.page_table == [3, 2]
     assert s1.preempted == ()
+    # an evicted page is freed like any other: owner and every slot cleared, so a page that its next
+    # holder fills only in part shows nothing of the cached block it held
+    x = R("x", [1, 2, 3, 4], 1)
+    y = R("y", [7], 2, arrival_step=1)
+    eng = m.Engine([x, y], 8, 2, 2)
+    eng.step()
+    assert (shape(eng.cache), list(eng.pool.free), eng.pool.slots[1]) == ([(0, [(1, [])])], [], [("x", 2), ("x", 3)])
+    s1 = eng.step()
+    assert (s1.evicted, y.page_table, shape(eng.cache)) == ((1,), [1], [(0, [])])
+    assert (eng.pool.owner[1], eng.pool.slots[1]) == ("y", [("y", 0), None])
 
 
 def _eviction_pressure() -> tuple[m.Engine, list[m.Request]]:
