@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import signal
 from collections.abc import Iterator
 
 import pytest
@@ -40,19 +39,29 @@ def steps(eng: m.Engine, n: int) -> list[m.StepRecord]:
 
 
 @contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Turn a residency loop that never ends into a failure instead of a hung run."""
+def bounded_residency() -> Iterator[None]:
+    """Turn a residency loop that never ends into a failure instead of a hung run, without a clock.
 
-    def expire(signum: int, frame: object) -> None:
-        raise AssertionError(f"step() did not return within {seconds}s")
+    Every round of a step's residency loop reclaims: a round that evicts frees a page that stays free
+    until the allocation ends the loop (so at most ``num_pages`` such rounds), any other round preempts
+    a request, each at most once, or ends the loop; so a step has at most ``pages + requests + 1``.
+    """
+    ensure, reclaim = m.Engine._ensure_residency, m.Engine._reclaim
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
+    def ensure_counted(self: m.Engine, *args: object) -> object:
+        self.residency_rounds = 0
+        return ensure(self, *args)
+
+    def reclaim_counted(self: m.Engine, *args: object) -> object:
+        self.residency_rounds += 1
+        bound = self.pool.num_pages + len(self.requests) + 1
+        assert self.residency_rounds <= bound, "a residency loop that never ends"
+        return reclaim(self, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(m.Engine, "_ensure_residency", ensure_counted)
+        patch.setattr(m.Engine, "_reclaim", reclaim_counted)
         yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def synthetic(i: int, n: int) -> list[int]:
@@ -227,7 +236,7 @@ def test_m08_n8_victim_eligibility_is_per_request_not_per_id() -> None:
     # request ids need not be unique; two requests share "x" and only the first is scheduled
     a, x1, x2 = R("a", [1, 2, 3, 4], 4), R("x", [5, 6, 7, 8], 4), R("x", [9, 9, 9, 9], 4)
     eng = m.Engine([a, x1, x2], 8, 4, 1)
-    with deadline(0.5):
+    with bounded_residency():
         s0 = eng.step()
     # x2 holds no pages and has no work item: not eligible; x1 (in the work list) is the victim
     assert s0.scheduled == ("a", "x") and s0.preempted == ("x",)
