@@ -19,9 +19,13 @@ test ask for the situation it needs:
 * ``prompts``: ``"length"`` (``prompt_len`` only, so the synthetic prompts of 4.2 never share a
   block), ``"shared"`` (explicit ``tokens`` drawn from a few shared stems over a tiny alphabet, so
   prefix reuse, eviction and D2 adoption happen), ``"mixed"`` (either, per request);
-* ``spec_len`` (a range), ``scripts`` (accept scripts with entries from -2 to ``spec_len + 2``,
-  i.e. negatives and values above the draft), ``eos``, ``world_size`` (a range), ``negatives``
-  (negative ``arrival_step``/``eos_after``: legal for the engines, rejected by the CLI loader, D4);
+* ``spec_len`` (a range), ``scripts`` (``True``: accept scripts, on about half the requests, with
+  entries from -2 to ``spec_len + 2``, i.e. negatives and values above the draft; ``"rollback"``: a
+  script on every request with entries from -1 to ``spec_len - 1``, so nearly every decode window
+  that drafts rolls guesses back, and with pages no larger than the window, back across a page
+  boundary, freeing tail pages; a request drafts only with ``max_new_tokens >= 3``, which ``min_new``
+  can ask for), ``eos``, ``world_size`` (a range), ``negatives`` (negative
+  ``arrival_step``/``eos_after``: legal for the engines, rejected by the CLI loader, D4);
 * ``admission`` (m12 only): the engine section may carry ``max_waiting``, ``max_running`` and
   ``max_model_len``, and requests may ask for 0 tokens, have an empty prompt (``"tokens": []``) or
   carry ``stop_token_ids`` (mostly ids the scripted model will sample), so the door rejects for
@@ -190,13 +194,14 @@ def workloads(
     max_requests: int = 5,
     max_prompt: int = 10,
     max_new: int = 5,
+    min_new: int | None = None,
     max_arrival: int = 3,
     page_size: tuple[int, int] = (1, 4),
     budget: str = "any",
     pool: str = "any",
     prompts: str = "length",
     spec_len: tuple[int, int] = (0, 0),
-    scripts: bool = False,
+    scripts: bool | str = False,
     eos: bool = True,
     world_size: tuple[int, int] = (1, 1),
     negatives: bool = False,
@@ -213,6 +218,10 @@ def workloads(
         raise ValueError(f"pool must be any, fits, tight or ample, not {pool!r}")
     if prompts not in ("length", "shared", "mixed"):
         raise ValueError(f"prompts must be length, shared or mixed, not {prompts!r}")
+    if min_new is not None and not (0 if admission else 1) <= min_new <= max_new:
+        raise ValueError(f"min_new must lie in [{0 if admission else 1}, max_new], not {min_new!r}")
+    if scripts not in (True, False, "rollback"):
+        raise ValueError(f"scripts must be True, False or 'rollback', not {scripts!r}")
     if admission and budget == "covering":
         raise ValueError("a covering budget is measured on m01, which cannot build an admission workload")
     n = draw(st.integers(min_requests, max_requests))
@@ -225,13 +234,15 @@ def workloads(
         req: dict[str, Any] = {
             "request_id": f"r{i}",
             **prompt,
-            "max_new_tokens": draw(st.integers(0 if admission else 1, max_new)),
+            "max_new_tokens": draw(st.integers((0 if admission else 1) if min_new is None else min_new, max_new)),
         }
         if draw(st.booleans()):
             req["arrival_step"] = draw(st.integers(low, max_arrival))
         if eos and draw(st.integers(0, 2)) == 0:
             req["eos_after"] = draw(st.integers(low, max_new + 1))
-        if scripts and draw(st.booleans()):
+        if scripts == "rollback":
+            req["accept_script"] = draw(st.lists(st.integers(-1, max(0, k - 1)), min_size=1, max_size=8))
+        elif scripts and draw(st.booleans()):
             req["accept_script"] = draw(st.lists(st.integers(-2, k + 2), max_size=6))
         if admission and prompt_len(req) and draw(st.booleans()):
             # Mostly ids the request will sample (so it stops early, maybe inside an accepted run).

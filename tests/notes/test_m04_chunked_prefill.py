@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
+from mechserve.conformance.strategies import build, workloads
 from mechserve.spec import m04_chunked_prefill as m
 
 TOKEN = m.Sample.TOKEN
-RUNNING = m.RequestState.RUNNING
+RUNNING, WAITING = m.RequestState.RUNNING, m.RequestState.WAITING
 
 
 def req(rid: str, prompt: int, max_new: int, **kw: int) -> m.Request:
@@ -47,19 +49,70 @@ def test_m04_n2_take_min_of_remaining_and_what_is_left() -> None:
     assert list(t2.executed.items()) == [("a", 1), ("b", 1), ("c", 1)]
 
 
+def cut_step(e: m.Engine) -> m.StepRecord:
+    """``e.step()``, checking N3 against the state before it: the work is a prefix of the RUNNING list in
+    which everyone but the last gets all it owes, the last gets what is left of the budget, and every
+    RUNNING request behind the last scheduled one is nowhere in the record and does not move."""
+    due = [r for r in e.requests if r.state is RUNNING or (r.state is WAITING and r.arrival_step <= e.step_counter)]
+    owed = [(r, r.remaining, r.computed, r.generated) for r in due]
+    t = e.step()
+    work = list(t.executed.items())
+    assert list(t.scheduled) == [rid for rid, _ in work]
+    assert [rid for rid, _ in work] == [r.request_id for r, *_ in owed[: len(work)]]  # a prefix, in list order
+    if owed:
+        assert work, "the first RUNNING request always gets work"
+    left = e.max_step_tokens
+    for i, (rid, n) in enumerate(work):
+        remaining = owed[i][1]
+        assert n == min(remaining, left), (rid, n, remaining, left)
+        assert i == len(work) - 1 or n == remaining, f"{rid} was cut short but is not the last scheduled"
+        left -= n
+    behind = owed[len(work) :]
+    if behind:
+        assert left == 0, "a RUNNING request was left out while budget remained"
+    for r, _, computed, generated in behind:
+        rid = r.request_id
+        assert rid not in t.scheduled and rid not in t.executed and rid not in t.sampled and rid not in t.finished
+        assert (r.state, r.computed, r.generated) == (RUNNING, computed, generated), rid
+    return t
+
+
 def test_m04_n3_first_always_served_only_last_cut() -> None:
-    solo = m.Engine([req("solo", 7, 1)], 2, 4, 4)
-    assert dict(solo.step().executed) == {"solo": 2}  # owes 7, more than the whole budget
+    solo_r = req("solo", 7, 1)
+    solo = m.Engine([solo_r], 2, 4, 4)
+    assert dict(cut_step(solo).executed) == {"solo": 2}  # owes 7, more than the whole budget
     reqs = [req("a", 3, 3), req("b", 6, 3), req("c", 2, 3)]
     e = m.Engine(reqs, 5, 4, 16)
     shapes = []
-    while any(r.state is RUNNING or r.state is m.RequestState.WAITING for r in reqs):
-        owed = {r.request_id: r.remaining for r in reqs}
-        t = e.step()
-        items = list(t.executed.items())
-        assert all(n == owed[rid] for rid, n in items[:-1])  # all but the last get everything they owe
-        shapes.append(items)
+    while any(r.state is not m.RequestState.FINISHED for r in reqs):
+        assert e.step_counter < 50, "the run did not stop"
+        shapes.append(list(cut_step(e).executed.items()))
+    # c stands behind the cut b for two steps: not scheduled, its prompt untouched, then served in full
     assert shapes[:3] == [[("a", 3), ("b", 2)], [("a", 1), ("b", 4)], [("a", 1), ("b", 1), ("c", 2)]]
+    # a decoding request behind a cut prompt waits too: the budget is not stretched for it
+    a, big, d = req("a", 1, 9), req("big", 13, 1, arrival_step=1), req("d", 1, 9)
+    e = m.Engine([a, big, d], 4, 4, 16)
+    t0 = cut_step(e)
+    assert (t0.scheduled, dict(t0.sampled)) == (("a", "d"), {"a": TOKEN, "d": TOKEN})
+    t1 = cut_step(e)
+    assert (t1.scheduled, dict(t1.executed)) == (("a", "big"), {"a": 1, "big": 3})
+    assert "d" not in t1.sampled and (d.computed, d.generated, d.remaining) == (1, 1, 1)
+    for _ in range(3):
+        t = cut_step(e)
+        assert (t.scheduled, dict(t.executed)) == (("a", "big"), {"a": 1, "big": 3})
+    assert cut_step(e).scheduled == ("a", "big", "d")  # big's last prompt token leaves room: 1 + 1 + 1
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=workloads(budget="any", pool="ample", max_requests=5))
+def test_m04_n3_every_step_serves_a_prefix_and_cuts_only_the_last(w: dict) -> None:
+    e = build(m, w, validate=False)
+    reqs = e.requests
+    for _ in range(200):
+        if all(r.state is m.RequestState.FINISHED for r in reqs):
+            return
+        cut_step(e)
+    raise AssertionError("the run did not stop")
 
 
 def test_m04_n4_pages_follow_the_slice() -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import random
-import signal
-from collections.abc import Iterator
 
 import pytest
 
@@ -29,19 +27,26 @@ def run(engine: m.Engine, limit: int = 100) -> list[m.StepRecord]:
 
 
 @pytest.fixture(autouse=True)
-def deadline() -> Iterator[None]:
-    """Turn a residency loop that never ends into a test failure instead of a hung run."""
+def bounded_residency(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turn a residency loop that never ends into a test failure instead of a hung run.
 
-    def expire(signum: int, frame: object) -> None:
-        raise AssertionError("the test did not finish within 1s: a residency loop that never ends?")
+    Each victim is preempted at most once per step, so one step's residency can search for a victim at
+    most once per request, plus the search that finds none; counting the searches bounds the loop
+    without a clock.
+    """
+    ensure, choose = m.Engine._ensure_residency, m.Engine._choose_victim
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, 1.0)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    def ensure_counted(self: m.Engine, *args: object) -> object:
+        self.victim_searches = 0
+        return ensure(self, *args)
+
+    def choose_counted(self: m.Engine, *args: object) -> object:
+        self.victim_searches += 1
+        assert self.victim_searches <= len(self.requests) + 1, "a residency loop that never ends"
+        return choose(self, *args)
+
+    monkeypatch.setattr(m.Engine, "_ensure_residency", ensure_counted)
+    monkeypatch.setattr(m.Engine, "_choose_victim", choose_counted)
 
 
 def test_m05_n1_scheduled_before_residency_the_rest_after() -> None:

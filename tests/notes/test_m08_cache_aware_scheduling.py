@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import signal
 from collections.abc import Iterator
 
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from mechserve.conformance.strategies import build, workloads
 from mechserve.spec import m08_cache_aware_scheduling as m
 
 R = m.Request
@@ -39,19 +39,29 @@ def steps(eng: m.Engine, n: int) -> list[m.StepRecord]:
 
 
 @contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Turn a residency loop that never ends into a failure instead of a hung run."""
+def bounded_residency() -> Iterator[None]:
+    """Turn a residency loop that never ends into a failure instead of a hung run, without a clock.
 
-    def expire(signum: int, frame: object) -> None:
-        raise AssertionError(f"step() did not return within {seconds}s")
+    Every round of a step's residency loop reclaims: a round that evicts frees a page that stays free
+    until the allocation ends the loop (so at most ``num_pages`` such rounds), any other round preempts
+    a request, each at most once, or ends the loop; so a step has at most ``pages + requests + 1``.
+    """
+    ensure, reclaim = m.Engine._ensure_residency, m.Engine._reclaim
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
+    def ensure_counted(self: m.Engine, *args: object) -> object:
+        self.residency_rounds = 0
+        return ensure(self, *args)
+
+    def reclaim_counted(self: m.Engine, *args: object) -> object:
+        self.residency_rounds += 1
+        bound = self.pool.num_pages + len(self.requests) + 1
+        assert self.residency_rounds <= bound, "a residency loop that never ends"
+        return reclaim(self, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(m.Engine, "_ensure_residency", ensure_counted)
+        patch.setattr(m.Engine, "_reclaim", reclaim_counted)
         yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def synthetic(i: int, n: int) -> list[int]:
@@ -169,6 +179,16 @@ def test_m08_n6_reclaim_evicts_exactly_the_shortfall_to_the_back_of_the_free_lis
     # the evicted page went to the back of the free list: y took 3 first, then 2
     assert y.page_table == [3, 2]
     assert s1.preempted == ()
+    # an evicted page is freed like any other: owner and every slot cleared, so a page that its next
+    # holder fills only in part shows nothing of the cached block it held
+    x = R("x", [1, 2, 3, 4], 1)
+    y = R("y", [7], 2, arrival_step=1)
+    eng = m.Engine([x, y], 8, 2, 2)
+    eng.step()
+    assert (shape(eng.cache), list(eng.pool.free), eng.pool.slots[1]) == ([(0, [(1, [])])], [], [("x", 2), ("x", 3)])
+    s1 = eng.step()
+    assert (s1.evicted, y.page_table, shape(eng.cache)) == ((1,), [1], [(0, [])])
+    assert (eng.pool.owner[1], eng.pool.slots[1]) == ("y", [("y", 0), None])
 
 
 def _eviction_pressure() -> tuple[m.Engine, list[m.Request]]:
@@ -216,7 +236,7 @@ def test_m08_n8_victim_eligibility_is_per_request_not_per_id() -> None:
     # request ids need not be unique; two requests share "x" and only the first is scheduled
     a, x1, x2 = R("a", [1, 2, 3, 4], 4), R("x", [5, 6, 7, 8], 4), R("x", [9, 9, 9, 9], 4)
     eng = m.Engine([a, x1, x2], 8, 4, 1)
-    with deadline(0.5):
+    with bounded_residency():
         s0 = eng.step()
     # x2 holds no pages and has no work item: not eligible; x1 (in the work list) is the victim
     assert s0.scheduled == ("a", "x") and s0.preempted == ("x",)
@@ -273,6 +293,90 @@ def test_m08_n11_complete_prompt_blocks_are_published_at_every_chunk() -> None:
     assert dict(s2.published) == {}  # computed 7: the partial last block has no key
     assert shape(eng.cache) == [(0, [(1, [(2, [])])])]
     assert dict(s2.finished) == {"r": m.FinishReason.LENGTH}
+
+
+def resident(eng: m.Engine) -> dict[m.PrefixKey, int]:
+    """Every key in the radix tree, with its page."""
+    found, stack = {}, [eng.cache.root]
+    while stack:
+        for key, node in stack.pop().items():
+            found[key] = node.block
+            stack.append(node.children)
+    return found
+
+
+def publish_step(eng: m.Engine) -> m.StepRecord:
+    """``eng.step()``, checking N11 against the tree before it (request ids are unique here).
+
+    Walking the post-preemption work (``executed``, in work order), each request's first
+    ``c = ⌊min(computed, prompt_len) / page_size⌋`` prompt keys are looked up in the tree as it stands
+    after this step's evictions and the publishes before it; the missing ones are its new blocks.
+    ``published`` must be exactly that, in that order; afterwards those keys are cached, on
+    cache-owned pages, and a live request's table leads with the cached chain (its own pages or,
+    where an earlier item won, the adopted ones).
+    """
+    before = resident(eng)
+    t = eng.step()
+    by_id = {r.request_id: r for r in eng.requests}
+    cached = {key for key, page in before.items() if page not in t.evicted}
+    ps = eng.pool.page_size
+    expected = {}
+    for rid in t.executed:
+        r = by_id[rid]
+        keys = r.prompt_keys[: min(r.computed, r.prompt_len) // ps]
+        have = next((i for i, key in enumerate(keys) if key not in cached), len(keys))
+        if have < len(keys):
+            expected[rid] = len(keys) - have
+            cached.update(keys[have:])
+        pages = eng.cache.match(keys)
+        assert len(pages) == len(keys) and all(eng.pool.owner[p] is CACHE for p in pages), rid
+        if r.state is m.RequestState.RUNNING:
+            assert r.page_table[: len(keys)] == pages, rid
+    assert list(t.published.items()) == list(expected.items()), (dict(t.published), expected)
+    assert not set(t.published) & set(t.preempted)
+    return t
+
+
+def test_m08_n11_publish_follows_the_post_preemption_work_order() -> None:
+    # z and a (list order; ids not in alphabetical order) arrive together and compute the same two blocks
+    # [1, 2], [3, 4] in one step, while v, scheduled behind them, is preempted to make room
+    z = R("z", [1, 2, 3, 4, 5], 2, arrival_step=1)
+    a = R("a", [1, 2, 3, 4, 6, 7], 2, arrival_step=1)
+    v = R("v", [9, 9, 9], 4)
+    eng = m.Engine([z, a, v], 16, 2, 7)
+    s0 = publish_step(eng)
+    assert (dict(s0.published), v.page_table, list(eng.pool.free)) == ({"v": 1}, [0, 1], [2, 3, 4, 5, 6])
+    s1 = publish_step(eng)
+    assert (s1.scheduled, s1.preempted, list(s1.executed)) == (("z", "a", "v"), ("v",), ["z", "a"])
+    # z, first in the work, publishes the shared blocks; a adopts them, frees its copies 5 and 6 to the
+    # back of the free list, and publishes only its own third block; v, preempted, publishes nothing
+    assert list(s1.published.items()) == [("z", 2), ("a", 1)]
+    assert (z.page_table, a.page_table, list(eng.pool.free)) == ([2, 3, 4], [2, 3, 1], [5, 6])
+    assert shape(eng.cache) == [(0, []), (2, [(3, [(1, [])])])]
+    s2 = publish_step(eng)
+    assert (dict(s2.reused), dict(s2.published)) == ({"v": 2}, {})
+
+
+# Shared prompts on a tight pool; arrivals close together with a large budget make several requests
+# publish in the step of a preemption, and same-step publishers of one block (D2) common.
+_PUBLISHERS = st.one_of(
+    workloads(prompts="shared", pool="tight", max_requests=5, max_arrival=1, budget="large"),
+    workloads(prompts="shared", pool="tight", min_requests=2, max_requests=5, max_arrival=2),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(w=_PUBLISHERS, data=st.data())
+def test_m08_n11_every_step_publishes_in_post_preemption_work_order(w: dict, data: st.DataObject) -> None:
+    eng = build(m, w, validate=False)
+    # ids in shuffled order, so that list order (the work order) is not also the order of the ids
+    for r, rid in zip(eng.requests, data.draw(st.permutations([r.request_id for r in eng.requests]))):
+        r.request_id = rid
+    for _ in range(300):
+        if all(r.state is m.RequestState.FINISHED for r in eng.requests):
+            return
+        publish_step(eng)
+    raise AssertionError("the run did not stop")
 
 
 def test_m08_n12_blocks_holding_generated_tokens_are_never_published() -> None:

@@ -7,8 +7,11 @@ The scripted model's ids are a function of a request's own history: after the pr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mechserve.conformance.strategies import build, engine_of, prompt_tokens, workloads
@@ -24,11 +27,13 @@ REJECTED, ABORTED = m.RequestState.REJECTED, m.RequestState.ABORTED
 CI = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def run(eng: m.Engine | m11.Engine, limit: int = 200) -> list:
-    """``eng.run()``, failing instead of hanging when the run never stops."""
+def run(eng: m.Engine | m11.Engine, limit: int = 200, on_step: Callable[[Any], None] | None = None) -> list:
+    """``eng.run()``, failing instead of hanging when the run never stops; ``on_step`` sees each record."""
 
     def watch(rec: m.StepRecord | m11.StepRecord) -> None:
         assert rec.step < limit, "run() did not stop"
+        if on_step is not None:
+            on_step(rec)
 
     return eng.run(on_step=watch)
 
@@ -526,8 +531,28 @@ def test_m12_n21_valid_requests_trace_as_in_m11(w: dict) -> None:
 
 @st.composite
 def mayhem(draw: st.DrawFn) -> tuple[dict, dict, list[tuple[int, str]], list[tuple[int, m.Request]]]:
-    """A workload with any pool, limits, late offers (valid or not) and aborts at chosen steps."""
-    w = draw(workloads(pool="any", prompts="shared", spec_len=(0, 2), scripts=True, max_new=5))
+    """A workload with any pool, limits, late offers (valid or not) and aborts at chosen steps.
+
+    Half the workloads roll speculative guesses back across page boundaries: every request fits the
+    pool and drafts, pages are small, and every verdict is partial (``scripts="rollback"``), so the
+    tail pages a rollback frees are exercised in most of them (a leak there is a bug N22 must catch).
+    """
+    w = draw(
+        st.one_of(
+            workloads(pool="any", prompts="shared", spec_len=(0, 2), scripts=True, max_new=5),
+            workloads(
+                min_requests=1,
+                pool="tight",
+                prompts="shared",
+                budget="large",  # no window is cut short: every decode window drafts
+                spec_len=(1, 3),
+                page_size=(1, 3),
+                scripts="rollback",
+                min_new=3,  # a request drafts only from max_new_tokens 3 on
+                max_new=6,
+            ),
+        )
+    )
     limits = {key: draw(st.none() | st.integers(1, 4)) for key in ("max_waiting", "max_running", "max_model_len")}
     if limits["max_model_len"] is not None:
         limits["max_model_len"] += 6
@@ -565,23 +590,51 @@ def requests_of(w: dict) -> list[m.Request]:
     ]
 
 
+def conserved(eng: m.Engine) -> None:
+    """Page conservation: free + private + cache-owned = num_pages, every private page in its owner's table."""
+    eng.check_invariants()
+    free, private, cached = ownership(eng)
+    assert free + private + cached == eng.pool.num_pages and free == len(eng.pool.free)
+    held = [p for r in eng.requests for p in r.page_table if eng.pool.owner[p] is not m.CACHE]
+    assert sorted(held) == [p for p, o in enumerate(eng.pool.owner) if isinstance(o, str)], "a private page leaked"
+
+
+# A guess rolled back across a page boundary: step 1's window (positions 2..5) takes pages 1 and 2, all
+# three guesses are rejected, and the frontier 3 needs two pages, so page 2 must go back to the free list.
+_ROLLBACK = (
+    {
+        "engine": {"max_step_tokens": 8, "page_size": 2, "num_pages": 4, "spec_len": 3, "world_size": 1},
+        "requests": [{"request_id": "r0", "tokens": [1, 2], "max_new_tokens": 5, "accept_script": [0, 1]}],
+    },
+    {"max_waiting": None, "max_running": None, "max_model_len": None},
+    [],
+    [],
+)
+
+
 @CI
+@example(case=_ROLLBACK)
 @given(case=mayhem())
 def test_m12_n22_every_request_ends_finished_rejected_or_aborted(case: tuple) -> None:
     w, limits, aborts, late = case
     eng = m.Engine(requests_of(w), **engine_of(w), **limits)
+    conserved(eng)
     for step in range(10):
         for when, rid in aborts:
             if when == step:
                 eng.abort(rid)
+                conserved(eng)
         for when, r in late:
             if when == step:
                 eng.add_request(r)
+                conserved(eng)
         eng.step()
-    run(eng)
+        conserved(eng)
+    run(eng, on_step=lambda rec: conserved(eng))
     assert {r.state for r in eng.requests} <= {FINISHED, REJECTED, ABORTED}
     assert all(o is None or o is m.CACHE for o in eng.pool.owner)
-    eng.check_invariants()
+    assert len(eng.pool.free) + sum(o is m.CACHE for o in eng.pool.owner) == eng.pool.num_pages
+    conserved(eng)
 
 
 # ---- regressions: each was a bug in m12, found by these tests ---------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import Phase, find, given, settings
@@ -76,6 +77,57 @@ def test_scripts_reach_rollbacks_clamps_and_speculation_with_preemption() -> Non
         e < 0 or e > w["engine"]["spec_len"] for r in w["requests"] for e in r.get("accept_script") or []
     )
     find(strategy, clamped, settings=FIND)
+
+
+ROLLBACKS = workloads(
+    min_requests=1,
+    pool="tight",
+    prompts="shared",
+    budget="large",
+    spec_len=(1, 3),
+    page_size=(1, 3),
+    scripts="rollback",
+    min_new=3,
+    max_new=6,
+)
+"""The rollback half of m12 N22's workloads (``tests/notes/test_m12_admission_control.py``, ``mayhem``)."""
+
+
+def test_rollback_scripts_roll_guesses_back_across_page_boundaries() -> None:
+    """A rolled-back guess frees a tail page (m09 N10; m12 N22's page conservation must see it)."""
+    freed = lambda run: any("freeing tail page" in line for rec in run.records for line in rec.explain)  # noqa: E731
+    reaches(ROLLBACKS, TOP, freed)
+    reaches(ROLLBACKS, TOP, lambda run: freed(run) and any(rec["preempted"] for rec in run.trace))
+
+
+@CI
+@given(workload=workloads(scripts="rollback", spec_len=(0, 3), min_new=3, max_new=6))
+def test_rollback_scripts_and_min_new_are_what_they_say(workload: dict) -> None:
+    k = workload["engine"]["spec_len"]
+    for r in workload["requests"]:
+        assert 3 <= r["max_new_tokens"] <= 6
+        assert r["accept_script"] and all(-1 <= e <= max(0, k - 1) for e in r["accept_script"]), r
+
+
+def waits_behind_a_cut(run: Any) -> bool:
+    """Some step leaves a RUNNING request unscheduled (m04+: the budget ran out before its turn)."""
+    running: list[str] = []
+    for rec in run.trace:
+        running += rec["admitted"]
+        if any(rid not in rec["scheduled"] for rid in running):
+            return True
+        running = [rid for rid in running if rid not in rec["finished"]]
+    return False
+
+
+def test_note_properties_reach_their_interesting_cases() -> None:
+    """m04 N3: a RUNNING request waits behind a cut; m08 N11: two requests publish in the step of a preemption."""
+    reaches(workloads(budget="any", pool="ample"), "m04_chunked_prefill", waits_behind_a_cut)
+    reaches(
+        workloads(prompts="shared", pool="tight", max_requests=5, max_arrival=1, budget="large"),
+        "m08_cache_aware_scheduling",
+        lambda run: any(len(rec["published"]) >= 2 and rec["preempted"] for rec in run.trace),
+    )
 
 
 @pytest.mark.parametrize(
@@ -204,6 +256,6 @@ def test_every_rung_above_m00_has_idle_knobs() -> None:
 
 
 def test_unknown_knob_values_are_rejected() -> None:
-    for knobs in ({"budget": "huge"}, {"pool": "none"}, {"prompts": "tokens"}):
+    for knobs in ({"budget": "huge"}, {"pool": "none"}, {"prompts": "tokens"}, {"scripts": "all"}, {"min_new": 9}):
         with pytest.raises(ValueError):
             find(workloads(**knobs), lambda w: True, settings=FIND)
