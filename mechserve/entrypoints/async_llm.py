@@ -194,7 +194,7 @@ class AsyncLLM:
         self.core = EngineCore.open(model, engine_config(config, engine_args))
         loaded_name = model.path.name if isinstance(model, LoadedModel) else os.fspath(model)
         self.model_name = model_name or loaded_name
-        self.metrics = ServingMetrics(self.model_name)
+        self.metrics = ServingMetrics(self.model_name, self.core.max_model_len)
         self._stepper = Stepper(self.core, self.metrics, on_step=on_step, keep_trace=trace)
 
     # Lifecycle ----------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ Endpoints::
     POST /v1/chat/completions   messages through the model's chat template, SSE with stream: true
     GET  /v1/models, /v1/models/{id}
     GET  /health                200 while the engine runs, 503 otherwise (never needs the API key)
-    GET  /metrics               Prometheus text (mechserve.entrypoints.metrics)
+    GET  /metrics               Prometheus text, or OpenMetrics if asked for (mechserve.entrypoints.metrics)
 
 A request is validated (``mechserve.http.protocol``), submitted and
 accepted or refused by the engine before any byte of the response is sent,
@@ -87,8 +87,9 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(llm.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(request: Request) -> Response:
+        body, content_type = llm.metrics.render(request.headers.get("accept", ""))
+        return Response(body, headers={"Content-Type": content_type})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

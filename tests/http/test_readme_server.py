@@ -53,7 +53,7 @@ def test_the_curl_examples_run(readme_server) -> None:
     assert result.returncode == 0, result.stderr
     assert '"object":"text_completion"' in result.stdout
     assert "data: [DONE]" in result.stdout and '"object":"chat.completion.chunk"' in result.stdout
-    assert "mechserve:time_to_first_token_seconds_count" in result.stdout
+    assert "vllm:time_to_first_token_seconds_count" in result.stdout
 
 
 def test_the_openai_example_runs(readme_server) -> None:
