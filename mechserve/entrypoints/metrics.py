@@ -71,7 +71,27 @@ TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
     160.0, 640.0, 2560.0,
 )  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 REQUEST_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
     1920.0, 7680.0,
@@ -176,7 +196,9 @@ class ServingMetrics:
             REQUEST_BUCKETS,
         )
         self.prefill_time = histogram(
-            "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", REQUEST_BUCKETS
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_BUCKETS,
         )
         self.decode_time = histogram(
             "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_BUCKETS
@@ -326,7 +348,10 @@ class ServingMetrics:
         """The main values as a plain dict (tests, reports): counts as ints, rates as floats."""
         v = self.value
         queries, hits = v("vllm:prefix_cache_queries_total"), v("vllm:prefix_cache_hits_total")
-        drafted, accepted = v("vllm:spec_decode_num_draft_tokens_total"), v("vllm:spec_decode_num_accepted_tokens_total")
+        drafted, accepted = (
+            v("vllm:spec_decode_num_draft_tokens_total"),
+            v("vllm:spec_decode_num_accepted_tokens_total"),
+        )
         counts = {
             "steps": v("mechserve:engine_steps_total"),
             "prompt_tokens": v("vllm:prompt_tokens_total"),

@@ -77,7 +77,9 @@ def test_a_vllm_dashboards_queries_find_their_series(tiny_server) -> None:
     for _ in client.completions.create(model=TINY_NAME, prompt="w4 w5", max_tokens=3, temperature=0, stream=True):
         pass
     series = scrape(tiny_server.url)
-    vllm_models = {labels.get("model_name") for name, sets in series.items() if name.startswith("vllm:") for labels in sets}
+    vllm_models = {
+        labels.get("model_name") for name, sets in series.items() if name.startswith("vllm:") for labels in sets
+    }
     assert vllm_models == {TINY_NAME}  # the model picker offers exactly the served name
     found = []
     for query in (*DASHBOARD, *DASHBOARD_OLDER):
@@ -169,7 +171,11 @@ def test_a_step_counts_tokens_cache_hits_drafts_and_refusals() -> None:
     snap = m.snapshot()
     assert snap["generation_tokens"] == 4 and snap["prompt_tokens"] == 10 and snap["steps"] == 1
     assert (snap["prefix_cache_queries"], snap["prefix_cache_hits"], snap["prefix_cache_hit_rate"]) == (10, 8, 0.8)
-    assert (snap["spec_decode_drafts"], snap["spec_decode_draft_tokens"], snap["spec_decode_accepted_tokens"]) == (1, 2, 2)
+    assert (snap["spec_decode_drafts"], snap["spec_decode_draft_tokens"], snap["spec_decode_accepted_tokens"]) == (
+        1,
+        2,
+        2,
+    )
     assert m.value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 1
     assert m.value("vllm:iteration_tokens_total_count") == 1 and m.value("vllm:iteration_tokens_total_sum") == 13
     assert snap["rejected"] == {"OVERLOADED": 1}
@@ -190,7 +196,9 @@ def test_a_finished_request_gives_vllms_phases_and_per_sample_counts() -> None:
         CompletionOutput(0, "abc", [1, 2, 3], "length"),
         CompletionOutput(1, "a", [1], "stop"),
     ]
-    m.observe_finished(RequestOutput("r", "p", [5, 6, 7, 8], samples, True, times), arrival=9.75, now=13.0, max_tokens=3)
+    m.observe_finished(
+        RequestOutput("r", "p", [5, 6, 7, 8], samples, True, times), arrival=9.75, now=13.0, max_tokens=3
+    )
     v = m.value
     assert v("vllm:e2e_request_latency_seconds_sum") == 3.25  # from the front end's arrival
     assert v("vllm:request_queue_time_seconds_sum") == 0.75
