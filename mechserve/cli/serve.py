@@ -6,6 +6,11 @@ so a bad model, size or address is one ``mechserve: error: ...`` line and
 exit status 2, never a half-started server.  Ctrl-C (SIGINT) or SIGTERM
 stops it: streams still running get a few seconds, then what is left is
 aborted; after Ctrl-C the exit status is 0.
+
+``vllm serve``'s spellings work beside ours (``mechserve.cli.vllm_names``): the positional model,
+``--max-num-seqs``, ``--max-num-batched-tokens``, ``--block-size``, ``--tensor-parallel-size``/``-tp``,
+``--[no-]enable-prefix-caching`` and ``--chat-template``; one setting given under both names with
+two values is an error.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import os
 import sys
 from typing import Any
 
-from mechserve.api.config import DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS
+from mechserve.api.config import DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS, DEFAULT_PAGE_SIZE
 from mechserve.api.limits import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_SLOTS
 from mechserve.cli.errors import CliError
 from mechserve.cli.generate import (
@@ -26,6 +31,14 @@ from mechserve.cli.generate import (
     kv_message,
     parse_size,
     speculative_config,
+)
+from mechserve.cli.vllm_names import (
+    add_aliased,
+    add_chat_template_argument,
+    add_model_argument,
+    add_prefix_caching_arguments,
+    apply_chat_template_flag,
+    resolve,
 )
 
 HELP = "serve a model over an OpenAI-compatible HTTP API (needs the serve extra)"
@@ -39,7 +52,7 @@ GRACEFUL_SHUTDOWN_SECONDS = 5
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's flags; sizes are checked by their ``type=`` before anything is loaded."""
     add = parser.add_argument
-    add("--model", default="smollm2", help="'smollm2' (embedded, default) or a local Hugging Face model directory")
+    add_model_argument(parser, "'smollm2' (embedded, default) or a local Hugging Face model directory")
     add("--served-model-name", default=None, metavar="NAME", help="the name clients use (default: --model)")
     add_dtype_argument(parser)
     add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -50,10 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY",
         help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${API_KEY_ENV})",
     )
-    add(
+    add_aliased(
+        parser,
         "--max-running",
-        type=integer(1, ENGINE_LIMITS["max_running"]),
+        ("--max-num-seqs",),
+        dest="max_running",
         default=DEFAULT_MAX_RUNNING,
+        type=integer(1, ENGINE_LIMITS["max_running"]),
         metavar="N",
         help=f"requests running at once (default {DEFAULT_MAX_RUNNING}); the rest wait",
     )
@@ -64,20 +80,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"requests that may wait (default {DEFAULT_MAX_WAITING}); beyond it requests get 429 and Retry-After",
     )
-    add(
+    add_aliased(
+        parser,
         "--max-step-tokens",
-        type=integer(1, ENGINE_LIMITS["max_step_tokens"]),
+        ("--max-num-batched-tokens",),
+        dest="max_step_tokens",
         default=SERVE_MAX_STEP_TOKENS,
+        type=integer(1, ENGINE_LIMITS["max_step_tokens"]),
         metavar="N",
         help=f"per-step token budget, the prefill chunk (default {SERVE_MAX_STEP_TOKENS}; generate's is "
         f"{DEFAULT_MAX_STEP_TOKENS})",
     )
-    add(
+    add_aliased(
+        parser,
         "--page-size",
+        ("--block-size",),
+        dest="page_size",
+        default=DEFAULT_PAGE_SIZE,
         type=integer(1, ENGINE_LIMITS["page_size"]),
-        default=16,
         metavar="N",
-        help="KV positions per page",
+        help=f"KV positions per page (default {DEFAULT_PAGE_SIZE})",
     )
     add("--num-pages", type=integer(1, ENGINE_LIMITS["num_pages"]), default=None, metavar="N", help="KV pages")
     add(
@@ -96,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_speculative_arguments(parser)
     add("--max-model-len", type=integer(1, MAX_NEW_TOKENS), default=None, metavar="N", help="longest prompt + output")
-    add("--no-prefix-caching", action="store_true", help="neither reuse nor publish prompt pages")
+    add_prefix_caching_arguments(parser)
     add(
         "--no-hold-shared-prefix",
         action="store_true",
@@ -104,13 +126,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "share (by default it waits until that prefix is cached, so the prefix is computed once)",
     )
     add("--seed", type=integer(0, (1 << 63) - 1), default=0, metavar="N", help="seed of unseeded sampling requests")
-    add(
+    add_aliased(
+        parser,
         "--world-size",
-        type=integer(1, ENGINE_LIMITS["world_size"]),
+        ("--tensor-parallel-size", "-tp"),
+        dest="world_size",
         default=1,
+        type=integer(1, ENGINE_LIMITS["world_size"]),
         metavar="N",
         help="tensor-parallel rank processes (default 1)",
     )
+    add_chat_template_argument(parser, "/v1/chat/completions and chat /tokenize")
     add(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -122,6 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the model, bind, serve until stopped; returns 0.  Raises ``CliError`` for anything that stops it
     from starting (missing extra, bad model or size, a KV cache that does not fit, an address in use)."""
+    resolve(args)
     if args.num_pages is not None and args.num_pages * args.page_size > MAX_SLOTS:
         raise CliError(f"--num-pages x --page-size is over mechserve's limit of {MAX_SLOTS} slots; lower one")
     speculative_config(args)  # a bad combination of flags fails before anything loads
@@ -178,15 +205,16 @@ def _engine(args: argparse.Namespace) -> Any:
     from mechserve.api.errors import KVMemoryError, ModelLoadError, NativeKernelError
     from mechserve.entrypoints.async_llm import AsyncLLM
 
+    resolve(args)
     try:
-        return AsyncLLM(
+        llm = AsyncLLM(
             args.model,
             dtype=args.dtype or "float32",
             max_step_tokens=args.max_step_tokens,
             page_size=args.page_size,
             num_pages=args.num_pages,
             kv_memory=args.kv_memory,
-            prefix_caching=not args.no_prefix_caching,
+            prefix_caching=args.prefix_caching,
             hold_shared_prefix=not args.no_hold_shared_prefix,
             speculative_config=speculative_config(args),
             max_running=args.max_running,
@@ -202,3 +230,5 @@ def _engine(args: argparse.Namespace) -> Any:
         raise CliError(kv_message(exc)) from None
     except (ValueError, NativeKernelError) as exc:
         raise CliError(str(exc)) from None
+    apply_chat_template_flag(llm.core.tokenizer, args.chat_template)
+    return llm
