@@ -4,8 +4,10 @@ Importing this module is cheap (no torch, no FastAPI); ``run`` imports them.
 The model is loaded and the KV cache allocated before the socket is bound,
 so a bad model, size or address is one ``mechserve: error: ...`` line and
 exit status 2, never a half-started server.  Ctrl-C (SIGINT) or SIGTERM
-stops it: streams still running get a few seconds, then what is left is
-aborted; after Ctrl-C the exit status is 0.
+stops it: new requests are refused and every request in flight is aborted at
+once, so that each response still ends as the protocol says (a stream with a
+``finish_reason: "abort"`` chunk and ``data: [DONE]``, a non-streaming request
+with an OpenAI-style 503), with no traceback; then the exit status is 0.
 
 ``vllm serve``'s spellings work beside ours (``mechserve.cli.vllm_names``): the positional model,
 ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--block-size``, ``--tensor-parallel-size``/``-tp``,
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 from typing import Any
 
@@ -46,7 +49,7 @@ API_KEY_ENV = "MECHSERVE_API_KEY"
 # A server bounds its queue: more waiting requests get 429 (an offline LLM batch has no such bound).
 DEFAULT_MAX_WAITING = 256
 SERVE_MAX_STEP_TOKENS = 512  # prefill chunks interleaved with decodes keep inter-token latency low
-GRACEFUL_SHUTDOWN_SECONDS = 5
+GRACEFUL_SHUTDOWN_SECONDS = 5  # for connections still open after the drain (a client that reads slowly)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -172,10 +175,21 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    with contextlib.suppress(KeyboardInterrupt):  # uvicorn shuts down gracefully, then re-raises the Ctrl-C
-        uvicorn.Server(config).run(sockets=[sock])
+    # uvicorn catches SIGINT and SIGTERM, shuts down (its Server drains the engine first: every request in
+    # flight ends, a stream with an "abort" chunk and [DONE], a plain request with a 503), restores the
+    # handlers it found and raises the signal again: to this one, so that SIGTERM, like Ctrl-C, ends here.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            server_module.Server(config).run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print("mechserve: server stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _speculation(core: Any) -> str:

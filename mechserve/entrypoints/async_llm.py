@@ -203,9 +203,16 @@ class AsyncLLM:
         """Start the engine thread (once)."""
         self._stepper.start()
 
+    async def drain(self) -> None:
+        """Refuse new requests (``EngineDeadError``) and abort every live one, then stop the engine thread;
+        returns once the aborts' last events (finish reason ``"abort"``) are on their way to their streams.
+        A server calls it when it begins to shut down, so that every response in flight can still end
+        properly; ``shutdown`` then only releases what is left."""
+        await asyncio.to_thread(self._stepper.stop)
+
     async def shutdown(self) -> None:
         """Abort every live request and stop the engine thread (joined off the event loop)."""
-        await asyncio.to_thread(self._stepper.stop)
+        await self.drain()
         self.core.close()
 
     async def __aenter__(self) -> AsyncLLM:

@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mechserve import __version__
 from mechserve.api.errors import EngineDeadError, EngineStepError
-from mechserve.api.outputs import RequestOutput
+from mechserve.api.outputs import ABORT, RequestOutput
 from mechserve.api.params import SamplingParams
 from mechserve.entrypoints.async_llm import AsyncLLM, RequestStream
 from mechserve.entrypoints.prompts import Chat, PromptInput
@@ -120,7 +120,7 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         stream = CompletionStream(handles, response_id, model_name, params, body.include_usage)
         if body.stream:
             return EventStream(stream.chunks(), handles)
-        outputs, token_text = await _unless_disconnected(request, _drain(handles), handles)
+        outputs, token_text = await _unless_disconnected(request, _drain(llm, handles), handles)
         choices = r.completion_choices(outputs, params.n, token_text, params.logprobs is not None)
         result = r.envelope("text_completion", response_id, stream.created, model_name, choices)
         result["usage"] = r.usage((len(h.prompt_token_ids) for h in handles), outputs)
@@ -136,7 +136,7 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         stream = ChatStream(handles, response_id, model_name, params, body.include_usage)
         if body.stream:
             return EventStream(stream.chunks(), handles)
-        outputs, token_text = await _unless_disconnected(request, _drain(handles), handles)
+        outputs, token_text = await _unless_disconnected(request, _drain(llm, handles), handles)
         choices = r.chat_choices(outputs[0], token_text, params.logprobs is not None)
         result = r.envelope("chat.completion", response_id, stream.created, model_name, choices)
         result["usage"] = r.usage((len(h.prompt_token_ids) for h in handles), outputs)
@@ -241,8 +241,9 @@ async def _submit(
     raise engine_error(failure, param="messages" if isinstance(prompts[0], Chat) else "prompt")
 
 
-async def _drain(handles: Sequence[RequestStream]) -> tuple[list[RequestOutput], dict[int, str]]:
-    """Every request's final output, and the text of every token id their logprobs name."""
+async def _drain(llm: AsyncLLM, handles: Sequence[RequestStream]) -> tuple[list[RequestOutput], dict[int, str]]:
+    """Every request's final output, and the text of every token id their logprobs name; a 503 if the
+    server aborted them because it is shutting down (a stream says so with its ``"abort"`` chunk)."""
     token_text: dict[int, str] = {}
     outputs = []
     try:
@@ -253,6 +254,10 @@ async def _drain(handles: Sequence[RequestStream]) -> tuple[list[RequestOutput],
             outputs.append(handle.output)
     except (EngineStepError, EngineDeadError) as exc:
         raise engine_error(exc) from None
+    if not llm.running and any(c.finish_reason == ABORT for o in outputs for c in o.outputs):
+        raise APIError(
+            503, "the server is shutting down; the request was aborted before it finished", code="shutting_down"
+        )
     return outputs, token_text
 
 
