@@ -103,7 +103,8 @@ FINISH_REASONS = (STOP, LENGTH, ABORT)
 
 def buckets_1_2_5(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's ``build_1_2_5_buckets``)."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > max_value:
