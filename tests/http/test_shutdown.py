@@ -40,16 +40,18 @@ def long_context_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def start_server(model: Path) -> tuple[subprocess.Popen[str], str]:
+def start_server(model: Path, world_size: int = 1) -> tuple[subprocess.Popen[str], str]:
+    """``mechserve serve`` in a session of its own (so that a signal can reach its whole process group, as
+    Ctrl-C in a terminal does), once it answers."""
     from mechserve.http import bind_socket
 
     probe = bind_socket()
     port = probe.getsockname()[1]
     probe.close()
     argv = [sys.executable, "-m", "mechserve", "serve", str(model), "--served-model-name", TINY_NAME]
-    argv += ["--port", str(port), "--num-pages", "4096", "--page-size", "16"]
+    argv += ["--port", str(port), "--num-pages", "4096", "--page-size", "16", "--world-size", str(world_size)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     assert process.stderr is not None
     banner = process.stderr.readline()
     assert "serving 'tiny'" in banner, banner
@@ -83,9 +85,18 @@ def running(url: str) -> float:
     return 0.0
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_a_signal_ends_every_request_in_flight_cleanly(long_context_dir: Path, signum: int) -> None:
-    process, url = start_server(long_context_dir)
+@pytest.mark.parametrize(
+    ("signum", "world_size"),
+    [
+        (signal.SIGINT, 1),
+        (signal.SIGTERM, 1),
+        # Ctrl-C reaches the rank processes too: they ignore it and the driver ends them after the drain.
+        pytest.param(signal.SIGINT, 2, marks=pytest.mark.slow),
+    ],
+    ids=["ctrl-c", "sigterm", "ctrl-c-two-ranks"],
+)
+def test_a_signal_ends_every_request_in_flight_cleanly(long_context_dir: Path, signum: int, world_size: int) -> None:
+    process, url = start_server(long_context_dir, world_size)
     streams: dict[int, list[str]] = {}
     plain: dict[int, httpx.Response] = {}
     first_chunk = [threading.Event() for _ in range(3)]
@@ -112,13 +123,13 @@ def test_a_signal_ends_every_request_in_flight_cleanly(long_context_dir: Path, s
         while running(url) < 5:  # the two non-streaming requests are in the engine too
             assert time.monotonic() < deadline, "the requests never all ran"
             time.sleep(0.02)
-        process.send_signal(signum)
+        os.killpg(process.pid, signum)  # the whole group, as a terminal's Ctrl-C or a supervisor's SIGTERM
         for client in clients:
             client.join(60)
         code = process.wait(60)
     finally:
         if process.poll() is None:
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
     stderr = process.stderr.read() if process.stderr else ""
     assert code == 0
     assert stderr.splitlines() == ["mechserve: server stopped"], stderr  # no traceback, no cancelled task
