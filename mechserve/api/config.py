@@ -47,7 +47,6 @@ DTYPES: Mapping[str, str] = {
 }
 
 METHODS = ("ngram", "draft")
-_LAYERS = re.compile(r"^(?P<model>.+?)(?::layers=(?P<layers>\d+))?$")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)b?|(b)?)\s*", re.IGNORECASE)
 
@@ -94,16 +93,32 @@ def dtype_name(dtype: object) -> str:
 
 
 def parse_draft_model(spec: str) -> tuple[str, int | None]:
-    """``"MODEL[:layers=N]"`` as ``(MODEL, N or None)``; ``ValueError`` for an empty model or a bad ``N``."""
-    m = _LAYERS.match(spec.strip()) if isinstance(spec, str) else None
-    if m is None or not m.group("model"):
+    """``"MODEL[:layers=N]"`` as ``(MODEL, N or None)``.
+
+    Raises ``ValueError`` saying what is wrong with the spec: not a string, no model before the
+    option, an option other than ``layers`` (``smollm2:layer=4``), or an ``N`` that is not a whole
+    number >= 1 (``smollm2:layers=x``).  A ``:`` not followed by ``NAME=`` belongs to the model's
+    path (``/models/a:b``).
+    """
+    if not isinstance(spec, str):
         raise ValueError(f"draft model must be MODEL[:layers=N], e.g. smollm2:layers=4, got {spec!r}")
-    if re.search(r":layers=", m.group("model")):
+    model, sep, option = spec.strip().rpartition(":")
+    key, eq, value = option.partition("=")
+    if not sep or not eq or not re.fullmatch(r"[A-Za-z_]\w*", key):
+        model, key = spec.strip(), ""
+    if not model:
+        raise ValueError(f"draft model {spec!r}: name the model before the option, e.g. smollm2:layers=4")
+    if not key:
+        return model, None
+    if key != "layers":
+        raise ValueError(
+            f"draft model {spec!r}: unknown option {key!r}; the only option is layers=N, e.g. smollm2:layers=4"
+        )
+    if ":layers=" in model or not value.isdigit() or not value.isascii():
         raise ValueError(f"draft model {spec!r}: layers must be a whole number >= 1, e.g. smollm2:layers=4")
-    layers = m.group("layers")
-    if layers is not None and int(layers) < 1:
+    if int(value) < 1:
         raise ValueError(f"draft model {spec!r}: layers must be >= 1")
-    return m.group("model"), int(layers) if layers is not None else None
+    return model, int(value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from mechserve.api.config import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PAGE_SIZE
 from mechserve.api.limits import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_SAMPLES, MAX_SLOTS
 from mechserve.cli.errors import CliError, engine_failure
 from mechserve.cli.viz import VizOutputs, add_output_flags
+from mechserve.cli.vllm_names import add_chat_template_argument, apply_chat_template_flag
 from mechserve.spec import m12_admission_control as m12
 
 
@@ -136,6 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chat", action="store_true", help="apply the model's chat template to the prompt, as one user message"
     )
+    add_chat_template_argument(parser, "--chat")
     parser.add_argument("--json", action="store_true", help="print step records and the result as JSON lines")
     parser.add_argument(
         "-q", "--quiet", action="store_true", help="print only the generated text (with --json, only the result)"
@@ -331,6 +333,8 @@ def load(model: str, dtype: str | None, world_size: int = 1) -> Any:
 def check_arguments(args: argparse.Namespace) -> None:
     """The checks that span several flags, before the model is loaded; raises ``CliError``."""
     speculative_config(args)
+    if args.chat_template is not None and not args.chat:
+        raise CliError("--chat-template applies to --chat (the prompt as a user message); add --chat")
     if args.num_pages is not None and args.num_pages * args.page_size > MAX_SLOTS:
         raise CliError(
             f"--num-pages {args.num_pages} x --page-size {args.page_size} = {args.num_pages * args.page_size} "
@@ -363,6 +367,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         configure_threads()
         loaded = load(args.model, args.dtype, args.world_size)
+        apply_chat_template_flag(loaded.tokenizer, args.chat_template)
         prompt, ids = prompt_ids(loaded.tokenizer, args.prompt, args.chat)
         core = EngineCore(loaded, engine_config(args, loaded.model, len(ids)), keep_finished=True)
         request_id = core.add_request(ids, params, request_id="r0", prompt=prompt)

@@ -4,8 +4,15 @@ Importing this module is cheap (no torch, no FastAPI); ``run`` imports them.
 The model is loaded and the KV cache allocated before the socket is bound,
 so a bad model, size or address is one ``mechserve: error: ...`` line and
 exit status 2, never a half-started server.  Ctrl-C (SIGINT) or SIGTERM
-stops it: streams still running get a few seconds, then what is left is
-aborted; after Ctrl-C the exit status is 0.
+stops it: new requests are refused and every request in flight is aborted at
+once, so that each response still ends as the protocol says (a stream with a
+``finish_reason: "abort"`` chunk and ``data: [DONE]``, a non-streaming request
+with an OpenAI-style 503), with no traceback; then the exit status is 0.
+
+``vllm serve``'s spellings work beside ours (``mechserve.cli.vllm_names``): the positional model,
+``--max-num-seqs``, ``--max-num-batched-tokens``, ``--block-size``, ``--tensor-parallel-size``/``-tp``,
+``--[no-]enable-prefix-caching`` and ``--chat-template``; one setting given under both names with
+two values is an error.
 """
 
 from __future__ import annotations
@@ -13,10 +20,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 from typing import Any
 
-from mechserve.api.config import DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS
+from mechserve.api.config import DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS, DEFAULT_PAGE_SIZE
 from mechserve.api.limits import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_SLOTS
 from mechserve.cli.errors import CliError
 from mechserve.cli.generate import (
@@ -27,19 +35,27 @@ from mechserve.cli.generate import (
     parse_size,
     speculative_config,
 )
+from mechserve.cli.vllm_names import (
+    add_aliased,
+    add_chat_template_argument,
+    add_model_argument,
+    add_prefix_caching_arguments,
+    apply_chat_template_flag,
+    resolve,
+)
 
 HELP = "serve a model over an OpenAI-compatible HTTP API (needs the serve extra)"
 API_KEY_ENV = "MECHSERVE_API_KEY"
 # A server bounds its queue: more waiting requests get 429 (an offline LLM batch has no such bound).
 DEFAULT_MAX_WAITING = 256
 SERVE_MAX_STEP_TOKENS = 512  # prefill chunks interleaved with decodes keep inter-token latency low
-GRACEFUL_SHUTDOWN_SECONDS = 5
+GRACEFUL_SHUTDOWN_SECONDS = 5  # for connections still open after the drain (a client that reads slowly)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's flags; sizes are checked by their ``type=`` before anything is loaded."""
     add = parser.add_argument
-    add("--model", default="smollm2", help="'smollm2' (embedded, default) or a local Hugging Face model directory")
+    add_model_argument(parser, "'smollm2' (embedded, default) or a local Hugging Face model directory")
     add("--served-model-name", default=None, metavar="NAME", help="the name clients use (default: --model)")
     add_dtype_argument(parser)
     add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -50,10 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY",
         help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${API_KEY_ENV})",
     )
-    add(
+    add_aliased(
+        parser,
         "--max-running",
-        type=integer(1, ENGINE_LIMITS["max_running"]),
+        ("--max-num-seqs",),
+        dest="max_running",
         default=DEFAULT_MAX_RUNNING,
+        type=integer(1, ENGINE_LIMITS["max_running"]),
         metavar="N",
         help=f"requests running at once (default {DEFAULT_MAX_RUNNING}); the rest wait",
     )
@@ -64,20 +83,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"requests that may wait (default {DEFAULT_MAX_WAITING}); beyond it requests get 429 and Retry-After",
     )
-    add(
+    add_aliased(
+        parser,
         "--max-step-tokens",
-        type=integer(1, ENGINE_LIMITS["max_step_tokens"]),
+        ("--max-num-batched-tokens",),
+        dest="max_step_tokens",
         default=SERVE_MAX_STEP_TOKENS,
+        type=integer(1, ENGINE_LIMITS["max_step_tokens"]),
         metavar="N",
         help=f"per-step token budget, the prefill chunk (default {SERVE_MAX_STEP_TOKENS}; generate's is "
         f"{DEFAULT_MAX_STEP_TOKENS})",
     )
-    add(
+    add_aliased(
+        parser,
         "--page-size",
+        ("--block-size",),
+        dest="page_size",
+        default=DEFAULT_PAGE_SIZE,
         type=integer(1, ENGINE_LIMITS["page_size"]),
-        default=16,
         metavar="N",
-        help="KV positions per page",
+        help=f"KV positions per page (default {DEFAULT_PAGE_SIZE})",
     )
     add("--num-pages", type=integer(1, ENGINE_LIMITS["num_pages"]), default=None, metavar="N", help="KV pages")
     add(
@@ -96,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_speculative_arguments(parser)
     add("--max-model-len", type=integer(1, MAX_NEW_TOKENS), default=None, metavar="N", help="longest prompt + output")
-    add("--no-prefix-caching", action="store_true", help="neither reuse nor publish prompt pages")
+    add_prefix_caching_arguments(parser)
     add(
         "--no-hold-shared-prefix",
         action="store_true",
@@ -104,13 +129,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "share (by default it waits until that prefix is cached, so the prefix is computed once)",
     )
     add("--seed", type=integer(0, (1 << 63) - 1), default=0, metavar="N", help="seed of unseeded sampling requests")
-    add(
+    add_aliased(
+        parser,
         "--world-size",
-        type=integer(1, ENGINE_LIMITS["world_size"]),
+        ("--tensor-parallel-size", "-tp"),
+        dest="world_size",
         default=1,
+        type=integer(1, ENGINE_LIMITS["world_size"]),
         metavar="N",
         help="tensor-parallel rank processes (default 1)",
     )
+    add_chat_template_argument(parser, "/v1/chat/completions and chat /tokenize")
     add(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -122,6 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the model, bind, serve until stopped; returns 0.  Raises ``CliError`` for anything that stops it
     from starting (missing extra, bad model or size, a KV cache that does not fit, an address in use)."""
+    resolve(args)
     if args.num_pages is not None and args.num_pages * args.page_size > MAX_SLOTS:
         raise CliError(f"--num-pages x --page-size is over mechserve's limit of {MAX_SLOTS} slots; lower one")
     speculative_config(args)  # a bad combination of flags fails before anything loads
@@ -145,10 +175,21 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    with contextlib.suppress(KeyboardInterrupt):  # uvicorn shuts down gracefully, then re-raises the Ctrl-C
-        uvicorn.Server(config).run(sockets=[sock])
+    # uvicorn catches SIGINT and SIGTERM, shuts down (its Server drains the engine first: every request in
+    # flight ends, a stream with an "abort" chunk and [DONE], a plain request with a 503), restores the
+    # handlers it found and raises the signal again: to this one, so that SIGTERM, like Ctrl-C, ends here.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            server_module.Server(config).run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print("mechserve: server stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _speculation(core: Any) -> str:
@@ -178,15 +219,16 @@ def _engine(args: argparse.Namespace) -> Any:
     from mechserve.api.errors import KVMemoryError, ModelLoadError, NativeKernelError
     from mechserve.entrypoints.async_llm import AsyncLLM
 
+    resolve(args)
     try:
-        return AsyncLLM(
+        llm = AsyncLLM(
             args.model,
             dtype=args.dtype or "float32",
             max_step_tokens=args.max_step_tokens,
             page_size=args.page_size,
             num_pages=args.num_pages,
             kv_memory=args.kv_memory,
-            prefix_caching=not args.no_prefix_caching,
+            prefix_caching=args.prefix_caching,
             hold_shared_prefix=not args.no_hold_shared_prefix,
             speculative_config=speculative_config(args),
             max_running=args.max_running,
@@ -202,3 +244,5 @@ def _engine(args: argparse.Namespace) -> Any:
         raise CliError(kv_message(exc)) from None
     except (ValueError, NativeKernelError) as exc:
         raise CliError(str(exc)) from None
+    apply_chat_template_flag(llm.core.tokenizer, args.chat_template)
+    return llm

@@ -344,8 +344,9 @@ class EngineCore:
         return self.scheduler.step_counter
 
     def stats(self, *, executor: bool = False) -> EngineStats:
-        """Requests running and waiting and the pool's pages, read in O(1); with ``executor``, also the
-        executor's counters (for a rank group, a round trip to rank 0)."""
+        """Requests running and waiting and the pool's pages (O(1), plus a walk of the running page tables for
+        the shared pages); with ``executor``, also the executor's counters (for a rank group, a round trip
+        to rank 0)."""
         running, waiting = self.scheduler.counts()
         counters = self.executor.stats() if executor else None
         return EngineStats(running, waiting, self.scheduler.page_usage(), self.step_counter, counters)

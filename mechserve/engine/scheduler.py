@@ -33,16 +33,23 @@ from mechserve.spec import m12_admission_control as m12
 
 @dataclass(frozen=True, slots=True)
 class PageUsage:
-    """The KV pool: ``total`` pages, of which ``free`` are free and ``cached`` hold published blocks."""
+    """The KV pool: ``total`` pages, of which ``free`` are free and ``cached`` hold published blocks,
+    ``shared`` of those in a running request's page table (the other cached pages are evictable)."""
 
     total: int
     free: int
     cached: int
+    shared: int = 0
 
     @property
     def private(self) -> int:
         """Pages held by requests (their own, not shared through the cache)."""
         return self.total - self.free - self.cached
+
+    @property
+    def in_use(self) -> int:
+        """Pages a running request holds, its own or shared: what neither the free list nor eviction can give."""
+        return self.private + self.shared
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,8 +239,12 @@ class Scheduler:
         return len(engine.running), len(engine.waiting) + len(engine.due)
 
     def page_usage(self) -> PageUsage:
-        """The pool's pages by owner, in O(1)."""
-        return PageUsage(self.num_pages, len(self._engine.pool.free), self._engine.cache.size)
+        """The pool's pages by owner, in O(1), and the cached ones running requests use, in O(their page
+        tables' length)."""
+        engine = self._engine
+        owner = engine.pool.owner
+        shared = {p for r in engine.running for p in r.page_table if owner[p] is m12.CACHE}
+        return PageUsage(self.num_pages, len(engine.pool.free), engine.cache.size, len(shared))
 
     def has_live(self) -> bool:
         """Whether any request waits or runs."""

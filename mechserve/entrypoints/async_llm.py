@@ -39,7 +39,7 @@ from mechserve.engine.core import EngineCore, EngineStats
 from mechserve.entrypoints.events import Admission, StreamEvent
 from mechserve.entrypoints.llm import engine_config
 from mechserve.entrypoints.metrics import ServingMetrics
-from mechserve.entrypoints.prompts import Chat, PromptInput
+from mechserve.entrypoints.prompts import Chat, PromptInput, tokenize
 from mechserve.entrypoints.stepper import AddCommand, Stepper
 from mechserve.model.checkpoint import EMBEDDED
 from mechserve.model.loader import LoadedModel
@@ -194,7 +194,7 @@ class AsyncLLM:
         self.core = EngineCore.open(model, engine_config(config, engine_args))
         loaded_name = model.path.name if isinstance(model, LoadedModel) else os.fspath(model)
         self.model_name = model_name or loaded_name
-        self.metrics = ServingMetrics(self.model_name)
+        self.metrics = ServingMetrics(self.model_name, self.core.max_model_len)
         self._stepper = Stepper(self.core, self.metrics, on_step=on_step, keep_trace=trace)
 
     # Lifecycle ----------------------------------------------------------------------------------------------------
@@ -203,9 +203,16 @@ class AsyncLLM:
         """Start the engine thread (once)."""
         self._stepper.start()
 
+    async def drain(self) -> None:
+        """Refuse new requests (``EngineDeadError``) and abort every live one, then stop the engine thread;
+        returns once the aborts' last events (finish reason ``"abort"``) are on their way to their streams.
+        A server calls it when it begins to shut down, so that every response in flight can still end
+        properly; ``shutdown`` then only releases what is left."""
+        await asyncio.to_thread(self._stepper.stop)
+
     async def shutdown(self) -> None:
         """Abort every live request and stop the engine thread (joined off the event loop)."""
-        await asyncio.to_thread(self._stepper.stop)
+        await self.drain()
         self.core.close()
 
     async def __aenter__(self) -> AsyncLLM:
@@ -313,6 +320,36 @@ class AsyncLLM:
         cached; its stream ends with finish reason ``"abort"``.
         """
         return asyncio.wrap_future(self._stepper.abort(request_id))
+
+    # The tokenizer ------------------------------------------------------------------------------------------------
+
+    async def tokenize(self, prompt: str | Chat, *, add_special_tokens: bool | None = None) -> list[int]:
+        """The ids the engine would run for ``prompt`` (text, or a ``Chat`` through the chat template);
+        ``add_special_tokens`` as ``mechserve.entrypoints.prompts.tokenize``.  Runs on the engine thread,
+        which owns the tokenizer.  Raises ``ValueError`` for a prompt that cannot be encoded."""
+        return await self.run_in_engine(lambda core: tokenize(core.tokenizer, prompt, add_special_tokens))
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` (special tokens kept); ``ValueError`` for an id outside the vocabulary."""
+
+        def decode(core: EngineCore) -> str:
+            ids = list(token_ids)
+            bad = next(
+                (t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < core.vocab_size), None
+            )
+            if bad is not None:
+                raise ValueError(f"tokens: {bad!r} is not a token id of this model (0..{core.vocab_size - 1})")
+            if core.tokenizer is None:
+                raise ValueError("detokenizing needs a tokenizer; this model was loaded without one")
+            return str(core.tokenizer.decode(ids))
+
+        return await self.run_in_engine(decode)
+
+    async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """The tokenizer's string for each id (``convert_ids_to_tokens``: byte-level pieces, not decoded text)."""
+        return await self.run_in_engine(
+            lambda core: [str(t) for t in core.tokenizer.convert_ids_to_tokens(list(token_ids))]
+        )
 
     # The engine, between steps ------------------------------------------------------------------------------------
 

@@ -1,78 +1,248 @@
-"""Serving metrics in Prometheus' text format, from step records and request timings (standard library only).
+"""Serving metrics through ``prometheus_client``, under vLLM's names, fed by each step and each request's end.
 
-The engine thread feeds ``ServingMetrics`` after every step (``observe_step``)
-and at every request event (``observe_ttft``, ``observe_itl``,
-``observe_finished``); ``render`` may be called from any thread.  Names
-follow vLLM's (``vllm:time_to_first_token_seconds`` becomes
-``mechserve:time_to_first_token_seconds``), buckets too::
+The engine thread feeds ``ServingMetrics`` after every step (``observe_step`` with the
+``StepOutput``, ``observe_engine`` with ``EngineCore.stats()``) and at every request event
+(``observe_ttft``, ``observe_itl``, ``observe_finished`` with the ``RequestOutput``); ``render``
+may be called from any thread (prometheus_client's metrics are thread-safe).  Each
+``ServingMetrics`` owns its own ``CollectorRegistry``, never the process-wide one, so several
+servers in one process do not clash.
 
-    counters    prompt/generation tokens, preemptions, prefix-cache queries/hits (tokens),
-                spec-decode drafted/accepted tokens, requests finished (by reason) and rejected (by reason)
-    gauges      running/waiting requests, KV pages used/free/cached/total, prefix-cache hit rate,
-                spec acceptance rate, generation tokens/s over the last ``RATE_WINDOW`` seconds
-    histograms  time to first token, inter-token latency, end-to-end latency (seconds)
+Names, meanings, labels (``model_name``, ``engine``) and buckets are vLLM v1's
+(``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger``), so its Grafana dashboard
+(``examples/observability/prometheus_grafana/grafana.json``) reads them unchanged::
 
-The prefix-cache hit rate is reused prompt tokens over the prompt tokens of
-admitted requests; a request preempted and recomputed is not counted again.
+    gauges      vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc
+                (and vLLM's older name vllm:gpu_cache_usage_perc)
+    counters    vllm:prompt_tokens, vllm:generation_tokens, vllm:num_preemptions,
+                vllm:prefix_cache_queries, vllm:prefix_cache_hits (tokens), vllm:request_success
+                (finished_reason), vllm:spec_decode_num_drafts, vllm:spec_decode_num_draft_tokens,
+                vllm:spec_decode_num_accepted_tokens, vllm:spec_decode_num_accepted_tokens_per_pos (position)
+    histograms  vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds (and the older
+                vllm:time_per_output_token_seconds, the same observations),
+                vllm:request_time_per_output_token_seconds, vllm:e2e_request_latency_seconds,
+                vllm:request_queue_time_seconds, vllm:request_inference_time_seconds,
+                vllm:request_prefill_time_seconds, vllm:request_decode_time_seconds,
+                vllm:request_prompt_tokens, vllm:request_generation_tokens,
+                vllm:request_max_num_generation_tokens, vllm:request_params_n,
+                vllm:request_params_max_tokens, vllm:iteration_tokens_total
+
+Ours, under ``mechserve:``: KV pages by owner (``kv_pages_total``/``free``/``cached``/``private``),
+requests refused at the door by reason (``request_rejected``), generated tokens per second over
+the last ``RATE_WINDOW`` seconds and engine steps; and prometheus_client's process, platform and
+garbage-collector collectors (``process_*``, ``python_*``).
+
+Meanings: a request's phases are vLLM's (``RequestMetrics``): queue = arrival to admission,
+prefill = admission to first token, decode = first token to end, inference = prefill + decode,
+e2e = arrival to end, the arrival being when the front end submitted it.  Each of a request's
+``n`` samples counts as one finished request (vLLM v1 runs them as ``n`` child requests);
+``request_max_num_generation_tokens`` is the longest sample of a request.  The KV usage is the
+fraction of pages a live request holds (its own, or cached pages in its page table); cached
+pages no request uses are evictable and count as free, as in vLLM.  Prefix-cache queries are the
+prompt tokens of admitted requests and hits those served from the cache (a request preempted and
+recomputed is not counted again).  A "draft" is a decode window that carried at least one guess.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from bisect import bisect_left
-from collections import Counter, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-PREFIX = "mechserve:"
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.exposition import choose_encoder
+
+from mechserve.api.outputs import ABORT, LENGTH, STOP
+from mechserve.spec.m12_admission_control import RejectReason
+
 RATE_WINDOW = 10.0  # seconds of history behind the tokens/s gauge
-# vLLM's buckets.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+LABELS = ("model_name", "engine")
+# vLLM v1's buckets.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+)  # fmt: skip
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+FINISH_REASONS = (STOP, LENGTH, ABORT)
 
 
-class Histogram:
-    """A cumulative Prometheus histogram with fixed upper bounds (``+Inf`` is implied)."""
-
-    def __init__(self, buckets: Sequence[float]) -> None:
-        self.bounds = tuple(buckets)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def lines(self, name: str, labels: str = "") -> list[str]:
-        """The ``_bucket`` (cumulative), ``_sum`` and ``_count`` samples."""
-        out, running = [], 0
-        for bound, n in zip((*self.bounds, float("inf")), self.counts):
-            running += n
-            le = "+Inf" if bound == float("inf") else _number(bound)
-            out.append(f'{name}_bucket{{{labels}{"," if labels else ""}le="{le}"}} {running}')
-        suffix = f"{{{labels}}}" if labels else ""
-        return [*out, f"{name}_sum{suffix} {_number(self.sum)}", f"{name}_count{suffix} {self.count}"]
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's ``build_1_2_5_buckets``)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 class ServingMetrics:
-    """Counters, gauges and histograms of one served model; thread-safe (one lock)."""
+    """The Prometheus metrics of one served model, in a registry of their own.
 
-    def __init__(self, model_name: str = "") -> None:
+    ``model_name`` labels every vLLM and mechserve series; ``max_model_len`` (positions) bounds
+    the token-count histograms' buckets.  ``observe_*`` are called by the engine thread;
+    ``render`` and ``snapshot`` from anywhere.
+    """
+
+    def __init__(self, model_name: str = "", max_model_len: int | None = None, *, process: bool = True) -> None:
         self.model_name = model_name
+        self.registry = CollectorRegistry()
+        if process:
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+            GCCollector(registry=self.registry)
+        labels = (model_name, "0")
+        tokens = buckets_1_2_5(max_model_len or 8192)
+        self._families: dict[str, Any] = {}
+
+        def family(kind: type, name: str, doc: str, extra: Sequence[str] = (), **kw: Any) -> Any:
+            metric = kind(name, doc, [*LABELS, *extra], registry=self.registry, **kw)
+            self._families[name] = metric
+            return metric if extra else metric.labels(*labels)
+
+        def gauge(name: str, doc: str) -> Any:
+            return family(Gauge, name, doc)
+
+        def counter(name: str, doc: str, extra: Sequence[str] = ()) -> Any:
+            return family(Counter, name, doc, extra)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return family(Histogram, name, doc, buckets=buckets)
+
+        self._labels = labels
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.kv_usage_old = gauge(
+            "vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's older name of vllm:kv_cache_usage_perc)."
+        )
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.success = counter(
+            "vllm:request_success", "Count of successfully processed requests.", extra=("finished_reason",)
+        )
+        self.drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.accepted_per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.", extra=("position",)
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.tpot_old = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (vLLM's older name of vllm:inter_token_latency_seconds).",
+            ITL_BUCKETS,
+        )
+        self.request_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_BUCKETS
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", REQUEST_BUCKETS
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", REQUEST_BUCKETS
+        )
+        self.request_prompt = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self.request_generation = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", tokens
+        )
+        self.request_max_generation = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            tokens,
+        )
+        self.params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_BUCKETS
+        )
+        self.pages_total = gauge("mechserve:kv_pages_total", "KV cache pages in the pool.")
+        self.pages_free = gauge("mechserve:kv_pages_free", "KV cache pages on the free list.")
+        self.pages_cached = gauge(
+            "mechserve:kv_pages_cached", "KV cache pages owned by the prefix cache (unreferenced ones are evictable)."
+        )
+        self.pages_private = gauge("mechserve:kv_pages_private", "KV cache pages a request owns (not shared).")
+        self.rejected = counter(
+            "mechserve:request_rejected", "Requests refused at the door, by reason.", extra=("reason",)
+        )
+        self.steps = counter("mechserve:engine_steps", "Engine steps run.")
+        for finish in FINISH_REASONS:  # present from the start, as in vLLM, so a dashboard finds every series
+            self.success.labels(*labels, finish)
+        for reject in RejectReason:
+            self.rejected.labels(*labels, reject.value)
         self._lock = threading.Lock()
-        self.counters: Counter[str] = Counter()
-        self.finished: Counter[str] = Counter()  # by finish reason
-        self.rejected: Counter[str] = Counter()  # by door reason
-        self.gauges: dict[str, float] = {}
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
         self._recent: deque[tuple[float, int]] = deque()  # (time, generation tokens) per step
         self._started = time.perf_counter()
+        rate = family(
+            Gauge,
+            "mechserve:generation_tokens_per_second",
+            f"Generated tokens per second over the last {RATE_WINDOW:g} s.",
+        )
+        rate.set_function(self.tokens_per_second)
 
     # Fed by the engine thread -------------------------------------------------------------------------------------
 
@@ -83,55 +253,74 @@ class ServingMetrics:
         record = out.record
         generated = sum(len(ids) for ids in record.tokens.values())
         prompt_tokens = sum(out.prompt_tokens.values())
+        self.steps.inc()
+        self.generation_tokens.inc(generated)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.prefix_queries.inc(prompt_tokens)
+        self.prefix_hits.inc(out.prefix_hits)
+        self.preemptions.inc(out.preemptions)
+        executed = sum(record.executed.values())
+        if executed:
+            self.iteration_tokens.observe(executed)
+        for rid, drafted in record.drafted.items():
+            if drafted <= 0:
+                continue
+            accepted = record.accepted.get(rid, 0)
+            self.drafts.inc()
+            self.draft_tokens.inc(drafted)
+            self.accepted_tokens.inc(accepted)
+            for position in range(accepted):
+                self.accepted_per_pos.labels(*self._labels, str(position)).inc()
+        for _, reason in record.rejected:
+            self.rejected.labels(*self._labels, reason.value).inc()
         with self._lock:
-            c = self.counters
-            c["steps"] += 1
-            c["generation_tokens"] += generated
-            c["prompt_tokens"] += prompt_tokens
-            c["preemptions"] += out.preemptions
-            c["prefix_cache_queries"] += prompt_tokens
-            c["prefix_cache_hits"] += out.prefix_hits
-            c["spec_decode_draft_tokens"] += sum(record.drafted.values())
-            c["spec_decode_accepted_tokens"] += sum(record.accepted.values())
-            for _, reason in record.rejected:
-                self.rejected[reason.value] += 1
             self._recent.append((now, generated))
             while self._recent and self._recent[0][0] < now - RATE_WINDOW:
                 self._recent.popleft()
 
     def observe_engine(self, stats: Any) -> None:
-        """The engine's state (an ``EngineStats``): requests running and waiting, pages by owner."""
+        """The engine's state (an ``EngineStats``): requests running and waiting, pages by owner and in use."""
         pages = stats.pages
-        self.set_gauges(
-            {
-                "running": stats.running,
-                "waiting": stats.waiting,
-                "pages_total": pages.total,
-                "pages_free": pages.free,
-                "pages_cached": pages.cached,
-                "pages_used": pages.private,
-            }
-        )
-
-    def set_gauges(self, gauges: Mapping[str, float]) -> None:
-        with self._lock:
-            self.gauges.update(gauges)
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.pages_total.set(pages.total)
+        self.pages_free.set(pages.free)
+        self.pages_cached.set(pages.cached)
+        self.pages_private.set(pages.private)
+        usage = pages.in_use / pages.total if pages.total else 0.0
+        self.kv_usage.set(usage)
+        self.kv_usage_old.set(usage)
 
     def observe_ttft(self, seconds: float) -> None:
-        with self._lock:
-            self.ttft.observe(seconds)
+        self.ttft.observe(seconds)
 
     def observe_itl(self, seconds: Iterable[float]) -> None:
-        with self._lock:
-            for s in seconds:
-                self.itl.observe(s)
+        for s in seconds:
+            self.itl.observe(s)
+            self.tpot_old.observe(s)
 
-    def observe_finished(self, finish_reasons: Iterable[str | None], e2e: float) -> None:
-        """One request ended: one count per sample's finish reason, one end-to-end latency."""
-        with self._lock:
-            for reason in finish_reasons:
-                self.finished[reason or "unknown"] += 1
-            self.e2e.observe(e2e)
+    def observe_finished(self, output: Any, arrival: float, now: float, max_tokens: int | None = None) -> None:
+        """One request ended (a ``RequestOutput``, submitted by its front end at ``arrival``, ended at ``now``;
+        seconds of ``time.perf_counter()``): one finish per sample, its phases and token counts once."""
+        m = output.metrics
+        samples = output.outputs
+        for sample, times in zip(samples, (*m.token_times, *([()] * len(samples)))):
+            self.success.labels(*self._labels, sample.finish_reason or ABORT).inc()
+            self.request_generation.observe(len(sample.token_ids))
+            self.request_tpot.observe((times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0)
+        self.e2e.observe(now - arrival)
+        if m.scheduled_time is not None:
+            self.queue_time.observe(max(m.scheduled_time - arrival, 0.0))
+            self.inference_time.observe(now - m.scheduled_time)
+        if m.prefill_time is not None:
+            self.prefill_time.observe(m.prefill_time)
+        if m.first_token_time is not None:
+            self.decode_time.observe(now - m.first_token_time)
+        self.request_prompt.observe(len(output.prompt_token_ids))
+        self.request_max_generation.observe(max((len(s.token_ids) for s in samples), default=0))
+        self.params_n.observe(len(samples))
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
 
     # Read from anywhere -------------------------------------------------------------------------------------------
 
@@ -142,100 +331,60 @@ class ServingMetrics:
             span = min(RATE_WINDOW, max(now - self._started, 1e-9))
             return sum(n for t, n in self._recent if t >= now - span) / span
 
+    def value(self, name: str, **labels: str) -> float:
+        """The value of one sample (``vllm:prompt_tokens_total``, ``..._count``), 0 if it has none yet."""
+        found = self.registry.get_sample_value(name, {"model_name": self.model_name, "engine": "0", **labels})
+        return 0.0 if found is None else found
+
+    def by_label(self, family: str, label: str) -> dict[str, float]:
+        """``label value -> count`` of a labelled counter (``vllm:request_success``, ``finished_reason``)."""
+        out: dict[str, float] = {}
+        for metric in self._families[family].collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total") and label in sample.labels:
+                    out[sample.labels[label]] = sample.value
+        return out
+
     def snapshot(self) -> dict[str, Any]:
-        """Every value as a plain dict (for tests and ``--json`` reports)."""
-        rate = self.tokens_per_second()
-        with self._lock:
-            c = self.counters
-            return {
-                **dict(c),
-                **self.gauges,
-                "finished": dict(self.finished),
-                "rejected": dict(self.rejected),
-                "prefix_cache_hit_rate": _ratio(c["prefix_cache_hits"], c["prefix_cache_queries"]),
-                "spec_decode_acceptance_rate": _ratio(c["spec_decode_accepted_tokens"], c["spec_decode_draft_tokens"]),
-                "generation_tokens_per_second": rate,
-                "ttft_count": self.ttft.count,
-                "itl_count": self.itl.count,
-            }
-
-    def render(self) -> str:
-        """The Prometheus text exposition (format 0.0.4) of every metric."""
-        snap = self.snapshot()
-        label = f'model_name="{_escape(self.model_name)}"'
-        out: list[str] = []
-
-        def metric(name: str, kind: str, help_text: str, samples: list[str]) -> None:
-            out.extend([f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}", *samples])
-
-        def one(name: str, kind: str, help_text: str, value: float) -> None:
-            metric(name, kind, help_text, [f"{PREFIX}{name}{{{label}}} {_number(value)}"])
-
-        for name, key, help_text in _GAUGES:
-            one(name, "gauge", help_text, snap.get(key, 0))
-        one(
-            "prefix_cache_hit_rate",
-            "gauge",
-            "Reused prompt tokens / prompt tokens admitted.",
-            snap["prefix_cache_hit_rate"],
+        """The main values as a plain dict (tests, reports): counts as ints, rates as floats."""
+        v = self.value
+        queries, hits = v("vllm:prefix_cache_queries_total"), v("vllm:prefix_cache_hits_total")
+        drafted, accepted = (
+            v("vllm:spec_decode_num_draft_tokens_total"),
+            v("vllm:spec_decode_num_accepted_tokens_total"),
         )
-        one(
-            "spec_decode_acceptance_rate",
-            "gauge",
-            "Accepted / drafted speculative tokens.",
-            snap["spec_decode_acceptance_rate"],
-        )
-        one(
-            "generation_tokens_per_second",
-            "gauge",
-            f"Generated tokens per second over the last {RATE_WINDOW:g} s.",
-            snap["generation_tokens_per_second"],
-        )
-        for name, key, help_text in _COUNTERS:
-            one(f"{name}_total", "counter", help_text, snap.get(key, 0))
-        for name, counts, key, help_text in (
-            ("request_success", snap["finished"], "finished_reason", "Requests' samples ended, by finish reason."),
-            ("request_rejected", snap["rejected"], "reason", "Requests refused at the door, by reason."),
-        ):
-            samples = [f'{PREFIX}{name}_total{{{label},{key}="{_escape(k)}"}} {v}' for k, v in sorted(counts.items())]
-            metric(f"{name}_total", "counter", help_text, samples)
-        with self._lock:
-            for name, hist, help_text in (
-                ("time_to_first_token_seconds", self.ttft, "Time from submission to the first token."),
-                ("inter_token_latency_seconds", self.itl, "Time between two steps that gave a sample tokens."),
-                ("e2e_request_latency_seconds", self.e2e, "Time from submission to the end of the request."),
-            ):
-                metric(name, "histogram", help_text, hist.lines(PREFIX + name, label))
-        return "\n".join(out) + "\n"
+        counts = {
+            "steps": v("mechserve:engine_steps_total"),
+            "prompt_tokens": v("vllm:prompt_tokens_total"),
+            "generation_tokens": v("vllm:generation_tokens_total"),
+            "preemptions": v("vllm:num_preemptions_total"),
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "spec_decode_drafts": v("vllm:spec_decode_num_drafts_total"),
+            "spec_decode_draft_tokens": drafted,
+            "spec_decode_accepted_tokens": accepted,
+            "running": v("vllm:num_requests_running"),
+            "waiting": v("vllm:num_requests_waiting"),
+            "pages_total": v("mechserve:kv_pages_total"),
+            "pages_free": v("mechserve:kv_pages_free"),
+            "pages_cached": v("mechserve:kv_pages_cached"),
+            "pages_private": v("mechserve:kv_pages_private"),
+            "ttft_count": v("vllm:time_to_first_token_seconds_count"),
+            "itl_count": v("vllm:inter_token_latency_seconds_count"),
+            "e2e_count": v("vllm:e2e_request_latency_seconds_count"),
+        }
+        return {
+            **{k: int(x) for k, x in counts.items()},
+            "kv_cache_usage": v("vllm:kv_cache_usage_perc"),
+            "finished": {k: int(x) for k, x in self.by_label("vllm:request_success", "finished_reason").items() if x},
+            "rejected": {k: int(x) for k, x in self.by_label("mechserve:request_rejected", "reason").items() if x},
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "spec_decode_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "generation_tokens_per_second": self.tokens_per_second(),
+        }
 
-
-_GAUGES = (
-    ("num_requests_running", "running", "Requests running (admitted, including preempted ones)."),
-    ("num_requests_waiting", "waiting", "Requests accepted and waiting to be admitted."),
-    ("kv_pages_total", "pages_total", "KV cache pages in the pool."),
-    ("kv_pages_used", "pages_used", "KV cache pages owned by running requests."),
-    ("kv_pages_free", "pages_free", "KV cache pages on the free list."),
-    ("kv_pages_cached", "pages_cached", "KV cache pages owned by the prefix cache (unreferenced ones are evictable)."),
-)
-_COUNTERS = (
-    ("prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests."),
-    ("generation_tokens", "generation_tokens", "Generated tokens."),
-    ("num_preemptions", "preemptions", "Requests preempted (their computed state dropped, to be recomputed)."),
-    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache."),
-    ("spec_decode_num_draft_tokens", "spec_decode_draft_tokens", "Speculative tokens drafted."),
-    ("spec_decode_num_accepted_tokens", "spec_decode_accepted_tokens", "Speculative tokens accepted."),
-    ("engine_steps", "steps", "Engine steps run."),
-)
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else 0.0
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else repr(float(value))
-
-
-def _escape(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """``(body, content type)`` of every metric in the format ``accept`` asks for (an HTTP ``Accept``
+        header: OpenMetrics if it asks for it, else Prometheus' text format)."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type

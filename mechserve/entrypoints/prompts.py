@@ -81,6 +81,38 @@ def parse_prompt(prompt: PromptInput, tokenizer: Any) -> tuple[str | None, list[
     return None, _ids(prompt)
 
 
+def tokenize(tokenizer: Any, prompt: str | Chat, add_special_tokens: bool | None = None) -> list[int]:
+    """The ids of a text or a conversation; ``add_special_tokens`` (default: True for text, as
+    ``parse_prompt`` encodes it, False for a conversation, whose template adds them) adds the
+    tokenizer's own special tokens (a BOS) on top.
+
+    Raises ``ValueError`` without a tokenizer, for a conversation the template cannot render, and
+    for text that is not valid Unicode (a lone UTF-16 surrogate such as ``"\\ud800"``).
+    """
+    if tokenizer is None:
+        raise ValueError("tokenizing needs a tokenizer; this model was loaded without one")
+    text = (
+        apply_chat_template(tokenizer, prompt.messages, prompt.add_generation_prompt, prompt.chat_template)
+        if isinstance(prompt, Chat)
+        else prompt
+    )
+    special = not isinstance(prompt, Chat) if add_special_tokens is None else add_special_tokens
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text is not valid Unicode: {exc.reason} at position {exc.start}") from None
+    return list(tokenizer(text, add_special_tokens=special).input_ids)
+
+
+def set_chat_template(tokenizer: Any, template: str) -> None:
+    """Make ``template`` (Jinja text) the tokenizer's chat template, for every conversation after (vLLM's
+    ``--chat-template``); ``ValueError`` without a tokenizer or if it cannot render a one-message chat."""
+    if tokenizer is None:
+        raise ValueError("a chat template needs a tokenizer; this model was loaded without one")
+    apply_chat_template(tokenizer, [{"role": "user", "content": "hello"}], True, template)
+    tokenizer.chat_template = template
+
+
 def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     """One prompt or many, as a list: a string, a list of ints or a dict is one prompt."""
     if isinstance(prompts, str | Mapping):
@@ -128,4 +160,6 @@ __all__ = [
     "params_list",
     "parse_prompt",
     "prompt_list",
+    "set_chat_template",
+    "tokenize",
 ]

@@ -82,6 +82,7 @@ class _Live:
     arrival: float
     logprobs: bool
     engine_ids: list[str]
+    max_tokens: int
     first_token: float | None = None
     last_token: dict[int, float] = field(default_factory=dict)  # sample index -> time of its last tokens
 
@@ -224,7 +225,9 @@ class Stepper:
         params = fitted(c.params, len(ids), self.core) if c.fit_max_tokens else c.params
         request_id = self.core.add_request(ids, params, request_id=c.request_id, prompt=text)
         engine_ids = [request_id] if params.n == 1 else [f"{request_id}#{j}" for j in range(params.n)]
-        self._live[request_id] = _Live(c.deliver, c.loop, c.arrival, params.logprobs is not None, engine_ids)
+        self._live[request_id] = _Live(
+            c.deliver, c.loop, c.arrival, params.logprobs is not None, engine_ids, params.max_tokens
+        )
         return Admission(request_id, text, ids, params)
 
     def _step(self) -> None:
@@ -263,8 +266,7 @@ class Stepper:
             output = finished.get(request_id)
             if output is not None:
                 self._forget(request_id)
-                e2e = now - live.arrival
-                self.metrics.observe_finished([c.finish_reason for c in output.outputs], e2e)
+                self.metrics.observe_finished(output, live.arrival, now, live.max_tokens)
             events.append((live, StreamEvent(request_id, samples, output, token_text)))
         return events
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -182,6 +183,9 @@ class _PipeChannel:
 
 def _spawned_rank(rank: int, world_size: int, port: int, spec: RankSpec, conn: Connection, timeout_s: float) -> None:
     """A spawned rank's main: join the group through the driver's store, build the shard, serve."""
+    # Ctrl-C in a terminal reaches the whole process group; the driver ends its ranks itself (it may be
+    # draining a server), so a rank must not die of it with a traceback in the middle of a step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     channel = _PipeChannel(conn)
     try:
         # The driver's deadline comes first; this one only frees a rank whose driver is gone.

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server over ``AsyncLLM`` (FastAPI + uvicorn; the ``serve`` extra).
 
 ``build_app(llm)`` is the ASGI app (``mechserve.http.app``);
-``BackgroundServer(app)`` runs it with uvicorn on a loopback port in a
+``Server`` is uvicorn's server that ends in-flight requests when it shuts
+down; ``BackgroundServer(app)`` runs it with uvicorn on a loopback port in a
 background thread (tests, notebooks); ``mechserve serve`` runs it in the
 foreground (``mechserve.cli.serve``).
 """
@@ -9,6 +10,6 @@ foreground (``mechserve.cli.serve``).
 from __future__ import annotations
 
 from mechserve.http.app import build_app
-from mechserve.http.background import BackgroundServer, bind_socket
+from mechserve.http.background import BackgroundServer, Server, bind_socket
 
-__all__ = ["BackgroundServer", "bind_socket", "build_app"]
+__all__ = ["BackgroundServer", "Server", "bind_socket", "build_app"]

@@ -5,8 +5,10 @@ Endpoints::
     POST /v1/completions        text or token-id prompts (one or several), n samples, SSE with stream: true
     POST /v1/chat/completions   messages through the model's chat template, SSE with stream: true
     GET  /v1/models, /v1/models/{id}
+    POST /tokenize, /detokenize vLLM's: text or messages to ids (count, max_model_len, tokens), ids to text
+    GET  /version               {"version": mechserve's version}
     GET  /health                200 while the engine runs, 503 otherwise (never needs the API key)
-    GET  /metrics               Prometheus text (mechserve.entrypoints.metrics)
+    GET  /metrics               Prometheus text, or OpenMetrics if asked for (mechserve.entrypoints.metrics)
 
 A request is validated (``mechserve.http.protocol``), submitted and
 accepted or refused by the engine before any byte of the response is sent,
@@ -30,18 +32,26 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mechserve import __version__
 from mechserve.api.errors import EngineDeadError, EngineStepError
-from mechserve.api.outputs import RequestOutput
+from mechserve.api.outputs import ABORT, RequestOutput
 from mechserve.api.params import SamplingParams
 from mechserve.entrypoints.async_llm import AsyncLLM, RequestStream
 from mechserve.entrypoints.prompts import Chat, PromptInput
 from mechserve.http import responses as r
 from mechserve.http.errors import APIError, engine_error, install
-from mechserve.http.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
+from mechserve.http.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeRequest,
+    UnsupportedField,
+)
 from mechserve.http.streaming import ChatStream, CompletionStream, EventStream
 
 T = TypeVar("T")
@@ -76,6 +86,7 @@ def build_app(llm: AsyncLLM, *, model_name: str | None = None, api_key: str | No
     install(app)
     app.add_middleware(Guard, api_key=api_key)
     _routes(app, llm, name)
+    _tokenizer_routes(app, llm, name)
     return app
 
 
@@ -87,8 +98,9 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(llm.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(request: Request) -> Response:
+        body, content_type = llm.metrics.render(request.headers.get("accept", ""))
+        return Response(body, headers={"Content-Type": content_type})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -108,7 +120,7 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         stream = CompletionStream(handles, response_id, model_name, params, body.include_usage)
         if body.stream:
             return EventStream(stream.chunks(), handles)
-        outputs, token_text = await _unless_disconnected(request, _drain(handles), handles)
+        outputs, token_text = await _unless_disconnected(request, _drain(llm, handles), handles)
         choices = r.completion_choices(outputs, params.n, token_text, params.logprobs is not None)
         result = r.envelope("text_completion", response_id, stream.created, model_name, choices)
         result["usage"] = r.usage((len(h.prompt_token_ids) for h in handles), outputs)
@@ -124,11 +136,55 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         stream = ChatStream(handles, response_id, model_name, params, body.include_usage)
         if body.stream:
             return EventStream(stream.chunks(), handles)
-        outputs, token_text = await _unless_disconnected(request, _drain(handles), handles)
+        outputs, token_text = await _unless_disconnected(request, _drain(llm, handles), handles)
         choices = r.chat_choices(outputs[0], token_text, params.logprobs is not None)
         result = r.envelope("chat.completion", response_id, stream.created, model_name, choices)
         result["usage"] = r.usage((len(h.prompt_token_ids) for h in handles), outputs)
         return JSONResponse(result)
+
+
+def _tokenizer_routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
+    """vLLM's ``/tokenize`` (text or chat), ``/detokenize`` and ``/version``, with its response shapes."""
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        _check_model(body.model, name)
+        prompt: str | Chat = body.prompt if isinstance(body, TokenizeCompletionRequest) else body_chat(body)
+        param = "prompt" if isinstance(body, TokenizeCompletionRequest) else "messages"
+        ids = await _tokenizer_call(llm.tokenize(prompt, add_special_tokens=body.add_special_tokens), param)
+        strings = await _tokenizer_call(llm.token_strings(ids), param) if body.return_token_strs else None
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids, "token_strs": strings}
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        _check_model(body.model, name)
+        return JSONResponse({"prompt": await _tokenizer_call(llm.detokenize(body.tokens), "tokens")})
+
+
+def body_chat(body: TokenizeChatRequest) -> Chat:
+    """The conversation of a chat ``/tokenize`` body; 400 for a field it cannot honour."""
+    try:
+        body.check_supported()
+    except UnsupportedField as exc:
+        raise APIError(400, str(exc), param=exc.param, code="unsupported_parameter") from None
+    return Chat(body.template_messages(), body.add_generation_prompt, body.chat_template)
+
+
+async def _tokenizer_call(work: Awaitable[T], param: str) -> T:
+    """``await work``: a ``ValueError`` (text that cannot be encoded, an id outside the vocabulary) is a 400
+    naming ``param``; a stopped engine a 503."""
+    try:
+        return await work
+    except EngineDeadError as exc:
+        raise engine_error(exc) from None
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=param, code="invalid_value") from None
 
 
 def _model_card(app: FastAPI, llm: AsyncLLM, name: str) -> dict[str, Any]:
@@ -185,8 +241,9 @@ async def _submit(
     raise engine_error(failure, param="messages" if isinstance(prompts[0], Chat) else "prompt")
 
 
-async def _drain(handles: Sequence[RequestStream]) -> tuple[list[RequestOutput], dict[int, str]]:
-    """Every request's final output, and the text of every token id their logprobs name."""
+async def _drain(llm: AsyncLLM, handles: Sequence[RequestStream]) -> tuple[list[RequestOutput], dict[int, str]]:
+    """Every request's final output, and the text of every token id their logprobs name; a 503 if the
+    server aborted them because it is shutting down (a stream says so with its ``"abort"`` chunk)."""
     token_text: dict[int, str] = {}
     outputs = []
     try:
@@ -197,6 +254,10 @@ async def _drain(handles: Sequence[RequestStream]) -> tuple[list[RequestOutput],
             outputs.append(handle.output)
     except (EngineStepError, EngineDeadError) as exc:
         raise engine_error(exc) from None
+    if not llm.running and any(c.finish_reason == ABORT for o in outputs for c in o.outputs):
+        raise APIError(
+            503, "the server is shutting down; the request was aborted before it finished", code="shutting_down"
+        )
     return outputs, token_text
 
 

@@ -1,4 +1,10 @@
-"""Run an ASGI app with uvicorn in a background thread, on a socket bound before the server starts.
+"""uvicorn for the server: ``Server`` ends in-flight requests at shutdown; ``BackgroundServer`` runs it in a thread.
+
+``Server`` is uvicorn's server whose shutdown first drains the app (``drain``, normally
+``AsyncLLM.drain``: new requests are refused, every live one is aborted), so every response in
+flight ends as the protocol says (a stream with a ``finish_reason: "abort"`` chunk and
+``data: [DONE]``, a non-streaming request with a 503) before uvicorn waits for the connections to
+close, instead of waiting its graceful timeout out and then cancelling the handlers mid-response.
 
 Binding first (port 0: the kernel picks a free port) means there is no
 window in which another process can take the port, and the caller knows the
@@ -10,15 +16,38 @@ URL before uvicorn has started::
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any
 
 import uvicorn
 
 STARTUP_TIMEOUT = 60.0
+log = logging.getLogger("mechserve.http")
+
+
+class Server(uvicorn.Server):
+    """uvicorn's ``Server`` that awaits ``drain()`` when shutdown begins, before it waits for connections.
+
+    ``drain`` defaults to the app's ``AsyncLLM.drain`` (``app.state.llm``), if it has one.
+    """
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]] | None = None) -> None:
+        super().__init__(config)
+        llm = getattr(getattr(config.app, "state", None), "llm", None)
+        self.drain = drain if drain is not None else getattr(llm, "drain", None)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.drain is not None:
+            try:
+                await self.drain()
+            except Exception:  # shutting down goes on; what is still in flight is cut as uvicorn would
+                log.exception("draining the server's requests failed")
+        await super().shutdown(sockets)
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -48,7 +77,7 @@ class BackgroundServer:
         self.socket = bind_socket(host, port)
         self.host, self.port = self.socket.getsockname()[:2]
         options = {"log_level": "warning", "timeout_graceful_shutdown": 5, **uvicorn_options}
-        self.server = uvicorn.Server(uvicorn.Config(app, lifespan="on", **options))
+        self.server = Server(uvicorn.Config(app, lifespan="on", **options))
         self._thread = threading.Thread(target=self._run, name="mechserve-uvicorn", daemon=True)
         self._error: BaseException | None = None
 

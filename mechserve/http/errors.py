@@ -10,7 +10,9 @@ Status codes, so that bad input never reads as a server fault::
     405, 413                    wrong method, body too large
     429 overloaded_error        max_waiting requests already wait (m12's OVERLOADED); Retry-After is set
     500 server_error            an engine step failed under the request (a bug or out of memory)
-    503 server_error            the engine is not running (shutting down, or dead after a failure)
+    503 server_error            the engine is not running (shutting down, or dead after a failure), or a
+                                non-streaming request was aborted because the server is shutting down
+                                (code shutting_down; a stream ends with a finish_reason "abort" chunk)
 """
 
 from __future__ import annotations

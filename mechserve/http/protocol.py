@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from mechserve.api.limits import MAX_LOGPROBS
 from mechserve.api.params import SamplingParams
@@ -26,6 +26,7 @@ MAX_N = 64
 MAX_STOP = 16
 MAX_TOKENS = 1_000_000_000  # the engine's own limit (m12's door then names the model's context)
 INT64 = 2**63
+MAX_DETOKENIZE = 1_000_000  # ids in one /detokenize request
 
 
 class UnsupportedField(ValueError):
@@ -205,3 +206,59 @@ class ChatCompletionRequest(_Sampling):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_message() for m in self.messages]
+
+
+# /tokenize and /detokenize: vLLM's request shapes (vllm/entrypoints/openai/protocol.py).
+
+
+class TokenizeCompletionRequest(_Body):
+    """``POST /tokenize`` with ``prompt``: the ids of the text (a BOS added unless ``add_special_tokens`` is false)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Body):
+    """``POST /tokenize`` with ``messages``: the ids of the conversation through the chat template
+    (``chat_template`` replaces the model's; nothing added on top unless ``add_special_tokens``)."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        """Raises ``UnsupportedField`` for a field set to something ``/tokenize`` cannot do."""
+        for name in ("continue_final_message", "chat_template_kwargs", "tools", "mm_processor_kwargs"):
+            if getattr(self, name):
+                raise UnsupportedField(name, f"{name} is not supported by this server's /tokenize")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.as_template_message() for m in self.messages]
+
+
+def _tokenize_kind(body: Any) -> str:
+    """A body with ``messages`` is the chat form (vLLM tells them apart the same way)."""
+    return "TokenizeChatRequest" if isinstance(body, dict) and "messages" in body else "TokenizeCompletionRequest"
+
+
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+    | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+    Discriminator(_tokenize_kind),
+]
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize``: the text of ``tokens`` (ids of this model's vocabulary)."""
+
+    model: str | None = None
+    tokens: Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=MAX_DETOKENIZE)]

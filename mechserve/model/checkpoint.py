@@ -160,24 +160,65 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
 
 
 def load_config(path: Path) -> Any:
-    """The transformers config of ``path``; ``ModelLoadError`` for an unsupported architecture."""
+    """The transformers config of ``path``.
+
+    Raises ``ModelLoadError`` for a ``config.json`` that is not a JSON object, an unsupported
+    ``model_type``, or one transformers cannot build a config from (a field of the wrong type);
+    the values the forward needs are checked by ``LlamaArch.from_config``.
+    """
     from transformers import AutoConfig
 
+    file = path / "config.json"
     try:
-        raw = json.loads((path / "config.json").read_text())
+        raw = json.loads(file.read_text())
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
+        raise ModelLoadError(f"cannot read {file}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{file} must hold a JSON object (a model's settings), not a {_json_type(raw)}")
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        arch = ", ".join(raw.get("architectures") or []) or "unknown"
+        arch = raw.get("architectures")
+        names = ", ".join(str(a) for a in arch) if isinstance(arch, list) and arch else "unknown"
         raise ModelLoadError(
-            f"unsupported architecture {model_type!r} ({arch}) in {path}; "
+            f"unsupported architecture {model_type!r} ({names}) in {path}; "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    for name in SIZE_FIELDS:  # before transformers, whose complaint about them is "integer modulo by zero"
+        if raw.get(name) is not None:
+            whole_number(name, raw[name])
     try:
         return AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelLoadError(f"cannot load the config of {path}: {e}") from None
+    except (
+        Exception
+    ) as e:  # transformers' checks raise many types (TypeError, ValueError, its own); each is the file's fault
+        detail = " ".join(str(e).split()) or type(e).__name__
+        raise ModelLoadError(f"{file} is not a valid {model_type} config: {detail}") from None
+
+
+# The sizes a Llama-family config.json gives, each a whole number >= 1 when present.
+SIZE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "sliding_window",
+)
+
+
+def whole_number(name: str, value: object) -> int:
+    """``value`` if it is a whole number >= 1; else ``ModelLoadError`` naming the config field ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"config: {name} must be a whole number >= 1, got {value!r}")
+    return value
+
+
+def _json_type(value: object) -> str:
+    names = {list: "list", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def load_checkpoint(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:

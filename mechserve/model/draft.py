@@ -23,15 +23,19 @@ def load_draft_model(
     target's dtype.  Raises ``ValueError`` when ``N`` exceeds the model's layers or the vocabularies
     differ (size, or the tokenizers' token -> id maps), ``ModelLoadError`` when it cannot be loaded.
     """
+    from mechserve.api.errors import ModelLoadError
     from mechserve.model.checkpoint import resolve_model
     from mechserve.model.loader import load_model
 
     name, layers = parse_draft_model(spec)
-    if target_path is not None and _same_path(resolve_model(name), target_path):
-        base, tokenizer = target, None
-    else:
-        loaded = load_model(name, dtype=target.dtype, tokenizer=target_tokenizer is not None)
-        base, tokenizer = loaded.model, loaded.tokenizer
+    try:
+        if target_path is not None and _same_path(resolve_model(name), target_path):
+            base, tokenizer = target, None
+        else:
+            loaded = load_model(name, dtype=target.dtype, tokenizer=target_tokenizer is not None)
+            base, tokenizer = loaded.model, loaded.tokenizer
+    except ModelLoadError as exc:  # say which model: the target loaded fine
+        raise ModelLoadError(f"draft model {spec!r}: {exc}") from None
     if layers is not None and layers > base.arch.num_layers:
         raise ValueError(f"draft model {spec!r}: layers={layers}, but the model has {base.arch.num_layers}")
     draft = base.truncated(layers) if layers is not None else base

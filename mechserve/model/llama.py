@@ -13,6 +13,7 @@ rows that sample.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from mechserve.api.errors import ModelLoadError
 from mechserve.kv.paged import AttentionBatch, PagedKVCache, paged_attention
-from mechserve.model.checkpoint import Checkpoint
+from mechserve.model.checkpoint import Checkpoint, whole_number
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -47,28 +48,52 @@ class LlamaArch:
 
     @classmethod
     def from_config(cls, config: Any) -> LlamaArch:
-        """Raises ``ModelLoadError`` for shapes this forward does not implement."""
+        """Raises ``ModelLoadError`` for a value this forward cannot use (a size that is not a whole
+        number >= 1, a non-positive ``rms_norm_eps``, heads that do not split into KV groups) or a
+        shape it does not implement."""
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"unsupported activation {act!r} (only SwiGLU with silu)")
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        hidden = _positive(config, "hidden_size")
+        heads = _positive(config, "num_attention_heads")
+        layers = _positive(config, "num_hidden_layers")
+        kv_heads = _positive(config, "num_key_value_heads", optional=True) or heads
         if heads % kv_heads:
             raise ModelLoadError(f"{heads} attention heads do not split into {kv_heads} KV head groups")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        layers = config.num_hidden_layers
+        head_dim = _positive(config, "head_dim", optional=True)
+        if head_dim is None:
+            if hidden % heads:
+                raise ModelLoadError(f"config: hidden_size {hidden} does not split into {heads} attention heads")
+            head_dim = hidden // heads
+        if head_dim % 2:
+            raise ModelLoadError(f"config: head_dim {head_dim} is odd; rotary embeddings need an even one")
+        _positive(config, "max_position_embeddings", optional=True)
+        eps = getattr(config, "rms_norm_eps", None)
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
+            raise ModelLoadError(f"config: rms_norm_eps must be a number > 0, got {eps!r}")
+        tie = getattr(config, "tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise ModelLoadError(f"config: tie_word_embeddings must be true or false, got {tie!r}")
         return cls(
             num_layers=layers,
-            hidden_size=config.hidden_size,
+            hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            intermediate_size=config.intermediate_size,
-            vocab_size=config.vocab_size,
-            rms_norm_eps=float(config.rms_norm_eps),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            intermediate_size=_positive(config, "intermediate_size"),
+            vocab_size=_positive(config, "vocab_size"),
+            rms_norm_eps=float(eps),
+            tie_word_embeddings=tie,
             windows=_windows(config, layers),
         )
+
+
+def _positive(config: Any, name: str, *, optional: bool = False) -> Any:
+    """``config.<name>`` if it is a whole number >= 1 (or absent/None when ``optional``); else ``ModelLoadError``."""
+    value = getattr(config, name, None)
+    if value is None and optional:
+        return None
+    return whole_number(name, value)
 
 
 def _windows(config: Any, layers: int) -> tuple[int | None, ...]:
@@ -76,9 +101,13 @@ def _windows(config: Any, layers: int) -> tuple[int | None, ...]:
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
     if types:
+        if not isinstance(types, list | tuple) or len(types) != layers:
+            raise ModelLoadError(f"config: layer_types must list one type per layer ({layers}), got {types!r}")
+        if "sliding_attention" in types:
+            _positive(config, "sliding_window")
         return tuple(window if t == "sliding_attention" else None for t in types)
     if window is not None and getattr(config, "use_sliding_window", True):
-        return (int(window),) * layers
+        return (_positive(config, "sliding_window"),) * layers
     return (None,) * layers
 
 
@@ -86,13 +115,19 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies ([head_dim // 2] float32) and the cos/sin scaling factor.
 
     Only position-independent variants are supported; ``dynamic`` and
-    ``longrope`` change with the sequence length and raise ``ModelLoadError``.
+    ``longrope`` change with the sequence length and raise ``ModelLoadError``, as does a
+    malformed ``rope_parameters`` (not a mapping, a ``rope_theta`` that is not a number > 0).
     """
-    params = dict(getattr(config, "rope_parameters", None) or {})
+    raw = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"config: rope_parameters must be an object, got {raw!r}")
+    params = dict(raw)
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    if rope_type not in _STATIC_ROPE_TYPES:
+    if not isinstance(rope_type, str) or rope_type not in _STATIC_ROPE_TYPES:
         raise ModelLoadError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(_STATIC_ROPE_TYPES)}")
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not 0 < theta < math.inf:
+        raise ModelLoadError(f"config: rope_theta must be a number > 0, got {theta!r}")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ModelLoadError("partial rotary embeddings are not supported")
     if rope_type == "default":
@@ -100,7 +135,12 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
         return inv, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    try:
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    except (
+        Exception
+    ) as exc:  # transformers reads the variant's own fields; a missing or wrong one is the config's fault
+        raise ModelLoadError(f"config: rope_parameters of type {rope_type!r} are malformed: {exc}") from None
     return inv.float(), float(scaling)
 
 
@@ -208,9 +248,41 @@ class LlamaModel:
                     down_bias=t.get(m + "down_proj.bias"),
                 )
             )
+        self._check_shapes(checkpoint.path)
         self.inv_freq, self.rope_scaling = rope_inv_freq(checkpoint.config, arch.head_dim)
         self.scale = arch.head_dim**-0.5
         self.distinct_windows = tuple(dict.fromkeys(arch.windows))
+
+    def _check_shapes(self, path: Any) -> None:
+        """Raise ``ModelLoadError`` unless every tensor has the shape the config implies (a config.json that
+        does not describe its weights would otherwise fail inside the first forward)."""
+        a = self.arch
+        h, q, kv, inter = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+        expected: list[tuple[str, torch.Tensor | None, tuple[int, ...]]] = [
+            ("embed_tokens", self.embed, (a.vocab_size, h)),
+            ("lm_head", self.lm_head, (a.vocab_size, h)),
+            ("norm", self.norm, (h,)),
+        ]
+        for i, w in enumerate(self.layers):
+            expected += [
+                (f"layer {i} input_layernorm", w.input_norm, (h,)),
+                (f"layer {i} q/k/v_proj", w.qkv, (q + 2 * kv, h)),
+                (f"layer {i} q/k/v_proj bias", w.qkv_bias, (q + 2 * kv,)),
+                (f"layer {i} o_proj", w.o, (h, q)),
+                (f"layer {i} o_proj bias", w.o_bias, (h,)),
+                (f"layer {i} q_norm", w.q_norm, (a.head_dim,)),
+                (f"layer {i} k_norm", w.k_norm, (a.head_dim,)),
+                (f"layer {i} post_attention_layernorm", w.post_norm, (h,)),
+                (f"layer {i} gate/up_proj", w.gate_up, (2 * inter, h)),
+                (f"layer {i} gate/up_proj bias", w.gate_up_bias, (2 * inter,)),
+                (f"layer {i} down_proj", w.down, (h, inter)),
+                (f"layer {i} down_proj bias", w.down_bias, (h,)),
+            ]
+        for name, tensor, shape in expected:
+            if tensor is not None and tuple(tensor.shape) != shape:
+                raise ModelLoadError(
+                    f"checkpoint {path}: {name} has shape {list(tensor.shape)}, but config.json implies {list(shape)}"
+                )
 
     def truncated(self, num_layers: int) -> LlamaModel:
         """This model cut to its first ``num_layers`` decoder layers (a draft model for it).

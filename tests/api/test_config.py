@@ -86,3 +86,33 @@ def test_llm_and_async_llm_take_the_same_settings() -> None:
         assert params["config"].default is None
         assert not set(params) & {f for f in EngineConfig.__dataclass_fields__}, cls
     assert EngineConfig().max_running == DEFAULT_MAX_RUNNING and EngineConfig().max_waiting is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("smollm2:layers=x", "layers must be a whole number >= 1"),
+        ("smollm2:layers=", "layers must be a whole number >= 1"),
+        ("smollm2:layers=-1", "layers must be a whole number >= 1"),
+        ("smollm2:layers=٣", "layers must be a whole number >= 1"),  # a digit, but not an ASCII one
+        ("smollm2:layers=4:layers=2", "layers must be a whole number >= 1"),
+        ("smollm2:layers=0", "layers must be >= 1"),
+        ("smollm2:layer=4", "unknown option 'layer'; the only option is layers=N"),
+        (":layers=2", "name the model before the option"),
+        ("", "name the model before the option"),
+    ],
+)
+def test_a_bad_draft_model_spec_says_what_is_wrong_with_it(spec: str, message: str) -> None:
+    """The trial: ``--draft-model smollm2:layers=x`` said "model directory not found"."""
+    from mechserve.api.config import parse_draft_model
+
+    with pytest.raises(ValueError, match=message):
+        parse_draft_model(spec)
+
+
+def test_a_draft_model_spec_keeps_a_colon_of_the_path() -> None:
+    from mechserve.api.config import parse_draft_model
+
+    assert parse_draft_model("smollm2:layers=4") == ("smollm2", 4)
+    assert parse_draft_model("/models/a:b") == ("/models/a:b", None)
+    assert parse_draft_model("/models/a:b:layers=2") == ("/models/a:b", 2)

@@ -113,6 +113,37 @@ def test_generate_chat_applies_the_template(tiny_dir, capsys) -> None:
     assert final_json(out)["outputs"][0]["token_ids"] == hf_greedy(hf, [1, 7, 8, 2, 3], 4)
 
 
+def test_generate_chat_takes_a_chat_template(tiny_dir, capsys, tmp_path) -> None:
+    """``--chat-template`` (vLLM's flag): inline Jinja or a file, instead of the model's; only with ``--chat``."""
+    path, hf = tiny_dir
+    inline = "{% for m in messages %}w100 {{ m['content'] }}{% endfor %} w101"
+    rc, out, err = call(
+        ["generate", "w7 w8", "--chat", "--chat-template", inline, "--model", str(path), "--max-tokens", "3", "--json"],
+        capsys,
+    )
+    assert rc == 0, err
+    assert final_json(out)["outputs"][0]["token_ids"] == hf_greedy(hf, [100, 7, 8, 101], 3)
+    (tmp_path / "t.jinja").write_text(inline)
+    rc, out, err = call(
+        [
+            "generate",
+            "w7 w8",
+            "--chat",
+            "--chat-template",
+            str(tmp_path / "t.jinja"),
+            "--model",
+            str(path),
+            "--max-tokens",
+            "3",
+            "--json",
+        ],
+        capsys,
+    )
+    assert rc == 0 and final_json(out)["outputs"][0]["token_ids"] == hf_greedy(hf, [100, 7, 8, 101], 3)
+    rc, _, err = call(["generate", "w7", "--chat-template", inline, "--model", str(path)], capsys)
+    assert rc == 2 and "--chat-template applies to --chat" in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

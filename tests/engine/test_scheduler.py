@@ -44,6 +44,25 @@ def test_counts_and_page_usage_follow_the_engine() -> None:
     assert s.page_usage().private == 0
 
 
+def test_shared_pages_are_the_cached_pages_a_running_request_uses() -> None:
+    """vLLM's KV usage counts cached blocks no request uses as free (they are evictable): ``in_use`` is a
+    running request's own pages plus the cached pages in its page table."""
+    s = scheduler(16)
+    s.add("a", [1, 2, 3, 4, 5], 1)
+    while s.has_live():
+        s.step()
+    idle = s.page_usage()
+    assert idle.cached >= 4 and idle.shared == 0 and idle.in_use == 0  # a's prompt pages stay cached
+    s.add("b", [1, 2, 3, 4, 9], 3)
+    step = s.step()
+    assert step.record.reused["b"] == 4
+    busy = s.page_usage()  # b's 4 reused pages and its fifth prompt page, published by this step
+    assert busy.shared == 5 and busy.in_use == busy.private + 5 and busy.cached == 6
+    while s.has_live():
+        s.step()
+    assert s.page_usage().in_use == 0
+
+
 def test_a_finish_outside_the_step_is_a_stop_not_an_abort() -> None:
     """A stop string ends a request between steps: the record of the step that found it says STOP and keeps
     only the ids before the cut; the next record does not list it as aborted; the summary says FINISHED."""

@@ -195,6 +195,18 @@ def test_kv_memory_sizes_the_pool(tiny) -> None:
     assert auto.core.sized_by == "auto" and auto.core.num_pages * 16 >= 512  # at least one full context
 
 
+def test_kv_memory_takes_a_size_string_as_the_cli_does(tiny) -> None:
+    """The trial: ``LLM(kv_memory="512MiB")`` was a raw TypeError; it takes ``--kv-memory``'s sizes."""
+    from mechserve.engine.pool import page_bytes
+
+    llm = LLM(tiny, page_size=4, kv_memory="512KiB")
+    assert (llm.core.num_pages, llm.core.sized_by) == ((512 << 10) // page_bytes(tiny.model, 4), "kv_memory")
+    (out,) = llm.generate(["w1 w2 w3"], GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 6
+    with pytest.raises(ValueError, match="kv_memory: expected a size such as 512MiB or 2GiB, got 'lots'"):
+        LLM(tiny, kv_memory="lots")
+
+
 def test_import_mechserve_never_imports_torch() -> None:
     code = (
         "import sys, mechserve, mechserve.spec, mechserve.spec.m12_admission_control, mechserve.engine.detokenizer\n"

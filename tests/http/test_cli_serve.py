@@ -143,3 +143,57 @@ def test_serve_takes_the_speculation_flags(capsys, tiny_dir: Path) -> None:
     assert unheld.core.scheduler.spec_engine.hold_shared_prefix is False
     code, _, err = run_cli(capsys, "serve", "--spec-method", "draft")
     assert code == 2 and "--draft-model" in err and err.count("\n") == 1
+
+
+def test_serve_takes_vllms_names(capsys, tiny_dir: Path, tmp_path: Path) -> None:
+    """``vllm serve``'s spellings set our settings: the positional model, --max-num-seqs, --max-num-batched-tokens,
+    --block-size, --no-enable-prefix-caching, --tensor-parallel-size/-tp and --chat-template (a file)."""
+    from mechserve.cli.main import parse
+    from mechserve.cli.serve import _engine
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}w100 {{ m['content'] }} {% endfor %}w101")
+    argv = ["serve", str(tiny_dir), "--max-num-seqs", "3", "--max-num-batched-tokens", "64", "--block-size", "4"]
+    argv += ["--no-enable-prefix-caching", "-tp", "1", "--num-pages", "32", "--chat-template", str(template)]
+    llm = _engine(parse(argv))
+    config = llm.core.config
+    assert (config.max_running, config.max_step_tokens, config.page_size, config.prefix_caching) == (3, 64, 4, False)
+    assert config.world_size == 1 and llm.model_name == str(tiny_dir)
+    assert llm.core.tokenizer.chat_template == template.read_text()
+    ours = _engine(parse(["serve", "--model", str(tiny_dir), "--max-running", "3", "--num-pages", "32"]))
+    assert ours.core.config.max_running == 3 and ours.core.config.prefix_caching is True
+    same = parse(["serve", str(tiny_dir), "--model", str(tiny_dir), "--max-num-seqs", "3", "--max-running", "3"])
+    assert _engine(same).core.config.max_running == 3  # both names with one value are fine
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "a", "--model", "b"], "MODEL (the positional model) a and --model b set the same thing"),
+        (["serve", "--max-num-seqs", "8", "--max-running", "4"], "--max-num-seqs 8 and --max-running 4 set the same"),
+        (["serve", "--max-num-batched-tokens", "64", "--max-step-tokens", "32"], "--max-num-batched-tokens 64 and"),
+        (["serve", "--tensor-parallel-size", "2", "--world-size", "1"], "--tensor-parallel-size 2 and --world-size 1"),
+        (["serve", "-tp", "2", "--world-size", "1"], "--tensor-parallel-size 2 and --world-size 1"),
+        (["serve", "--block-size", "8", "--page-size", "4"], "--block-size 8 and --page-size 4"),
+        (
+            ["serve", "--enable-prefix-caching", "--no-prefix-caching"],
+            "--enable-prefix-caching and --no-prefix-caching",
+        ),
+        (["serve", "--max-num-seqs", "0"], "--max-num-seqs: must be > 0"),
+        (["serve", "--chat-template", "no/such/file.jinja"], "cannot read the chat template file 'no/such/file.jinja'"),
+    ],
+)
+def test_two_names_with_two_values_are_one_error(capsys, argv: list[str], message: str) -> None:
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_a_chat_template_that_cannot_render_is_refused_at_startup(capsys, tiny_dir: Path) -> None:
+    code, _, err = run_cli(
+        capsys, "serve", str(tiny_dir), "--num-pages", "8", "--chat-template", "{{ raise_exception('x') }}"
+    )
+    assert (
+        code == 2
+        and err.startswith("mechserve: error: --chat-template: the chat template cannot render")
+        and err.count("\n") == 1
+    )

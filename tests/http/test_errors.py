@@ -221,7 +221,7 @@ def test_a_declared_body_over_the_limit_is_413(tiny_server) -> None:
 
 def test_the_api_key_guards_every_endpoint_but_health(make_llm) -> None:
     with serving(make_llm(), api_key="s3cret") as served:
-        for path in ("/v1/models", "/metrics"):
+        for path in ("/v1/models", "/metrics", "/version"):
             assert_error(httpx.get(served.url + path), 401, code="invalid_api_key")
             bad = httpx.get(served.url + path, headers={"Authorization": "Bearer nope"})
             assert_error(bad, 401, code="invalid_api_key")

@@ -26,8 +26,8 @@ def blocks(language: str) -> list[str]:
 
 
 def test_the_section_has_the_examples() -> None:
-    assert len(blocks("bash")) == 2 and len(blocks("python")) == 2
-    assert "mechserve serve" in blocks("bash")[0] and "curl" in blocks("bash")[1]
+    assert len(blocks("bash")) == 3 and len(blocks("python")) == 2
+    assert "mechserve serve" in blocks("bash")[0] and "curl" in blocks("bash")[1] and "lm_eval" in blocks("bash")[2]
     assert "from openai import OpenAI" in blocks("python")[0] and "AsyncLLM" in blocks("python")[1]
 
 
@@ -47,13 +47,33 @@ def readme_server(tiny):
         yield served
 
 
+def test_the_lm_eval_command_parses_and_names_a_shipped_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command itself runs in tests/http/test_lm_eval.py (e2e), through lm-eval's Python API."""
+    from lm_eval._cli import HarnessCLI
+
+    cd, command = blocks("bash")[2].replace("\\\n", " ").split("&&")
+    assert cd.split() == ["cd", "tests/data/lm_eval"]
+    argv = shlex.split(command.replace("$HOME", "/home"))
+    assert argv[0] == "lm_eval"
+    monkeypatch.setattr("sys.argv", argv)
+    args = HarnessCLI().parse_args()
+    assert args.model == "local-completions" and args.include_path == "."
+    for task in args.tasks:
+        assert (ROOT / "tests" / "data" / "lm_eval" / f"{task}.yaml").is_file()
+    from mechserve.model import checkpoint
+
+    model_args = args.model_args
+    assert (model_args["model"], model_args["base_url"]) == ("smollm2", README_URL + "/v1/completions")
+    assert model_args["tokenizer"] == f"/home/.cache/mechserve/{checkpoint._CONVERTED_NAME}"  # the default cache
+
+
 def test_the_curl_examples_run(readme_server) -> None:
     script = "set -e -o pipefail\n" + blocks("bash")[1].replace(README_URL, readme_server.url)
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert '"object":"text_completion"' in result.stdout
     assert "data: [DONE]" in result.stdout and '"object":"chat.completion.chunk"' in result.stdout
-    assert "mechserve:time_to_first_token_seconds_count" in result.stdout
+    assert "vllm:time_to_first_token_seconds_count" in result.stdout
 
 
 def test_the_openai_example_runs(readme_server) -> None:
