@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -197,10 +196,8 @@ def test_a_hung_rank_is_an_error_after_the_timeout(loaded) -> None:
     core.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8))
     core.step()
     core.executor.plant(0, "hang")
-    began = time.monotonic()
-    with pytest.raises(RankError, match=r"did not answer 'execute' within 3 s"):
+    with pytest.raises(RankError, match=r"did not answer 'execute' within 3 s"):  # the timeout, not a kill
         core.step()
-    assert time.monotonic() - began < 60  # the timeout, not a test-runner kill
     assert core.executor.closed and gone(pids)
 
 
