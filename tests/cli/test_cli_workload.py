@@ -179,8 +179,24 @@ def test_explicit_tokens_reduce_to_their_length_below_m08() -> None:
 
 
 def test_every_example_workload_parses() -> None:
-    for path in sorted((DATA / "examples").glob("*.json")):
-        parse_workload(json.loads(path.read_text())["workload"])
+    """Each worked example's workload parses into what it says: its engine values over the defaults, its
+    requests in order with their fields (a parser that drops or renames one fails here)."""
+    examples = sorted((DATA / "examples").glob("*.json"))
+    assert len(examples) >= 10
+    for path in examples:
+        raw = json.loads(path.read_text())["workload"]
+        w = parse_workload(raw)
+        assert w.engine == {**ENGINE_DEFAULTS, **(raw.get("engine") or {})}, path.name
+        assert [r.request_id for r in w.requests] == [str(r["request_id"]) for r in raw["requests"]], path.name
+        for req, spec in zip(w.requests, raw["requests"]):
+            assert req.max_new_tokens == spec["max_new_tokens"], path.name
+            assert req.arrival_step == spec.get("arrival_step", 0) and req.eos_after == spec.get("eos_after")
+            if "tokens" in spec:
+                assert list(req.tokens) == spec["tokens"]
+            else:
+                assert len(req.tokens) == spec["prompt_len"]
+            script = spec.get("accept_script")
+            assert req.accept_script == (None if script is None else tuple(script))
 
 
 def test_admission_settings_are_absent_by_default() -> None:

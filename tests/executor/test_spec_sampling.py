@@ -122,6 +122,26 @@ def test_two_guesses_emit_the_joint_of_p(name: str) -> None:
     assert chi_square_p(seen, want) > 1e-3, seen
 
 
+@pytest.mark.parametrize("name", ["random", "q-equals-p", "p-sparse-q-flat"])
+def test_the_bonus_token_is_distributed_as_p(name: str) -> None:
+    """After a window whose every guess was accepted, the next id (the bonus token) is drawn from the
+    target's distribution at the row after the last guess, not from q or a residual."""
+    p0, q0 = PAIRS[name]
+    p1, q1 = random_dist(21), random_dist(22)
+    bonus = random_dist(23, zeros=[1])
+    p, q = torch.stack([p0, p1, bonus]), torch.stack([q0, q1])
+    g = torch.Generator().manual_seed(9)
+    seen: Counter[int] = Counter()
+    while sum(seen.values()) < 4000:
+        guesses = [int(torch.multinomial(q[j], 1, generator=g)) for j in range(2)]
+        u = torch.rand(2, generator=g, dtype=torch.float64).tolist()
+        a, nxt = verify_draft(p, q, guesses, u)
+        if a == 2:
+            seen[int(torch.multinomial(nxt, 1, generator=g))] += 1
+    assert seen[1] == 0  # the bonus row's zero is honoured
+    assert chi_square_p(seen, dict(enumerate(bonus.tolist()))) > 1e-3, (name, seen)
+
+
 def test_the_verdict_itself() -> None:
     p, q = dist(1, 0, 0, 0, 0, 0), dist(0.5, 0.5, 0, 0, 0, 0)
     bonus = dist(0, 0, 0, 0, 0, 1)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,10 +106,13 @@ def test_heads_partition_the_q_heads_and_each_rank_holds_the_kv_heads_it_reads(h
         assert len(set(slots)) == s.num_q and max(slots) < s.num_kv * s.group
         for q, slot in zip(range(*s.q), slots):  # a Q head's padded slot lies in its KV head's group
             assert slot // s.group == q // g - s.kv[0]
-    replicated = sum(s.num_kv for s in splits) - kv
-    assert replicated == (0 if kv % world == 0 else replicated) and replicated >= 0
+    # A KV head is held once more for every rank boundary that falls inside its group of Q heads.
+    inner_boundaries = sum(1 for s in splits[1:] if s.q[0] % g != 0)
+    assert sum(s.num_kv for s in splits) - kv == inner_boundaries
+    if (heads, kv, world) == (9, 3, 2):  # SmolLM2: rank 0 Q0-4 / KV 0,1, rank 1 Q5-8 / KV 1,2
+        assert [(s.q, s.kv) for s in splits] == [((0, 5), (0, 2)), ((5, 9), (1, 3))]
     if kv % world == 0:
-        assert replicated == 0 and all(s.slots is None for s in splits)
+        assert inner_boundaries == 0 and all(s.slots is None for s in splits)
 
 
 def test_a_world_larger_than_the_heads_is_refused(loaded: LoadedModel) -> None:
@@ -194,10 +196,8 @@ def test_a_hung_rank_is_an_error_after_the_timeout(loaded) -> None:
     core.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8))
     core.step()
     core.executor.plant(0, "hang")
-    began = time.monotonic()
-    with pytest.raises(RankError, match=r"did not answer 'execute' within 3 s"):
+    with pytest.raises(RankError, match=r"did not answer 'execute' within 3 s"):  # the timeout, not a kill
         core.step()
-    assert time.monotonic() - began < 60  # the timeout, not a test-runner kill
     assert core.executor.closed and gone(pids)
 
 

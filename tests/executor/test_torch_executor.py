@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 from engine_runs import run_engine as generate
-from tiny_checkpoints import Tiny, hf_greedy, random_prompts
+from tiny_checkpoints import VOCAB, Tiny, hf_greedy, random_prompts
 
 from mechserve.api.config import EngineConfig
 from mechserve.executor.proposers import propose_ngram
@@ -63,20 +63,24 @@ def test_writes_land_in_the_planned_slots(tiny: Tiny) -> None:
             assert bool(k[page, off].abs().sum() > 0) == ((page, off) in written)
 
 
-def test_decode_window_verdict_and_history(tiny: Tiny) -> None:
-    """A decode window whose guesses come from the history: accepted count and ids follow the argmax."""
+@pytest.mark.parametrize(("wrong_at", "accepted"), [(None, 3), (1, 1), (0, 0)])
+def test_decode_window_verdict_and_history(tiny: Tiny, wrong_at: int | None, accepted: int) -> None:
+    """A decode window of 3 guesses: the verdict accepts exactly the leading guesses that equal the
+    argmax, appends them and the target's id at the first mismatch (or the bonus id), and the history
+    follows."""
     (a,) = random_prompts([6])
-    want = hf_greedy(tiny.hf, a, 4)
-    ex = TorchExecutor(tiny.model, num_pages=8, page_size=4)
+    want = hf_greedy(tiny.hf, a, 5)
+    guesses = list(want[1:4])
+    if wrong_at is not None:
+        guesses[wrong_at] = (guesses[wrong_at] + 1) % VOCAB
+    ex = TorchExecutor(tiny.model, num_pages=8, page_size=4, proposer=lambda history, num: guesses[:num])
     (out,) = ex.execute((item("a", a, 0, 6, [0, 1], 4, sample=True),))
     assert list(out.token_ids) == want[:1]
-    # a decode window at the last sampled token with 3 guesses
     window = item("a", want[:1], 6, 4, [0, 1, 2], 4, sample=True, decode=True, draft_len=3, generated=1)
     (out,) = ex.execute((window,))
-    assert 0 <= out.accepted_draft_tokens <= 3
-    assert len(out.token_ids) == out.accepted_draft_tokens + 1
-    assert list(out.token_ids) == want[1 : 2 + out.accepted_draft_tokens]
-    assert ex.history("a") == a + want[: 2 + out.accepted_draft_tokens]
+    assert out.accepted_draft_tokens == accepted
+    assert list(out.token_ids) == want[1 : 2 + accepted]  # accepted guesses, then the target's own id
+    assert ex.history("a") == a + want[: 2 + accepted]
 
 
 def test_prefix_hit_without_registration(tiny: Tiny) -> None:

@@ -24,7 +24,9 @@ def test_bench_spec_decode_reports_every_cell_and_identical_outputs(capsys, tiny
             r = cell[name]
             assert r["identical"], (name, r)  # greedy speculation is exact
             assert r["output_tokens"] == cell["off"]["output_tokens"] and r["target_forwards"] > 0
-            assert r["speedup"] is not None and r["tokens_per_forward"] > 0
+            # speedup is this configuration's tok/s over off's, tokens per forward its outputs per target forward
+            assert r["speedup"] == pytest.approx(r["tok_s"] / cell["off"]["tok_s"], rel=0.02, abs=2e-3)
+            assert r["tokens_per_forward"] == pytest.approx(r["output_tokens"] / r["target_forwards"], abs=1e-3)
         assert cell["draft"]["proposed"] > 0 and 0 <= cell["draft"]["accepted"] <= cell["draft"]["proposed"]
 
 

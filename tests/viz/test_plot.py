@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import struct
-import time
 from pathlib import Path
 
 import pytest
+from matplotlib.figure import Figure
 
 from mechserve.viz.plot import DPI, figure, write_plot
 from mechserve.viz.trace import Trace, parse_trace
@@ -48,12 +48,22 @@ def test_the_same_trace_gives_the_same_bytes(demo_trace: Trace, tmp_path: Path) 
     assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
 
 
-def test_two_hundred_requests_render_within_seconds_at_a_bounded_size(big_trace: Trace, tmp_path: Path) -> None:
-    start = time.perf_counter()
+def test_two_hundred_requests_render_as_images_at_a_bounded_size(
+    big_trace: Trace, demo_trace: Trace, tmp_path: Path
+) -> None:
+    """Both panels are one image each, not one shape per cell: what keeps 200 requests over hundreds of steps
+    fast to draw (measured, not asserted: about a second). The artists do not grow with the cells."""
+    big, small = figure(big_trace), figure(demo_trace)
+    assert [len(ax.images) for ax in big.axes] == [1, 1]
+
+    def shapes(fig: Figure) -> int:
+        return sum(len(ax.patches) + len(ax.collections) + len(ax.lines) for ax in fig.axes)
+
+    cells = lambda t: len(t.records) * (len(t.summary or ()) + (t.snapshots[0].num_pages if t.snapshots else 0))  # noqa: E731
+    assert cells(big_trace) > 50 * cells(demo_trace)
+    assert shapes(big) <= shapes(small) + 20, (shapes(big), shapes(small))
     write_plot(big_trace, tmp_path / "big.png")
     write_plot(big_trace, tmp_path / "big.svg")
-    elapsed = time.perf_counter() - start
-    assert elapsed < 8, f"two pictures of 200 requests took {elapsed:.1f} s"
     width, height = png_size(tmp_path / "big.png")
     assert width <= 16 * DPI + 10 and height <= 20 * DPI
     assert (tmp_path / "big.svg").stat().st_size < 5_000_000
