@@ -143,3 +143,12 @@ def test_serve_takes_the_speculation_flags(capsys, tiny_dir: Path) -> None:
     assert unheld.core.scheduler.spec_engine.hold_shared_prefix is False
     code, _, err = run_cli(capsys, "serve", "--spec-method", "draft")
     assert code == 2 and "--draft-model" in err and err.count("\n") == 1
+
+
+def test_serve_takes_a_request_body_cap(capsys) -> None:
+    from mechserve.cli.main import parse
+
+    assert parse(["serve", "--max-request-bytes", "1MiB"]).max_request_bytes == 1 << 20
+    assert parse(["serve"]).max_request_bytes == 4 << 20
+    code, _, err = run_cli(capsys, "serve", "--max-request-bytes", "lots")
+    assert code == 2 and "--max-request-bytes" in err
