@@ -223,8 +223,10 @@ class Scheduler:
         rolled_back = dict(record.rolled_back)
         finished = dict(record.finished)
         for rid, kept in [*cuts.items(), *trims.items()]:
-            if rid in tokens:
+            if rid in tokens and kept:
                 tokens[rid] = tokens[rid][:kept]
+            else:
+                tokens.pop(rid, None)  # a request appears in ``tokens`` only with ids
             if rid in accepted:
                 accepted[rid] = min(accepted[rid], max(kept - 1, 0))
                 rolled_back[rid] = record.drafted[rid] - accepted[rid]

@@ -146,8 +146,8 @@ FIELDS: tuple[Field, ...] = (
         OPENAI,
         honoured="the conversation, through the model's chat template: roles `system`, `developer` (as system), "
         "`user`, `assistant`; content a string or text parts; `name` is passed to the template",
-        refused_values="`tool` messages, an assistant's `tool_calls` or `function_call`, image/audio parts "
-        "(tools: " + LATER + ")",
+        refused_values="`tool` messages and an assistant's `tool_calls` or `function_call` (" + LATER + "), "
+        "an assistant's `refusal` (give it as content), image and audio parts",
         bad={"messages": []},
     ),
     # --- OpenAI: sampling -----------------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ def test_max_tokens_0_scores_the_prompt_only(tiny, tiny_hf) -> None:
     check(out, tiny_hf, 2)
     done = out.outputs[0]
     assert (done.token_ids, done.text, done.finish_reason, done.logprobs) == ([], "", "length", [])
-    assert all(step.record.tokens.get(rid, ()) == () for step in outs)
+    assert all(rid not in step.record.tokens for step in outs)
     assert any(step.record.finished.get(rid) for step in outs)
     (entry,) = c.summary()
     assert (entry["state"], entry["finish_reason"], entry["generated"]) == ("FINISHED", "LENGTH", 0)
