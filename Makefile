@@ -14,7 +14,7 @@ SHELL := /bin/bash
 PIP_NOISE := is ignored: it is neither a file nor a directory
 QUIET_PIP = 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 
-.PHONY: setup browser demo test test-all lint clean-cache viz-readme
+.PHONY: setup browser demo test test-all lint clean-cache viz-readme api-fields
 
 setup: $(VENV)/.installed
 
@@ -51,6 +51,10 @@ lint: setup
 	$(VENV)/bin/ruff check mechserve tests
 	$(VENV)/bin/ruff format --check mechserve tests
 	$(VENV)/bin/mypy mechserve
+
+# docs/api-fields.md is the server's field table (mechserve/http/fields.py) rendered; a test checks they agree.
+api-fields: setup
+	$(PY) -c 'from mechserve.http.fields import render_markdown; print(render_markdown(), end="")' > docs/api-fields.md
 
 # The README's picture of the demo: its timeline above its page map, drawn from a live `mechserve demo`.
 # The PNG carries no date or version, so an unchanged demo regenerates the same bytes; commit it.

@@ -4,6 +4,7 @@ Each names what went wrong in its message; the CLI prints it as one line (exit s
 HTTP server turns it into an OpenAI-style 4xx/5xx body::
 
     ValueError
+      ParamError          a request field (a SamplingParams field, a prompt) is invalid; param names it
       RequestRejected     m12's door refused a request (reason: the spec's RejectReason)
       KVMemoryError       the KV cache does not fit (the budget, the available memory, or allocation)
     ModelLoadError        a model could not be resolved or loaded
@@ -17,6 +18,17 @@ HTTP server turns it into an OpenAI-style 4xx/5xx body::
 from __future__ import annotations
 
 from mechserve.spec.m12_admission_control import RejectReason
+
+
+class ParamError(ValueError):
+    """A request's field is invalid; ``param`` is the field's name (``"logit_bias"``, ``"prompt"``, ...).
+
+    The HTTP server answers it with a 400 whose ``param`` is this name; the CLI maps it to its flag.
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestRejected(ValueError):
@@ -81,6 +93,7 @@ __all__ = [
     "KVMemoryError",
     "ModelLoadError",
     "NativeKernelError",
+    "ParamError",
     "RankError",
     "RequestRejected",
     "first_line",

@@ -36,6 +36,8 @@ MAX_LOGPROBS = 20  # top-N log-probabilities per position
 MAX_SAMPLES = 64  # n, independent samples of one prompt
 # A KV budget (kv_memory, --kv-memory): 1 PiB.
 MAX_KV_MEMORY = 1 << 50
+# An HTTP request body (the server's --max-request-bytes default): larger is a 413 before any parsing.
+MAX_REQUEST_BYTES = 4 << 20
 
 __all__ = [
     "ENGINE_LIMITS",
@@ -45,6 +47,7 @@ __all__ = [
     "MAX_NEW_TOKENS",
     "MAX_PAGES",
     "MAX_PROMPT_LEN",
+    "MAX_REQUEST_BYTES",
     "MAX_SAMPLES",
     "MAX_SLOTS",
     "MAX_SPEC_LEN",

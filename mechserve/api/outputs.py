@@ -8,13 +8,18 @@ spec's step record plus, per output, what that step added.
 Finish reasons are vLLM's (OpenAI's): ``"length"`` (``max_tokens`` reached),
 ``"stop"`` (EOS, a stop token id or a stop string; ``stop_reason`` says which:
 None for EOS, the id, or the string) and ``"abort"``.
+
+Logprobs are vLLM's shape (``vllm/logprobs.py``): one ``dict[int, Logprob]`` per
+position, the chosen (or prompt) token first, then the top N by rank::
+
+    CompletionOutput.logprobs      [{chosen_id: Logprob, top1_id: Logprob, ...}, ...]   one per token id
+    RequestOutput.prompt_logprobs  [None, {prompt_id_1: Logprob, top...}, ...]           one per prompt id
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from mechserve.spec.m12_admission_control import StepRecord
 
@@ -24,13 +29,31 @@ ABORT = "abort"
 
 
 @dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """The raw log-probabilities at one appended token.
+class Logprob:
+    """vLLM's ``Logprob``: one token's log-probability at one position.
 
-    ``token_id`` and its ``logprob``; ``rank`` is 1 + the number of other
-    ids at least as likely (1 = the most likely, vLLM's rank); ``top_ids`` /
-    ``top_logprobs`` are the N most likely ids, most likely first (N = the
-    request's ``logprobs``; 0 gives only the chosen id).
+    ``logprob``: natural log, of the model's raw distribution (before temperature, penalties and
+    masks); ``rank``: the number of ids at least as likely, itself included (1 = the most likely;
+    vLLM's rank), and for the top N their place 1 .. N; ``decoded_token``: the token's text on its
+    own (None without a tokenizer).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One position's logprobs, vLLM's shape: the chosen (or prompt) token first, then the top N.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """What an executor records at one position (its side channel; users see ``PositionLogprobs``).
+
+    ``token_id`` (the chosen id, or the prompt id) and its ``logprob``; ``rank`` as in
+    ``Logprob``; ``top_ids`` / ``top_logprobs`` are the N most likely ids, most likely first
+    (N = the request's ``logprobs`` or ``prompt_logprobs``; 0 gives only the token itself).
     """
 
     token_id: int
@@ -39,9 +62,14 @@ class TokenLogprobs:
     top_ids: tuple[int, ...]
     top_logprobs: tuple[float, ...]
 
-    def to_dict(self) -> dict[int, float]:
-        """vLLM's shape: id -> logprob for the top N and the chosen id (N or N + 1 entries)."""
-        return {**dict(zip(self.top_ids, self.top_logprobs)), self.token_id: self.logprob}
+    def to_dict(self, decode: Callable[[int], str | None] = lambda token_id: None) -> PositionLogprobs:
+        """vLLM's shape: the token first, then the top N by rank (N or N + 1 entries); ``decode`` gives
+        each id's ``decoded_token``."""
+        out = {self.token_id: Logprob(self.logprob, self.rank, decode(self.token_id))}
+        for rank, (token_id, logprob) in enumerate(zip(self.top_ids, self.top_logprobs), 1):
+            if token_id not in out:
+                out[token_id] = Logprob(logprob, rank, decode(token_id))
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +80,10 @@ class CompletionOutput:
     ``include_stop_str_in_output``; the text of an ending EOS or stop id is
     not included); ``token_ids`` are the ids the text came from (an ending
     EOS or stop id included, ids after a stop string's last character not);
-    ``logprobs`` has one entry per id (``TokenLogprobs``: the chosen id's
-    raw log-probability, its rank and the top-N) when the request asked for
-    them, else None; ``cumulative_logprob`` is their sum (None without
-    logprobs).
+    ``logprobs`` has one ``dict[int, Logprob]`` per id (the chosen id first,
+    then the top N; vLLM's shape) when the request asked for them, else
+    None; ``cumulative_logprob`` is the sum of the chosen ids' logprobs
+    (None without logprobs).
     """
 
     index: int
@@ -63,7 +91,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None = None
-    logprobs: list[Any] | None = None
+    logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
 
     def finished(self) -> bool:
@@ -124,7 +152,13 @@ class RequestMetrics:
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """One request's result: its prompt and one ``CompletionOutput`` per sample (``n`` of them, index order)."""
+    """One request's result: its prompt and one ``CompletionOutput`` per sample (``n`` of them, index order).
+
+    ``prompt_token_ids`` are the ids the model saw (after ``truncate_prompt_tokens``);
+    ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``) has one entry per prompt id: None
+    for the first, then a ``dict[int, Logprob]`` with the prompt id first and the top N (vLLM's
+    shape); None when not asked for, or when the request ended before its prompt was computed.
+    """
 
     request_id: str
     prompt: str | None
@@ -132,6 +166,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +176,9 @@ class SampleDelta:
     ``text`` never contains characters that a later stop-string match would
     retract, nor half of a multi-byte character; the concatenation of a
     sample's deltas is its final ``CompletionOutput.text``, and likewise for
-    ``token_ids`` and ``logprobs``.
+    ``token_ids`` and ``logprobs``.  ``prompt_logprobs`` is the request's
+    ``RequestOutput.prompt_logprobs``, on the first delta of sample 0 that has
+    them (else None).
     """
 
     request_id: str
@@ -151,7 +188,8 @@ class SampleDelta:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[Any] | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +214,8 @@ __all__ = [
     "LENGTH",
     "STOP",
     "CompletionOutput",
+    "Logprob",
+    "PositionLogprobs",
     "RequestMetrics",
     "RequestOutput",
     "SampleDelta",

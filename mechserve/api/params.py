@@ -1,18 +1,28 @@
 """Per-request sampling parameters, as in vLLM's ``SamplingParams`` (standard library only).
 
-Validation happens at construction: a bad value raises ``ValueError`` naming
-the field, so a request that can never be served never reaches the engine.
-Checks that need the model (a stop token id outside the vocabulary) happen
-at submission, in ``mechserve.entrypoints.llm``.
+Validation happens at construction: a bad value raises ``ParamError`` (a
+``ValueError``) naming the field, so a request that can never be served never
+reaches the engine.  Checks that need the model (a token id outside the
+vocabulary, a bad word that does not tokenize) happen at submission, in
+``EngineCore.add_request``.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+from mechserve.api.errors import ParamError
 
 MAX_LOGPROBS = 20
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy.
 SAMPLING_EPS = 1e-5
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_PENALTY = 2.0  # OpenAI's (and vLLM's) range for presence/frequency penalties: [-2, 2]
+MAX_FILTER_IDS = 65_536  # ids in logit_bias / allowed_token_ids; bad words
+MAX_BAD_WORDS = 128  # vLLM's MAX_NUM_BAD_WORDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,12 +45,32 @@ class SamplingParams:
       (finish reason ``stop``); ``ignore_eos``: the model's EOS is an ordinary
       token.
     * ``logprobs``: return the top-N log-probabilities (0..20) of the model's
-      raw distribution (before temperature and masks, vLLM's default) at each
-      generated position, plus the chosen token's.
+      raw distribution (before temperature, penalties and masks, vLLM's
+      default) at each generated position, plus the chosen token's.
+    * ``prompt_logprobs``: the same (top-N plus the prompt token's own) at
+      every prompt position but the first (vLLM's ``prompt_logprobs``).
     * ``n``: independent samples per prompt (each a separate request; with a
       seed, sample ``j`` uses ``seed + j``).
+    * Penalties and token filters, vLLM's semantics (``vllm/v1/sample/sampler.py``,
+      ``vllm/v1/sample/ops/penalties.py``, ``vllm/v1/sample/ops/bad_words.py``), applied to the
+      raw logits in this order before temperature::
 
-    Raises ``ValueError`` on any out-of-range value.
+          allowed_token_ids   every other id is masked (-inf); None = all allowed, [] is refused
+          bad_words           strings; each is tokenized (as is and with a leading space); a one-token
+                              word is always masked, a longer one masks its last token only when the
+                              output so far ends with the word's other tokens
+          min_tokens          EOS and stop ids masked while the output is shorter than min_tokens
+          logit_bias          {id: bias}, bias in [-100, 100], added to the logit
+          repetition_penalty  (> 0, 1 = off) every id in the prompt or the output so far:
+                              a positive logit is divided by it, a negative one multiplied
+          frequency_penalty   ([-2, 2]) subtracted once per occurrence of the id in the output so far
+          presence_penalty    ([-2, 2]) subtracted once if the id occurs in the output so far
+
+      "The output so far" at a position is every token before it, so a decode window's guess
+      positions count the guesses before them (speculation changes nothing).
+    * ``truncate_prompt_tokens``: keep only the last k prompt tokens (-1: the model's context).
+
+    Raises ``ParamError`` (a ``ValueError`` whose ``param`` names the field) on any out-of-range value.
     """
 
     n: int = 1
@@ -56,13 +86,27 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = field(default=())
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        # Accept a bare string / any sequence for the two stop fields, store tuples.
+        # Accept a bare string / any sequence for the list fields, store tuples.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bad = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words or ())
+        object.__setattr__(self, "bad_words", bad)
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _check(
             _is_real(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}"
@@ -81,10 +125,50 @@ class SamplingParams:
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
         )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}",
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(
+                _is_finite(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}",
+            )
         _check(
-            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+            _is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+            f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}",
         )
+        allowed = self.allowed_token_ids
+        _check(
+            allowed is None or (0 < len(allowed) <= MAX_FILTER_IDS and all(_is_int(t) and t >= 0 for t in allowed)),
+            f"allowed_token_ids must be a non-empty list of at most {MAX_FILTER_IDS} token ids, got {allowed!r}",
+        )
+        _check(
+            len(bad) <= MAX_BAD_WORDS and all(isinstance(w, str) and w.strip() for w in bad),
+            f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings, got {bad!r}",
+        )
+        _check(
+            self.truncate_prompt_tokens is None
+            or (
+                _is_int(self.truncate_prompt_tokens)
+                and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)
+            ),
+            f"truncate_prompt_tokens must be >= 1, or -1 (the model's context), got {self.truncate_prompt_tokens!r}",
+        )
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a presence, frequency or repetition penalty is set (the sampler then needs the history)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def filtered(self) -> bool:
+        """Whether any logit processing beyond temperature and the truncations applies: a penalty, a
+        bias, allowed ids or bad words (min_tokens bans are the sampler's own)."""
+        return bool(self.penalized or self.logit_bias or self.allowed_token_ids is not None or self.bad_words)
 
     @property
     def greedy(self) -> bool:
@@ -105,11 +189,32 @@ def _is_real(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and x == x  # NaN is not a value
 
 
+def _is_finite(x: object) -> bool:
+    return _is_real(x) and math.isfinite(x)  # type: ignore[arg-type]
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """``{id: bias}`` as a dict of ints to floats; ``ParamError`` for another shape or a bias out of range."""
+    if not isinstance(value, Mapping):
+        raise ParamError("logit_bias", f"logit_bias must be a mapping of token id to bias, got {value!r}")
+    _check(len(value) <= MAX_FILTER_IDS, f"logit_bias must name at most {MAX_FILTER_IDS} token ids")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        _check(_is_int(key) and key >= 0, f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        _check(
+            _is_finite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+            f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r} for id {key}",
+        )
+        out[key] = float(bias)
+    return out
+
+
 def _check(ok: bool, message: str) -> None:
+    """Raise ``ParamError`` for ``message`` (which starts with the field's name) unless ``ok``."""
     if not ok:
-        raise ValueError(message)
+        raise ParamError(message.split(" ", 1)[0], message)
 
 
 GREEDY = SamplingParams(temperature=0.0)
 
-__all__ = ["GREEDY", "MAX_LOGPROBS", "SAMPLING_EPS", "SamplingParams"]
+__all__ = ["GREEDY", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_PENALTY", "SAMPLING_EPS", "SamplingParams"]

@@ -402,7 +402,7 @@ def run(args: argparse.Namespace) -> int:
         print_result(args, console, core, done, clock, prompt)
     finally:
         core.close()
-    viz.write(recorder, core.summary(), [output_json(done.request_id, c, None) for c in done.outputs])
+    viz.write(recorder, core.summary(), [output_json(done.request_id, c) for c in done.outputs])
     return 0
 
 
@@ -452,7 +452,7 @@ def prompt_ids(tokenizer: Any, text: str, chat: bool) -> tuple[str, list[int]]:
 def print_result(args: argparse.Namespace, console: Console, core: Any, done: Any, clock: Clock, prompt: str) -> None:
     """The outputs: JSON (summary and outputs), only the text (``--quiet``) or prompt, text and timing."""
     if args.json:
-        outputs = [output_json(done.request_id, c, core.tokenizer) for c in done.outputs]
+        outputs = [output_json(done.request_id, c) for c in done.outputs]
         print(json.dumps({"summary": summary(core, done), "outputs": outputs}), flush=True)
         return
     if args.quiet:
@@ -464,7 +464,7 @@ def print_result(args: argparse.Namespace, console: Console, core: Any, done: An
         lead = Text(f"[{c.index}] ", style="cyan") if len(done.outputs) > 1 else Text("")
         console.print(lead + Text(shown, style="dim") + Text(c.text, style="bold"))
         if c.logprobs is not None:
-            for line in logprob_lines(c.logprobs, core.tokenizer):
+            for line in logprob_lines(c.token_ids, c.logprobs):
                 console.print(Text(line, style="dim"))
     generated = sum(len(c.token_ids) for c in done.outputs)
     reasons = ", ".join(finish_text(c) for c in done.outputs)
@@ -495,8 +495,12 @@ def finish_text(c: Any) -> str:
     return f"stop ({c.stop_reason!r})"
 
 
-def output_json(request_id: str, c: Any, tokenizer: Any) -> dict[str, Any]:
-    """One sample as JSON: id, text, ids, finish (vLLM's names), then the index and logprobs if asked for."""
+def output_json(request_id: str, c: Any) -> dict[str, Any]:
+    """One sample as JSON: id, text, ids, finish (vLLM's names), then the index and logprobs if asked for.
+
+    ``logprobs`` is vLLM's ``CompletionOutput.logprobs`` as JSON: one object per token id, mapping
+    each id (the chosen one first, then the top N) to ``{"logprob", "rank", "decoded_token"}``.
+    """
     out: dict[str, Any] = {
         "request_id": request_id,
         "text": c.text,
@@ -507,31 +511,23 @@ def output_json(request_id: str, c: Any, tokenizer: Any) -> dict[str, Any]:
     }
     if c.logprobs is not None:
         out["logprobs"] = [
-            {
-                "token_id": lp.token_id,
-                "token": _token_text(tokenizer, lp.token_id),
-                "logprob": lp.logprob,
-                "rank": lp.rank,
-                "top": [{"token_id": t, "logprob": v} for t, v in zip(lp.top_ids, lp.top_logprobs)],
-            }
-            for lp in c.logprobs
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in c.logprobs
         ]
         out["cumulative_logprob"] = c.cumulative_logprob
     return out
 
 
-def logprob_lines(logprobs: Any, tokenizer: Any) -> list[str]:
-    """One line per token: its text, log-probability, rank and the top alternatives."""
+def logprob_lines(token_ids: Any, logprobs: Any) -> list[str]:
+    """One line per token: its text, log-probability, rank and the top alternatives (vLLM's shape in)."""
     lines = []
-    for lp in logprobs:
-        top = "  ".join(f"{_token_text(tokenizer, t)!r} {v:.3f}" for t, v in zip(lp.top_ids, lp.top_logprobs))
-        line = f"  {_token_text(tokenizer, lp.token_id)!r:>16} {lp.logprob:8.3f}  rank {lp.rank}"
+    for token_id, entry in zip(token_ids, logprobs):
+        chosen = entry[token_id]
+        alternatives = sorted((t for t in entry if t != token_id), key=lambda t: entry[t].rank or 0)
+        top = "  ".join(f"{entry[t].decoded_token!r} {entry[t].logprob:.3f}" for t in alternatives)
+        line = f"  {chosen.decoded_token!r:>16} {chosen.logprob:8.3f}  rank {chosen.rank}"
         lines.append(f"{line}  top: {top}" if top else line)
     return lines
-
-
-def _token_text(tokenizer: Any, token_id: int) -> str:
-    return "" if tokenizer is None else str(tokenizer.decode([token_id]))
 
 
 REJECT_HINTS = {

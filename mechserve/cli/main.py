@@ -65,6 +65,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mechserve`` command line; return the exit status (0, or 2 on any error)."""
     try:
+        check_utf8(sys.argv[1:] if argv is None else list(argv))
         args = parse(argv)
         if _runs_a_model(args, argv):
             try:
@@ -85,6 +86,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get(TRACEBACK_ENV):
             raise
         return report(f"internal error: {type(exc).__name__}: {exc} (set {TRACEBACK_ENV}=1 for a traceback)")
+
+
+def check_utf8(words: Sequence[str]) -> None:
+    """Raise ``CliError`` naming the first argument that is not valid UTF-8 text.
+
+    Python decodes an argument's undecodable bytes as lone surrogates (``caf\\xe9`` in Latin-1 becomes
+    ``'caf\\udce9'``), which no tokenizer can take; every command refuses them here, once.
+    """
+    for i, word in enumerate(words):
+        try:
+            word.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            code = ord(word[exc.start])
+            what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
+            flag = words[i - 1] if i and words[i - 1].startswith("--") and "=" not in words[i - 1] else None
+            name = f"the value of {flag}" if flag else f"argument {i + 1}"
+            shown = word.encode("utf-8", "surrogateescape" if what.startswith("byte") else "backslashreplace")
+            raise CliError(
+                f"{name} ('{shown.decode('ascii', 'backslashreplace')}') is not valid UTF-8: {what} at character "
+                f"{exc.start}; give UTF-8 text (is the terminal's locale UTF-8?)"
+            ) from None
 
 
 def _runs_a_model(args: argparse.Namespace, argv: Sequence[str] | None) -> bool:

@@ -25,7 +25,7 @@ import sys
 from typing import Any
 
 from mechserve.api.config import DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS, DEFAULT_PAGE_SIZE
-from mechserve.api.limits import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_SLOTS
+from mechserve.api.limits import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_REQUEST_BYTES, MAX_SLOTS
 from mechserve.cli.errors import CliError
 from mechserve.cli.generate import (
     add_dtype_argument,
@@ -65,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(API_KEY_ENV),
         metavar="KEY",
         help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${API_KEY_ENV})",
+    )
+    add(
+        "--max-request-bytes",
+        type=parse_size,
+        default=MAX_REQUEST_BYTES,
+        metavar="SIZE",
+        help="the largest request body (default 4MiB); a larger one is a 413 before it is read",
     )
     add_aliased(
         parser,
@@ -163,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CliError(f"cannot bind {args.host}:{args.port}: {exc.strerror or exc}") from None
     host, port = sock.getsockname()[:2]
-    app = server_module.build_app(llm, model_name=name, api_key=args.api_key)
+    app = server_module.build_app(llm, model_name=name, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     config = uvicorn.Config(
         app, lifespan="on", log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS
     )

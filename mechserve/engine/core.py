@@ -22,12 +22,12 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mechserve.api.config import EngineConfig, dtype_name
-from mechserve.api.errors import RankError, RequestRejected
-from mechserve.api.outputs import ABORT, LENGTH, STOP, RequestOutput, StepOutput
+from mechserve.api.errors import ParamError, RankError, RequestRejected
+from mechserve.api.outputs import ABORT, LENGTH, STOP, PositionLogprobs, RequestOutput, StepOutput, TokenLogprobs
 from mechserve.api.params import SamplingParams
 from mechserve.engine.detokenizer import OutputText
 from mechserve.engine.executors import build_executor, configure_threads, load_draft
@@ -128,6 +128,7 @@ class EngineCore:
         self._ended: list[str] = []  # engine ids ended outside a step (aborts), reported by the next step
         self._unrecorded = False  # a door refusal or abort the next step record will show
         self._ids = itertools.count()
+        self._token_text: dict[int, str] = {}  # decoded_token of each id a logprob has named
 
     @classmethod
     def open(cls, model: Any, config: EngineConfig | None = None, **kwargs: Any) -> EngineCore:
@@ -164,27 +165,44 @@ class EngineCore:
         ``request_id`` defaults to the next of ``"0"``, ``"1"``, ...; ``prompt`` is only carried
         into the output; ``arrival_step`` is the engine step from which it may be admitted (0: at
         once).  Sample ``j`` of ``n > 1`` runs as m12 request ``"<id>#<j>"`` with
-        ``params.for_sample(j)``.  Raises ``ValueError`` for params that are not a
-        ``SamplingParams``, a prompt id or stop token id outside the vocabulary, and
-        ``RequestRejected`` (a ``ValueError``) when m12's door refuses it (empty prompt, longer
-        than ``max_model_len``, never fitting the pool, too many waiting, an id in use).  A
-        refused request leaves nothing behind; everything already submitted keeps running.
+        ``params.for_sample(j)``; only sample 0 computes prompt logprobs.  A prompt longer than
+        ``params.truncate_prompt_tokens`` keeps its last that many ids.  A request for prompt
+        logprobs with ``max_tokens`` 0 runs its prompt (m12 sees one new token, never kept).
+        Raises ``ParamError`` (a ``ValueError`` naming the field) for a prompt id, stop token id,
+        ``logit_bias`` or ``allowed_token_ids`` id outside the vocabulary, bad words without a
+        tokenizer, ``n`` over ``max_waiting`` (it could never be admitted), ``ValueError`` for
+        params that are not a ``SamplingParams``, and ``RequestRejected`` (a ``ValueError``) when
+        m12's door refuses it (empty prompt, longer than ``max_model_len``, never fitting the pool,
+        too many waiting, an id in use).  A refused request leaves nothing behind; everything
+        already submitted keeps running.
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        ids = self._check_ids(prompt_ids, params)
+        ids = self._truncated(self._check_ids(prompt_ids, params), params)
+        bad_words = self._bad_words_ids(params)
+        limit = self.config.max_waiting
+        if limit is not None and params.n > limit:
+            raise ParamError(
+                "n",
+                f"n={params.n} samples can never be admitted: at most max_waiting={limit} requests may wait "
+                f"(each sample is one request); lower n",
+            )
         request_id = self._new_id() if request_id is None else str(request_id)
         if request_id in self._groups:
             raise RequestRejected(request_id, m12.RejectReason.DUPLICATE_ID, "a request with this id is running")
         group = RequestGroup(request_id, prompt, ids, [], time.perf_counter())
+        prompt_only = params.prompt_logprobs is not None and params.max_tokens == 0
+        max_new = 1 if prompt_only else params.max_tokens
         for j in range(params.n):
             sample_params = params.for_sample(j) if params.n > 1 else params
+            if j > 0 and sample_params.prompt_logprobs is not None:  # one sample computes them for all
+                sample_params = replace(sample_params, prompt_logprobs=None)
             engine_id = request_id if params.n == 1 else f"{request_id}#{j}"
             reason = self.scheduler.add(
                 engine_id,
                 ids,
-                sample_params.max_tokens,
+                max_new if j == 0 else sample_params.max_tokens,
                 arrival_step=arrival_step,
                 stop_token_ids=sample_params.stop_token_ids,
                 ignore_eos=sample_params.ignore_eos,
@@ -194,12 +212,15 @@ class EngineCore:
                 for earlier in group.samples:  # only OVERLOADED can refuse a later sample
                     self.scheduler.abort(earlier.engine_id)
                     self.executor.release(earlier.engine_id)
-                raise RequestRejected(request_id, reason, self._reject_detail(reason, len(ids), params.max_tokens))
+                raise RequestRejected(request_id, reason, self._reject_detail(reason, len(ids), max_new, prompt_only))
             sample = Sample(engine_id, j, sample_params, self._output_text(ids, sample_params))
+            sample.prompt_only = prompt_only and j == 0
             if sample_params.logprobs is not None:
                 sample.logprobs = []
             group.samples.append(sample)
-            self.executor.add_request(engine_id, ids, sample_params, eos_token_ids=self.eos_token_ids)
+            self.executor.add_request(
+                engine_id, ids, sample_params, eos_token_ids=self.eos_token_ids, bad_words_ids=bad_words
+            )
         self._groups[request_id] = group
         for sample in group.samples:
             self._samples[sample.engine_id] = (group, sample)
@@ -258,7 +279,7 @@ class EngineCore:
             if engine_id in self._samples and engine_id not in touched:  # max_tokens 0: ended with no token
                 self._end(self._samples[engine_id][1], reason)
                 touched[engine_id] = None
-        deltas = [self._samples[engine_id][1].delta(self._samples[engine_id][0].request_id) for engine_id in touched]
+        deltas = [self._samples[engine_id][0].delta(self._samples[engine_id][1]) for engine_id in touched]
         groups = {id(g): g for g, _ in (self._samples[engine_id] for engine_id in touched)}
         return StepOutput(
             self.scheduler.cut(record),
@@ -285,10 +306,14 @@ class EngineCore:
         """Keep the ids a step appended, up to a stop string's last character; end the sample if it ended."""
         group, s = self._samples[engine_id]
         taken = self.executor.take_logprobs(engine_id) if s.logprobs is not None else []
+        if s.params.prompt_logprobs is not None and group.prompt_logprobs is None:
+            # every prompt position is recorded by the step that samples the first token
+            found = self.executor.take_prompt_logprobs(engine_id)
+            group.prompt_logprobs = [None, *(self._vllm_logprobs(lp) for lp in found)]
         ends_with_stop_id = reason in (m12.FinishReason.EOS, m12.FinishReason.STOP)
-        kept = len(ids)
+        kept = 0 if s.prompt_only else len(ids)
         stop: str | None = None
-        for k, token_id in enumerate(ids):
+        for k, token_id in enumerate(ids[:kept]):
             is_end_id = ends_with_stop_id and k == len(ids) - 1
             stop = s.text.push(token_id, detokenize=not is_end_id or s.params.include_stop_str_in_output)
             if stop is not None:
@@ -298,10 +323,14 @@ class EngineCore:
         s.token_ids += ids[:kept]
         s.token_times += [now] * kept
         if s.logprobs is not None:
-            s.new_logprobs += taken[:kept]
-            s.logprobs += taken[:kept]
+            entries = [self._vllm_logprobs(lp) for lp in taken[:kept]]
+            s.new_logprobs += entries
+            s.logprobs += entries
+            s.cumulative_logprob += sum(lp.logprob for lp in taken[:kept])
         if kept and group.first_token_time is None:
             group.first_token_time = now
+        if s.prompt_only:
+            self.scheduler.trim(engine_id, 0)
         if stop is not None:
             self.scheduler.finish(engine_id, kept, generated=len(s.token_ids))
             self.executor.release(engine_id)
@@ -321,6 +350,19 @@ class EngineCore:
         if stop is not None:
             s.stop_reason = stop
             s.finish_reason = STOP
+
+    def _vllm_logprobs(self, lp: TokenLogprobs) -> PositionLogprobs:
+        """An executor's record as vLLM's ``dict[int, Logprob]``, each id's text decoded once."""
+        return lp.to_dict(self._decoded_token)
+
+    def _decoded_token(self, token_id: int) -> str | None:
+        tok = self.tokenizer
+        if tok is None:
+            return None
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = str(tok.decode([token_id]))
+        return text
 
     def _advised_spec_len(self, max_k: int) -> int:
         """The ``spec_len`` for the coming step: what the executor advises for the requests about to draft."""
@@ -351,6 +393,10 @@ class EngineCore:
         counters = self.executor.stats() if executor else None
         return EngineStats(running, waiting, self.scheduler.page_usage(), self.step_counter, counters)
 
+    def prompt_token_ids(self, request_id: str) -> list[int]:
+        """The prompt ids a live request runs with (after ``truncate_prompt_tokens``)."""
+        return list(self._groups[request_id].prompt_ids)
+
     def summary(self) -> list[dict[str, Any]]:
         """The scheduler's end-of-run summary (``request_id``, ``state``, ``generated``, ``computed``,
         ``finish_reason`` per request; a stop-string finish is ``FINISHED``/``STOP``)."""
@@ -376,25 +422,61 @@ class EngineCore:
     # Submission checks --------------------------------------------------------------------------------------------
 
     def _check_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        """The prompt as a list of ints; raises ``ValueError`` for an id or stop token id outside the vocabulary."""
+        """The prompt as a list of ints; raises ``ParamError`` for an id outside the vocabulary in the
+        prompt, ``stop_token_ids``, ``logit_bias`` or ``allowed_token_ids``."""
         if isinstance(prompt_ids, str | bytes):
-            raise ValueError("prompt_ids must be a sequence of token ids, not text (encode it first)")
+            raise ParamError("prompt", "prompt_ids must be a sequence of token ids, not text (encode it first)")
         ids = list(prompt_ids)
+        vocab = f"vocabulary of {self.vocab_size}: 0..{self.vocab_size - 1}"
         for pos, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(
-                    f"prompt token id {t!r} at position {pos} is not a token id of this model "
-                    f"(vocabulary of {self.vocab_size}: 0..{self.vocab_size - 1})"
+                raise ParamError(
+                    "prompt", f"prompt token id {t!r} at position {pos} is not a token id of this model ({vocab})"
                 )
-        for t in params.stop_token_ids:
-            if t >= self.vocab_size:
-                raise ValueError(
-                    f"stop_token_ids: {t} is not a token id of this model (vocabulary of {self.vocab_size}: "
-                    f"0..{self.vocab_size - 1})"
-                )
+        fields = {
+            "stop_token_ids": params.stop_token_ids,
+            "logit_bias": tuple(params.logit_bias or ()),
+            "allowed_token_ids": params.allowed_token_ids or (),
+        }
+        for name, found in fields.items():
+            bad = next((t for t in found if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ParamError(name, f"{name}: {bad} is not a token id of this model ({vocab})")
         return ids
 
-    def _reject_detail(self, reason: m12.RejectReason, prompt_len: int, max_tokens: int) -> str:
+    def _truncated(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The last ``params.truncate_prompt_tokens`` ids (-1: the model's context), as vLLM truncates."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        keep = self.max_model_len if keep == -1 and self.max_model_len is not None else keep
+        return ids[-keep:] if 0 < keep < len(ids) else ids
+
+    def _bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
+        """``params.bad_words`` as token ids, vLLM's way (``SamplingParams.update_from_tokenizer``): each
+        word as given (leading spaces stripped), and with one leading space when that spells it with
+        as many tokens but another first token (a word inside the text, not at its start)."""
+        if not params.bad_words:
+            return []
+        tok = self.tokenizer
+        if tok is None:
+            raise ParamError("bad_words", "bad_words need a tokenizer; this model was loaded without one")
+        found: list[list[int]] = []
+        for word in params.bad_words:
+            plain = list(tok(word.lstrip(), add_special_tokens=False).input_ids)
+            spaced = list(tok(" " + word.lstrip(), add_special_tokens=False).input_ids)
+            if plain:
+                found.append(plain)
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                found.append(spaced)
+        bad = next((t for w in found for t in w if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ParamError("bad_words", f"bad_words: token {bad} is outside this model's vocabulary")
+        return found
+
+    def _reject_detail(
+        self, reason: m12.RejectReason, prompt_len: int, max_tokens: int, prompt_only: bool = False
+    ) -> str:
         """The limit behind a door refusal, in words."""
         ps = self.config.page_size
         if reason is m12.RejectReason.EMPTY_PROMPT:
@@ -405,9 +487,10 @@ class EngineCore:
                 if self.config.max_model_len
                 else f"the model's context of {self.max_model_len} positions"
             )
+            extra = " (prompt logprobs with max_tokens 0 compute one position past the prompt)" if prompt_only else ""
             return (
                 f"a prompt of {prompt_len} token(s) + {max_tokens} new token(s) = {prompt_len + max_tokens}, "
-                f"over {limit}"
+                f"over {limit}{extra}"
             )
         if reason is m12.RejectReason.NEVER_FITS:
             need = m12.pages_for(prompt_len + max_tokens - 1, ps)

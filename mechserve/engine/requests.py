@@ -13,34 +13,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mechserve.api.outputs import CompletionOutput, RequestMetrics, RequestOutput, SampleDelta, TokenLogprobs
+from mechserve.api.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput, SampleDelta
 from mechserve.api.params import SamplingParams
 from mechserve.engine.detokenizer import OutputText
 
 
 @dataclass(eq=False)
 class Sample:
-    """One sample of a request: the m12 request ``engine_id``, its kept ids, text and finish."""
+    """One sample of a request: the m12 request ``engine_id``, its kept ids, text and finish.
+
+    ``prompt_only``: a request for prompt logprobs with ``max_tokens`` 0, run by m12 with one new
+    token that is never kept (m12 finishes a request of no new token at admission, unrun).
+    """
 
     engine_id: str
     index: int
     params: SamplingParams
     text: OutputText
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_only: bool = False
     # Kept since the last delta (ids and logprobs).
     new_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    new_logprobs: list[PositionLogprobs] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def delta(self, request_id: str) -> SampleDelta:
-        """What this sample gained since the last delta (streamable text, ids, logprobs, its finish)."""
+    def delta(self, request_id: str, prompt_logprobs: list[PositionLogprobs | None] | None = None) -> SampleDelta:
+        """What this sample gained since the last delta (streamable text, ids, logprobs, its finish);
+        ``prompt_logprobs`` rides along (the request's, on its first delta that has them)."""
         delta = SampleDelta(
             request_id=request_id,
             index=self.index,
@@ -50,6 +57,7 @@ class Sample:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=self.new_logprobs if self.logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
         )
         self.new_ids, self.new_logprobs = [], []
         return delta
@@ -63,7 +71,7 @@ class Sample:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            cumulative_logprob=sum(lp.logprob for lp in self.logprobs) if self.logprobs is not None else None,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
         )
 
 
@@ -73,6 +81,8 @@ class RequestGroup:
 
     ``arrival_time``: submission; ``scheduled_time``: when a sample was first admitted (the end of
     its queue time); ``first_token_time``: when the step that produced its first token returned.
+    ``prompt_logprobs``: vLLM's shape, once sample 0 has computed its prompt (with
+    ``params.prompt_logprobs``); ``prompt_logprobs_sent``: whether a delta has carried them.
     """
 
     request_id: str
@@ -82,10 +92,19 @@ class RequestGroup:
     arrival_time: float
     scheduled_time: float | None = None
     first_token_time: float | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.samples)
+
+    def delta(self, sample: Sample) -> SampleDelta:
+        """``sample``'s delta; the first of sample 0 after the prompt logprobs exist carries them."""
+        prompt_logprobs = None
+        if sample.index == 0 and self.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
+        return sample.delta(self.request_id, prompt_logprobs)
 
     def output(self, now: float | None = None) -> RequestOutput:
         """The ``RequestOutput`` as it stands (``now``: its end time, if it has ended)."""
@@ -98,7 +117,9 @@ class RequestGroup:
             scheduled_time=self.scheduled_time,
         )
         completions = [s.completion() for s in self.samples]
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), completions, finished, metrics)
+        return RequestOutput(
+            self.request_id, self.prompt, list(self.prompt_ids), completions, finished, metrics, self.prompt_logprobs
+        )
 
 
 __all__ = ["RequestGroup", "Sample"]

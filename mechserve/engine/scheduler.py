@@ -8,6 +8,8 @@ for numbers and give orders; they never read its queues, pool or cache::
     abort(id)                   the request leaves now (the next record lists it under ``aborted``)
     finish(id, kept)            a finish decided outside the step (a stop string): ends the request
                                 with STOP, not as an abort, keeping ``kept`` of this step's ids
+    trim(id, kept)              a request m12 just finished keeps only ``kept`` of this step's ids
+                                (a prompt-logprobs request with max_tokens 0 keeps none)
     drafting()                  the requests about to draft and their caps (m09's rule)
     step(spec_len) -> Step      one m12 step, and what it means for metrics (prompt tokens admitted,
                                 prefix-cache hits, preemptions that dropped computed state)
@@ -109,6 +111,8 @@ class Scheduler:
         )
         self._stopped: dict[str, int] = {}  # stopped by a string, not yet out of a record's `aborted`: kept ids
         self._cuts: dict[str, int] = {}  # this step's stop-string finishes: ids kept of what the step appended
+        self._trims: dict[str, int] = {}  # this step's trims of a finished request's ids (finish reason kept)
+        self._trimmed: set[str] = set()  # trimmed requests, for the summary (their kept length is in _outputs)
         self._outputs: dict[str, int] = {}  # a stopped request's kept output length, for the summary
         self._arriving: dict[str, tuple[int, int]] = {}  # accepted, not yet admitted: (prompt length, max_new)
 
@@ -168,6 +172,13 @@ class Scheduler:
         self._cuts[request_id] = kept
         self._outputs[request_id] = generated
 
+    def trim(self, request_id: str, kept: int) -> None:
+        """Keep only ``kept`` of the ids this step appended to ``request_id``, which m12 finished in it
+        (its finish reason stays); the record from ``cut`` and the summary say so."""
+        self._trims[request_id] = kept
+        self._outputs[request_id] = kept
+        self._trimmed.add(request_id)
+
     def drafting(self, max_k: int) -> list[tuple[str, int]]:
         """``(request_id, cap)`` for each request about to draft in the next step (m09: caught up except
         for its last sampled token), ``cap`` the guesses the spec allows it below ``max_k``."""
@@ -185,6 +196,7 @@ class Scheduler:
         if not self.keep_finished:
             for gone in engine.drop_finished():
                 self._outputs.pop(gone.request_id, None)
+                self._trimmed.discard(gone.request_id)
         if spec_len is not None:
             engine.spec_len = spec_len
         computed_before = {r.request_id: r.computed for r in engine.running if r.computed}
@@ -209,20 +221,24 @@ class Scheduler:
         """``record`` with this step's stop-string finishes applied: each such request's ``tokens`` cut to
         what it kept, its decode window's ``accepted``/``rolled_back`` counted on the kept ids, and
         ``finished`` STOP."""
-        if not self._cuts:
+        if not self._cuts and not self._trims:
             return record
         cuts, self._cuts = self._cuts, {}
+        trims, self._trims = self._trims, {}
         tokens = dict(record.tokens)
         accepted = dict(record.accepted)
         rolled_back = dict(record.rolled_back)
         finished = dict(record.finished)
-        for rid, kept in cuts.items():
-            if rid in tokens:
+        for rid, kept in [*cuts.items(), *trims.items()]:
+            if rid in tokens and kept:
                 tokens[rid] = tokens[rid][:kept]
+            else:
+                tokens.pop(rid, None)  # a request appears in ``tokens`` only with ids
             if rid in accepted:
                 accepted[rid] = min(accepted[rid], max(kept - 1, 0))
                 rolled_back[rid] = record.drafted[rid] - accepted[rid]
-            finished[rid] = m12.FinishReason.STOP
+            if rid in cuts:
+                finished[rid] = m12.FinishReason.STOP
         return dataclasses.replace(
             record,
             tokens=_frozen(tokens),
@@ -256,7 +272,9 @@ class Scheduler:
         entries = self._engine.summary()
         for entry in entries:
             rid = entry["request_id"]
-            if rid in self._outputs and entry["state"] in ("ABORTED", "FINISHED"):
+            if rid in self._trimmed:
+                entry.update(generated=self._outputs[rid])
+            elif rid in self._outputs and entry["state"] in ("ABORTED", "FINISHED"):
                 entry.update(state="FINISHED", finish_reason="STOP", generated=self._outputs[rid])
         return entries
 

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
-from types import MappingProxyType, TracebackType
+from types import TracebackType
 from typing import Any, TypeVar
 
 from mechserve.api.config import EngineConfig
@@ -154,15 +154,20 @@ def merge_events(events: Sequence[StreamEvent]) -> StreamEvent:
         for d in event.samples:
             a = merged.get(d.index)
             merged[d.index] = d if a is None else _join(a, d)
-    token_text = {k: v for event in events for k, v in event.token_text.items()}
     last = events[-1]
     samples = tuple(merged[i] for i in sorted(merged))
-    return StreamEvent(last.request_id, samples, last.output, MappingProxyType(token_text))
+    return StreamEvent(last.request_id, samples, last.output)
 
 
 def _join(a: SampleDelta, b: SampleDelta) -> SampleDelta:
     logprobs = None if a.logprobs is None and b.logprobs is None else [*(a.logprobs or ()), *(b.logprobs or ())]
-    return replace(b, token_ids=[*a.token_ids, *b.token_ids], text=a.text + b.text, logprobs=logprobs)
+    return replace(
+        b,
+        token_ids=[*a.token_ids, *b.token_ids],
+        text=a.text + b.text,
+        logprobs=logprobs,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+    )
 
 
 class AsyncLLM:

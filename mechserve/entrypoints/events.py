@@ -6,21 +6,18 @@ and ``RequestOutput`` the events carry).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
+from dataclasses import dataclass
 
 from mechserve.api.outputs import RequestOutput, SampleDelta
 from mechserve.api.params import SamplingParams
 
-__all__ = ["NO_TEXT", "Admission", "StreamEvent"]
-
-NO_TEXT: Mapping[int, str] = MappingProxyType({})  # the token_text of an event without logprobs
+__all__ = ["Admission", "StreamEvent"]
 
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """An accepted request: its id, its prompt as text (None for ids) and ids, and the params it runs with."""
+    """An accepted request: its id, its prompt as text (None for ids) and the ids it runs with (after
+    ``truncate_prompt_tokens``), and the params it runs with."""
 
     request_id: str
     prompt: str | None
@@ -34,15 +31,13 @@ class StreamEvent:
 
     ``samples``: the delta of each sample the step touched (index order;
     concatenating a sample's deltas gives its final text and ids);
-    ``output``: the request's ``RequestOutput`` on its last event, else None;
-    ``token_text``: the text of each token id named in the deltas' logprobs
-    (only when the request asked for logprobs).
+    ``output``: the request's ``RequestOutput`` on its last event, else None.
+    Each ``Logprob`` in the deltas carries its token's text (``decoded_token``).
     """
 
     request_id: str
     samples: tuple[SampleDelta, ...]
     output: RequestOutput | None = None
-    token_text: Mapping[int, str] = field(default_factory=lambda: NO_TEXT)
 
     @property
     def finished(self) -> bool:

@@ -28,17 +28,16 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
 from typing import Any, TypeVar
 
 from mechserve.api.errors import EngineDeadError, EngineStepError
 from mechserve.api.outputs import SampleDelta, StepOutput
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
-from mechserve.entrypoints.events import NO_TEXT, Admission, StreamEvent
+from mechserve.entrypoints.events import Admission, StreamEvent
 from mechserve.entrypoints.metrics import ServingMetrics
 from mechserve.entrypoints.prompts import PromptInput, parse_prompt
 
@@ -80,7 +79,6 @@ class _Live:
     deliver: Deliver
     loop: asyncio.AbstractEventLoop
     arrival: float
-    logprobs: bool
     engine_ids: list[str]
     max_tokens: int
     first_token: float | None = None
@@ -114,7 +112,6 @@ class Stepper:
         self._cv = threading.Condition()
         self._stopping = False
         self._live: dict[str, _Live] = {}
-        self._token_text: dict[int, str] = {}
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._gauges()
 
@@ -225,10 +222,8 @@ class Stepper:
         params = fitted(c.params, len(ids), self.core) if c.fit_max_tokens else c.params
         request_id = self.core.add_request(ids, params, request_id=c.request_id, prompt=text)
         engine_ids = [request_id] if params.n == 1 else [f"{request_id}#{j}" for j in range(params.n)]
-        self._live[request_id] = _Live(
-            c.deliver, c.loop, c.arrival, params.logprobs is not None, engine_ids, params.max_tokens
-        )
-        return Admission(request_id, text, ids, params)
+        self._live[request_id] = _Live(c.deliver, c.loop, c.arrival, engine_ids, params.max_tokens)
+        return Admission(request_id, text, self.core.prompt_token_ids(request_id), params)
 
     def _step(self) -> None:
         try:
@@ -262,12 +257,11 @@ class Stepper:
                 continue
             samples = tuple(sorted(deltas.get(request_id, ()), key=lambda d: d.index))
             self._time(live, samples, now)
-            token_text = self._texts(samples) if live.logprobs else NO_TEXT
             output = finished.get(request_id)
             if output is not None:
                 self._forget(request_id)
                 self.metrics.observe_finished(output, live.arrival, now, live.max_tokens)
-            events.append((live, StreamEvent(request_id, samples, output, token_text)))
+            events.append((live, StreamEvent(request_id, samples, output)))
         return events
 
     def _time(self, live: _Live, samples: Sequence[SampleDelta], now: float) -> None:
@@ -283,14 +277,6 @@ class Stepper:
             live.last_token[d.index] = now
         if gaps:
             self.metrics.observe_itl(gaps)
-
-    def _texts(self, samples: Sequence[SampleDelta]) -> Mapping[int, str]:
-        """The text of every id in the samples' logprobs (chosen and top), decoded once per id."""
-        tok = self.core.tokenizer
-        ids = {i for d in samples for lp in d.logprobs or () for i in (lp.token_id, *lp.top_ids)}
-        for i in ids - self._token_text.keys():
-            self._token_text[i] = "" if tok is None else str(tok.decode([i]))
-        return MappingProxyType({i: self._token_text[i] for i in ids})
 
     def _forget(self, request_id: str) -> None:
         self._live.pop(request_id)

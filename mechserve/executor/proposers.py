@@ -313,7 +313,7 @@ class DraftModelProposer:
         )
         if not drafting:
             return
-        rows = [windows[i].row._replace(token_index=windows[i].row.token_index + r - 1) for i in drafting]
+        rows = [_guess_row(windows[i].row, r, guesses[i]) for i in drafting]
         if all(row.params.greedy for row in rows):
             for i, t in zip(drafting, self.sampler.choose(logits, rows)):
                 guesses[i].append(t)
@@ -327,6 +327,13 @@ class DraftModelProposer:
                 qs[i].append(probs[j])
             else:
                 guesses[i].append(int(probs[j].argmax()))
+
+
+def _guess_row(first: Row, r: int, earlier: Sequence[int]) -> Row:
+    """The sampling row of guess ``r`` (1-based) of a window whose first guess's row is ``first``: its
+    token index, and for penalties and filters the history extended by the ``earlier`` guesses."""
+    row = first._replace(token_index=first.token_index + r - 1)
+    return row._replace(history=(*first.history, *earlier)) if first.params.filtered else row
 
 
 __all__ = [

@@ -10,10 +10,11 @@ through nothing else, so any class with these methods can stand behind the engin
     ──────────                                   ────────
     building m12 ──────────── rank_executors() -> the executors m12's group joins (m11):
                                                    [self] for one rank, one proxy per rank process
-    add_request (after the door) ─ add_request(id, prompt_ids, params, eos_token_ids=...)
+    add_request (after the door) ─ add_request(id, prompt_ids, params, eos_token_ids=..., bad_words_ids=...)
     before a step ──────────────── advise(caps, max_k) -> spec_len for the coming step
     m12.step() ──────────────────── execute(plan) -> outcomes            (through rank_executors)
     after a step ───────────────── take_logprobs(id) -> one TokenLogprobs per appended id
+                                   take_prompt_logprobs(id) -> one per prompt position recorded
     a request leaves ───────────── release(id)
     stats() ───────────────────── ExecutorStats (forwards, rows, speculation counts)
     close() ───────────────────── stop rank processes (nothing for one rank)
@@ -72,8 +73,10 @@ class Executor(Protocol):
         params: SamplingParams = ...,
         *,
         eos_token_ids: Sequence[int] = (),
+        bad_words_ids: Sequence[Sequence[int]] = (),
     ) -> None:
-        """Register a request the door accepted: how it samples, its end ids and its prompt (for drafting)."""
+        """Register a request the door accepted: how it samples, its end ids, its prompt (for drafting,
+        penalties and prompt logprobs) and its bad words as token ids."""
         ...
 
     def release(self, request_id: str) -> None:
@@ -82,6 +85,11 @@ class Executor(Protocol):
 
     def take_logprobs(self, request_id: str) -> list[TokenLogprobs]:
         """The logprobs recorded for ``request_id`` since the last call (one per appended id)."""
+        ...
+
+    def take_prompt_logprobs(self, request_id: str) -> list[TokenLogprobs]:
+        """The prompt logprobs recorded since the last call (prompt positions 1, 2, ... in order;
+        all of them by the step that samples the first token)."""
         ...
 
     def advise(self, caps: Sequence[tuple[str, int]], max_k: int) -> int:

@@ -111,20 +111,23 @@ class RankServer:
         )
 
     def handle(self, command: tuple[Any, ...]) -> Any:
-        """Run one command: ``("execute", plan)``, ``("add", request_id, prompt_ids, params, eos, stop)``,
-        ``("release", request_id)``, ``("logprobs", request_id)``, ``("advise", caps, max_k)``,
+        """Run one command: ``("execute", plan)``, ``("add", request_id, prompt_ids, params, eos, stop, bad)``,
+        ``("release", request_id)``, ``("logprobs", request_id)``, ``("prompt_logprobs", request_id)``,
+        ``("advise", caps, max_k)``,
         ``("stats",)``, ``("params",)``, ``("fault", kind)``.  Raises ``ValueError`` for anything else."""
         name, args = command[0], command[1:]
         ex = self.executor
         if name == "execute":
             return ex.execute(args[0])
         if name == "add":
-            rid, prompt_ids, params, eos, stop = args
-            return ex.add_request(rid, prompt_ids, params, eos_token_ids=eos, stop_token_ids=stop)
+            rid, prompt_ids, params, eos, stop, bad = args
+            return ex.add_request(rid, prompt_ids, params, eos_token_ids=eos, stop_token_ids=stop, bad_words_ids=bad)
         if name == "release":
             return ex.release(args[0])
         if name == "logprobs":
             return ex.take_logprobs(args[0])
+        if name == "prompt_logprobs":
+            return ex.take_prompt_logprobs(args[0])
         if name == "advise":
             return ex.advise(*args)
         if name == "stats":

@@ -72,7 +72,7 @@ class RankGroup:
     """The driver's handle on ``world_size`` ranks; the executor API ``EngineCore`` uses, once for all.
 
     ``rank_executors()`` are the m12 rank executors; ``add_request``/``release`` reach every rank (queued
-    until the next round trip); ``take_logprobs``, ``advise`` and ``stats`` ask rank 0 (every rank
+    until the next round trip); ``take_logprobs``, ``take_prompt_logprobs``, ``advise`` and ``stats`` ask rank 0 (every rank
     holds the same).  Any failure raises ``RankError`` and shuts the group down.
     """
 
@@ -116,9 +116,11 @@ class RankGroup:
         *,
         eos_token_ids: Sequence[int] = (),
         stop_token_ids: Sequence[int] = (),
+        bad_words_ids: Sequence[Sequence[int]] = (),
     ) -> None:
         ids = None if prompt_ids is None else list(prompt_ids)
-        self._queue(("add", request_id, ids, params, tuple(eos_token_ids), tuple(stop_token_ids)))
+        bad = tuple(tuple(w) for w in bad_words_ids)
+        self._queue(("add", request_id, ids, params, tuple(eos_token_ids), tuple(stop_token_ids), bad))
 
     def release(self, request_id: str) -> None:
         if not self.closed:
@@ -126,6 +128,10 @@ class RankGroup:
 
     def take_logprobs(self, request_id: str) -> list[TokenLogprobs]:
         result: list[TokenLogprobs] = self._ask(("logprobs", request_id))
+        return result
+
+    def take_prompt_logprobs(self, request_id: str) -> list[TokenLogprobs]:
+        result: list[TokenLogprobs] = self._ask(("prompt_logprobs", request_id))
         return result
 
     def advise(self, caps: Sequence[tuple[str, int]], max_k: int) -> int:

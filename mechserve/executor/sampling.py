@@ -5,7 +5,10 @@ id, following vLLM's sampler (``vllm/model_executor/layers/sampler.py``,
 ``Sampler.forward``)::
 
     logits [R, V] float32 (raw model output)
-      -> min_tokens: EOS and stop ids = -inf while the output is shorter than min_tokens
+      -> logit processing (``process_logits``; only rows that need it, on a copy), vLLM v1's order
+         (``vllm/v1/sample/sampler.py``, ``Sampler.forward`` steps 3-6):
+         allowed_token_ids -> bad_words -> min_tokens (EOS and stop ids = -inf while the output is
+         shorter than min_tokens) -> logit_bias -> repetition, frequency, presence penalties
       -> greedy rows (temperature < 1e-5 or top_k == 1): argmax, done
       -> sampling rows: / temperature -> top-k -> softmax -> top-p -> min-p (masked = probability 0)
       -> draw: argmax(probs / q), q = -log(U) ~ Exp(1) i.i.d. (the exponential race: P(i) = probs[i] / sum(probs))
@@ -76,12 +79,24 @@ class Row(NamedTuple):
     request's output, of the token this row chooses (0 = the first output
     token); ``banned`` are the ids masked while ``token_index <
     params.min_tokens`` (the request's stop ids, and its EOS ids unless it
-    ignores EOS).
+    ignores EOS).  For a request with penalties or token filters
+    (``params.filtered``): ``history`` is every token before this row's
+    position (the prompt, then the output so far, a decode window's earlier
+    guesses included), of which the first ``prompt_len`` are the prompt, and
+    ``bad_words`` the token ids of its bad words.
     """
 
     params: SamplingParams
     token_index: int
     banned: tuple[int, ...] = ()
+    history: Sequence[int] = ()
+    prompt_len: int = 0
+    bad_words: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def processed(self) -> bool:
+        """Whether ``process_logits`` changes this row."""
+        return self.params.filtered or bool(self.banned and self.token_index < self.params.min_tokens)
 
 
 def _mix64(z: int) -> int:
@@ -138,9 +153,7 @@ class Sampler:
         is never modified.
         """
         greedy = [row.params.greedy for row in rows]
-        banned = [(i, r.banned) for i, r in enumerate(rows) if r.banned and r.token_index < r.params.min_tokens]
-        if banned:
-            logits = _mask_ids(logits, banned)
+        logits = process_logits(logits, rows)
         if all(greedy):
             return logits.argmax(dim=-1).tolist()  # the hot path: one argmax, no copy
         ids = [0] * len(rows)
@@ -180,14 +193,12 @@ class Sampler:
     def probs(self, logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
         """[R, V] float32: the distribution each row of ``logits`` ([R, V] float32) samples from.
 
-        The same processing as ``choose`` (min_tokens bans, then temperature,
+        The same processing as ``choose`` (``process_logits``, then temperature,
         top-k, top-p, min-p; masked ids have probability 0, rows are not
         renormalised after top-p/min-p, as in the draw); a greedy row is a
         point mass at its argmax.  ``logits`` is never modified.
         """
-        banned = [(i, r.banned) for i, r in enumerate(rows) if r.banned and r.token_index < r.params.min_tokens]
-        if banned:
-            logits = _mask_ids(logits, banned)
+        logits = process_logits(logits, rows)
         out = torch.zeros(logits.shape, dtype=torch.float32)
         g_rows = [i for i, row in enumerate(rows) if row.params.greedy]
         s_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -251,15 +262,54 @@ class Sampler:
         return self._u[:rows]
 
 
-def _mask_ids(logits: torch.Tensor, banned: Sequence[tuple[int, tuple[int, ...]]]) -> torch.Tensor:
-    """A copy of ``logits`` [R, V] with ``-inf`` at every ``(row, id)`` of ``banned`` (ids outside V ignored)."""
-    vocab = logits.shape[1]
-    pairs = [(i, t) for i, ids in banned for t in ids if 0 <= t < vocab]
+def process_logits(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
+    """``logits`` [R, V] float32 after each row's token filters and penalties (module docstring).
+
+    Returns ``logits`` itself when no row needs processing (the hot path: no copy), else a copy in
+    which the rows that do were processed, one row at a time, in vLLM v1's order.  Ids outside
+    the vocabulary are ignored (they are refused at submission).
+    """
+    todo = [i for i, row in enumerate(rows) if row.processed]
+    if not todo:
+        return logits
     out = logits.clone()
-    if pairs:
-        r, c = zip(*pairs)
-        out[list(r), list(c)] = float("-inf")
+    for i in todo:
+        _process_row(out[i], rows[i])
     return out
+
+
+def _process_row(x: torch.Tensor, row: Row) -> None:
+    """Process one row ``x`` ([V] float32, a view written in place); see ``process_logits``."""
+    vocab = x.shape[0]
+    p = row.params
+    inf = float("-inf")
+    output = row.history[row.prompt_len :]
+    if p.allowed_token_ids is not None:
+        keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.int64)
+        kept = x[keep]
+        x.fill_(inf)
+        x[keep] = kept
+    for word in row.bad_words:
+        # vLLM's rule: the last token is banned when the output so far ends with the others
+        prefix = len(word) - 1
+        if prefix <= len(output) and (prefix == 0 or list(output[-prefix:]) == list(word[:-1])) and word[-1] < vocab:
+            x[word[-1]] = inf
+    if row.banned and row.token_index < p.min_tokens:
+        x[torch.tensor([t for t in row.banned if 0 <= t < vocab], dtype=torch.int64)] = inf
+    if p.logit_bias:
+        ids = [t for t in p.logit_bias if t < vocab]
+        x.index_add_(0, torch.tensor(ids, dtype=torch.int64), torch.tensor([p.logit_bias[t] for t in ids]))
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor([t for t in row.history if 0 <= t < vocab], dtype=torch.int64).unique()
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and len(output):
+        counts = torch.bincount(torch.tensor([t for t in output if 0 <= t < vocab], dtype=torch.int64), minlength=vocab)
+        counts = counts[:vocab].to(x.dtype)
+        if p.frequency_penalty:
+            x.sub_(counts, alpha=p.frequency_penalty)
+        if p.presence_penalty:
+            x.sub_((counts > 0).to(x.dtype), alpha=p.presence_penalty)
 
 
 def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -337,6 +387,7 @@ __all__ = [
     "apply_min_p",
     "apply_top_k",
     "apply_top_p",
+    "process_logits",
     "row_seed",
     "stream_seed",
     "token_logprobs",

@@ -41,13 +41,27 @@ saw are kept as unknown (-1) unless the prompt was registered with ``add_request
 side decides what stays (rollback, EOS, stop ids, freeing pages).  Requests that ask for
 ``logprobs`` get one ``TokenLogprobs`` per appended id on a side channel, ``take_logprobs``.
 ``stats()`` counts target forwards, proposed and accepted guesses (``ExecutorStats``).
+
+Penalties and token filters (``SamplingParams.filtered``) need each sampling row's history: row j
+of a window is given the request's known ids followed by the window's first j guesses, so a
+guess is verified with exactly the penalties the tokens before it imply, and speculation (prompt
+lookup or a draft) changes no token.
+
+Prompt logprobs (``SamplingParams.prompt_logprobs``): the logits of every prompt position but the
+last are computed in the step that computes the position (extra LM-head rows of the same
+forward), so a chunked prompt records them chunk by chunk.  Positions the engine never computes
+for this request, because its prompt prefix came from the prefix cache (m08 reuse), are
+**recomputed**: one extra forward over the prompt up to the first computed position, for this
+request only, into a scratch KV cache (the shared cached pages are never written).  A position
+is recorded once, so a recompute after preemption records nothing twice; ``take_prompt_logprobs``
+hands them over.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -80,13 +94,42 @@ Proposer = ProposerFn
 
 @dataclass(frozen=True, slots=True)
 class _Sampling:
-    """What sampling needs of one request: its params and the ids min_tokens bans."""
+    """What sampling needs of one request: its params, the ids min_tokens bans, its prompt length
+    and its bad words' token ids (for penalties and filters)."""
 
     params: SamplingParams
     banned: tuple[int, ...]
+    prompt_len: int = 0
+    bad_words: tuple[tuple[int, ...], ...] = ()
+
+    def row(self, token_index: int, history: Sequence[int]) -> Row:
+        """The sampling row of output token ``token_index``; ``history``: every id before it (only kept
+        when the params need it)."""
+        if not self.params.filtered:
+            return Row(self.params, token_index, self.banned)
+        return Row(self.params, token_index, self.banned, tuple(history), self.prompt_len, self.bad_words)
 
 
 _DEFAULT = _Sampling(GREEDY, ())
+
+
+@dataclass(slots=True)
+class _PromptLogprobs:
+    """A request's prompt logprobs: ``num_top`` alternatives, its ``prompt``, the ``next`` prompt position to
+    record (1 .. len(prompt); position 0 has none), and what was recorded but not yet taken."""
+
+    num_top: int
+    prompt: tuple[int, ...]
+    next: int = 1
+    found: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def pending(self) -> bool:
+        return self.next < self.prompt_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +140,9 @@ class _Step:
     (R entries); ``guesses``: per item, the ids placed after its known ids; ``sampled``: the windows
     drafted from a distribution, as (index of their first of the R rows, draft); ``logprob_rows``:
     per item, the indices into the R rows whose logprobs are recorded (empty for items that do not
-    ask), and ``num_logprobs`` the N of each of those rows.
+    ask), and ``num_logprobs`` the N of each of those rows; ``prompt_rows``: per request recording
+    prompt logprobs this step, ``(request_id, first prompt position, count)``, whose logits follow
+    the R sampling rows in order (``logit_rows`` holds them after the R).
     """
 
     input_ids: torch.Tensor
@@ -109,6 +154,7 @@ class _Step:
     sampled: list[tuple[int, Draft]]
     logprob_rows: list[range]
     num_logprobs: list[int]
+    prompt_rows: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 class TorchExecutor:
@@ -142,6 +188,7 @@ class TorchExecutor:
     ) -> None:
         self.model = model
         self.page_size = page_size
+        self.kv_dtype = kv_dtype
         self.cache = model.new_cache(num_pages, page_size, kv_dtype)
         self.max_ngram = max_ngram
         self.sampler = sampler or Sampler()
@@ -155,6 +202,7 @@ class TorchExecutor:
         self._history: dict[str, list[int]] = {}
         self._sampling: dict[str, _Sampling] = {}
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
+        self._prompt_logprobs: dict[str, _PromptLogprobs] = {}
 
     def _new_proposer(
         self, num_pages: int, kv_dtype: torch.dtype | None, fn: ProposerFn | None, draft: LlamaModel | None
@@ -201,18 +249,27 @@ class TorchExecutor:
         *,
         eos_token_ids: Sequence[int] = (),
         stop_token_ids: Sequence[int] = (),
+        bad_words_ids: Sequence[Sequence[int]] = (),
     ) -> None:
-        """Register a request's sampling params, its end ids and (optionally) its prompt, for drafting.
+        """Register a request's sampling params, its end ids and (optionally) its prompt, for drafting,
+        penalties and prompt logprobs.
 
         While fewer than ``params.min_tokens`` tokens exist, the stop ids
         (``stop_token_ids`` and ``params.stop_token_ids``) and, unless
-        ``params.ignore_eos``, the ``eos_token_ids`` are never chosen.  An
-        unregistered request is greedy with no min_tokens.
+        ``params.ignore_eos``, the ``eos_token_ids`` are never chosen.
+        ``bad_words_ids``: ``params.bad_words`` as token ids (the control side tokenizes them).
+        Penalties, bad words and ``params.prompt_logprobs`` need ``prompt_ids``.  An unregistered
+        request is greedy with no min_tokens.
         """
         ends = [*stop_token_ids, *params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]
         banned = tuple(dict.fromkeys(ends)) if params.min_tokens > 0 else ()
-        self._sampling[request_id] = _Sampling(params, banned)
+        prompt_len = len(prompt_ids) if prompt_ids is not None else 0
+        bad = tuple(tuple(w) for w in bad_words_ids if w)
+        self._sampling[request_id] = _Sampling(params, banned, prompt_len, bad)
         self._logprobs.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
+        if params.prompt_logprobs is not None and prompt_ids is not None:
+            self._prompt_logprobs[request_id] = _PromptLogprobs(params.prompt_logprobs, tuple(prompt_ids))
         if prompt_ids is not None:
             self._history[request_id] = list(prompt_ids)
 
@@ -221,6 +278,7 @@ class TorchExecutor:
         self._history.pop(request_id, None)
         self._sampling.pop(request_id, None)
         self._logprobs.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         self.proposer.release(request_id)
         self.acceptance.release(request_id)
 
@@ -238,6 +296,20 @@ class TorchExecutor:
         cap): cut to the step record's ``tokens``.
         """
         return self._logprobs.pop(request_id, [])
+
+    def take_prompt_logprobs(self, request_id: str) -> list[TokenLogprobs]:
+        """The prompt logprobs recorded for ``request_id`` since the last call, then forget them.
+
+        One ``TokenLogprobs`` per prompt position 1, 2, ... in order (the prompt id's logprob under
+        the logits of the position before it, and the top N), for a request registered with
+        ``params.prompt_logprobs`` and its prompt.  Every position is recorded by the end of the
+        step that samples the request's first token.
+        """
+        state = self._prompt_logprobs.get(request_id)
+        if state is None:
+            return []
+        found, state.found = state.found, []
+        return found
 
     def advise(self, caps: Sequence[tuple[str, int]], max_k: int) -> int:
         """The ``spec_len`` (``0..max_k``) that pays best next step, for requests about to draft.
@@ -262,12 +334,63 @@ class TorchExecutor:
         proposed = self.proposer.propose(windows)
         self._proposed = [len(d.tokens) for d in proposed]
         step = self._flatten(plan, [self._fill(d, w) for d, w in zip(proposed, windows)])
+        self._recompute_prompt_logprobs(plan)
         logits = self.model.forward(step.input_ids, step.positions, self.cache, step.batch, step.logit_rows)
         self.counters.forwards += 1
         self.counters.rows += int(step.input_ids.numel())
-        targets = self._targets(step, logits)
-        recorded = self._record_logprobs(step, logits, targets) if step.num_logprobs else None
+        sampling = logits[: len(step.rows)]
+        if step.prompt_rows:
+            self._record_prompt_logprobs(step.prompt_rows, logits[len(step.rows) :])
+        targets = self._targets(step, sampling)
+        recorded = self._record_logprobs(step, sampling, targets) if step.num_logprobs else None
         return self._verdicts(plan, step.guesses, targets, recorded)
+
+    def _recompute_prompt_logprobs(self, plan: tuple[PlanItem, ...]) -> None:
+        """Record the prompt logprobs a request needs at positions this step does not compute for it
+        (served from the prefix cache): one forward of its prompt up to its first computed position,
+        alone, into a scratch KV cache."""
+        for item in plan:
+            state = self._prompt_logprobs.get(item.request_id)
+            if state is None or not state.pending or item.start_position < state.next:
+                continue
+            upto = item.start_position  # positions [0, upto) are cached; their rows give tokens 1 .. upto
+            ids = state.prompt[:upto]
+            ps = self.page_size
+            pages = -(-upto // ps)
+            arch = self.model.arch
+            batch = build_attention_batch(
+                [Span(0, 0, upto, tuple(range(pages)))],
+                list(range(upto)),
+                ps,
+                arch.num_heads // arch.num_kv_heads,
+                self.model.distinct_windows,
+            )
+            first = state.next  # the prompt position whose logprob the first recomputed row gives
+            rows = torch.arange(first - 1, upto, dtype=torch.int64)
+            logits = self.model.forward(
+                torch.tensor(ids, dtype=torch.int64),
+                torch.arange(upto, dtype=torch.int64),
+                self.model.new_cache(pages, ps, self.kv_dtype),
+                batch,
+                rows,
+            )
+            self.counters.forwards += 1
+            self.counters.rows += upto
+            self._record_prompt_logprobs([(item.request_id, first, upto - first + 1)], logits)
+
+    def _record_prompt_logprobs(self, prompt_rows: Sequence[tuple[str, int, int]], logits: torch.Tensor) -> None:
+        """Record ``(request_id, first position, count)`` prompt logprobs from ``logits`` (their rows, in order)."""
+        targets: list[int] = []
+        tops: list[int] = []
+        for rid, first, count in prompt_rows:
+            state = self._prompt_logprobs[rid]
+            targets += state.prompt[first : first + count]
+            tops += [state.num_top] * count
+        found = iter(token_logprobs(logits[: len(targets)], targets, tops))
+        for rid, first, count in prompt_rows:
+            state = self._prompt_logprobs[rid]
+            state.found += [next(found) for _ in range(count)]
+            state.next = first + count
 
     @staticmethod
     def _fill(d: Draft, w: Window) -> Draft:
@@ -292,7 +415,7 @@ class TorchExecutor:
             )
         hist = self._observe(item)
         s = self._sampling.get(item.request_id, _DEFAULT)
-        return Window(item, hist, item.num_tokens - known, Row(s.params, item.generated, s.banned))
+        return Window(item, hist, item.num_tokens - known, s.row(item.generated, hist))
 
     def _flatten(self, plan: tuple[PlanItem, ...], drafts: list[Draft]) -> _Step:
         """Lay the items out as one flat batch: known ids then guesses per item, in plan order."""
@@ -305,6 +428,8 @@ class TorchExecutor:
         windows: list[tuple[int, Draft]] = []
         logprob_rows: list[range] = []
         num_logprobs: list[int] = []
+        prompt_rows: list[tuple[str, int, int]] = []
+        prompt_logit_rows: list[int] = []
         ps = self.page_size
         for item, d in zip(plan, drafts):
             known = len(item.token_ids)
@@ -319,12 +444,21 @@ class TorchExecutor:
                 logit_rows += range(row + known - 1, row + item.num_tokens)
                 s = self._sampling.get(item.request_id, _DEFAULT)
                 windows.append((len(rows), d))
-                rows += [Row(s.params, item.generated + j, s.banned) for j in range(len(d.tokens) + 1)]
+                before = self._history.get(item.request_id, []) if s.params.filtered else []
+                rows += [s.row(item.generated + j, [*before, *d.tokens[:j]]) for j in range(len(d.tokens) + 1)]
                 if s.params.logprobs is not None:
                     num_logprobs += [s.params.logprobs] * len(span)
                 else:
                     span = range(0)
             logprob_rows.append(span)
+            state = self._prompt_logprobs.get(item.request_id)
+            if state is not None and state.pending:
+                # position p's row gives prompt position p + 1's logprob; the recompute covered the rest
+                first = max(state.next, item.start_position + 1)
+                last = min(item.start_position + known, state.prompt_len - 1)  # inclusive
+                if first <= last:
+                    prompt_rows.append((item.request_id, first, last - first + 1))
+                    prompt_logit_rows += range(row + first - 1 - item.start_position, row + last - item.start_position)
         arch = self.model.arch
         batch = build_attention_batch(
             spans, slots, ps, arch.num_heads // arch.num_kv_heads, self.model.distinct_windows
@@ -333,12 +467,13 @@ class TorchExecutor:
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             batch=batch,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.int64),
+            logit_rows=torch.tensor([*logit_rows, *prompt_logit_rows], dtype=torch.int64),
             rows=rows,
             guesses=[list(d.tokens) for d in drafts],
             sampled=[(first, d) for first, d in windows if d.q is not None],
             logprob_rows=logprob_rows,
             num_logprobs=num_logprobs,
+            prompt_rows=prompt_rows,
         )
 
     def _targets(self, step: _Step, logits: torch.Tensor) -> list[int]:

@@ -24,6 +24,7 @@ engine step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 import uuid
@@ -36,7 +37,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mechserve import __version__
-from mechserve.api.errors import EngineDeadError, EngineStepError
+from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError
+from mechserve.api.limits import MAX_REQUEST_BYTES
 from mechserve.api.outputs import ABORT, RequestOutput
 from mechserve.api.params import SamplingParams
 from mechserve.entrypoints.async_llm import AsyncLLM, RequestStream
@@ -55,16 +57,22 @@ from mechserve.http.protocol import (
 from mechserve.http.streaming import ChatStream, CompletionStream, EventStream
 
 T = TypeVar("T")
-MAX_BODY_BYTES = 64 << 20
 MAX_PROMPTS = 256  # prompts in one completions request
 
 
-def build_app(llm: AsyncLLM, *, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def build_app(
+    llm: AsyncLLM,
+    *,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+) -> FastAPI:
     """The server's app over ``llm``, answering to ``model_name`` (default ``llm.model_name``).
 
     With ``api_key`` every path but ``/health`` needs ``Authorization:
-    Bearer <api_key>``.  The app's lifespan starts ``llm``'s engine thread
-    if it is not running yet, and then also stops it.
+    Bearer <api_key>``.  A request body over ``max_request_bytes`` (default 4 MiB) is a 413 before
+    anything reads it.  The app's lifespan starts ``llm``'s engine thread if it is not running
+    yet, and then also stops it.
     """
     name = model_name or llm.model_name
 
@@ -84,7 +92,7 @@ def build_app(llm: AsyncLLM, *, model_name: str | None = None, api_key: str | No
     app.state.model_name = name
     app.state.created = int(time.time())
     install(app)
-    app.add_middleware(Guard, api_key=api_key)
+    app.add_middleware(Guard, api_key=api_key, max_body=max_request_bytes)
     _routes(app, llm, name)
     _tokenizer_routes(app, llm, name)
     return app
@@ -114,14 +122,17 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         model_name = _check_model(body.model, name)
-        prompts, params = _prepare(body, body.prompts)
-        response_id = f"cmpl-{uuid.uuid4().hex}"
-        handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=False)
-        stream = CompletionStream(handles, response_id, model_name, params, body.include_usage)
+        prompts, params = _prepare(body, body.prompts, llm)
+        response_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
+        handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=body.fit_max_tokens)
+        render = _render(body, params, llm)
+        shown = [_prompt(h, params, render) for h in handles]
+        stream = CompletionStream(handles, response_id, model_name, params, body.include_usage, render, prompts=shown)
         if body.stream:
             return EventStream(stream.chunks(), handles)
-        outputs, token_text = await _unless_disconnected(request, _drain(llm, handles), handles)
-        choices = r.completion_choices(outputs, params.n, token_text, params.logprobs is not None)
+        outputs = await _unless_disconnected(request, _drain(llm, handles), handles)
+        shown = [dataclasses.replace(p, logprobs=o.prompt_logprobs) for p, o in zip(shown, outputs)]
+        choices = r.completion_choices(outputs, shown, params.n, render)
         result = r.envelope("text_completion", response_id, stream.created, model_name, choices)
         result["usage"] = r.usage((len(h.prompt_token_ids) for h in handles), outputs)
         return JSONResponse(result)
@@ -129,16 +140,20 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         model_name = _check_model(body.model, name)
-        prompts, params = _prepare(body, lambda: [Chat(body.template_messages(), body.add_generation_prompt)])
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        fit = body.requested_max_tokens is None
-        handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=fit)
-        stream = ChatStream(handles, response_id, model_name, params, body.include_usage)
+        prompts, params = _prepare(body, lambda: [body.chat()], llm)
+        response_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
+        handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=body.fit_max_tokens)
+        render = _render(body, params, llm)
+        stream = ChatStream(handles, response_id, model_name, params, body.include_usage, render)
         if body.stream:
             return EventStream(stream.chunks(), handles)
-        outputs, token_text = await _unless_disconnected(request, _drain(llm, handles), handles)
-        choices = r.chat_choices(outputs[0], token_text, params.logprobs is not None)
+        outputs = await _unless_disconnected(request, _drain(llm, handles), handles)
+        choices = r.chat_choices(outputs[0], render)
         result = r.envelope("chat.completion", response_id, stream.created, model_name, choices)
+        if render.prompt_logprobs:
+            result["prompt_logprobs"] = r.vllm_prompt_logprobs(outputs[0].prompt_logprobs)
+        if render.token_ids:
+            result["prompt_token_ids"] = list(handles[0].prompt_token_ids)
         result["usage"] = r.usage((len(h.prompt_token_ids) for h in handles), outputs)
         return JSONResponse(result)
 
@@ -173,7 +188,7 @@ def body_chat(body: TokenizeChatRequest) -> Chat:
         body.check_supported()
     except UnsupportedField as exc:
         raise APIError(400, str(exc), param=exc.param, code="unsupported_parameter") from None
-    return Chat(body.template_messages(), body.add_generation_prompt, body.chat_template)
+    return body.chat()
 
 
 async def _tokenizer_call(work: Awaitable[T], param: str) -> T:
@@ -184,7 +199,8 @@ async def _tokenizer_call(work: Awaitable[T], param: str) -> T:
     except EngineDeadError as exc:
         raise engine_error(exc) from None
     except ValueError as exc:
-        raise APIError(400, str(exc), param=param, code="invalid_value") from None
+        named = exc.param if isinstance(exc, ParamError) and exc.param != "messages" else param
+        raise APIError(400, str(exc), param=named, code="invalid_value") from None
 
 
 def _model_card(app: FastAPI, llm: AsyncLLM, name: str) -> dict[str, Any]:
@@ -206,8 +222,11 @@ def _check_model(requested: str | None, served: str) -> str:
     )
 
 
-def _prepare(body: Any, prompts: Callable[[], Sequence[PromptInput]]) -> tuple[list[PromptInput], SamplingParams]:
-    """The body's prompts and ``SamplingParams``; a 400 naming the field for anything unsupported or invalid."""
+def _prepare(
+    body: Any, prompts: Callable[[], Sequence[PromptInput]], llm: AsyncLLM
+) -> tuple[list[PromptInput], SamplingParams]:
+    """The body's prompts and ``SamplingParams``; a 400 naming the field for anything unsupported or invalid,
+    or for a request that could never be admitted (more samples than may wait)."""
     try:
         body.check_supported()
         found = list(prompts())
@@ -218,7 +237,45 @@ def _prepare(body: Any, prompts: Callable[[], Sequence[PromptInput]]) -> tuple[l
         raise engine_error(exc, param=None) from None
     if len(found) > MAX_PROMPTS:
         raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(found)}", param="prompt")
+    limit = llm.core.config.max_waiting
+    if limit is not None and len(found) * params.n > limit:
+        # all of them wait at once before the next step: over max_waiting, none could ever be admitted
+        raise APIError(
+            400,
+            f"{len(found)} prompt(s) x n={params.n} = {len(found) * params.n} requests can never be admitted: at most "
+            f"max_waiting={limit} may wait; send fewer prompts or a smaller n",
+            param="n",
+            code="invalid_value",
+        )
     return found, params
+
+
+def _render(body: Any, params: SamplingParams, llm: AsyncLLM) -> r.Render:
+    """How the response shows its choices (logprobs, echo, vLLM's extra fields), from the body."""
+    tokenizer = llm.core.tokenizer  # decoding is a pure function of the tokenizer: safe off the engine thread
+
+    def decode(ids: Sequence[int]) -> str:
+        return "" if tokenizer is None else str(tokenizer.decode(list(ids)))
+
+    return r.Render(
+        logprobs=params.logprobs is not None,
+        echo=bool(getattr(body, "echo", False)),
+        prompt_logprobs=body.prompt_logprobs is not None,
+        token_ids=bool(body.return_token_ids),
+        ids_as_tokens=bool(body.return_tokens_as_token_ids),
+        top_n=params.logprobs or 0,
+        decode=decode,
+    )
+
+
+def _prompt(handle: RequestStream, params: SamplingParams, render: r.Render) -> r.Prompt:
+    """A completions choice's prompt: its ids, and the text ``echo`` shows (as sent; decoded from the ids
+    when it was ids or was truncated, and only when echoed)."""
+    ids = handle.prompt_token_ids
+    text = handle.prompt if handle.prompt is not None and params.truncate_prompt_tokens is None else None
+    if text is None:
+        text = render.decode(ids) if render.echo else ""
+    return r.Prompt(text, ids)
 
 
 async def _submit(
@@ -241,24 +298,18 @@ async def _submit(
     raise engine_error(failure, param="messages" if isinstance(prompts[0], Chat) else "prompt")
 
 
-async def _drain(llm: AsyncLLM, handles: Sequence[RequestStream]) -> tuple[list[RequestOutput], dict[int, str]]:
-    """Every request's final output, and the text of every token id their logprobs name; a 503 if the
-    server aborted them because it is shutting down (a stream says so with its ``"abort"`` chunk)."""
-    token_text: dict[int, str] = {}
-    outputs = []
+async def _drain(llm: AsyncLLM, handles: Sequence[RequestStream]) -> list[RequestOutput]:
+    """Every request's final output; a 503 if the server aborted them because it is shutting down (a
+    stream says so with its ``"abort"`` chunk)."""
     try:
-        for handle in handles:
-            async for event in handle:
-                token_text.update(event.token_text)
-            assert handle.output is not None
-            outputs.append(handle.output)
+        outputs = [await handle.result() for handle in handles]
     except (EngineStepError, EngineDeadError) as exc:
         raise engine_error(exc) from None
     if not llm.running and any(c.finish_reason == ABORT for o in outputs for c in o.outputs):
         raise APIError(
             503, "the server is shutting down; the request was aborted before it finished", code="shutting_down"
         )
-    return outputs, token_text
+    return outputs
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T], handles: Sequence[RequestStream]) -> T:
@@ -284,9 +335,13 @@ async def _disconnected(request: Request) -> None:
 
 
 class Guard:
-    """ASGI middleware: the API key on every path but ``/health``, and a cap on the declared body size."""
+    """ASGI middleware: the API key on every path but ``/health``, and a cap on the body size.
 
-    def __init__(self, app: ASGIApp, api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> None:
+    A body declared (``Content-Length``) or found (chunked) to be over ``max_body`` bytes is a 413
+    before the app reads any of it, so no oversized prompt is ever parsed or tokenized.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None = None, max_body: int = MAX_REQUEST_BYTES) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body = max_body
@@ -295,10 +350,40 @@ class Guard:
         if scope["type"] == "http":
             headers = dict(scope.get("headers") or [])
             error = self._check(scope["path"], headers)
+            if error is None and b"content-length" not in headers and scope.get("method") in ("POST", "PUT", "PATCH"):
+                receive, error = await self._buffered(receive)
             if error is not None:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    async def _buffered(self, receive: Receive) -> tuple[Receive, APIError | None]:
+        """Read a body of undeclared length, up to the cap; a ``receive`` that replays it, or the 413."""
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                return receive, self._too_large()
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        replay: list[Any] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed() -> Any:
+            return replay.pop() if replay else await receive()
+
+        return replayed, None
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413,
+            f"the request body is over {self.max_body} bytes (the server's --max-request-bytes)",
+            param=None,
+            code="body_too_large",
+        )
 
     def _check(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
         if self.api_key is not None and path != "/health":
@@ -312,5 +397,5 @@ class Guard:
                 )
         length = headers.get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.max_body:
-            return APIError(413, f"the request body is over {self.max_body} bytes", code="body_too_large")
+            return self._too_large()
         return None

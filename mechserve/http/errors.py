@@ -3,11 +3,12 @@
 Status codes, so that bad input never reads as a server fault::
 
     400 invalid_request_error   malformed JSON, a wrong type, a value out of range, an unsupported field,
-                                a prompt the engine refuses (empty, too long, never fits the KV pool,
-                                a token id outside the vocabulary)
+                                text that is not valid Unicode, a prompt the engine refuses (empty, too
+                                long, never fits the KV pool, a token id outside the vocabulary), a
+                                request that could never be admitted (more samples than max_waiting)
     401 invalid_request_error   a missing or wrong API key (code invalid_api_key)
     404 invalid_request_error   an unknown model (code model_not_found) or path
-    405, 413                    wrong method, body too large
+    405, 413                    wrong method, body over --max-request-bytes (before anything reads it)
     429 overloaded_error        max_waiting requests already wait (m12's OVERLOADED); Retry-After is set
     500 server_error            an engine step failed under the request (a bug or out of memory)
     503 server_error            the engine is not running (shutting down, or dead after a failure), or a
@@ -28,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mechserve.api.errors import EngineDeadError, EngineStepError, RequestRejected
+from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError, RequestRejected
 from mechserve.spec.m12_admission_control import RejectReason
 
 log = logging.getLogger("mechserve.http")
@@ -89,9 +90,13 @@ def engine_error(exc: Exception, param: str | None = "prompt") -> APIError:
         return APIError(503, f"the engine is not available: {exc}", headers={"Retry-After": "5"})
     if isinstance(exc, EngineStepError):
         return APIError(500, str(exc))
+    if isinstance(exc, ParamError):
+        named = exc.param
+        if param == "messages" and named == "prompt":  # a chat's prompt is its messages
+            named = "messages"
+        return APIError(400, str(exc), param=named, code="invalid_value")
     if isinstance(exc, ValueError):
-        field, _, _ = str(exc).partition(" ")
-        return APIError(400, str(exc), param=field if field.isidentifier() else param, code="invalid_value")
+        return APIError(400, str(exc), param=param, code="invalid_value")
     log.exception("unexpected error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}")
 

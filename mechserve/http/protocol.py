@@ -1,36 +1,39 @@
-"""The OpenAI request bodies the server accepts (pydantic), and their translation into ``SamplingParams``.
+"""The OpenAI request bodies the server accepts (pydantic), and their translation into prompts and ``SamplingParams``.
 
-Types are strict (``"0.5"`` is not a number, ``1`` is not a boolean) and
-ranges are OpenAI's: ``temperature`` in [0, 2], ``top_p`` in (0, 1],
-``n`` in [1, 64], at most 16 stop strings.  vLLM's extensions are accepted
-too (``top_k``, ``min_p``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``;
-with the openai client, pass them in ``extra_body``).  Fields this server
-does not know are ignored, as vLLM does; fields it knows but cannot honour
-(``echo``, ``suffix``, ``best_of`` other than ``n``, ``logit_bias``, a
-non-zero presence or frequency penalty, ``tools``, a ``response_format``
-other than text) are refused with a 400 naming the field, rather than
-silently ignored.
+What each field does is decided by one table, ``mechserve.http.fields`` (rendered as
+docs/api-fields.md): the models below declare exactly its honoured fields, with their types and
+ranges; its refused fields arrive as extra keys (``model_extra``) and ``check_supported`` answers
+a non-neutral value with ``UnsupportedField`` naming it; fields outside the table are ignored, as
+vLLM does.  Types are strict (``"0.5"`` is not a number, ``1`` is not a boolean), every field
+takes ``null`` for its default (OpenAI's fields are nullable), ranges are OpenAI's
+(``temperature`` in [0, 2], ``top_p`` in (0, 1], ``n`` in [1, 64], at most 16 stop strings) and
+every string must be valid Unicode (a lone surrogate such as ``"\\ud800"`` is a 400 naming its
+field).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from mechserve.api.errors import ParamError
 from mechserve.api.limits import MAX_LOGPROBS
 from mechserve.api.params import SamplingParams
+from mechserve.entrypoints.prompts import Chat, PromptInput, Text, unicode_problem
+from mechserve.http.fields import CHAT, COMPLETIONS, LATER, refused_field
 
 MAX_N = 64
 MAX_STOP = 16
 MAX_TOKENS = 1_000_000_000  # the engine's own limit (m12's door then names the model's context)
 INT64 = 2**63
 MAX_DETOKENIZE = 1_000_000  # ids in one /detokenize request
+MAX_LIST = 65_536  # token ids in stop_token_ids / allowed_token_ids / logit_bias
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
 class UnsupportedField(ValueError):
-    """A field this server knows but cannot honour; ``param`` names it."""
+    """A field this server knows but cannot honour (with this value); ``param`` names it."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
@@ -40,103 +43,174 @@ class UnsupportedField(ValueError):
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """Every string of every field must encode as UTF-8 (JSON can spell a lone surrogate, ``"\\ud800"``)."""
+        problem = unicode_problem(value)
+        if problem is not None:
+            raise ValueError(f"not valid Unicode: {problem}")
+        return value
+
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = None
 
 
-class _Sampling(_Body):
-    """The fields both endpoints share."""
+class _Request(_Body):
+    """The fields both endpoints share; refused fields stay in ``model_extra`` for ``check_supported``."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    endpoint: ClassVar[str] = ""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     seed: Annotated[int, Field(ge=-INT64, lt=INT64)] | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LIST)] | None = None
     user: str | None = None
     # vLLM's extensions
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] = 0
-    ignore_eos: bool = False
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(max_length=1024)] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LIST)] | None = None
+    bad_words: Annotated[list[str], Field(max_length=128)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=MAX_TOKENS)] | None = None
+    add_special_tokens: bool | None = None
+    request_id: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    # llama.cpp's name for max_tokens
+    n_predict: Annotated[int, Field(ge=-1, le=MAX_TOKENS)] | None = None
 
     def check_supported(self) -> None:
-        """Raises ``UnsupportedField`` for a field set to something this server cannot do."""
+        """Raises ``UnsupportedField`` for a refused field (the table's) or an honoured field's refused value."""
+        extra = self.model_extra or {}
+        row = refused_field(self.endpoint, {**extra, **self.model_dump(exclude_unset=True)}, list(extra))
+        if row is not None:
+            raise UnsupportedField(row.name, row.refusal())
         if self.stream_options is not None and not self.stream:
             raise UnsupportedField("stream_options", "stream_options is only allowed when stream is true")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise UnsupportedField(name, f"{name} is not supported by this server (use 0)")
-        if self.logit_bias:
-            raise UnsupportedField("logit_bias", "logit_bias is not supported by this server")
+        if self.n_predict is not None and self.max_tokens is not None and self.n_predict != self.max_tokens:
+            raise UnsupportedField("n_predict", "n_predict and max_tokens disagree; give one of them")
+        if self.stream and self.samples > 1 and self.prompt_logprobs is not None:
+            raise UnsupportedField("prompt_logprobs", "prompt_logprobs with stream and n > 1 is not supported yet")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The ``SamplingParams`` of this body; ``ValueError`` for a combination they refuse."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        return SamplingParams(
-            n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            seed=self.seed,
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-        )
+    @property
+    def samples(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def fit_max_tokens(self) -> bool:
+        """Whether ``max_tokens`` is "as many as fit" (the engine lowers it to what the prompt leaves)."""
+        return self.requested_max_tokens is None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_tokens``, else llama.cpp's ``n_predict`` (-1: None, as many as fit)."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return None if self.n_predict is None or self.n_predict < 0 else self.n_predict
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        """The ``SamplingParams`` of this body; ``ParamError`` (naming the field) for a combination they refuse."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        return SamplingParams(
+            n=self.samples,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=None if self.seed == -1 else self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens or 0,
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=bool(self.ignore_eos),
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=_logit_bias(self.logit_bias),
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            bad_words=tuple(self.bad_words or ()),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+        )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``{"<token id>": bias}`` with int keys; ``ParamError`` for a key that is not a token id."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise ParamError("logit_bias", f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        out[int(key)] = value
+    return out
+
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Request):
     """``POST /v1/completions``: one prompt or several (text or token ids), each completed ``n`` times."""
 
+    endpoint: ClassVar[str] = COMPLETIONS
+
     prompt: Prompt
-    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
-    suffix: str | None = None
+    echo: bool | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise UnsupportedField("echo", "echo is not supported by this server")
-        if self.suffix:
-            raise UnsupportedField("suffix", "suffix is not supported by this server")
-        if self.best_of is not None and self.best_of != self.n:
+        if self.best_of is not None and self.best_of != self.samples:
             raise UnsupportedField("best_of", "best_of is not supported by this server (leave it unset or equal n)")
+        if self.echo and self.stream and self.samples > 1 and self.logprobs is not None:
+            raise UnsupportedField("echo", "echo with logprobs, stream and n > 1 together is not supported yet")
 
-    def prompts(self) -> list[str | list[int]]:
+    def prompts(self) -> list[PromptInput]:
         """The prompts, one per engine request (``[]`` is one prompt of no token ids, which the engine refuses)."""
         p = self.prompt
+        special = True if self.add_special_tokens is None else self.add_special_tokens
         if isinstance(p, str):
-            return [p]
+            return [Text(p, special)]
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        return [Text(x, special) if isinstance(x, str) else list(x) for x in p]  # type: ignore[arg-type]
 
     def to_params(self) -> SamplingParams:
-        return self.sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        requested = self.requested_max_tokens
+        max_tokens = 16 if requested is None and self.n_predict is None else requested
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs is not None:
+            prompt_logprobs = self.logprobs  # vLLM's rule: echo with logprobs scores the prompt too
+        return self.sampling_params(MAX_TOKENS if max_tokens is None else max_tokens, self.logprobs, prompt_logprobs)
+
+    @property
+    def fit_max_tokens(self) -> bool:
+        return self.n_predict == -1 and self.max_tokens is None
 
 
 class TextPart(_Body):
@@ -148,6 +222,31 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # In the history, OpenAI's clients send what earlier replies had; tool calls are refused (a later issue).
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    refusal: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _no_tool_messages(cls, role: str) -> str:
+        if role == "tool":
+            raise ValueError(f"tool messages are {LATER}")
+        return role
+
+    @field_validator("tool_calls", "function_call")
+    @classmethod
+    def _no_tool_calls(cls, value: Any) -> Any:
+        if value:
+            raise ValueError(f"an assistant message's tool calls are {LATER}")
+        return value
+
+    @field_validator("refusal")
+    @classmethod
+    def _no_refusal(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("an assistant message's refusal is not supported: give it as content")
+        return value
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
@@ -170,42 +269,51 @@ class ResponseFormat(_Body):
     type: str
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Request):
     """``POST /v1/chat/completions``: one conversation through the model's chat template, answered ``n`` times."""
 
+    endpoint: ClassVar[str] = CHAT
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     response_format: ResponseFormat | None = None
-    add_generation_prompt: bool = True
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise UnsupportedField("tools", "tools are not supported by this server")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise UnsupportedField("tool_choice", "tool_choice is not supported by this server")
         if self.response_format is not None and self.response_format.type != "text":
-            raise UnsupportedField("response_format", "response_format other than 'text' is not supported")
+            raise UnsupportedField("response_format", f"response_format {self.response_format.type!r} is {LATER}")
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedField("top_logprobs", "top_logprobs needs logprobs: true")
 
     @property
     def requested_max_tokens(self) -> int | None:
-        """``max_completion_tokens``, else ``max_tokens``, else None (as many as fit)."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        """``max_completion_tokens``, else ``max_tokens``, else ``n_predict``, else None (as many as fit)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return super().requested_max_tokens
 
     def to_params(self) -> SamplingParams:
         requested = self.requested_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(MAX_TOKENS if requested is None else requested, logprobs)
+        return self.sampling_params(MAX_TOKENS if requested is None else requested, logprobs, self.prompt_logprobs)
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.as_template_message() for m in self.messages]
+    def chat(self) -> Chat:
+        """The conversation as a prompt, with the template options of the body."""
+        return Chat(
+            [m.as_template_message() for m in self.messages],
+            add_generation_prompt=True if self.add_generation_prompt is None else self.add_generation_prompt,
+            continue_final_message=bool(self.continue_final_message),
+            template_kwargs=self.chat_template_kwargs,
+            add_special_tokens=bool(self.add_special_tokens),
+        )
 
 
 # /tokenize and /detokenize: vLLM's request shapes (vllm/entrypoints/openai/protocol.py).
@@ -237,12 +345,20 @@ class TokenizeChatRequest(_Body):
 
     def check_supported(self) -> None:
         """Raises ``UnsupportedField`` for a field set to something ``/tokenize`` cannot do."""
-        for name in ("continue_final_message", "chat_template_kwargs", "tools", "mm_processor_kwargs"):
+        for name in ("tools", "mm_processor_kwargs"):
             if getattr(self, name):
                 raise UnsupportedField(name, f"{name} is not supported by this server's /tokenize")
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.as_template_message() for m in self.messages]
+    def chat(self) -> Chat:
+        """The conversation as a prompt, with the template options of the body."""
+        return Chat(
+            [m.as_template_message() for m in self.messages],
+            add_generation_prompt=self.add_generation_prompt,
+            chat_template=self.chat_template,
+            continue_final_message=self.continue_final_message,
+            template_kwargs=self.chat_template_kwargs,
+            add_special_tokens=self.add_special_tokens,
+        )
 
 
 def _tokenize_kind(body: Any) -> str:

@@ -10,6 +10,7 @@ larger chunks and never drops text.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -71,13 +72,20 @@ class _Stream:
     kind = ""
 
     def __init__(
-        self, handles: Sequence[RequestStream], response_id: str, model: str, params: SamplingParams, usage: bool
+        self,
+        handles: Sequence[RequestStream],
+        response_id: str,
+        model: str,
+        params: SamplingParams,
+        usage: bool,
+        render: r.Render | None = None,
     ) -> None:
         self.handles = handles
         self.response_id = response_id
         self.model = model
         self.params = params
         self.include_usage = usage
+        self.render = render or r.Render(logprobs=params.logprobs is not None, top_n=params.logprobs or 0)
         self.created = int(time.time())
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -96,17 +104,33 @@ class _Stream:
 class CompletionStream(_Stream):
     kind = "text_completion"
 
+    def __init__(self, *args: Any, prompts: list[r.Prompt] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.prompts = prompts or []  # per prompt, what its choices echo (with render.echo)
+
     async def chunks(self) -> AsyncGenerator[dict[str, Any], None]:
-        logprobs = self.params.logprobs is not None
-        offsets: dict[int, int] = {}
+        render = self.render
+        offsets: dict[int, int] = {}  # sample index -> length of its text so far
         for i, handle in enumerate(self.handles):
             async for event in handle.coalesced():
                 for d in event.samples:
-                    if not (d.text or d.finished or (logprobs and d.token_ids)):
+                    first = d.index not in offsets
+                    if not (first or d.text or d.finished or (render.logprobs and d.token_ids)):
                         continue
-                    offset = offsets.get(d.index, 0) if logprobs else None
-                    yield self.chunk([r.completion_chunk_choice(i, self.params.n, d, event.token_text, offset)])
-                    offsets[d.index] = offsets.get(d.index, 0) + len(d.text)
+                    prompt = self.prompts[i] if first and self.prompts else None
+                    echo = dataclasses.replace(prompt, logprobs=d.prompt_logprobs) if prompt and render.echo else None
+                    offset = offsets.get(d.index, 0)
+                    choice = r.completion_choice(
+                        i * self.params.n + d.index,
+                        d,
+                        render,
+                        echo=echo,
+                        prompt_ids=prompt.token_ids if prompt else None,
+                        offset=offset,
+                        prompt_logprobs=d.prompt_logprobs,
+                    )
+                    yield self.chunk([choice])
+                    offsets[d.index] = offset + len(choice["text"])
             offsets.clear()
         if self.include_usage:
             yield self.usage_chunk()
@@ -116,11 +140,14 @@ class ChatStream(_Stream):
     kind = "chat.completion.chunk"
 
     async def chunks(self) -> AsyncGenerator[dict[str, Any], None]:
-        logprobs = self.params.logprobs is not None
+        render = self.render
         yield self.chunk([r.chat_role_choice(j) for j in range(self.params.n)])
         async for event in self.handles[0].coalesced():
             for d in event.samples:
-                if d.text or d.finished or (logprobs and d.token_ids):
-                    yield self.chunk([r.chat_chunk_choice(d, event.token_text, logprobs)])
+                if d.text or d.finished or (render.logprobs and d.token_ids) or d.prompt_logprobs is not None:
+                    chunk = self.chunk([r.chat_chunk_choice(d, render)])
+                    if render.prompt_logprobs and d.prompt_logprobs is not None:
+                        chunk["prompt_logprobs"] = r.vllm_prompt_logprobs(d.prompt_logprobs)
+                    yield chunk
         if self.include_usage:
             yield self.usage_chunk()

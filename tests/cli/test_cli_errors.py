@@ -455,3 +455,16 @@ def test_bad_attention_mode_is_a_usage_error(cli, monkeypatch) -> None:
     )
     assert cli("generate", "--help").code == 0  # help and model-free commands do not care
     assert cli("mechs").code == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (["generate", "caf\udce9"], ["argument 2", "caf\\xe9", "byte 0xe9"]),  # what $'caf\xe9' becomes in Latin-1
+        (["generate", "hi", "--stop", "\udcff"], ["--stop", "byte 0xff"]),
+        (["run", "--request", "a\ud800:4:2"], ["the value of --request", "U+D800"]),
+    ],
+)
+def test_an_argument_that_is_not_utf8_is_one_line(cli, argv: list[str], needles: list[str]) -> None:
+    """An undecodable byte reaches Python as a lone surrogate, which no tokenizer takes: refused before any work."""
+    assert_one_error_line(cli(*argv), "not valid UTF-8", *needles)

@@ -64,7 +64,10 @@ def test_generate_n_logprobs_stop(tiny_dir, capsys) -> None:
     for o in outputs:
         assert o["finish_reason"] == "stop" and o["stop_reason"] == stop_word
         assert o["text"] == text[:cut] and o["token_ids"] == greedy[:consumed]
-        assert [lp["token_id"] for lp in o["logprobs"]] == o["token_ids"] and len(o["logprobs"][0]["top"]) == 2
+        # vLLM's shape: per token, {id: {logprob, rank, decoded_token}}, the chosen id first, then the top 2
+        assert [int(next(iter(lp))) for lp in o["logprobs"]] == o["token_ids"] and len(o["logprobs"][0]) in (2, 3)
+        first = o["logprobs"][0][str(o["token_ids"][0])]
+        assert first["decoded_token"] == f"w{o['token_ids'][0]}" and first["rank"] >= 1
     # A stop string ends a sample with status STOP, not as an abort; the summary says which string.
     summary = final_json(out)["summary"]
     assert [

@@ -56,8 +56,10 @@ def test_the_stream_adds_up_to_the_output(tiny) -> None:
     done = final.outputs[0]
     assert "".join(d.text for d in deltas) == done.text == "".join(f" w{t}" for t in done.token_ids)
     assert [t for d in deltas for t in d.token_ids] == done.token_ids
-    assert [lp.token_id for d in deltas for lp in d.logprobs] == done.token_ids
-    assert all(len(lp.top_ids) == 3 and lp.rank >= 1 for lp in done.logprobs)
+    # vLLM's shape: one dict per id, the chosen id first, then the top 3
+    assert [next(iter(lp)) for d in deltas for lp in d.logprobs] == done.token_ids
+    assert all(len(lp) in (3, 4) and lp[t].rank >= 1 for t, lp in zip(done.token_ids, done.logprobs))
+    assert all(lp[t].decoded_token == f"w{t}" for t, lp in zip(done.token_ids, done.logprobs))
     assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
 
 

@@ -124,7 +124,7 @@ def test_eos_and_stop_ids_finish_with_their_own_reason(toy, tmp_path: Path) -> N
     (out,) = [o for step in drain(c) for o in step.finished]
     stop = out.outputs[0]
     assert (stop.text, stop.finish_reason, stop.stop_reason) == ("ABCDEF", "stop", i[b"GHI"])
-    assert [lp.token_id for lp in stop.logprobs] == stop.token_ids == [i[b"ABC"], i[b"DEF"], i[b"GHI"]]
+    assert [next(iter(lp)) for lp in stop.logprobs] == stop.token_ids == [i[b"ABC"], i[b"DEF"], i[b"GHI"]]
     c.check_pages()
 
 
@@ -136,7 +136,7 @@ def test_a_stop_string_cuts_ids_and_logprobs_together(toy) -> None:
     (out,) = [o for step in outs for o in step.finished]
     done = out.outputs[0]
     assert done.text == "DEFGH" and done.token_ids == [i[b"DEF"], i[b"GHI"], i[b"ABC"]]
-    assert [lp.token_id for lp in done.logprobs] == done.token_ids
-    assert done.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in done.logprobs))
+    assert [next(iter(lp)) for lp in done.logprobs] == done.token_ids
+    assert done.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(done.token_ids, done.logprobs)))
     assert any(sum(len(ids) for ids in step.record.tokens.values()) > 1 for step in outs)
     c.check_pages()

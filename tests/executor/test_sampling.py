@@ -171,7 +171,12 @@ def test_token_logprobs_against_log_softmax() -> None:
         assert list(lp.top_ids) == want.indices.tolist()
         assert np.allclose(lp.top_logprobs, want.values.tolist(), atol=1e-5)
         assert list(lp.top_logprobs) == sorted(lp.top_logprobs, reverse=True)
-        assert lp.to_dict()[lp.token_id] == lp.logprob and len(lp.to_dict()) in (n, n + 1)
+        as_dict = lp.to_dict(lambda t: f"t{t}")
+        assert next(iter(as_dict)) == lp.token_id and as_dict[lp.token_id].logprob == lp.logprob
+        assert len(as_dict) in (n, n + 1) and all(v.decoded_token == f"t{t}" for t, v in as_dict.items())
+        assert [v.rank for t, v in as_dict.items() if t != lp.token_id] == [
+            i + 1 for i, t in enumerate(lp.top_ids) if t != lp.token_id
+        ]
 
 
 # The sampled distribution ------------------------------------------------------------------------------------------

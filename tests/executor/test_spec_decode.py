@@ -371,7 +371,7 @@ def test_a_stop_string_inside_an_accepted_run_cuts_ids_and_text(cycle_model: Lla
     outs = drain(core)
     (done,) = [o.outputs[0] for step in outs for o in step.finished]
     assert (done.text, done.finish_reason, done.stop_reason) == ("c", "stop", "he")
-    assert done.token_ids == [2, 7, 4] and [lp.token_id for lp in done.logprobs or []] == [2, 7, 4]
+    assert done.token_ids == [2, 7, 4] and [next(iter(lp)) for lp in done.logprobs or []] == [2, 7, 4]
     # The step that found the string reports what the request kept: its ids, and as accepted only the
     # guesses before the cut; the guesses after it count as rolled back.
     last = next(step.record for step in outs if step.record.finished)

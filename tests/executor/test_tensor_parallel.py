@@ -133,6 +133,37 @@ def test_ranks_generate_what_one_process_generates(cores, loaded, reference, wor
     core.check_pages()
 
 
+def test_ranks_apply_penalties_and_record_prompt_logprobs_as_one_process(cores, loaded) -> None:
+    """Penalties need each rank's history, prompt logprobs the extra LM-head rows and, for a cached prefix,
+    the recompute (a collective forward every rank runs): all of it gives one process's results."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=2.0, prompt_logprobs=2),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=6, frequency_penalty=1.0, logit_bias={3: 5.0}),
+        SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1, presence_penalty=1.5),  # cached prefix
+    ]
+    prompts = [PROMPTS[1], PROMPTS[2], [*PROMPTS[1][:12], 7, 8]]
+
+    def outputs(core: EngineCore) -> list[tuple[list[int], list[tuple[float, ...]]]]:
+        got = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            core.add_request(p, sp, request_id=f"p{i}")
+            while core.has_unfinished():  # one at a time, so the third reuses the first's prompt pages
+                for o in core.step().finished:
+                    lps = (
+                        [tuple(lp.logprob for lp in e.values()) for e in o.prompt_logprobs[1:]]
+                        if o.prompt_logprobs
+                        else []
+                    )
+                    got.append((o.outputs[0].token_ids, lps))
+        return got
+
+    want = outputs(EngineCore(loaded, CONFIG))
+    got = outputs(core_of(cores, loaded, 2))
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        assert len(a) == len(b) and all(abs(x - y) < 1e-4 for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_rank_shards_sum_to_the_model_with_replicated_kv_heads_and_norms(cores, loaded, world_size: int) -> None:
     """Exact relation: sharded parts partition the model; each replicated KV head is counted once per

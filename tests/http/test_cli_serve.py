@@ -197,3 +197,12 @@ def test_a_chat_template_that_cannot_render_is_refused_at_startup(capsys, tiny_d
         and err.startswith("mechserve: error: --chat-template: the chat template cannot render")
         and err.count("\n") == 1
     )
+
+
+def test_serve_takes_a_request_body_cap(capsys) -> None:
+    from mechserve.cli.main import parse
+
+    assert parse(["serve", "--max-request-bytes", "1MiB"]).max_request_bytes == 1 << 20
+    assert parse(["serve"]).max_request_bytes == 4 << 20
+    code, _, err = run_cli(capsys, "serve", "--max-request-bytes", "lots")
+    assert code == 2 and "--max-request-bytes" in err

@@ -120,11 +120,11 @@ def test_bad_chat_bodies_are_400(tiny_server, body: dict[str, Any], param: str |
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/chat/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"suffix": "w3"}, "suffix"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
-        ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
-        ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+        ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+        ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
         ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),

@@ -144,18 +144,6 @@ def test_generate_until_scores_and_generations_equal_hfs(run) -> None:
     )
 
 
-def _http_error() -> type[BaseException]:
-    import requests
-
-    return requests.exceptions.HTTPError
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=_http_error(),
-    reason="the server refuses echo (400): echo + logprobs (+ max_tokens 0) on /v1/completions is issue 15 "
-    "part A (branch h15a); remove this mark once h15a is merged (strict: passing it fails the suite)",
-)
 def test_loglikelihood_scores_equal_hfs_within_1e_4_per_item(run) -> None:
     ours, theirs = run("server", "mechserve_mc"), run("hf", "mechserve_mc")
     mine, reference = by_doc(ours, "mechserve_mc"), by_doc(theirs, "mechserve_mc")

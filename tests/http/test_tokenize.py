@@ -62,6 +62,20 @@ def test_a_requests_chat_template_replaces_the_models(tiny_server) -> None:
     assert template != CHAT_TEMPLATE
 
 
+def test_the_template_options_are_those_of_chat_completions(tiny_server) -> None:
+    """``chat_template_kwargs`` and ``continue_final_message`` (without a generation prompt) reach the template as
+    they do on ``/v1/chat/completions``: the count is the prompt's ``usage``."""
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{{ tail }}"
+    body = {"messages": CHAT, "chat_template": template, "chat_template_kwargs": {"tail": "w3"}}
+    assert post(tiny_server, "/tokenize", body).json()["tokens"] == [9, 5, 6, 7, 3]
+    open_turn = {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": False}
+    ids = post(tiny_server, "/tokenize", open_turn).json()["tokens"]
+    reply = tiny_server.client().chat.completions.create(
+        model=TINY_NAME, messages=CHAT, max_tokens=1, extra_body={k: v for k, v in open_turn.items() if k != "messages"}
+    )
+    assert reply.usage.prompt_tokens == len(ids)
+
+
 def test_detokenize_is_the_inverse(tiny_server) -> None:
     ids = post(tiny_server, "/tokenize", {"prompt": "w3 w1 w4 w1 w5"}).json()["tokens"]
     reply = post(tiny_server, "/detokenize", {"model": TINY_NAME, "tokens": ids})
@@ -84,7 +98,7 @@ def test_version(tiny_server) -> None:
         ("/tokenize", {"messages": []}, 400, "messages"),
         ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages.0"),
         ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message"),
-        ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"x": 1}}, 400, "chat_template_kwargs"),
+        ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
         ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
         ("/tokenize", {"messages": CHAT, "chat_template": "{{ raise_exception('no') }}"}, 400, "messages"),
         ("/tokenize", {"prompt": "w1", "model": "other"}, 404, None),

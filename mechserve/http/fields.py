@@ -1,0 +1,838 @@
+"""Every request field of the two OpenAI endpoints, in one table: the code's single source, rendered as docs/api-fields.md.
+
+The table lists the fields of OpenAI's completions and chat completions APIs, vLLM's extensions of
+them and llama.cpp server's sampling names.  Each row says, per endpoint, whether the server
+**honours** the field (and what it becomes: a ``SamplingParams`` field, a prompt option, a response
+option) or **refuses** it, and why.  ``mechserve.http.protocol`` decides from it::
+
+    a field outside the table                    ignored, as vLLM does
+    an honoured field                            typed and range-checked by the endpoint's pydantic
+                                                 model (a 400 naming it when it is wrong), then used;
+                                                 ``refused_values`` are the values it still refuses
+    a refused field with a neutral value          accepted: null, or a value that changes nothing
+                                                 (``use_beam_search: false``, ``mirostat: 0``, ...)
+    a refused field with any other value          a 400 naming it (``param``), code
+                                                 ``unsupported_parameter``
+
+``docs/api-fields.md`` is ``render_markdown()``; ``make api-fields`` rewrites it and a test checks that
+the two agree.  Another test checks that the pydantic models
+have exactly the honoured fields of the table, and walks the table sending each row's ``bad``
+value to check that the 400 names the row's field.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+COMPLETIONS = "completions"
+CHAT = "chat"
+BOTH = (COMPLETIONS, CHAT)
+ENDPOINT_PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
+
+OPENAI = "OpenAI"
+VLLM = "vLLM"
+LLAMA_CPP = "llama.cpp"
+
+# Why a field is refused when it belongs to a later issue (structured outputs and tool calling).
+LATER = "not supported yet (structured outputs and tool calling come later)"
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One row of the table.
+
+    ``name`` on ``endpoints``, from ``origin``.  ``honoured``: what the field does here (it is then a
+    field of the endpoint's pydantic model); else ``why`` the server refuses it.  ``neutral``: the
+    values accepted although the field is refused (null is always accepted), ``neutral_note`` says
+    so in words when a rule decides (``when_neutral(body)``: the other fields make any value
+    neutral).  ``refused_values``: for an honoured field, the values it still refuses.  ``bad``:
+    a body fragment that the server answers with a 400 naming this field (the table's own test).
+    """
+
+    name: str
+    endpoints: tuple[str, ...]
+    origin: str
+    honoured: str = ""
+    why: str = ""
+    neutral: tuple[Any, ...] = ()
+    neutral_note: str = ""
+    when_neutral: Callable[[Mapping[str, Any]], bool] | None = None
+    refused_values: str = ""
+    bad: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_honoured(self) -> bool:
+        return bool(self.honoured)
+
+    def is_neutral(self, value: Any, body: Mapping[str, Any]) -> bool:
+        """Whether a refused field's ``value`` changes nothing (null, a neutral value, or the rule says so)."""
+        if value is None or any(_same(value, n) for n in self.neutral):
+            return True
+        return self.when_neutral is not None and self.when_neutral(body)
+
+    def refusal(self) -> str:
+        """The 400's message for a non-neutral value of this refused field."""
+        accepted = ", ".join(_json(n) for n in self.neutral)
+        hint = f" (accepted: null{', ' + accepted if accepted else ''}{'; ' + self.neutral_note if self.neutral_note else ''})"
+        return f"{self.name} is {self.why}{hint}"
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality that keeps booleans apart from numbers (``false`` is not ``0``)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and bool(a == b)
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def _unset(*names: str, neutral: Mapping[str, Any] | None = None) -> Callable[[Mapping[str, Any]], bool]:
+    """A ``when_neutral`` rule: true while each of ``names`` is absent, null or its neutral value."""
+    neutral = neutral or {}
+
+    def rule(body: Mapping[str, Any]) -> bool:
+        return all(body.get(n) is None or (n in neutral and _same(body[n], neutral[n])) for n in names)
+
+    return rule
+
+
+_NO_PENALTY = _unset(
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    neutral={"repeat_penalty": 1.0, "presence_penalty": 0, "frequency_penalty": 0},
+)
+_SP = "SamplingParams."
+
+
+def _f(name: str, endpoints: tuple[str, ...], origin: str, **kw: Any) -> Field:
+    kw.setdefault("bad", {})
+    return Field(name, endpoints, origin, **kw)
+
+
+FIELDS: tuple[Field, ...] = (
+    # --- OpenAI: what the request is ------------------------------------------------------------------------------
+    _f(
+        "model",
+        BOTH,
+        OPENAI,
+        honoured="the served model's name (`--served-model-name`); another name is a 404",
+        bad={"model": 5},
+    ),
+    _f(
+        "prompt",
+        (COMPLETIONS,),
+        OPENAI,
+        honoured="text, token ids, or a list of either (at most 256 prompts; `n` samples each)",
+        bad={"prompt": {"text": "w1"}},
+    ),
+    _f(
+        "messages",
+        (CHAT,),
+        OPENAI,
+        honoured="the conversation, through the model's chat template: roles `system`, `developer` (as system), "
+        "`user`, `assistant`; content a string or text parts; `name` is passed to the template",
+        refused_values="`tool` messages and an assistant's `tool_calls` or `function_call` (" + LATER + "), "
+        "an assistant's `refusal` (give it as content), image and audio parts",
+        bad={"messages": []},
+    ),
+    # --- OpenAI: sampling -----------------------------------------------------------------------------------------
+    _f(
+        "max_tokens",
+        BOTH,
+        OPENAI,
+        honoured=_SP + "max_tokens; completions default 16; chat default: until EOS or the context is full; "
+        "0 with `echo` scores the prompt only",
+        bad={"max_tokens": -1},
+    ),
+    _f(
+        "max_completion_tokens",
+        (CHAT,),
+        OPENAI,
+        honoured=_SP + "max_tokens (wins over `max_tokens`)",
+        bad={"max_completion_tokens": -5},
+    ),
+    _f(
+        "n",
+        BOTH,
+        OPENAI,
+        honoured=_SP + "n: 1..64 independent samples (with a seed, sample j uses seed + j)",
+        refused_values="more samples than `--max-waiting` requests (they could never all be admitted)",
+        bad={"n": 0},
+    ),
+    _f(
+        "best_of",
+        (COMPLETIONS,),
+        OPENAI,
+        honoured="equal to `n` (each sample is drawn once; nothing is ranked)",
+        refused_values="any other value",
+        bad={"best_of": 3},
+    ),
+    _f(
+        "temperature",
+        BOTH,
+        OPENAI,
+        honoured=_SP + "temperature in [0, 2]; 0 is greedy; default 1",
+        bad={"temperature": 2.5},
+    ),
+    _f("top_p", BOTH, OPENAI, honoured=_SP + "top_p in (0, 1]", bad={"top_p": 0}),
+    _f(
+        "seed",
+        BOTH,
+        OPENAI,
+        honoured=_SP + "seed: the request's draws depend on (seed, token index) alone; -1 is unseeded "
+        "(vLLM's and llama.cpp's convention)",
+        bad={"seed": "x"},
+    ),
+    _f("stop", BOTH, OPENAI, honoured=_SP + "stop: a string or at most 16 strings, never in the text", bad={"stop": 5}),
+    _f(
+        "presence_penalty",
+        BOTH,
+        OPENAI,
+        honoured=_SP + "presence_penalty in [-2, 2]: subtracted from the logit of every id in the output so far",
+        bad={"presence_penalty": 3},
+    ),
+    _f(
+        "frequency_penalty",
+        BOTH,
+        OPENAI,
+        honoured=_SP + "frequency_penalty in [-2, 2]: subtracted once per occurrence in the output so far",
+        bad={"frequency_penalty": -2.5},
+    ),
+    _f(
+        "logit_bias",
+        BOTH,
+        OPENAI,
+        honoured=_SP + "logit_bias: {token id: bias in [-100, 100]} added to the logits; ids checked against the "
+        "vocabulary",
+        refused_values="llama.cpp's array form `[[id, bias]]`",
+        bad={"logit_bias": {"5": 101}},
+    ),
+    _f(
+        "logprobs",
+        (COMPLETIONS,),
+        OPENAI,
+        honoured=_SP + "logprobs: the top N (0..20) alternatives of each output token, raw (before "
+        "temperature and penalties); with `echo`, of each prompt token too",
+        bad={"logprobs": 21},
+    ),
+    _f("logprobs", (CHAT,), OPENAI, honoured=_SP + "logprobs (with `top_logprobs`, default 0)", bad={"logprobs": 1}),
+    _f(
+        "top_logprobs",
+        (CHAT,),
+        OPENAI,
+        honoured="0..20 alternatives per token; needs `logprobs: true`",
+        bad={"top_logprobs": 21, "logprobs": True},
+    ),
+    _f(
+        "echo",
+        (COMPLETIONS,),
+        OPENAI,
+        honoured="the prompt's text before the completion's, and with `logprobs` the prompt tokens' logprobs "
+        "first (the first is null), as evaluation harnesses score log-likelihoods",
+        refused_values="with `stream`, `n` > 1 and `logprobs` together",
+        bad={"echo": "yes"},
+    ),
+    _f(
+        "suffix",
+        (COMPLETIONS,),
+        OPENAI,
+        why="not supported: no fill-in-the-middle insertion",
+        neutral=("",),
+        bad={"suffix": "w3"},
+    ),
+    _f(
+        "stream",
+        BOTH,
+        OPENAI,
+        honoured="server-sent events in OpenAI's chunk format, ending with `data: [DONE]`",
+        bad={"stream": "yes"},
+    ),
+    _f(
+        "stream_options",
+        BOTH,
+        OPENAI,
+        honoured="`include_usage`: a last chunk with the usage (only with `stream`)",
+        bad={"stream_options": {"include_usage": "yes"}},
+    ),
+    _f(
+        "user",
+        BOTH,
+        OPENAI,
+        honoured="accepted; it names the end user to OpenAI and changes nothing here",
+        bad={"user": 5},
+    ),
+    # --- OpenAI chat only -----------------------------------------------------------------------------------------
+    _f(
+        "response_format",
+        (CHAT,),
+        OPENAI,
+        honoured='`{"type": "text"}`',
+        refused_values="`json_object` and `json_schema`: " + LATER,
+        bad={"response_format": {"type": "json_object"}},
+    ),
+    _f(
+        "tools",
+        (CHAT,),
+        OPENAI,
+        why=LATER,
+        neutral=([],),
+        bad={"tools": [{"type": "function", "function": {"name": "f"}}]},
+    ),
+    _f(
+        "tool_choice",
+        (CHAT,),
+        OPENAI,
+        why=LATER,
+        neutral=("none", "auto"),
+        neutral_note="no tools are accepted, so none is ever called",
+        bad={"tool_choice": "required"},
+    ),
+    _f(
+        "parallel_tool_calls",
+        (CHAT,),
+        OPENAI,
+        why=LATER,
+        neutral=(True, False),
+        neutral_note="no tools are accepted",
+        bad={"parallel_tool_calls": "x"},
+    ),
+    _f("functions", (CHAT,), OPENAI, why=LATER, neutral=([],), bad={"functions": [{"name": "f"}]}),
+    _f("function_call", (CHAT,), OPENAI, why=LATER, neutral=("none", "auto"), bad={"function_call": {"name": "f"}}),
+    _f(
+        "metadata",
+        (CHAT,),
+        OPENAI,
+        honoured="accepted; OpenAI keeps it with stored completions, and nothing is stored here",
+        bad={"metadata": "x"},
+    ),
+    _f(
+        "store",
+        (CHAT,),
+        OPENAI,
+        why="not supported: this server stores no completions",
+        neutral=(False,),
+        bad={"store": True},
+    ),
+    _f(
+        "service_tier",
+        (CHAT,),
+        OPENAI,
+        why="not supported: there is one tier",
+        neutral=("auto", "default"),
+        bad={"service_tier": "flex"},
+    ),
+    _f(
+        "modalities",
+        (CHAT,),
+        OPENAI,
+        why="not supported: text is the only output",
+        neutral=(["text"],),
+        bad={"modalities": ["text", "audio"]},
+    ),
+    _f("audio", (CHAT,), OPENAI, why="not supported: text is the only output", bad={"audio": {"voice": "alloy"}}),
+    _f(
+        "prediction",
+        (CHAT,),
+        OPENAI,
+        why="not supported: predicted outputs (speculation uses prompt lookup or a draft model instead)",
+        bad={"prediction": {"type": "content", "content": "w1"}},
+    ),
+    _f(
+        "reasoning_effort",
+        (CHAT,),
+        OPENAI,
+        why="not supported: the models served do not reason",
+        bad={"reasoning_effort": "high"},
+    ),
+    _f("verbosity", (CHAT,), OPENAI, why="not supported", bad={"verbosity": "low"}),
+    _f("web_search_options", (CHAT,), OPENAI, why="not supported: no web search", bad={"web_search_options": {}}),
+    _f(
+        "prompt_cache_key",
+        (CHAT,),
+        OPENAI,
+        honoured="accepted; the prefix cache is keyed by the prompt's own tokens, so no key is needed",
+        bad={"prompt_cache_key": 5},
+    ),
+    _f(
+        "safety_identifier", (CHAT,), OPENAI, honoured="accepted; it changes nothing here", bad={"safety_identifier": 5}
+    ),
+    # --- vLLM's extensions (in the openai client: extra_body) ------------------------------------------------------
+    _f("top_k", BOTH, VLLM, honoured=_SP + "top_k: the k most likely ids (0 or -1: off)", bad={"top_k": -2}),
+    _f("min_p", BOTH, VLLM, honoured=_SP + "min_p in [0, 1]", bad={"min_p": 2}),
+    _f(
+        "repetition_penalty",
+        BOTH,
+        VLLM,
+        honoured=_SP + "repetition_penalty > 0 (1: off): every id in the prompt or the output so far has a "
+        "positive logit divided by it, a negative one multiplied",
+        bad={"repetition_penalty": 0},
+    ),
+    _f(
+        "min_tokens",
+        BOTH,
+        VLLM,
+        honoured=_SP + "min_tokens: no EOS or stop before this many tokens",
+        bad={"min_tokens": 5},
+    ),
+    _f("ignore_eos", BOTH, VLLM, honoured=_SP + "ignore_eos", bad={"ignore_eos": "x"}),
+    _f(
+        "stop_token_ids",
+        BOTH,
+        VLLM,
+        honoured=_SP + "stop_token_ids, checked against the vocabulary",
+        bad={"stop_token_ids": [1 << 30]},
+    ),
+    _f(
+        "include_stop_str_in_output",
+        BOTH,
+        VLLM,
+        honoured=_SP + "include_stop_str_in_output",
+        bad={"include_stop_str_in_output": 1},
+    ),
+    _f("skip_special_tokens", BOTH, VLLM, honoured=_SP + "skip_special_tokens", bad={"skip_special_tokens": 1}),
+    _f(
+        "spaces_between_special_tokens",
+        BOTH,
+        VLLM,
+        why="not supported: special tokens are decoded as the tokenizer decodes them",
+        neutral=(True,),
+        bad={"spaces_between_special_tokens": False},
+    ),
+    _f(
+        "allowed_token_ids",
+        BOTH,
+        VLLM,
+        honoured=_SP + "allowed_token_ids: only these ids can be sampled (checked against the vocabulary)",
+        refused_values="an empty list",
+        bad={"allowed_token_ids": []},
+    ),
+    _f(
+        "bad_words",
+        BOTH,
+        VLLM,
+        honoured=_SP + "bad_words: strings, tokenized as vLLM does; a one-token word is never sampled, a longer "
+        "word's last token is banned right after its other tokens",
+        bad={"bad_words": [""]},
+    ),
+    _f(
+        "prompt_logprobs",
+        BOTH,
+        VLLM,
+        honoured=_SP + "prompt_logprobs: the top N (0..20) at every prompt position, in vLLM's shape "
+        "(`prompt_logprobs` in each completions choice, at the top of a chat response)",
+        refused_values="with `stream` and `n` > 1 together",
+        bad={"prompt_logprobs": 21},
+    ),
+    _f(
+        "truncate_prompt_tokens",
+        BOTH,
+        VLLM,
+        honoured=_SP + "truncate_prompt_tokens: keep the prompt's last k tokens (-1: the model's context)",
+        bad={"truncate_prompt_tokens": 0},
+    ),
+    _f(
+        "add_special_tokens",
+        BOTH,
+        VLLM,
+        honoured="whether the tokenizer adds its special tokens to the text (completions default true; chat "
+        "default false: the template writes them)",
+        bad={"add_special_tokens": "x"},
+    ),
+    _f(
+        "add_generation_prompt",
+        (CHAT,),
+        VLLM,
+        honoured="open the assistant's turn in the template (default true)",
+        bad={"add_generation_prompt": "x"},
+    ),
+    _f(
+        "continue_final_message",
+        (CHAT,),
+        VLLM,
+        honoured="leave the last message open, so the reply continues it (needs `add_generation_prompt: false`)",
+        bad={"continue_final_message": True},
+    ),
+    _f(
+        "chat_template_kwargs",
+        (CHAT,),
+        VLLM,
+        honoured="more variables for the chat template (not its own arguments such as `tokenize`)",
+        bad={"chat_template_kwargs": {"tokenize": True}},
+    ),
+    _f(
+        "request_id",
+        BOTH,
+        VLLM,
+        honoured="the engine's request id and the response id's suffix (a running id is a 400)",
+        bad={"request_id": 5},
+    ),
+    _f(
+        "return_tokens_as_token_ids",
+        BOTH,
+        VLLM,
+        honoured='logprobs name tokens as `"token_id:<id>"`',
+        bad={"return_tokens_as_token_ids": "x"},
+    ),
+    _f(
+        "return_token_ids",
+        BOTH,
+        VLLM,
+        honoured="each choice also carries `prompt_token_ids` and `token_ids`",
+        bad={"return_token_ids": "x"},
+    ),
+    _f(
+        "use_beam_search",
+        BOTH,
+        VLLM,
+        why="not supported: no beam search",
+        neutral=(False,),
+        bad={"use_beam_search": True},
+    ),
+    _f(
+        "length_penalty",
+        BOTH,
+        VLLM,
+        why="not supported: it scores beams, and there is no beam search",
+        neutral=(1, 1.0),
+        bad={"length_penalty": 2.0},
+    ),
+    _f(
+        "priority",
+        BOTH,
+        VLLM,
+        why="not supported: requests are admitted first come, first served (m12)",
+        neutral=(0,),
+        bad={"priority": 1},
+    ),
+    _f(
+        "logits_processors",
+        BOTH,
+        VLLM,
+        why="not supported: no custom logits processors are loaded",
+        neutral=([],),
+        bad={"logits_processors": ["x"]},
+    ),
+    _f(
+        "response_format",
+        (COMPLETIONS,),
+        VLLM,
+        why=LATER,
+        neutral=({"type": "text"},),
+        bad={"response_format": {"type": "json_object"}},
+    ),
+    _f("structured_outputs", BOTH, VLLM, why=LATER, bad={"structured_outputs": {"choice": ["a", "b"]}}),
+    _f("guided_json", BOTH, VLLM, why=LATER, bad={"guided_json": {"type": "object"}}),
+    _f("guided_regex", BOTH, VLLM, why=LATER, bad={"guided_regex": "w[0-9]"}),
+    _f("guided_choice", BOTH, VLLM, why=LATER, bad={"guided_choice": ["w1", "w2"]}),
+    _f("guided_grammar", BOTH, VLLM, why=LATER, bad={"guided_grammar": "root ::= 'w1'"}),
+    _f("guided_decoding_backend", BOTH, VLLM, why=LATER, bad={"guided_decoding_backend": "xgrammar"}),
+    _f("guided_whitespace_pattern", BOTH, VLLM, why=LATER, bad={"guided_whitespace_pattern": " "}),
+    _f(
+        "echo",
+        (CHAT,),
+        VLLM,
+        why="not supported: vLLM's chat echo (the reply prefixed with the last message)",
+        neutral=(False,),
+        bad={"echo": True},
+    ),
+    _f(
+        "chat_template",
+        (CHAT,),
+        VLLM,
+        why="not supported per request: the server uses the model's template",
+        bad={"chat_template": "{{ x }}"},
+    ),
+    _f(
+        "documents",
+        (CHAT,),
+        VLLM,
+        why="not supported: no documents for the template",
+        neutral=([],),
+        bad={"documents": [{"text": "w1"}]},
+    ),
+    _f("mm_processor_kwargs", BOTH, VLLM, why="not supported: text models only", bad={"mm_processor_kwargs": {"a": 1}}),
+    _f(
+        "cache_salt",
+        BOTH,
+        VLLM,
+        why="not supported: the prefix cache is shared by every request",
+        bad={"cache_salt": "x"},
+    ),
+    _f(
+        "kv_transfer_params",
+        BOTH,
+        VLLM,
+        why="not supported: no disaggregated prefill",
+        bad={"kv_transfer_params": {"a": 1}},
+    ),
+    _f("vllm_xargs", BOTH, VLLM, why="not supported", bad={"vllm_xargs": {"a": 1}}),
+    # --- llama.cpp server's sampling names (its top_k, min_p, temperature, seed, stop, stream, ignore_eos,
+    #     presence_penalty and frequency_penalty are the rows above) ----------------------------------------------
+    _f(
+        "n_predict",
+        BOTH,
+        LLAMA_CPP,
+        honoured=_SP + "max_tokens (-1: until EOS or the context is full)",
+        refused_values="together with a different `max_tokens`",
+        bad={"n_predict": -2},
+    ),
+    _f(
+        "cache_prompt",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported as false: the prefix cache is automatic and never changes the output, and cannot "
+        "be turned off per request",
+        neutral=(True,),
+        bad={"cache_prompt": False},
+    ),
+    _f(
+        "n_probs",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported: use `logprobs` (llama.cpp's probabilities shape is not produced)",
+        neutral=(0,),
+        bad={"n_probs": 3},
+    ),
+    _f(
+        "repeat_penalty",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported: llama.cpp's counts only the last `repeat_last_n` tokens; use `repetition_penalty` "
+        "(over the whole prompt and output)",
+        neutral=(1, 1.0),
+        bad={"repeat_penalty": 1.1},
+    ),
+    _f(
+        "repeat_last_n",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported: penalties count the whole prompt (repetition) or output (presence, frequency)",
+        neutral_note="any value while no penalty is set",
+        when_neutral=_NO_PENALTY,
+        bad={"repeat_last_n": 64, "presence_penalty": 0.5},
+    ),
+    _f("penalize_nl", BOTH, LLAMA_CPP, why="not supported", neutral=(False,), bad={"penalize_nl": True}),
+    _f("mirostat", BOTH, LLAMA_CPP, why="not supported: no Mirostat sampling", neutral=(0,), bad={"mirostat": 2}),
+    _f(
+        "mirostat_tau",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported: no Mirostat sampling",
+        neutral_note="any value while mirostat is 0",
+        when_neutral=_unset("mirostat", neutral={"mirostat": 0}),
+        bad={"mirostat_tau": 5.0, "mirostat": 1},
+    ),
+    _f(
+        "mirostat_eta",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported: no Mirostat sampling",
+        neutral_note="any value while mirostat is 0",
+        when_neutral=_unset("mirostat", neutral={"mirostat": 0}),
+        bad={"mirostat_eta": 0.1, "mirostat": 1},
+    ),
+    _f(
+        "typical_p",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported: no locally typical sampling",
+        neutral=(1, 1.0),
+        bad={"typical_p": 0.9},
+    ),
+    _f("tfs_z", BOTH, LLAMA_CPP, why="not supported: no tail-free sampling", neutral=(1, 1.0), bad={"tfs_z": 0.9}),
+    _f("top_n_sigma", BOTH, LLAMA_CPP, why="not supported", neutral=(-1, -1.0), bad={"top_n_sigma": 1.0}),
+    _f(
+        "min_keep",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported: truncation always keeps the most likely id only",
+        neutral=(0, 1),
+        bad={"min_keep": 5},
+    ),
+    _f(
+        "dynatemp_range",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported: no dynamic temperature",
+        neutral=(0, 0.0),
+        bad={"dynatemp_range": 0.5},
+    ),
+    _f(
+        "dynatemp_exponent",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported: no dynamic temperature",
+        neutral_note="any value while dynatemp_range is 0",
+        when_neutral=_unset("dynatemp_range", neutral={"dynatemp_range": 0}),
+        bad={"dynatemp_exponent": 2.0, "dynatemp_range": 0.5},
+    ),
+    _f(
+        "xtc_probability",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported: no XTC sampling",
+        neutral=(0, 0.0),
+        bad={"xtc_probability": 0.5},
+    ),
+    _f(
+        "xtc_threshold",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported: no XTC sampling",
+        neutral_note="any value while xtc_probability is 0",
+        when_neutral=_unset("xtc_probability", neutral={"xtc_probability": 0}),
+        bad={"xtc_threshold": 0.2, "xtc_probability": 0.5},
+    ),
+    _f(
+        "dry_multiplier",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported: no DRY penalty",
+        neutral=(0, 0.0),
+        bad={"dry_multiplier": 0.8},
+    ),
+    *(
+        _f(
+            name,
+            BOTH,
+            LLAMA_CPP,
+            why="not supported: no DRY penalty",
+            neutral_note="any value while dry_multiplier is 0",
+            when_neutral=_unset("dry_multiplier", neutral={"dry_multiplier": 0}),
+            bad={name: value, "dry_multiplier": 0.8},
+        )
+        for name, value in (
+            ("dry_base", 1.75),
+            ("dry_allowed_length", 2),
+            ("dry_penalty_last_n", -1),
+            ("dry_sequence_breakers", ["\n"]),
+        )
+    ),
+    _f(
+        "samplers",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported: the order is fixed (filters and penalties, temperature, top-k, top-p, min-p)",
+        bad={"samplers": ["top_k"]},
+    ),
+    _f("grammar", BOTH, LLAMA_CPP, why=LATER, bad={"grammar": "root ::= 'w1'"}),
+    _f("json_schema", BOTH, LLAMA_CPP, why=LATER, bad={"json_schema": {"type": "object"}}),
+    _f(
+        "id_slot",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported: requests are not pinned to slots",
+        neutral=(-1,),
+        bad={"id_slot": 0},
+    ),
+    _f(
+        "post_sampling_probs",
+        BOTH,
+        LLAMA_CPP,
+        why="not supported: logprobs are of the raw distribution",
+        neutral=(False,),
+        bad={"post_sampling_probs": True},
+    ),
+)
+
+
+def fields_for(endpoint: str) -> tuple[Field, ...]:
+    """The table's rows for ``endpoint`` (``COMPLETIONS`` or ``CHAT``)."""
+    return tuple(f for f in FIELDS if endpoint in f.endpoints)
+
+
+def honoured_names(endpoint: str) -> frozenset[str]:
+    """The fields ``endpoint``'s pydantic model declares."""
+    return frozenset(f.name for f in fields_for(endpoint) if f.is_honoured)
+
+
+def refused_field(endpoint: str, body: Mapping[str, Any], present: Sequence[str]) -> Field | None:
+    """The first refused field of ``endpoint`` among ``present`` (names in ``body``) whose value is not neutral."""
+    refused = {f.name: f for f in fields_for(endpoint) if not f.is_honoured}
+    for name in present:
+        row = refused.get(name)
+        if row is not None and not row.is_neutral(body[name], body):
+            return row
+    return None
+
+
+def render_markdown() -> str:
+    """docs/api-fields.md: every row, per origin, with what each endpoint does with it."""
+    lines = [
+        "# Request fields of the OpenAI-compatible server",
+        "",
+        "Generated from `mechserve/http/fields.py` (`make api-fields`); a test checks that this page and the "
+        "code agree.",
+        "",
+        "Every field below is either **honoured** or **refused** with a 400 whose `param` names it "
+        "(`code: unsupported_parameter`, or `invalid_value` for a bad value). A refused field is accepted "
+        "with a *neutral* value, one that changes nothing: `null` always, and the values listed. "
+        "Fields outside this table are ignored, as vLLM does. "
+        "`/v1/completions` is *completions*, `/v1/chat/completions` is *chat*.",
+        "",
+    ]
+    for origin, title in ((OPENAI, "OpenAI"), (VLLM, "vLLM's extensions"), (LLAMA_CPP, "llama.cpp server's names")):
+        lines += [
+            f"## {title}",
+            "",
+            "| field | endpoints | honoured as | refused: why | neutral values |",
+            "|---|---|---|---|---|",
+        ]
+        for f in FIELDS:
+            if f.origin != origin:
+                continue
+            where = ", ".join(f.endpoints)
+            honoured = f.honoured + (f"; refused: {f.refused_values}" if f.refused_values else "")
+            neutral = "—"
+            if not f.honoured:
+                neutral = ", ".join(f"`{_json(n)}`" for n in (None, *f.neutral))
+                neutral += f"; {f.neutral_note}" if f.neutral_note else ""
+            cells = [f"`{f.name}`", where, honoured or "—", f.why or "—", neutral]
+            lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+        lines.append("")
+    lines += [
+        "## What the server answers beyond OpenAI's shapes",
+        "",
+        "* `stop_reason` in every choice (vLLM's): the stop id or string that ended it, null for EOS.",
+        "* `prompt_logprobs` (with the `prompt_logprobs` field) in each completions choice and at the top "
+        "of a chat response, in vLLM's shape: one entry per prompt token, null for the first, else "
+        '`{"<token id>": {"logprob", "rank", "decoded_token"}}` with the prompt token first.',
+        "* With `return_token_ids`: `prompt_token_ids` and `token_ids` in each choice.",
+        "",
+        "Prompt logprobs are exact when the prompt prefix came from the prefix cache or the prompt was "
+        "computed in chunks: positions computed in a step get their logits from that step's forward; "
+        "positions served from the cache are recomputed, in one extra forward over the prompt up to the "
+        "first computed position, for that request alone, into a scratch KV cache.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+__all__ = [
+    "BOTH",
+    "CHAT",
+    "COMPLETIONS",
+    "ENDPOINT_PATHS",
+    "FIELDS",
+    "LATER",
+    "Field",
+    "fields_for",
+    "honoured_names",
+    "refused_field",
+    "render_markdown",
+]

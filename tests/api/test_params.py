@@ -1,0 +1,54 @@
+"""``SamplingParams``'s penalties, token filters and prompt logprobs: vLLM's names and defaults, each bad value a
+``ParamError`` naming its field (the server's 400 ``param``, the CLI's flag)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mechserve.api.errors import ParamError
+from mechserve.api.params import SamplingParams
+
+
+def test_the_defaults_change_nothing() -> None:
+    p = SamplingParams()
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert (p.logit_bias, p.allowed_token_ids, p.bad_words, p.prompt_logprobs) == (None, None, (), None)
+    assert not p.filtered and not p.penalized
+
+
+def test_lists_and_maps_are_normalised() -> None:
+    p = SamplingParams(logit_bias={3: 1}, allowed_token_ids=[4, 5], bad_words="w1", repetition_penalty=1.1)
+    assert p.logit_bias == {3: 1.0} and p.allowed_token_ids == (4, 5) and p.bad_words == ("w1",)
+    assert p.filtered and p.penalized and hash(p) == hash(SamplingParams(**{**_fields(p), "logit_bias": {9: 2.0}}))
+
+
+def _fields(p: SamplingParams) -> dict:
+    return {name: getattr(p, name) for name in p.__dataclass_fields__}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("frequency_penalty", float("nan")),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", float("inf")),
+        ("logit_bias", {1: 101}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {"1": 1.0}),
+        ("logit_bias", [(1, 2.0)]),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [-1]),
+        ("bad_words", [""]),
+        ("bad_words", ["  "]),
+        ("prompt_logprobs", 21),
+        ("prompt_logprobs", -1),
+        ("truncate_prompt_tokens", 0),
+        ("truncate_prompt_tokens", -2),
+    ],
+)
+def test_each_bad_value_names_its_field(field: str, value: object) -> None:
+    with pytest.raises(ParamError) as err:
+        SamplingParams(**{field: value})
+    assert err.value.param == field and field in str(err.value)

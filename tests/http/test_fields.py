@@ -1,0 +1,117 @@
+"""The field table (``mechserve.http.fields``) is the server's single source: the docs are its rendering, the
+request models declare exactly its honoured fields, every row's bad value is a 400 naming that row's field,
+every refused row's neutral values and every field's null are accepted, and fields outside it are ignored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_support import TINY_NAME
+
+from mechserve.http.fields import CHAT, COMPLETIONS, ENDPOINT_PATHS, FIELDS, Field, honoured_names, render_markdown
+from mechserve.http.protocol import ChatCompletionRequest, CompletionRequest
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "api-fields.md"
+BASE = {
+    COMPLETIONS: {"model": TINY_NAME, "prompt": "w1 w2", "max_tokens": 2},
+    CHAT: {"model": TINY_NAME, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2},
+}
+REQUIRED = {"prompt", "messages"}
+MODELS = {COMPLETIONS: CompletionRequest, CHAT: ChatCompletionRequest}
+
+
+def post(served: Any, endpoint: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(served.url + ENDPOINT_PATHS[endpoint], json={**BASE[endpoint], **body}, timeout=30)
+
+
+def rows() -> list[tuple[str, Field]]:
+    return [(e, f) for f in FIELDS for e in f.endpoints]
+
+
+def test_the_docs_are_the_table_rendered() -> None:
+    assert DOC.read_text() == render_markdown(), "run: make api-fields"
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_the_request_models_declare_exactly_the_honoured_fields(endpoint: str) -> None:
+    assert set(MODELS[endpoint].model_fields) == honoured_names(endpoint)
+
+
+def test_every_row_is_complete_and_names_are_unique_per_endpoint() -> None:
+    seen = set()
+    for endpoint, f in rows():
+        assert (endpoint, f.name) not in seen, f.name
+        seen.add((endpoint, f.name))
+        assert bool(f.honoured) != bool(f.why), f"{f.name}: honoured or refused, with a reason"
+        assert f.name in f.bad, f"{f.name}: its bad value must set it"
+
+
+@pytest.mark.parametrize(("endpoint", "row"), rows(), ids=[f"{e}-{f.name}" for e, f in rows()])
+def test_each_rows_bad_value_is_a_400_naming_it(tiny_server, endpoint: str, row: Field) -> None:
+    response = post(tiny_server, endpoint, dict(row.bad))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == row.name or str(error["param"]).startswith(row.name + "."), error
+    if not row.honoured:
+        assert error["code"] == "unsupported_parameter" and row.name in error["message"]
+
+
+NEUTRAL = [(e, f, v) for e, f in rows() for v in (None, *f.neutral) if f.name not in REQUIRED]
+
+
+@pytest.mark.parametrize(("endpoint", "row", "value"), NEUTRAL, ids=[f"{e}-{f.name}-{v!r}" for e, f, v in NEUTRAL])
+def test_null_and_neutral_values_are_accepted(tiny_server, endpoint: str, row: Field, value: Any) -> None:
+    body = {row.name: value}
+    response = post(tiny_server, endpoint, body)
+    assert response.status_code == 200, (body, response.text)
+
+
+def test_a_rule_makes_any_value_neutral_while_its_field_is_off(tiny_server) -> None:
+    """llama.cpp's web UI sends its defaults: repeat_last_n 64 with no penalty, mirostat 0 with its tau."""
+    llama_cpp = {"repeat_last_n": 64, "repeat_penalty": 1.0, "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1}
+    llama_cpp |= {"dry_multiplier": 0, "dry_base": 1.75, "xtc_probability": 0, "xtc_threshold": 0.1, "n_probs": 0}
+    assert post(tiny_server, COMPLETIONS, {**llama_cpp, "cache_prompt": True, "typical_p": 1.0}).status_code == 200
+    refused = post(tiny_server, COMPLETIONS, {**llama_cpp, "presence_penalty": 0.5})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "repeat_last_n"
+
+
+def test_required_fields_refuse_null(tiny_server) -> None:
+    for endpoint, name in ((COMPLETIONS, "prompt"), (CHAT, "messages")):
+        response = post(tiny_server, endpoint, {name: None})
+        assert response.status_code == 400 and response.json()["error"]["param"] == name
+
+
+def test_fields_outside_the_table_are_ignored(tiny_server) -> None:
+    for endpoint in (COMPLETIONS, CHAT):
+        response = post(tiny_server, endpoint, {"frobnicate": 3, "x_trace": {"a": "b"}, "lora": [1]})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_what_common_clients_send_by_default_is_accepted(tiny_server) -> None:
+    """The defaults of the openai client, LangChain and llama.cpp's UI, spelled out as they send them."""
+    defaults = {
+        "n": None,
+        "stream": None,
+        "echo": None,
+        "logprobs": None,
+        "frequency_penalty": 0,
+        "presence_penalty": 0,
+        "repetition_penalty": 1.0,
+        "logit_bias": {},
+        "stop": None,
+        "seed": None,
+        "top_p": 1,
+        "user": None,
+        "best_of": None,
+        "suffix": None,
+        "stream_options": None,
+        "use_beam_search": False,
+    }
+    assert post(tiny_server, COMPLETIONS, defaults).status_code == 200
+    chat = {k: v for k, v in defaults.items() if k not in ("echo", "best_of", "suffix", "use_beam_search")}
+    chat |= {"logprobs": False, "top_logprobs": None, "tools": None, "tool_choice": "none", "parallel_tool_calls": True}
+    chat |= {"response_format": {"type": "text"}, "max_completion_tokens": None, "modalities": ["text"], "store": False}
+    assert post(tiny_server, CHAT, chat).status_code == 200
