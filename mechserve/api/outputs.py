@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mechserve.spec.m12_admission_control import StepRecord
+from mechserve.spec.m13_output_caching import StepRecord
 
 LENGTH = "length"
 STOP = "stop"

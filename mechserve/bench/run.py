@@ -13,7 +13,7 @@ it is skipped with a line on stderr saying why.  Besides the runs, the machine's
 (``roofline``) is measured in each mode and reported with prefill and decode MFU.
 
 ``DIR/results.json`` holds the machine, versions, git commit, arguments, every run (vLLM-named
-metrics, peak RSS, MFU of the wanted work, engine-side figures from the m12 trace) and the
+metrics, peak RSS, MFU of the wanted work, engine-side figures from the m13 trace) and the
 comparisons (mechserve / hf ratios, fast-vs-exact agreement); ``DIR/*.png`` the plots.  A one-line
 summary per run goes to stdout.  The top level imports only the standard library.
 """

@@ -5,7 +5,7 @@ time when ``workload.sequential``), waits for exactly the wanted tokens and retu
 per-request timestamps (``RequestTiming``), the generated ids, the run's wall time and peak RSS, and
 engine-side figures where the engine has them.
 
-* ``mechserve``: ``EngineCore`` (continuous batching under the m12 spec scheduler, paged KV, chunked
+* ``mechserve``: ``EngineCore`` (continuous batching under the m13 spec scheduler, paged KV, chunked
   prefill).  Variants: ``default``; on the prefix workload ``prefix-cache`` (with m12's
   shared-prefix hold, the product default) / ``no-prefix-cache``;
   on the spec workload ``no-spec`` / ``ngram-K`` (prompt lookup with K guesses).  Its figures

@@ -1,4 +1,4 @@
-"""Benchmark metrics with vLLM's names, computed from per-request timestamps and from an m12 trace.
+"""Benchmark metrics with vLLM's names, computed from per-request timestamps and from an m13 trace.
 
 Standard library only (the harness's CLI imports it before torch).
 
@@ -109,7 +109,7 @@ def latency_summary(timings: Sequence[RequestTiming], duration: float | None = N
 
 
 def trace_stats(records: Iterable[Any], prompt_tokens: int | None = None) -> dict[str, Any]:
-    """Engine-side figures of an m12 trace (``StepRecord``s).
+    """Engine-side figures of an m13 trace (``StepRecord``s).
 
     ``steps``; ``tokens_per_step`` (mean of ``sum(executed)``) and its per-step series
     ``tokens_per_step_series``; ``computed_tokens``; ``decode_tokens`` (tokens appended, from

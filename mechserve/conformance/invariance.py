@@ -2,7 +2,7 @@
 
 The reference for each request is its prompt continued *alone* by the target's ``greedy`` (for the
 torch targets: transformers' ``generate``, batch 1), cut after the first stop or EOS id (STOP or EOS;
-LENGTH after ``max_new_tokens`` ids otherwise).  The workload then runs on m12 over the target's
+LENGTH after ``max_new_tokens`` ids otherwise).  The workload then runs on m13 over the target's
 executors under each ``VARIANTS`` entry, one knob changed at a time, and every request must finish
 with exactly the reference ids and finish reason::
 

@@ -77,7 +77,7 @@ class ServingMetrics:
     # Fed by the engine thread -------------------------------------------------------------------------------------
 
     def observe_step(self, out: Any, now: float | None = None) -> None:
-        """Count one engine step (a ``StepOutput``: its m12 record, the prompt tokens it admitted, its
+        """Count one engine step (a ``StepOutput``: its m13 record, the prompt tokens it admitted, its
         prefix-cache hits and the preemptions that dropped computed state)."""
         now = time.perf_counter() if now is None else now
         record = out.record

@@ -1,18 +1,18 @@
 """The executor contract: what ``EngineCore`` asks of whatever runs its plans behind the boundary.
 
 The spec (m10) fixes the data plane: one frozen plan per step in, one outcome per plan item out,
-validated by the engine's commit (``mechserve.spec.m12_admission_control.Executor``).  A real
+validated by the engine's commit (``mechserve.spec.m13_output_caching.Executor``).  A real
 executor also keeps per-request state that the spec does not model (sampling params, token
 history for proposers, logprobs); ``EngineCore`` drives it through the control methods below and
 through nothing else, so any class with these methods can stand behind the engine::
 
     EngineCore                                   Executor
     ──────────                                   ────────
-    building m12 ──────────── rank_executors() -> the executors m12's group joins (m11):
+    building m13 ──────────── rank_executors() -> the executors m13's group joins (m11):
                                                    [self] for one rank, one proxy per rank process
     add_request (after the door) ─ add_request(id, prompt_ids, params, eos_token_ids=...)
     before a step ──────────────── advise(caps, max_k) -> spec_len for the coming step
-    m12.step() ──────────────────── execute(plan) -> outcomes            (through rank_executors)
+    m13.step() ──────────────────── execute(plan) -> outcomes            (through rank_executors)
     after a step ───────────────── take_logprobs(id) -> one TokenLogprobs per appended id
     a request leaves ───────────── release(id)
     stats() ───────────────────── ExecutorStats (forwards, rows, speculation counts)
@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 from mechserve.api.outputs import TokenLogprobs
 from mechserve.api.params import SamplingParams
-from mechserve.spec import m12_admission_control as m12
+from mechserve.spec import m13_output_caching as m13
 
 
 @dataclass(slots=True)
@@ -55,14 +55,14 @@ class ExecutorStats:
 
 @runtime_checkable
 class Executor(Protocol):
-    """Anything ``EngineCore`` can drive: m12's ``execute`` plus the control methods (module docstring)."""
+    """Anything ``EngineCore`` can drive: m13's ``execute`` plus the control methods (module docstring)."""
 
-    def execute(self, plan: tuple[m12.PlanItem, ...]) -> tuple[m12.Outcome, ...]:
+    def execute(self, plan: tuple[m13.PlanItem, ...]) -> tuple[m13.Outcome, ...]:
         """One step: an outcome per plan item, in item order (every rank's, joined, for a group)."""
         ...
 
-    def rank_executors(self) -> Sequence[m12.Executor]:
-        """The per-rank executors m12's group fans each plan out to and joins (m11)."""
+    def rank_executors(self) -> Sequence[m13.Executor]:
+        """The per-rank executors m13's group fans each plan out to and joins (m11)."""
         ...
 
     def add_request(

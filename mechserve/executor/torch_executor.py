@@ -1,4 +1,4 @@
-"""The torch executor: real weights and real paged KV tensors behind the m12 boundary.
+"""The torch executor: real weights and real paged KV tensors behind the m10 boundary.
 
 Each ``execute(plan)`` asks the proposer for each decode window's guesses, runs one target forward
 over every plan item (see ``paged_kv`` for the flat-batch layout), then returns one outcome per item::
@@ -70,7 +70,7 @@ from mechserve.executor.sampling import Row, Sampler, token_logprobs
 from mechserve.executor.verify import verify_draft
 from mechserve.kv.paged import AttentionBatch, Span, build_attention_batch
 from mechserve.model.llama import LlamaModel
-from mechserve.spec.m12_admission_control import Outcome, PlanItem
+from mechserve.spec.m13_output_caching import Outcome, PlanItem
 
 # (history, num) -> up to num point-mass guesses; the executor pads a short proposal with the last known id.
 ProposerFn = Callable[[Sequence[int], int], Sequence[int]]
@@ -183,7 +183,7 @@ class TorchExecutor:
         return getattr(self.proposer, "cache", None)
 
     def rank_executors(self) -> list[TorchExecutor]:
-        """One rank: m12's group joins this executor alone."""
+        """One rank: m13's group joins this executor alone."""
         return [self]
 
     def stats(self) -> ExecutorStats:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from mechserve.api.config import EngineConfig
 from mechserve.engine.scheduler import Scheduler
-from mechserve.spec import m12_admission_control as m12
+from mechserve.spec import m13_output_caching as m13
 
 
 def scheduler(num_pages: int, **config: object) -> Scheduler:
     """A scheduler over m12's scripted executor (no model): page size 1, a budget of 16 tokens."""
     cfg = EngineConfig(page_size=1, max_step_tokens=16, max_running=None, **config)  # type: ignore[arg-type]
     return Scheduler(
-        cfg, num_pages=num_pages, max_model_len=None, eos_token_ids=(), executors=[m12.LocalExecutor({}, {})]
+        cfg, num_pages=num_pages, max_model_len=None, eos_token_ids=(), executors=[m13.LocalExecutor({}, {})]
     )
 
 
@@ -54,7 +54,7 @@ def test_a_finish_outside_the_step_is_a_stop_not_an_abort() -> None:
     assert record.accepted["a"] == 3 and len(record.tokens["a"]) == 4
     s.finish("a", kept=2, generated=3)
     cut = s.cut(record)
-    assert cut.finished["a"] is m12.FinishReason.STOP and cut.tokens["a"] == record.tokens["a"][:2]
+    assert cut.finished["a"] is m13.FinishReason.STOP and cut.tokens["a"] == record.tokens["a"][:2]
     assert (cut.accepted["a"], cut.rolled_back["a"]) == (1, 2)
     after = s.step().record
     assert "a" not in after.aborted

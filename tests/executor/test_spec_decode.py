@@ -32,7 +32,7 @@ from mechserve.executor.proposers import DraftModelProposer, Window, lookup_ngra
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.model.llama import LlamaModel
 from mechserve.model.loader import LoadedModel, load_model
-from mechserve.spec import m12_admission_control as m12
+from mechserve.spec import m13_output_caching as m13
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False)
 
@@ -54,7 +54,7 @@ def one_thread() -> Iterator[None]:
 class Run:
     outputs: dict[str, list[int]]
     finish: dict[str, str | None]
-    records: list[m12.StepRecord]
+    records: list[m13.StepRecord]
     executor: TorchExecutor
 
 
@@ -81,11 +81,11 @@ def run(
     requests = []
     for i, (p, n, a) in enumerate(zip(prompts, news, arrivals)):
         ex.add_request(f"r{i}", p, params or SamplingParams(temperature=0.0, max_tokens=n), eos_token_ids=eos)
-        requests.append(m12.Request(f"r{i}", list(p), n, arrival_step=a, stop_token_ids=stop_token_ids))
+        requests.append(m13.Request(f"r{i}", list(p), n, arrival_step=a, stop_token_ids=stop_token_ids))
     spec_len = spec.num_speculative_tokens if spec else 0
-    engine = m12.Engine(requests, budget, page_size, num_pages, spec_len=spec_len, executors=[ex], eos_token_ids=eos)
+    engine = m13.Engine(requests, budget, page_size, num_pages, spec_len=spec_len, executors=[ex], eos_token_ids=eos)
 
-    def step_done(record: m12.StepRecord) -> None:
+    def step_done(record: m13.StepRecord) -> None:
         engine.check_invariants()
         if on_step is not None:
             on_step(engine, ex, record)
@@ -101,7 +101,7 @@ def run(
     )
 
 
-def total(records: Sequence[m12.StepRecord], name: str) -> int:
+def total(records: Sequence[m13.StepRecord], name: str) -> int:
     return sum(sum(getattr(rec, name).values()) for rec in records)
 
 
@@ -176,7 +176,7 @@ def test_preemption_mid_speculation_gives_the_same_output(
 ) -> None:
     """A pool that cannot hold every request: speculating requests are preempted and recomputed."""
     spec, draft = (NGRAM, None) if proposer == "ngram" else (draft_spec(), tiny.model)
-    need = max(m12.pages_for(len(p) + 16, 2) for p in PROMPTS)
+    need = max(m13.pages_for(len(p) + 16, 2) for p in PROMPTS)
     got = run(tiny.model, PROMPTS, 16, spec=spec, draft=draft, page_size=2, num_pages=need + 6, budget=24)
     assert got.outputs == plain
     assert any(rec.preempted for rec in got.records)
@@ -198,10 +198,10 @@ def test_preemption_mid_speculation_gives_the_same_output(
 
 def dense_kv(model: LlamaModel, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of ``model`` over ``ids`` in one fresh contiguous forward: [layers, len(ids), KV, D]."""
-    ex = TorchExecutor(model, m12.pages_for(len(ids), 4), 4)
+    ex = TorchExecutor(model, m13.pages_for(len(ids), 4), 4)
     n = len(ids)
-    table = tuple(range(m12.pages_for(n, 4)))
-    item = m12.PlanItem("d", 0, n, 0, False, tuple((p, p // 4, p % 4) for p in range(n)), tuple(ids), True, 0, table)
+    table = tuple(range(m13.pages_for(n, 4)))
+    item = m13.PlanItem("d", 0, n, 0, False, tuple((p, p // 4, p % 4) for p in range(n)), tuple(ids), True, 0, table)
     ex.execute((item,))
     k, v = ex.cache.k, ex.cache.v
     return k.reshape(k.shape[0], -1, *k.shape[3:])[:, :n], v.reshape(v.shape[0], -1, *v.shape[3:])[:, :n]
@@ -210,10 +210,10 @@ def dense_kv(model: LlamaModel, ids: Sequence[int]) -> tuple[torch.Tensor, torch
 def dense_greedy(model: LlamaModel, ids: Sequence[int], n: int) -> list[int]:
     out = list(ids)
     for _ in range(n):
-        ex = TorchExecutor(model, m12.pages_for(len(out), 4), 4)
-        table = tuple(range(m12.pages_for(len(out), 4)))
+        ex = TorchExecutor(model, m13.pages_for(len(out), 4), 4)
+        table = tuple(range(m13.pages_for(len(out), 4)))
         placements = tuple((p, p // 4, p % 4) for p in range(len(out)))
-        (o,) = ex.execute((m12.PlanItem("d", 0, len(out), 0, False, placements, tuple(out), True, 0, table),))
+        (o,) = ex.execute((m13.PlanItem("d", 0, len(out), 0, False, placements, tuple(out), True, 0, table),))
         out.append(o.token_ids[0])
     return out[len(ids) :]
 
@@ -227,7 +227,7 @@ def test_draft_kv_and_proposals_match_a_dense_draft_after_reuse_rollback_and_pre
     checked = {"kv": 0, "proposals": 0}
     proposals: list[tuple[list[int], tuple[int, ...]]] = []
 
-    def on_step(engine: m12.Engine, ex: TorchExecutor, record: m12.StepRecord) -> None:
+    def on_step(engine: m13.Engine, ex: TorchExecutor, record: m13.StepRecord) -> None:
         proposer = ex.proposer
         assert isinstance(proposer, DraftModelProposer)
         cache, ps = proposer.cache, 2
@@ -376,7 +376,7 @@ def test_a_stop_string_inside_an_accepted_run_cuts_ids_and_text(cycle_model: Lla
     # guesses before the cut; the guesses after it count as rolled back.
     last = next(step.record for step in outs if step.record.finished)
     kept = last.tokens["0"]
-    assert last.finished["0"] is m12.FinishReason.STOP and list(kept) == [2, 7, 4][-len(kept) :]
+    assert last.finished["0"] is m13.FinishReason.STOP and list(kept) == [2, 7, 4][-len(kept) :]
     assert last.accepted["0"] == len(kept) - 1 < last.drafted["0"]
     assert last.rolled_back["0"] == last.drafted["0"] - last.accepted["0"]
     assert not last.aborted and core.summary()[0]["state"] == "FINISHED"

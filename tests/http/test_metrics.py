@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from mechserve.api.params import SamplingParams
 from mechserve.entrypoints.metrics import Histogram, ServingMetrics
-from mechserve.spec.m12_admission_control import RejectReason
+from mechserve.spec.m13_output_caching import RejectReason
 
 
 def record(**fields: object) -> SimpleNamespace:
