@@ -9,7 +9,9 @@ It is synchronous, single-threaded and does no I/O; one step happens in one plac
     step() ── advise spec_len (adaptive speculation)
            ── scheduler.step(): m13 schedules, the executor runs the plan, m13 commits the outcomes
            ── per sample: keep the new ids, detokenize, find stop strings (a match finishes it: STOP)
-           ── the record with every stop cut applied; deltas; the RequestOutput of each request that ended
+           ── the record with every stop cut applied ── executor.settle(its accepted): what each decode
+              window kept is what the executor counts ── release the samples that ended
+           ── deltas; the RequestOutput of each request that ended
     run_until_idle(on_step) ── step() while anything is unfinished; the outputs of the requests that ended
     abort(request_id) ── every live sample leaves now (its pages return); the next step reports it
 
@@ -126,6 +128,7 @@ class EngineCore:
         self._groups: dict[str, RequestGroup] = {}
         self._samples: dict[str, tuple[RequestGroup, Sample]] = {}  # engine id -> its request and sample
         self._ended: list[str] = []  # engine ids ended outside a step (aborts), reported by the next step
+        self._leaving: list[str] = []  # engine ids that ended in this step: released after the step's settle
         self._unrecorded = False  # a door refusal or abort the next step record will show
         self._ids = itertools.count()
 
@@ -260,8 +263,14 @@ class EngineCore:
                 touched[engine_id] = None
         deltas = [self._samples[engine_id][1].delta(self._samples[engine_id][0].request_id) for engine_id in touched]
         groups = {id(g): g for g, _ in (self._samples[engine_id] for engine_id in touched)}
+        record = self.scheduler.cut(record)
+        # The executor counts and learns from what the requests kept, then forgets the ones that ended.
+        self.executor.settle(record.accepted)
+        leaving, self._leaving = self._leaving, []
+        for engine_id in leaving:
+            self.executor.release(engine_id)
         return StepOutput(
-            self.scheduler.cut(record),
+            record,
             tuple(deltas),
             tuple(self._retire(groups.values(), now)),
             prompt_tokens=step.prompt_tokens,
@@ -304,14 +313,16 @@ class EngineCore:
             group.first_token_time = now
         if stop is not None:
             self.scheduler.finish(engine_id, kept, generated=len(s.token_ids))
-            self.executor.release(engine_id)
+            self._leaving.append(engine_id)
             s.finish_reason, s.stop_reason = STOP, stop
         elif reason is not None:
             self._end(s, reason)
 
     def _end(self, s: Sample, reason: m13.FinishReason) -> None:
-        """The engine ended ``s``: its finish reason, then the last held-back characters (which may hold a stop)."""
-        self.executor.release(s.engine_id)
+        """The engine ended ``s``: its finish reason, then the last held-back characters (which may hold a stop).
+
+        Its executor state is released after the step's ``settle``."""
+        self._leaving.append(s.engine_id)
         if reason is m13.FinishReason.LENGTH:
             s.finish_reason, s.stop_reason = LENGTH, None
         else:

@@ -14,7 +14,9 @@ through nothing else, so any class with these methods can stand behind the engin
     before a step ──────────────── advise(caps, max_k) -> spec_len for the coming step
     m13.step() ──────────────────── execute(plan) -> outcomes            (through rank_executors)
     after a step ───────────────── take_logprobs(id) -> one TokenLogprobs per appended id
-    a request leaves ───────────── release(id)
+                                   settle(windows): the accepted guesses each decode window kept
+                                   after every cut (EOS or stop id, stop string, max_tokens)
+    a request leaves ───────────── release(id)      (after the step's settle)
     stats() ───────────────────── ExecutorStats (forwards, rows, speculation counts)
     close() ───────────────────── stop rank processes (nothing for one rank)
 
@@ -24,7 +26,7 @@ through nothing else, so any class with these methods can stand behind the engin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -37,11 +39,12 @@ from mechserve.spec import m13_output_caching as m13
 class ExecutorStats:
     """Counters since the executor was built.
 
-    ``forwards``: target forwards; ``rows``: target rows computed; ``windows``: decode windows;
-    ``slots``: their guess positions; ``proposed``: guesses the proposer made (the rest of the slots
-    were pads); ``accepted``: of those, accepted by the executor's verdict (before the control
-    side's cuts: an EOS or stop id inside an accepted run, a stop string, max_tokens);
-    ``emitted``: ids the decode windows appended (accepted guesses and pads, plus one each).
+    ``forwards``: target forwards; ``rows``: target rows computed.  Per decode window, counted when the
+    control side settles it (``Executor.settle``): ``windows``: decode windows; ``slots``: their guess
+    positions; ``proposed``: guesses the proposer made (the rest of the slots were pads);
+    ``accepted``: of those, the ones the request kept (the executor's verdict after the control
+    side's cuts: an EOS or stop id inside an accepted run, a stop string, max_tokens); ``emitted``:
+    ids the request kept from its decode windows (kept guesses, pads included, plus one each).
     """
 
     forwards: int = 0
@@ -78,6 +81,15 @@ class Executor(Protocol):
 
     def release(self, request_id: str) -> None:
         """Forget a request that left the engine (finished, aborted, stopped)."""
+        ...
+
+    def settle(self, windows: Mapping[str, int]) -> None:
+        """After each step: ``request id -> accepted guesses kept`` for every decode window of the step.
+
+        The step record's ``accepted``, after the control side cut each accepted run (an EOS or stop
+        id, a stop string; drafts never pass max_tokens).  What the executor counts and learns from
+        (``ExecutorStats``, acceptance estimates for ``advise``) is this, not its own verdicts.
+        """
         ...
 
     def take_logprobs(self, request_id: str) -> list[TokenLogprobs]:

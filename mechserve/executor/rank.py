@@ -111,7 +111,7 @@ class RankServer:
 
     def handle(self, command: tuple[Any, ...]) -> Any:
         """Run one command: ``("execute", plan)``, ``("add", request_id, prompt_ids, params, eos, stop)``,
-        ``("release", request_id)``, ``("logprobs", request_id)``, ``("advise", caps, max_k)``,
+        ``("release", request_id)``, ``("settle", windows)``, ``("logprobs", request_id)``, ``("advise", caps, max_k)``,
         ``("stats",)``, ``("params",)``, ``("fault", kind)``.  Raises ``ValueError`` for anything else."""
         name, args = command[0], command[1:]
         ex = self.executor
@@ -122,6 +122,8 @@ class RankServer:
             return ex.add_request(rid, prompt_ids, params, eos_token_ids=eos, stop_token_ids=stop)
         if name == "release":
             return ex.release(args[0])
+        if name == "settle":
+            return ex.settle(args[0])
         if name == "logprobs":
             return ex.take_logprobs(args[0])
         if name == "advise":

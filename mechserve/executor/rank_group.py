@@ -25,7 +25,7 @@ Two launchers, one rank loop (``serve_rank``):
   (``gather_object``); the other ranks serve inside ``start_group`` and exit when rank 0 closes
   the group.  A dead or hung rank surfaces through the process group's timeout.
 
-Commands that need no answer (``add_request``, ``release``) are queued per rank and travel with
+Commands that need no answer (``add_request``, ``release``, ``settle``) are queued per rank and travel with
 the next command that does, so a decode step costs one round trip.
 
 Backend: ``gloo`` (CPU).  The torch backend computes on the CPU only, so ``nccl`` is not offered.
@@ -37,7 +37,7 @@ import contextlib
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -71,7 +71,7 @@ class _RankProxy:
 class RankGroup:
     """The driver's handle on ``world_size`` ranks; the executor API ``EngineCore`` uses, once for all.
 
-    ``rank_executors()`` are the m13 rank executors; ``add_request``/``release`` reach every rank (queued
+    ``rank_executors()`` are the m13 rank executors; ``add_request``/``release``/``settle`` reach every rank (queued
     until the next round trip); ``take_logprobs``, ``advise`` and ``stats`` ask rank 0 (every rank
     holds the same).  Any failure raises ``RankError`` and shuts the group down.
     """
@@ -123,6 +123,12 @@ class RankGroup:
     def release(self, request_id: str) -> None:
         if not self.closed:
             self._queue(("release", request_id))
+
+    def settle(self, windows: Mapping[str, int]) -> None:
+        """Every rank learns what each decode window kept (queued, like ``release``), so their counters and
+        acceptance estimates stay equal."""
+        if not self.closed and windows:
+            self._queue(("settle", dict(windows)))
 
     def take_logprobs(self, request_id: str) -> list[TokenLogprobs]:
         result: list[TokenLogprobs] = self._ask(("logprobs", request_id))

@@ -40,13 +40,16 @@ outputs) for the proposer.  A plan may begin mid-prompt after a prefix-cache hit
 saw are kept as unknown (-1) unless the prompt was registered with ``add_request``.  The control
 side decides what stays (rollback, EOS, stop ids, freeing pages).  Requests that ask for
 ``logprobs`` get one ``TokenLogprobs`` per appended id on a side channel, ``take_logprobs``.
-``stats()`` counts target forwards, proposed and accepted guesses (``ExecutorStats``).
+``stats()`` counts target forwards, proposed and accepted guesses (``ExecutorStats``).  A decode
+window's guesses are counted, and fed to the acceptance estimates, only when the control side says
+how many of them the request kept (``settle``, after the step's cuts at an EOS or stop id or a stop
+string): an accepted window ``[a, EOS, b, c]`` counts 1 accepted guess and 2 emitted ids, not 4 and 5.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -152,6 +155,7 @@ class TorchExecutor:
         self.acceptance = Acceptance()
         self.counters = ExecutorStats()
         self._proposed: list[int] = []  # this step's proposal lengths, per item (before padding)
+        self._windows: dict[str, tuple[int, int]] = {}  # this step's decode windows: (slots, proposed), until settled
         self._history: dict[str, list[int]] = {}
         self._sampling: dict[str, _Sampling] = {}
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -224,6 +228,27 @@ class TorchExecutor:
         self.proposer.release(request_id)
         self.acceptance.release(request_id)
 
+    def settle(self, windows: Mapping[str, int]) -> None:
+        """Count this step's decode windows by what each request kept: ``windows[id]`` accepted guesses.
+
+        ``ExecutorStats`` (windows, slots, proposed, accepted, emitted) and the acceptance estimates
+        ``advise`` weighs are updated here, from the control side's cut verdict (the step record's
+        ``accepted``), never from this executor's own; a window not settled before the next
+        ``execute`` is not counted.  Ids unknown to this step are ignored.
+        """
+        stats = self.counters
+        for rid, kept in windows.items():
+            window = self._windows.pop(rid, None)
+            if window is None:
+                continue
+            slots, real = window
+            stats.windows += 1
+            stats.slots += slots
+            stats.proposed += real
+            stats.accepted += min(kept, real)
+            stats.emitted += kept + 1
+            self.acceptance.observe(rid, real, min(kept, real))
+
     def history(self, request_id: str) -> list[int]:
         """The ids this executor knows for ``request_id``, by position (-1 = unknown)."""
         return list(self._history.get(request_id, ()))
@@ -256,6 +281,7 @@ class TorchExecutor:
 
     def execute(self, plan: tuple[PlanItem, ...]) -> tuple[Outcome, ...]:
         """Run one step: drafts, one target forward over all items, then verdicts and sampled ids per item."""
+        self._windows = {}
         if not plan:
             return ()
         windows = [self._window(item) for item in plan]
@@ -387,7 +413,6 @@ class TorchExecutor:
         """Accept each decode window's leading guesses that match the targets; append the ids to history."""
         outcomes = []
         offset = 0
-        stats = self.counters
         for n, (item, g) in enumerate(zip(plan, guesses)):
             accepted = 0
             ids: tuple[int, ...] = ()
@@ -402,14 +427,8 @@ class TorchExecutor:
                 if recorded is not None and recorded[n]:
                     # accepted guesses equal the targets, so the appended ids are t0 .. t_a
                     self._logprobs.setdefault(item.request_id, []).extend(recorded[n][: accepted + 1])
-            if item.decode:
-                real = self._proposed[n]
-                stats.windows += 1
-                stats.slots += len(g)
-                stats.proposed += real
-                stats.accepted += min(accepted, real)
-                stats.emitted += len(ids)
-                self.acceptance.observe(item.request_id, real, min(accepted, real))
+            if item.decode:  # counted once the control side says what was kept (settle)
+                self._windows[item.request_id] = (len(g), self._proposed[n])
             outcomes.append(
                 Outcome(item.request_id, item.start_position, item.num_tokens, accepted, item.placements, ids)
             )

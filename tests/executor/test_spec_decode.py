@@ -22,6 +22,7 @@ from engine_runs import run_engine as generate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_checkpoints import Tiny, random_prompts, tiny_config
+from tiny_models import save_cycle_model
 
 from mechserve.api.config import EngineConfig, SpeculativeConfig, parse_draft_model
 from mechserve.api.params import SamplingParams
@@ -89,6 +90,7 @@ def run(
         engine.check_invariants()
         if on_step is not None:
             on_step(engine, ex, record)
+        ex.settle(record.accepted)  # as EngineCore does: the executor counts what the requests kept
         for rid in record.finished:
             ex.release(rid)
 
@@ -281,27 +283,9 @@ CYCLE = [3, 5, 2, 7, 4, 6, 1]
 
 @pytest.fixture(scope="module")
 def cycle_model(tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
-    """A real 1-layer Llama whose greedy successor of id ``CYCLE[i]`` is ``CYCLE[i + 1]`` (cyclically):
-    one-hot embeddings, attention and MLP that add nothing, a head mapping ``e_i`` to its successor."""
-    from transformers import AutoModelForCausalLM
-
-    vocab = 16
-    config = tiny_config(
-        vocab_size=vocab, hidden_size=vocab, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2
-    )
-    config.num_key_value_heads = 1
-    hf = AutoModelForCausalLM.from_config(config).eval()
-    successor = {a: b for a, b in zip(CYCLE, [*CYCLE[1:], CYCLE[0]])}
-    with torch.no_grad():
-        hf.model.embed_tokens.weight.copy_(torch.eye(vocab))
-        hf.model.layers[0].self_attn.o_proj.weight.zero_()
-        hf.model.layers[0].mlp.down_proj.weight.zero_()
-        head = torch.zeros(vocab, vocab)
-        for i in range(vocab):
-            head[successor.get(i, i), i] = 1.0
-        hf.lm_head.weight.copy_(head)
+    """A real 1-layer Llama whose greedy successor of id ``CYCLE[i]`` is ``CYCLE[i + 1]`` (cyclically)."""
     path = tmp_path_factory.mktemp("cycle")
-    hf.save_pretrained(path)
+    save_cycle_model(path, CYCLE)
     return load_model(str(path), tokenizer=False).model
 
 

@@ -217,7 +217,9 @@ def test_the_draft_really_was_rejected_and_accepted(small: tuple[LlamaModel, obj
     requests = [m13.Request(f"r{i}", list(PROMPT), 4) for i in range(40)]
     for r in requests:
         ex.add_request(r.request_id, PROMPT, PARAMS)
-    m13.Engine(requests, 1 << 20, 8, 64, spec_len=2, executors=[ex], eos_token_ids=()).run()
+    m13.Engine(requests, 1 << 20, 8, 64, spec_len=2, executors=[ex], eos_token_ids=()).run(
+        lambda record: ex.settle(record.accepted)
+    )
     assert 0 < ex.stats().accepted < ex.stats().proposed
 
 

@@ -131,6 +131,20 @@ def test_ranks_generate_what_one_process_generates(cores, loaded, reference, wor
     core.check_pages()
 
 
+def test_ranks_count_speculation_as_one_process_does(cores, loaded) -> None:
+    """``settle`` reaches every rank: rank 0's counters after a speculative run (prompt lookup, spec_len 2)
+    are the one-process executor's, decode window for decode window."""
+    one = EngineCore(loaded, CONFIG)
+    two = core_of(cores, loaded, 2)
+    before = two.stats(executor=True).executor
+    assert generate(one) == generate(two)
+    after = two.stats(executor=True).executor
+    alone = one.stats(executor=True).executor
+    for name in ("windows", "slots", "proposed", "accepted", "emitted"):
+        assert getattr(after, name) - getattr(before, name) == getattr(alone, name), name
+    assert alone.windows > 0
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_rank_shards_sum_to_the_model_with_replicated_kv_heads_and_norms(cores, loaded, world_size: int) -> None:
     """Exact relation: sharded parts partition the model; each replicated KV head is counted once per
