@@ -8,8 +8,8 @@ every request that finished in the step, through the page table of its last plan
     dense    = target.dense_kv(tokens)                          no paging, no cache, one sequence
     |paged - dense| <= atol + rtol * |dense|  elementwise (NaN in dense: no reference, skipped)
 
-and likewise for every block of the radix cache (its page against the dense K/V of the prompt prefix
-its key chain spells), referenced or not.  Positions at or past ``computed`` are not audited: after a
+and likewise for every block of the radix cache (its page against the dense K/V of the token prefix
+its key chain spells: prompt ids, and with m13's output caching generated ids too), referenced or not.  Positions at or past ``computed`` are not audited: after a
 rollback they still hold the rejected guesses' K/V, which nobody reads (the next step rewrites them
 before attending), so stale state there is harmless by design.  What the audit proves is that prefix
 sharing (a page read by several requests), rollback (the frontier moved back) and preemption (state
@@ -148,7 +148,7 @@ class KVAuditor:
 
 
 def _cache_blocks(cache: Any) -> list[tuple[tuple[int, ...], int]]:
-    """``(prompt prefix through the block, page)`` for every node of m13's radix cache."""
+    """``(token prefix through the block, page)`` for every node of m13's radix cache (prompt and generated ids)."""
     out: list[tuple[tuple[int, ...], int]] = []
     stack: list[tuple[tuple[int, ...], Mapping[Any, Any]]] = [((), cache.root)]
     while stack:

@@ -62,6 +62,41 @@ def test_the_audit_covers_every_rank_and_cache_page(target: Target) -> None:
     assert any(rec.reused for rec in run.records)
 
 
+def test_the_audit_covers_generated_blocks_in_the_cache(target: Target) -> None:
+    """With output caching the cache holds blocks of generated ids; the audit compares each against the dense
+    K/V of the prompt and output ids its key chain spells, and catches one corrupted after publishing."""
+    workload = {**SPECULATIVE, "engine": {**SPECULATIVE["engine"], "output_caching": True, "world_size": 1}}
+    auditor = KVAuditor(target)
+    run = run_workload(target, workload, on_step=auditor.snapshot)
+    assert auditor.verify() > 0
+    prompts = {tuple(r.tokens) for r in run.engine.requests}
+    generated = [
+        c
+        for c in auditor.copies
+        if c.label.startswith("cache page")
+        and not any(c.tokens[: len(p)] == p and len(c.tokens) <= len(p) for p in prompts)
+    ]
+    assert generated, "no cached block holding generated ids was audited"
+    corrupted = KVAuditor(target)
+    hit: list[int] = []
+
+    def on_step(run: RealRun, record: m13.StepRecord) -> None:
+        a = run.engine.requests[0]
+        cached = [p for p in a.page_table if run.engine.pool.owner[p] is m13.CACHE]
+        if not hit and len(cached) * 4 > len(a.tokens):  # a's first block past its prompt is cached
+            k, _ = target.kv_of(run.executors[0])
+            k[0, cached[-1], 3] += 0.5
+            hit.append(cached[-1])
+        corrupted.snapshot(run, record)
+
+    run_workload(target, workload, on_step=on_step)
+    assert hit
+    # position 7, a's first generated id, read by a and by the cache's audit alike (a is reported: same step)
+    pattern = rf"rank 0, (a|cache page {hit[0]}): K at position 7 \(page {hit[0]}, offset 3\), layer 0"
+    with pytest.raises(KVMismatch, match=pattern):
+        corrupted.verify()
+
+
 def test_a_mismatch_names_step_rank_request_position_and_tolerance(target: Target) -> None:
     """Corrupt one cached page between steps (behind the executor's back): the audit reports it."""
     auditor = KVAuditor(target)

@@ -276,6 +276,71 @@ def test_draft_kv_and_proposals_match_a_dense_draft_after_reuse_rollback_and_pre
     assert checked["kv"] > 100 and checked["proposals"] > 10
 
 
+def test_a_draft_reads_valid_kv_from_another_requests_generated_blocks(tiny: Tiny) -> None:
+    """With output caching a block is published while the draft KV of its last accepted guess is still
+    missing (the draft never feeds its last guess back), and a request that finishes never catches up.  A
+    next turn that reuses that block must not read the gap: its draft KV through the reused pages equals a
+    dense draft forward and every guess is the dense draft's greedy choice (the draft is the full model, so
+    every guess of turn 1 is accepted and its last windows end on such gaps)."""
+    draft = tiny.model.truncated(tiny.model.arch.num_layers)
+    spec = SpeculativeConfig(method="draft", num_speculative_tokens=3, draft_model="tiny", adaptive=False)
+    ex = TorchExecutor(tiny.model, 64, 4, speculative=spec, draft_model=draft)
+    proposer = ex.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    firsts = random_prompts([6, 9, 5], seed=91)
+    engine = m13.Engine([], 64, 4, 64, spec_len=3, executors=[ex], eos_token_ids=(), output_caching=True)
+
+    def submit(rid: str, prompt: list[int], n: int) -> m13.Request:
+        r = m13.Request(rid, list(prompt), n)
+        assert engine.add_request(r) is None
+        ex.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n))
+        return r
+
+    def step_done(record: m13.StepRecord) -> None:
+        ex.settle(record.accepted)
+        for rid in record.finished:
+            ex.release(rid)
+
+    # lengths such that every last window ends a block: P + n - 1 is a multiple of the page size
+    turn1 = [submit(f"a{i}", p, n) for i, (p, n) in enumerate(zip(firsts, (7, 8, 8)))]
+    engine.run(step_done)
+    gaps = {page: set(offsets) for page, offsets in proposer._stale.items() if engine.pool.owner[page] is m13.CACHE}
+    assert gaps, "no cached block was left with a draft-KV gap"
+    proposals: list[tuple[list[int], tuple[int, ...]]] = []
+    original = DraftModelProposer.propose
+
+    def recording(self: DraftModelProposer, windows: Sequence[Window]) -> Any:
+        drafts = original(self, windows)
+        proposals.extend((list(w.history), d.tokens) for w, d in zip(windows, drafts) if d.tokens)
+        return drafts
+
+    turn2 = [submit(f"b{i}", [*r.tokens, *r.output_ids[:-1], 7, 8], 6) for i, r in enumerate(turn1)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DraftModelProposer, "propose", recording)
+        records = engine.run(step_done)
+    reused = {rid: n for rec in records for rid, n in rec.reused.items()}
+    assert all(reused[r.request_id] > len(first.tokens) for r, first in zip(turn2, turn1)), reused
+    assert any(page in gaps for page in {p for r in turn2 for p in engine.cache.match(r.prompt_keys)})
+    for history, guesses in proposals:
+        assert list(guesses) == dense_greedy(draft, history, len(guesses))
+    assert proposals and all(
+        rec.accepted.get(r.request_id) == rec.drafted.get(r.request_id)
+        for rec in records
+        for r in turn2
+        if r.request_id in rec.drafted
+    )
+    ps = 4
+    for r in turn2:  # the draft KV of the whole sequence, reused pages included
+        ids = [*r.tokens, *r.output_ids][: r.computed]
+        want_k, _ = dense_kv(draft, ids)
+        table = engine.cache.match(m13.prefix_keys(ids, ps))
+        pages = torch.tensor([table[p // ps] for p in range(len(table) * ps)])
+        offsets = torch.tensor([p % ps for p in range(len(table) * ps)])
+        torch.testing.assert_close(
+            proposer.cache.k[:, pages, offsets], want_k[:, : len(table) * ps], atol=1e-5, rtol=1e-5
+        )
+
+
 # BC16 and BC22 kinds, with both proposers --------------------------------------------------------------------------
 
 CYCLE = [3, 5, 2, 7, 4, 6, 1]
