@@ -318,7 +318,8 @@ class TurnResult:
     aside, what output caching leaves to compute; ``prefill_computed``: prompt positions the engine
     ran before the first token (recomputation after a preemption included); ``reused``: prompt
     tokens served from the prefix cache; ``ttft``: seconds on the engine's own clock from submission
-    to the first token; ``retokenized``: whether the prompt repeats the previous prompt and answer ids
+    to the first token, and ``ttft_cpu`` the CPU seconds this process spent in those steps (on a
+    machine shared with other work, the less noisy of the two); ``retokenized``: whether the prompt repeats the previous prompt and answer ids
     exactly (None at turn 1); ``output_ids``: the answer.
     """
 
@@ -329,18 +330,21 @@ class TurnResult:
     prefill_computed: int
     reused: int
     ttft: float
+    ttft_cpu: float
     retokenized: bool | None
     output_ids: tuple[int, ...]
 
 
 class _Conversing:
     """One engine configuration running every conversation: turn 1 of each at once, then each next turn as
-    soon as the previous answer is done.  ``clock`` adds up the seconds spent inside this engine's steps."""
+    soon as the previous answer is done.  ``clock`` adds up the seconds spent inside this engine's steps,
+    ``cpu`` the CPU seconds of this process in them."""
 
     def __init__(self, core: Any, conversations: Any) -> None:
         self.core = core
         self.conversations = conversations
         self.clock = 0.0
+        self.cpu = 0.0
         self.results: list[TurnResult] = []
         self._history: list[list[dict[str, str]]] = [[] for _ in conversations.messages]
         self._live: dict[str, dict[str, Any]] = {}  # request id -> its turn's bookkeeping
@@ -366,16 +370,17 @@ class _Conversing:
             "c": c,
             "turn": turn,
             "ids": ids,
-            "at": self.clock,
+            "at": (self.clock, self.cpu),
             "first": None,
             "prefill": 0,
             "reused": None,
         }
 
     def step(self) -> None:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         out = self.core.step()
         self.clock += time.perf_counter() - started
+        self.cpu += time.process_time() - cpu
         rec = out.record
         for rid, turn in self._live.items():
             if turn["first"] is None:
@@ -383,7 +388,7 @@ class _Conversing:
                 if turn["reused"] is None and rid in rec.reused:
                     turn["reused"] = rec.reused[rid]
                 if rid in rec.tokens:
-                    turn["first"] = self.clock
+                    turn["first"] = (self.clock, self.cpu)
         for done in out.finished:
             self._finish(done)
 
@@ -401,7 +406,8 @@ class _Conversing:
                 new_tokens=len(ids) - computed if previous is not None else None,
                 prefill_computed=turn["prefill"],
                 reused=turn["reused"] or 0,
-                ttft=turn["first"] - turn["at"],
+                ttft=turn["first"][0] - turn["at"][0],
+                ttft_cpu=turn["first"][1] - turn["at"][1],
                 retokenized=ids[:computed] == previous[:computed] if previous is not None else None,
                 output_ids=tuple(answer),
             )

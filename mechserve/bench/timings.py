@@ -175,7 +175,8 @@ def turn_summary(turns: Sequence[Any], page_size: int) -> list[dict[str, Any]]:
     prompts that repeat the previous prompt and answer ids exactly); ``excess_max``, the most prompt
     positions computed beyond the new ones among those prompts, and ``within_one_block``, whether that
     is below ``page_size`` for each of them (the issue's target: only the new message and at most one
-    partial block); ``p50_ttft_ms``/``p99_ttft_ms``.
+    partial block); ``p50_ttft_ms``/``p99_ttft_ms`` (the engine's clock) and ``p50_ttft_cpu_ms``/
+    ``p99_ttft_cpu_ms`` (CPU time).
     """
     out: list[dict[str, Any]] = []
     for t in sorted({r.turn for r in turns}):
@@ -183,6 +184,7 @@ def turn_summary(turns: Sequence[Any], page_size: int) -> list[dict[str, Any]]:
         matched = [r for r in rows if r.retokenized]
         excess = [r.prefill_computed - r.new_tokens for r in matched]
         ttft = [r.ttft for r in rows]
+        cpu = [r.ttft_cpu for r in rows]
         out.append(
             {
                 "turn": t,
@@ -197,6 +199,8 @@ def turn_summary(turns: Sequence[Any], page_size: int) -> list[dict[str, Any]]:
                 "within_one_block": None if t == 1 else bool(matched) and all(e < page_size for e in excess),
                 "p50_ttft_ms": 1000 * percentile(ttft, 50),
                 "p99_ttft_ms": 1000 * percentile(ttft, 99),
+                "p50_ttft_cpu_ms": 1000 * percentile(cpu, 50),
+                "p99_ttft_cpu_ms": 1000 * percentile(cpu, 99),
             }
         )
     return out

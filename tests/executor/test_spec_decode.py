@@ -478,7 +478,8 @@ def test_no_id_or_text_after_the_earliest_stop_eos_or_cap(
 ) -> None:
     """BC16's invariant over its whole kind, on the real executor with either proposer: whatever ends a request
     (an EOS id, a stop id, a stop string, max_tokens) inside an accepted run of any length, nothing after it is
-    emitted, and the result (ids, text, finish and stop reasons) is the non-speculative one."""
+    emitted, the result (ids, text, finish and stop reasons) is the non-speculative one, and the executor's
+    counters count only the ids the request kept."""
     prompt = [CYCLE[(start + i) % len(CYCLE)] for i in range(length)]
     cont = [SUCCESSOR[prompt[-1]]]
     while len(cont) < max_tokens:
@@ -504,8 +505,12 @@ def test_no_id_or_text_after_the_earliest_stop_eos_or_cap(
     assert (got.text, got.finish_reason, got.stop_reason) == (plain.text, plain.finish_reason, plain.stop_reason)
     if stop_string is not None:
         assert stop_string not in got.text
+    stats = core.executor.stats()
+    # what the executor counts is what the request kept: every kept id after the prefill's first one came
+    # from a decode window (kept guesses plus one each), whatever cut the last window
+    assert stats.emitted == len(got.token_ids) - 1 and stats.accepted <= stats.proposed
     if max_tokens >= 3 and end >= 2:
-        assert core.executor.stats().accepted > 0  # the run really was speculative
+        assert stats.proposed > 0  # the run really was speculative
 
 
 # Conformance: the real runs obey the spec -------------------------------------------------------------------------
