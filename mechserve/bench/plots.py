@@ -122,7 +122,7 @@ def plot_step_times(series: dict[str, list[float]], path: Path) -> Path:
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms, log scale)")
     ax.set_yscale("log")
-    ax.set_title("m13 with the scripted executor: step time against step")
+    ax.set_title("m12 with the scripted executor: step time against step")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
