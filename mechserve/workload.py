@@ -14,7 +14,8 @@ before it says anything.
 The validated ``Workload`` is rung-independent; ``build_engine`` turns it into
 the ``Engine`` of any rung of the ladder, passing only what that rung takes,
 and ``check_rung`` reports what a lower rung cannot take (speculation before
-m09, ranks before m11, admission settings before m12).  Standard library only.
+m09, ranks before m11, admission settings before m12, output caching before
+m13).  Standard library only.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ ENGINE_DEFAULTS: Mapping[str, int] = {
 # m12's admission settings: absent (no limit) unless given.
 ENGINE_OPTIONAL = ("max_waiting", "max_running", "max_model_len")
 ENGINE_KEYS = (*ENGINE_DEFAULTS, *ENGINE_OPTIONAL)
+# m13's switch, a JSON boolean: absent (the rung's default, off) unless given.
+ENGINE_SWITCHES = ("output_caching",)
 # spec_len may be 0; every other engine value is a size and must be > 0.
 _ENGINE_MINIMUM = {"spec_len": 0}
 TOP_KEYS = ("engine", "requests")
@@ -184,6 +187,16 @@ def engine_value(name: str, value: object, where: str | None = None) -> int:
     return _integer(where or f"engine.{name}", value, _ENGINE_MINIMUM.get(name, 1), ENGINE_LIMITS[name])
 
 
+def switch_value(name: str, value: object, where: str | None = None) -> bool:
+    """Validate one engine switch (``ENGINE_SWITCHES``): ``true`` or ``false``, nothing else.
+
+    Raises ``WorkloadError`` (naming ``where``, default ``engine.<name>``).
+    """
+    if not isinstance(value, bool):
+        raise WorkloadError(f"{where or f'engine.{name}'}: must be true or false, got {_show(value)}")
+    return value
+
+
 def _check_slots(engine: Mapping[str, int], labels: Mapping[str, str]) -> None:
     """Raises ``WorkloadError`` if the pool's ``num_pages x page_size`` slots exceed ``MAX_SLOTS``."""
     pages, size = engine["num_pages"], engine["page_size"]
@@ -197,19 +210,20 @@ def _check_slots(engine: Mapping[str, int], labels: Mapping[str, str]) -> None:
 def parse_engine(section: object) -> dict[str, int]:
     """The engine section with defaults filled in; a missing or null section means ``{}``.
 
-    The optional admission settings (``ENGINE_OPTIONAL``) appear only when
-    given and not null.  Raises ``WorkloadError`` for a non-object, an unknown
-    key, an invalid value or a pool over ``MAX_SLOTS`` slots.
+    The optional admission settings (``ENGINE_OPTIONAL``) and switches
+    (``ENGINE_SWITCHES``, JSON booleans) appear only when given and not null.
+    Raises ``WorkloadError`` for a non-object, an unknown key, an invalid
+    value or a pool over ``MAX_SLOTS`` slots.
     """
     if section is None:
         section = {}
     section = _object("engine", section)
-    _check_keys("engine", section, ENGINE_KEYS)
+    _check_keys("engine", section, (*ENGINE_KEYS, *ENGINE_SWITCHES))
     engine = dict(ENGINE_DEFAULTS)
     for name, value in section.items():
-        if name in ENGINE_OPTIONAL and value is None:
+        if name in (*ENGINE_OPTIONAL, *ENGINE_SWITCHES) and value is None:
             continue
-        engine[name] = engine_value(name, value)
+        engine[name] = switch_value(name, value) if name in ENGINE_SWITCHES else engine_value(name, value)
     _check_slots(engine, {name: f"engine.{name}" for name in ENGINE_KEYS})
     return engine
 
@@ -224,12 +238,13 @@ def with_engine(
     ``MAX_SLOTS`` slots.
     """
     engine = dict(workload.engine)
-    names = {name: f"engine.{name}" for name in ENGINE_KEYS}
+    names = {name: f"engine.{name}" for name in (*ENGINE_KEYS, *ENGINE_SWITCHES)}
     for name, value in overrides.items():
-        if name not in ENGINE_KEYS:
+        if name not in names:
             raise WorkloadError(f"unknown engine value {_show(name)}")
         names[name] = (labels or {}).get(name, names[name])
-        engine[name] = engine_value(name, value, names[name])
+        check = switch_value if name in ENGINE_SWITCHES else engine_value
+        engine[name] = check(name, value, names[name])
     _check_slots(engine, names)
     return dataclasses.replace(workload, engine=engine)
 
@@ -480,6 +495,8 @@ def _request_fields(rung: ModuleType) -> set[str]:
 _LATER_FEATURES = (("spec_len", 0, "speculative decoding", "m09"), ("world_size", 1, "parallelism", "m11"))
 _ADMISSION = "admission control"
 _ADMISSION_RUNG = "m12"
+# engine switch, the mechanism that uses it, the first rung that has it
+_LATER_SWITCHES = (("output_caching", "output caching", "m13"),)
 
 
 def has_admission_control(rung: ModuleType) -> bool:
@@ -494,8 +511,9 @@ def check_rung(rung: ModuleType, workload: Workload) -> None:
     (speculative decoding), ``world_size > 1`` before m11 (parallelism), and
     before m12 (admission control) any of ``max_waiting``, ``max_running``,
     ``max_model_len``, a non-empty ``stop_token_ids``, ``max_new_tokens`` 0
-    or an empty ``tokens`` list.  An empty ``accept_script`` or
-    ``stop_token_ids`` behaves like an absent one and is allowed.
+    or an empty ``tokens`` list, and ``output_caching`` true before m13.  An
+    empty ``accept_script`` or ``stop_token_ids``, and a switch set to false,
+    behave like absent ones and are allowed.
     """
     label, params = rung_label(rung), engine_params(rung)
     for name, neutral, what, first in _LATER_FEATURES:
@@ -503,6 +521,9 @@ def check_rung(rung: ModuleType, workload: Workload) -> None:
             raise WorkloadError(
                 f"{label} has no {what}: {name} {workload.engine[name]} needs {first} or later (or {name} {neutral})"
             )
+    for name, what, first in _LATER_SWITCHES:
+        if name not in params and workload.engine.get(name):
+            raise WorkloadError(f"{label} has no {what}: {name} true needs {first} or later (or {name} false)")
     if "accept_script" not in _request_fields(rung):
         for req in workload.requests:
             if req.accept_script:
@@ -554,7 +575,8 @@ def build_engine(rung: ModuleType, workload: Workload) -> Any:
 
     Only the engine values that rung's constructor takes are passed: m00 and
     m01 take none, m02 the budget, m03+ the page pool, m09+ ``spec_len``,
-    m11+ ``world_size`` and m12 the admission settings given.  Rungs before
+    m11+ ``world_size``, m12+ the admission settings given and m13 the
+    output-caching switch given.  Rungs before
     m08 know prompts only by length, so explicit ``tokens`` are reduced to
     their length there (the token ids themselves matter only to the prefix
     cache, which arrives in m08).  Raises ``WorkloadError`` if the workload
@@ -573,7 +595,7 @@ def fit_rung(rung: ModuleType, workload: Workload) -> tuple[Workload, tuple[str,
 
     Before m09 ``spec_len`` becomes 0 and accept scripts are dropped; before
     m11 ``world_size`` becomes 1; before m12 the admission settings and stop
-    ids are dropped.  ``mechserve demo --mech`` uses this so the fixed demo
+    ids are dropped; before m13 the output-caching switch is.  ``mechserve demo --mech`` uses this so the fixed demo
     runs on every rung; ``run`` reports the same things as errors
     (``check_rung``).  Zero-token requests and empty prompts are not dropped:
     ``build_engine`` still refuses them below m12.
@@ -594,4 +616,7 @@ def fit_rung(rung: ModuleType, workload: Workload) -> tuple[Workload, tuple[str,
         notes.append(f"{label} has no {_ADMISSION}: running without {', '.join(dropped)}")
         engine = {name: value for name, value in engine.items() if name not in ENGINE_OPTIONAL}
         requests = tuple(dataclasses.replace(r, stop_token_ids=()) for r in requests)
+    for name, what, _ in _LATER_SWITCHES:
+        if name not in params and name in engine and engine.pop(name):
+            notes.append(f"{label} has no {what}: running without {name}")
     return Workload(engine, requests), tuple(notes)

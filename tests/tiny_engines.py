@@ -21,12 +21,12 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
-import torch
 from tiny_models import (
     CHAT_TEMPLATE,
     VOCAB,
     hf_greedy,
     random_prompts,
+    save_successor_model,
     save_tiny,
     save_word_tokenizer,
     tiny_config,
@@ -108,33 +108,9 @@ class ToyTokenizer:
 
 
 def rigged(path: Path, tokenizer: ToyTokenizer, successor: Mapping[int, int], eos: Sequence[int] = ()) -> LoadedModel:
-    """A real 1-layer Llama whose greedy choice after token ``i`` is ``successor[i]`` (else ``i`` itself).
-
-    One-hot embeddings (hidden = vocabulary), attention and MLP outputs of
-    zero, and a head that maps ``e_i`` to ``e_successor(i)``: the logit of
-    the successor is sqrt(V), every other logit 0.
-    """
-    from transformers import AutoModelForCausalLM
-
+    """A real 1-layer Llama whose greedy choice after token ``i`` is ``successor[i]`` (else ``i`` itself)
+    (``save_successor_model``), with ``tokenizer`` and the EOS ids ``eos``."""
     vocab = max(16, 2 * ((len(tokenizer) + 1) // 2))
-    config = tiny_config(
-        vocab_size=vocab,
-        hidden_size=vocab,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-    )
-    hf = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        hf.model.embed_tokens.weight.copy_(torch.eye(vocab))
-        hf.model.layers[0].self_attn.o_proj.weight.zero_()
-        hf.model.layers[0].mlp.down_proj.weight.zero_()
-        head = torch.zeros(vocab, vocab)
-        for i in range(vocab):
-            head[successor.get(i, i), i] = 1.0
-        hf.lm_head.weight.copy_(head)
-    hf.save_pretrained(path)
+    save_successor_model(path, successor, vocab, max_position_embeddings=256)
     model = load_model(str(path), tokenizer=False).model
     return LoadedModel(path, model, tokenizer, tuple(eos))

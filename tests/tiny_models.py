@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +76,49 @@ def random_prompts(lengths: Sequence[int], seed: int = 1) -> list[list[int]]:
     """Seeded random prompts of the given lengths over the tiny vocabulary."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def save_successor_model(
+    path: Path,
+    successor: Mapping[int, int],
+    vocab: int = 16,
+    *,
+    eos_token_id: int | None = None,
+    max_position_embeddings: int | None = None,
+) -> None:
+    """Save a real 1-layer Llama whose greedy choice after token ``i`` is ``successor[i]`` (else ``i`` itself).
+
+    One-hot embeddings (hidden = vocabulary), attention and MLP outputs of zero, and a head that maps
+    ``e_i`` to ``e_successor(i)``.  ``eos_token_id`` goes into its config and generation config (the engine
+    then ends on it)."""
+    from transformers import AutoModelForCausalLM
+
+    extra = {} if max_position_embeddings is None else {"max_position_embeddings": max_position_embeddings}
+    config = tiny_config(
+        vocab_size=vocab,
+        hidden_size=vocab,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        **extra,
+    )
+    config.eos_token_id = eos_token_id
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.copy_(torch.eye(vocab))
+        hf.model.layers[0].self_attn.o_proj.weight.zero_()
+        hf.model.layers[0].mlp.down_proj.weight.zero_()
+        head = torch.zeros(vocab, vocab)
+        for i in range(vocab):
+            head[successor.get(i, i), i] = 1.0
+        hf.lm_head.weight.copy_(head)
+    hf.generation_config.eos_token_id = eos_token_id
+    hf.save_pretrained(path)
+
+
+def save_cycle_model(path: Path, cycle: Sequence[int], vocab: int = 16, eos_token_id: int | None = None) -> None:
+    """``save_successor_model`` for a cycle (``cycle[i]`` -> ``cycle[i + 1]``, cyclically), with the word
+    tokenizer (``w<id>``) beside it so that ``mechserve generate`` can run it."""
+    save_successor_model(path, dict(zip(cycle, [*cycle[1:], cycle[0]])), vocab, eos_token_id=eos_token_id)
+    save_word_tokenizer(path)

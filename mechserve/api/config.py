@@ -210,7 +210,10 @@ class EngineConfig:
     * ``prefix_caching``: reuse and publish prompt pages (``enable_prefix_caching``);
       ``hold_shared_prefix``: with prefix caching, admit a request only once the prompt prefix it
       shares with a running request is cached, so that the shared part is computed once (m12's
-      option, SGLang's in-batch prefix caching).
+      option, SGLang's in-batch prefix caching); ``output_caching``: with prefix caching, publish
+      every full block of a request's final tokens, generated ones included, so that the next turn
+      of a conversation reuses the answer (m13; vLLM caches every full block, SGLang inserts a
+      finished request's whole sequence).
     * ``max_running``: the most requests running at once, the rest wait (``max_num_seqs``; default
       ``DEFAULT_MAX_RUNNING``); ``max_waiting``: the most that may wait, beyond which a request is
       refused ``OVERLOADED`` (None: no limit).
@@ -234,6 +237,7 @@ class EngineConfig:
     max_model_len: int | None = None
     prefix_caching: bool = True
     hold_shared_prefix: bool = True
+    output_caching: bool = True
     max_running: int | None = DEFAULT_MAX_RUNNING
     max_waiting: int | None = None
     spec_len: int = 0
@@ -278,7 +282,7 @@ class EngineConfig:
         _size("max_waiting", self.max_waiting, 1, optional=True)
         _size("spec_len", self.spec_len, 0)
         _size("world_size", self.world_size, 1)
-        for name in ("check_memory", "prefix_caching", "hold_shared_prefix"):
+        for name in ("check_memory", "prefix_caching", "hold_shared_prefix", "output_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.seed is not None and not _is_int(self.seed):

@@ -2,7 +2,8 @@
 
 * ``throughput.png``: output tokens/s per engine run, one panel per workload;
 * ``latency.png``: TTFT, TPOT, ITL and E2E percentiles (p50 bar, p99 whisker) per run;
-* ``tokens_per_step.png``: computed tokens in each engine step over the run (mechserve runs).
+* ``tokens_per_step.png``: computed tokens in each engine step over the run (mechserve runs);
+* ``multiturn.png``: prefill tokens computed and TTFT p50 per turn, one line per configuration.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from typing import Any
 
 
 def _runs(results: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
-    return [(name, w["runs"]) for name, w in results["workloads"].items() if w.get("runs")]
+    """The workloads whose runs have request metrics (the multiturn workload's have per-turn figures)."""
+    return [
+        (name, w["runs"])
+        for name, w in results["workloads"].items()
+        if w.get("runs") and all("metrics" in r for r in w["runs"])
+    ]
 
 
 def _label(run: dict[str, Any]) -> str:
@@ -28,9 +34,9 @@ def write_plots(results: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     workloads = _runs(results)
+    written = _multiturn(results, out, plt)
     if not workloads:
-        return []
-    written = []
+        return written
 
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.5 * len(workloads), 4), squeeze=False)
     for ax, (name, runs) in zip(axes[0], workloads):
@@ -77,6 +83,30 @@ def write_plots(results: dict[str, Any], out: Path) -> list[Path]:
         fig.savefig(written[-1], dpi=100)
         plt.close(fig)
     return written
+
+
+def _multiturn(results: dict[str, Any], out: Path, plt: Any) -> list[Path]:
+    """``multiturn.png`` when the results hold the multiturn workload's runs."""
+    runs = (results["workloads"].get("multiturn") or {}).get("runs") or []
+    if not runs:
+        return []
+    fig, (computed, ttft) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        turns = [t["turn"] for t in r["turns"]]
+        label = f"{r['variant']} ({r['mode']})"
+        computed.plot(turns, [t["prefill_computed"] for t in r["turns"]], marker="o", label=label)
+        ttft.plot(turns, [t["p50_ttft_ms"] for t in r["turns"]], marker="o", label=label)
+    computed.set_title("multiturn: prefill tokens computed per turn (mean)", fontsize=9)
+    ttft.set_title("multiturn: TTFT p50 per turn (ms)", fontsize=9)
+    for ax in (computed, ttft):
+        ax.set_xlabel("turn")
+        ax.set_xticks(sorted({t["turn"] for r in runs for t in r["turns"]}))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "multiturn.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
 
 
 def plot_step_times(series: dict[str, list[float]], path: Path) -> Path:

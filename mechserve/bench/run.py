@@ -2,18 +2,20 @@
 
 ::
 
-    mechserve bench run [--workload throughput,latency,prefix,spec,serve|all] [--engine mechserve,hf,...]
+    mechserve bench run [--workload throughput,latency,prefix,spec,serve,multiturn|all] [--engine mechserve,hf,...]
                         [--mode exact,fast] [--quick] [--out DIR] [--model M] [--seed N]
 
 Modes: ``exact`` (float32 weights and KV, the mode checked token for token against transformers)
 and ``fast`` (bfloat16 weights and KV; each fast run reports how far its greedy output stays equal
 to the same engine's exact run).  Every engine runs each workload of ``workloads`` (see there),
 after a warm-up, in this process; ``--engine`` names an optional engine that is not installed:
-it is skipped with a line on stderr saying why.  Besides the runs, the machine's roofline
+it is skipped with a line on stderr saying why.  The ``multiturn`` workload runs mechserve alone, in four
+configurations stepped in turn (output caching on and off, each with and without prompt lookup;
+``_multiturn``).  Besides the runs, the machine's roofline
 (``roofline``) is measured in each mode and reported with prefill and decode MFU.
 
 ``DIR/results.json`` holds the machine, versions, git commit, arguments, every run (vLLM-named
-metrics, peak RSS, MFU of the wanted work, engine-side figures from the m12 trace) and the
+metrics, peak RSS, MFU of the wanted work, engine-side figures from the m13 trace) and the
 comparisons (mechserve / hf ratios, fast-vs-exact agreement); ``DIR/*.png`` the plots.  A one-line
 summary per run goes to stdout.  The top level imports only the standard library.
 """
@@ -302,6 +304,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     hf_runners: dict[str, Any] = {}
     for wname in args.workload:
         sizes = {k: v for k, v in args.size if k in SIZES[wname]["full"]}
+        if wname == "multiturn":
+            results["workloads"][wname] = _multiturn(args, loaded, path, sizes)
+            continue
         workload = make_workload(wname, a.vocab_size, quick=args.quick, seed=args.seed, **sizes)
         entry: dict[str, Any] = {"params": _jsonable(workload.params), "runs": [], "skipped": []}
         results["workloads"][wname] = entry
@@ -411,6 +416,123 @@ def _compare(entry: dict[str, Any]) -> None:
     entry["comparisons"] = cmp
     for k, v in cmp.items():
         _say(f"  {k}: {v if isinstance(v, dict) else f'{v:.2f}x'}")
+
+
+def _multiturn(args: argparse.Namespace, loaded: dict[str, Any], path: Path, sizes: dict[str, Any]) -> dict[str, Any]:
+    """The multiturn workload (``workloads.make_conversations``) on mechserve: output caching on and off,
+    each with and without prompt lookup (``ngram-K``, K = ``--spec-len``, default 4), side by side in one run
+    (``runners.run_conversations``); per turn: prompt, new and computed prefill tokens, TTFT p50/p99."""
+    import dataclasses
+
+    from mechserve.api.config import EngineConfig, SpeculativeConfig, dtype_name
+    from mechserve.bench.runners import run_conversations
+    from mechserve.bench.timings import turn_summary
+    from mechserve.bench.workloads import make_conversations
+    from mechserve.model.checkpoint import load_tokenizer
+
+    conversations = make_conversations(quick=args.quick, seed=args.seed, **sizes)
+    entry: dict[str, Any] = {"params": _jsonable(conversations.params), "runs": [], "skipped": []}
+    for e in args.engine:
+        if e != "mechserve":
+            msg = f"{e} skipped on the multiturn workload: its turns are built from mechserve's answers"
+            print(msg, file=sys.stderr)
+            entry["skipped"].append({"engine": e, "reason": msg})
+    if "mechserve" not in args.engine:
+        return entry
+    tokenizer = load_tokenizer(path)
+    k = args.spec_len or 4
+    page_size = 16
+    turns = int(conversations.params["turns"])  # type: ignore[call-overload]
+    longest = 96 + turns * (conversations.max_tokens + 64)  # system prompt, then each turn's message and answer
+    for mode in args.mode:
+        model = dataclasses.replace(loaded[mode], tokenizer=tokenizer)
+        base = EngineConfig(
+            dtype=dtype_name(model.model.dtype),
+            max_step_tokens=args.max_step_tokens,
+            page_size=page_size,
+            num_pages=len(conversations.messages) * -(-longest // page_size) + 8,
+            max_running=None,
+            seed=0,
+        )
+        ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+        configs = {
+            "output-caching": base,
+            "no-output-caching": base.replace(output_caching=False),
+            f"output-caching+ngram-{k}": base.replace(speculative=ngram),
+            f"no-output-caching+ngram-{k}": base.replace(output_caching=False, speculative=ngram),
+        }
+        for variant, results in run_conversations(model, conversations, configs).items():
+            c = configs[variant]
+            record = {
+                "engine": "mechserve",
+                "variant": variant,
+                "mode": mode,
+                "settings": {
+                    "max_step_tokens": c.max_step_tokens,
+                    "page_size": c.page_size,
+                    "num_pages": c.num_pages,
+                    "output_caching": c.output_caching,
+                    "spec_len": c.spec_len,
+                },
+                "turns": turn_summary(results, page_size),
+                "requests": [_jsonable(dataclasses.asdict(r)) for r in results],
+            }
+            entry["runs"].append(record)
+            for t in record["turns"]:
+                _say(_turn_line(mode, variant, t))
+    entry["comparisons"] = _compare_turns(entry["runs"])
+    for key, value in entry["comparisons"].items():
+        _say(f"  {key}: {value if isinstance(value, (bool, dict, type(None))) else f'{value:.2f}x'}")
+    return entry
+
+
+def _turn_line(mode: str, variant: str, t: dict[str, Any]) -> str:
+    new = "-" if t["new_tokens"] is None else f"{t['new_tokens']:.0f}"
+    retok = "" if t["retokenized"] is None else f", retokenized {t['retokenized']:.0%}"
+    return (
+        f"multiturn  mechserve {mode:5s} {variant:26s} turn {t['turn']}: prompt {t['prompt_tokens']:.0f}, new {new}, "
+        f"prefill computed {t['prefill_computed']:.0f}, reused {t['reused']:.0f}, TTFT p50 {t['p50_ttft_ms']:.0f} ms "
+        f"p99 {t['p99_ttft_ms']:.0f} ms (CPU p50 {t['p50_ttft_cpu_ms']:.0f} ms){retok}"
+    )
+
+
+def _compare_turns(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per mode and speculation, output caching off over on: TTFT p50 and prefill computed per turn; the two
+    targets (from turn 2 on, prefill is the new tokens plus at most one partial block; TTFT p50 at turn 4 at
+    least 3x better); and whether every configuration gave the same answers."""
+    cmp: dict[str, Any] = {}
+    by = {(r["mode"], r["variant"]): r for r in runs}
+    for (mode, variant), on in by.items():
+        if variant.startswith("no-"):
+            continue
+        off = by.get((mode, f"no-{variant}"))
+        if off is None:
+            continue
+        for a, b in zip(on["turns"], off["turns"]):
+            tag = f"{mode},{variant.replace('output-caching', 'on')} turn {a['turn']}"
+            cmp[f"TTFT p50 off/on [{tag}]"] = b["p50_ttft_ms"] / a["p50_ttft_ms"] if a["p50_ttft_ms"] else None
+            cpu = a["p50_ttft_cpu_ms"]
+            cmp[f"TTFT p50 (CPU time) off/on [{tag}]"] = b["p50_ttft_cpu_ms"] / cpu if cpu else None
+            cmp[f"prefill computed on/off [{tag}]"] = (
+                a["prefill_computed"] / b["prefill_computed"] if b["prefill_computed"] else None
+            )
+        later = [t for t in on["turns"] if t["turn"] >= 2]
+        cmp[f"target met: turn >= 2 prefill = new + < 1 block [{mode},{variant}]"] = bool(later) and all(
+            t["within_one_block"] for t in later
+        )
+        fourth = [(a, b) for a, b in zip(on["turns"], off["turns"]) if a["turn"] == 4]
+        if fourth:
+            (a, b), *_ = fourth
+            cmp[f"target met: turn 4 TTFT p50 off/on >= 3 [{mode},{variant}]"] = (
+                b["p50_ttft_ms"] >= 3 * a["p50_ttft_ms"]
+            )
+            cmp[f"target met: turn 4 TTFT p50 (CPU time) off/on >= 3 [{mode},{variant}]"] = (
+                b["p50_ttft_cpu_ms"] >= 3 * a["p50_ttft_cpu_ms"]
+            )
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        answers = {json.dumps([q["output_ids"] for q in r["requests"]]) for r in runs if r["mode"] == mode}
+        cmp[f"every configuration gave the same answers [{mode}]"] = len(answers) == 1
+    return cmp
 
 
 def _serve(args: argparse.Namespace, workload: Any, entry: dict[str, Any]) -> None:

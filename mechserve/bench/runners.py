@@ -5,7 +5,7 @@ time when ``workload.sequential``), waits for exactly the wanted tokens and retu
 per-request timestamps (``RequestTiming``), the generated ids, the run's wall time and peak RSS, and
 engine-side figures where the engine has them.
 
-* ``mechserve``: ``EngineCore`` (continuous batching under the m12 spec scheduler, paged KV, chunked
+* ``mechserve``: ``EngineCore`` (continuous batching under the m13 spec scheduler, paged KV, chunked
   prefill).  Variants: ``default``; on the prefix workload ``prefix-cache`` (with m12's
   shared-prefix hold, the product default) / ``no-prefix-cache``;
   on the spec workload ``no-spec`` / ``ngram-K`` (prompt lookup with K guesses).  Its figures
@@ -306,4 +306,145 @@ class OptionalRunner(Runner):
         return f"{self.name} skipped: {package} is installed, but its runner is not done in this harness yet"
 
 
-__all__ = ["ENGINES", "MODES", "HFRunner", "MechserveRunner", "OptionalRunner", "RunResult", "Runner"]
+# Multi-turn conversations ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    """One turn of one conversation on one engine configuration.
+
+    ``prompt_len``: its prompt tokens (the chat template over every message so far); ``new_tokens``:
+    those the previous turn never computed (None at turn 1): the rest of its answer's last block
+    aside, what output caching leaves to compute; ``prefill_computed``: prompt positions the engine
+    ran before the first token (recomputation after a preemption included); ``reused``: prompt
+    tokens served from the prefix cache; ``ttft``: seconds on the engine's own clock from submission
+    to the first token, and ``ttft_cpu`` the CPU seconds this process spent in those steps (on a
+    machine shared with other work, the less noisy of the two); ``retokenized``: whether the prompt repeats the previous prompt and answer ids
+    exactly (None at turn 1); ``output_ids``: the answer.
+    """
+
+    conversation: int
+    turn: int
+    prompt_len: int
+    new_tokens: int | None
+    prefill_computed: int
+    reused: int
+    ttft: float
+    ttft_cpu: float
+    retokenized: bool | None
+    output_ids: tuple[int, ...]
+
+
+class _Conversing:
+    """One engine configuration running every conversation: turn 1 of each at once, then each next turn as
+    soon as the previous answer is done.  ``clock`` adds up the seconds spent inside this engine's steps,
+    ``cpu`` the CPU seconds of this process in them."""
+
+    def __init__(self, core: Any, conversations: Any) -> None:
+        self.core = core
+        self.conversations = conversations
+        self.clock = 0.0
+        self.cpu = 0.0
+        self.results: list[TurnResult] = []
+        self._history: list[list[dict[str, str]]] = [[] for _ in conversations.messages]
+        self._live: dict[str, dict[str, Any]] = {}  # request id -> its turn's bookkeeping
+        self._previous: dict[int, list[int]] = {}  # conversation -> its last prompt + answer ids
+
+    @property
+    def done(self) -> bool:
+        return not self._live and not self.core.has_unfinished()
+
+    def start(self) -> None:
+        for c in range(len(self.conversations.messages)):
+            self._submit(c, 0)
+
+    def _submit(self, c: int, turn: int) -> None:
+        from mechserve.api.params import SamplingParams
+        from mechserve.entrypoints.prompts import Chat, encode_chat
+
+        self._history[c].append({"role": "user", "content": self.conversations.messages[c][turn]})
+        _, ids = encode_chat(self.core.tokenizer, Chat(list(self._history[c])))
+        params = SamplingParams(temperature=0.0, max_tokens=self.conversations.max_tokens)
+        rid = self.core.add_request(ids, params)
+        self._live[rid] = {
+            "c": c,
+            "turn": turn,
+            "ids": ids,
+            "at": (self.clock, self.cpu),
+            "first": None,
+            "prefill": 0,
+            "reused": None,
+        }
+
+    def step(self) -> None:
+        started, cpu = time.perf_counter(), time.process_time()
+        out = self.core.step()
+        self.clock += time.perf_counter() - started
+        self.cpu += time.process_time() - cpu
+        rec = out.record
+        for rid, turn in self._live.items():
+            if turn["first"] is None:
+                turn["prefill"] += rec.executed.get(rid, 0)
+                if turn["reused"] is None and rid in rec.reused:
+                    turn["reused"] = rec.reused[rid]
+                if rid in rec.tokens:
+                    turn["first"] = (self.clock, self.cpu)
+        for done in out.finished:
+            self._finish(done)
+
+    def _finish(self, done: Any) -> None:
+        turn = self._live.pop(done.request_id)
+        c, t, ids = turn["c"], turn["turn"], turn["ids"]
+        answer = list(done.outputs[0].token_ids)
+        previous = self._previous.get(c)
+        computed = len(previous) - 1 if previous is not None else 0  # the last id is never computed
+        self.results.append(
+            TurnResult(
+                conversation=c,
+                turn=t + 1,
+                prompt_len=len(ids),
+                new_tokens=len(ids) - computed if previous is not None else None,
+                prefill_computed=turn["prefill"],
+                reused=turn["reused"] or 0,
+                ttft=turn["first"][0] - turn["at"][0],
+                ttft_cpu=turn["first"][1] - turn["at"][1],
+                retokenized=ids[:computed] == previous[:computed] if previous is not None else None,
+                output_ids=tuple(answer),
+            )
+        )
+        self._previous[c] = [*ids, *answer]
+        self._history[c].append({"role": "assistant", "content": done.outputs[0].text})
+        if t + 1 < len(self.conversations.messages[c]):
+            self._submit(c, t + 1)
+
+
+def run_conversations(loaded: Any, conversations: Any, configs: dict[str, Any]) -> dict[str, list[TurnResult]]:
+    """Every conversation on one fresh ``EngineCore`` per configuration (``configs``: name -> ``EngineConfig``),
+    the engines stepped in turn, one step each, so that a busy machine's noise falls on all of them alike;
+    each turn's TTFT is measured on its own engine's clock (the time spent in that engine's steps), which is
+    what it would be with the engine alone.  ``loaded`` needs a tokenizer with a chat template."""
+    from mechserve.api.params import SamplingParams
+    from mechserve.engine.core import EngineCore
+
+    engines = {name: _Conversing(EngineCore(loaded, config), conversations) for name, config in configs.items()}
+    for e in engines.values():
+        _warm_up(e.core, SamplingParams)
+        e.start()
+    while not all(e.done for e in engines.values()):
+        for e in engines.values():
+            if not e.done:
+                e.step()
+    return {name: sorted(e.results, key=lambda r: (r.conversation, r.turn)) for name, e in engines.items()}
+
+
+__all__ = [
+    "ENGINES",
+    "MODES",
+    "HFRunner",
+    "MechserveRunner",
+    "OptionalRunner",
+    "RunResult",
+    "Runner",
+    "TurnResult",
+    "run_conversations",
+]

@@ -1,4 +1,4 @@
-"""``mechserve bench spec``: the spec engine at scale (top rung, scripted executor, no model).
+"""``mechserve bench spec``: the spec engine at scale (m12, scripted executor, no model).
 
 Runs m12 on ``--case`` (default: the repository's ``tests/data/scale-10k.json``, a copy of the shared
 10,000-request case) and on variants of other sizes generated the same way: the case's engine

@@ -1,4 +1,4 @@
-"""Benchmark metrics with vLLM's names, computed from per-request timestamps and from an m12 trace.
+"""Benchmark metrics with vLLM's names, computed from per-request timestamps and from an m13 trace.
 
 Standard library only (the harness's CLI imports it before torch).
 
@@ -27,7 +27,7 @@ from typing import Any
 
 from mechserve.bench.serve_client import percentile
 
-__all__ = ["RequestTiming", "latency_summary", "percentile", "trace_stats", "useful_flops"]
+__all__ = ["RequestTiming", "latency_summary", "percentile", "trace_stats", "turn_summary", "useful_flops"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +109,7 @@ def latency_summary(timings: Sequence[RequestTiming], duration: float | None = N
 
 
 def trace_stats(records: Iterable[Any], prompt_tokens: int | None = None) -> dict[str, Any]:
-    """Engine-side figures of an m12 trace (``StepRecord``s).
+    """Engine-side figures of an m13 trace (``StepRecord``s).
 
     ``steps``; ``tokens_per_step`` (mean of ``sum(executed)``) and its per-step series
     ``tokens_per_step_series``; ``computed_tokens``; ``decode_tokens`` (tokens appended, from
@@ -164,3 +164,43 @@ def useful_flops(
     positions = max(prompt_len + output_len - 1, 0)
     attn = 4 * attn_width * layers * positions * (positions + 1) // 2
     return 2 * linear_params * positions + attn + 2 * lm_head * output_len
+
+
+def turn_summary(turns: Sequence[Any], page_size: int) -> list[dict[str, Any]]:
+    """Per turn number (1, 2, ...), over the conversations: one dict of the multiturn workload's figures.
+
+    ``turns`` are ``runners.TurnResult``s.  Each dict: ``turn``, ``conversations``, mean
+    ``prompt_tokens``, ``new_tokens`` (tokens the previous turn never computed; None at turn 1),
+    ``prefill_computed`` and ``reused``; ``prefill_computed_total``; ``retokenized`` (the share of
+    prompts that repeat the previous prompt and answer ids exactly); ``excess_max``, the most prompt
+    positions computed beyond the new ones among those prompts, and ``within_one_block``, whether that
+    is below ``page_size`` for each of them (the issue's target: only the new message and at most one
+    partial block); ``p50_ttft_ms``/``p99_ttft_ms`` (the engine's clock) and ``p50_ttft_cpu_ms``/
+    ``p99_ttft_cpu_ms`` (CPU time).
+    """
+    out: list[dict[str, Any]] = []
+    for t in sorted({r.turn for r in turns}):
+        rows = [r for r in turns if r.turn == t]
+        matched = [r for r in rows if r.retokenized]
+        excess = [r.prefill_computed - r.new_tokens for r in matched]
+        ttft = [r.ttft for r in rows]
+        cpu = [r.ttft_cpu for r in rows]
+        out.append(
+            {
+                "turn": t,
+                "conversations": len(rows),
+                "prompt_tokens": math.fsum(r.prompt_len for r in rows) / len(rows),
+                "new_tokens": None if t == 1 else math.fsum(r.new_tokens for r in rows) / len(rows),
+                "prefill_computed": math.fsum(r.prefill_computed for r in rows) / len(rows),
+                "prefill_computed_total": sum(r.prefill_computed for r in rows),
+                "reused": math.fsum(r.reused for r in rows) / len(rows),
+                "retokenized": None if t == 1 else len(matched) / len(rows),
+                "excess_max": max(excess) if excess else None,
+                "within_one_block": None if t == 1 else bool(matched) and all(e < page_size for e in excess),
+                "p50_ttft_ms": 1000 * percentile(ttft, 50),
+                "p99_ttft_ms": 1000 * percentile(ttft, 99),
+                "p50_ttft_cpu_ms": 1000 * percentile(cpu, 50),
+                "p99_ttft_cpu_ms": 1000 * percentile(cpu, 99),
+            }
+        )
+    return out

@@ -14,6 +14,10 @@ first ids).
 * ``spec``: copy-heavy prompts for speculative decoding: a random passage repeated ``repeats`` times,
   so that the continuation tends to copy it (prompt lookup finds its guesses in the prompt).
 * ``serve``: Poisson arrivals (``rate`` requests/s) of ``num`` requests against ``mechserve serve``.
+* ``multiturn``: ``num`` conversations of ``turns`` turns, interleaved: each turn's prompt is the
+  previous prompt, the previous answer and a new user message through the model's chat template,
+  submitted as soon as the previous answer is done (``make_conversations``; the messages are text,
+  so the answers end at EOS or at ``output_len`` tokens).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-WORKLOADS = ("throughput", "latency", "prefix", "spec", "serve")
+WORKLOADS = ("throughput", "latency", "prefix", "spec", "serve", "multiturn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +78,71 @@ SIZES: dict[str, dict[str, dict[str, object]]] = {
         "full": {"num": 32, "prompt_len": 128, "output_len": 64, "rate": 2.0},
         "quick": {"num": 6, "prompt_len": 16, "output_len": 8, "rate": 8.0},
     },
+    "multiturn": {
+        "full": {"num": 4, "turns": 4, "output_len": 160},
+        "quick": {"num": 2, "turns": 3, "output_len": 12},
+    },
 }
+
+# The conversations' topics and follow-up questions: plain requests a chat model answers at length.
+TOPICS = (
+    "the ocean tides",
+    "volcanoes",
+    "baking bread",
+    "the moon",
+    "chess openings",
+    "bicycles",
+    "rainbows",
+    "honey bees",
+    "public libraries",
+    "steam trains",
+    "coral reefs",
+    "the printing press",
+    "glaciers",
+    "the human heart",
+    "paper money",
+    "lighthouses",
+)
+FOLLOW_UPS = (
+    "Why does that happen?",
+    "Can you give me a concrete example?",
+    "What is the most surprising part of that?",
+    "How would you explain it to a ten-year-old?",
+    "What do people often get wrong about it?",
+    "Say more about the first point you made.",
+    "How has this changed over the last hundred years?",
+    "Summarize what you told me so far in two sentences.",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Conversations:
+    """``messages[c]``: conversation ``c``'s user messages, one per turn (text); each answer has at most
+    ``max_tokens`` tokens.  ``params`` records the sizes (for the results file)."""
+
+    name: str
+    messages: tuple[tuple[str, ...], ...]
+    max_tokens: int
+    params: dict[str, object] = field(default_factory=dict)
+
+
+def make_conversations(*, quick: bool = False, seed: int = 0, **overrides: object) -> Conversations:
+    """The ``multiturn`` workload: ``num`` conversations of ``turns`` user messages (a topic, then seeded
+    follow-up questions), answers of up to ``output_len`` tokens.  Raises ``ValueError`` for an unknown size."""
+    sizes = dict(SIZES["multiturn"]["quick" if quick else "full"])
+    unknown = set(overrides) - set(sizes)
+    if unknown:
+        raise ValueError(f"workload 'multiturn' has no size(s) {', '.join(sorted(unknown))}")
+    sizes.update(overrides)
+    num, turns = int(sizes["num"]), int(sizes["turns"])  # type: ignore[call-overload]
+    if num > len(TOPICS):
+        raise ValueError(f"workload 'multiturn' has {len(TOPICS)} topics: num must be at most {len(TOPICS)}")
+    rng = random.Random(seed)
+    messages = []
+    for topic in rng.sample(TOPICS, k=num):
+        follow = [rng.choice(FOLLOW_UPS) for _ in range(turns - 1)]
+        messages.append((f"Tell me about {topic}.", *follow))
+    return Conversations("multiturn", tuple(messages), int(sizes["output_len"]), {**sizes, "seed": seed})  # type: ignore[call-overload]
 
 
 def make_workload(
@@ -86,6 +154,8 @@ def make_workload(
     """
     if name not in SIZES:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    if name == "multiturn":
+        raise ValueError("the multiturn workload is text conversations: use make_conversations")
     sizes = dict(SIZES[name]["quick" if quick else "full"])
     unknown = set(overrides) - set(sizes)
     if unknown:

@@ -1,7 +1,7 @@
 """``mechserve run``: run a workload (a JSON spec or ``--request`` flags) through one rung.
 
 ``--backend spec`` (the default) runs it on the rung's scripted executor;
-``--backend torch`` runs it on a real model under the top rung (m12), through
+``--backend torch`` runs it on a real model under the top rung (m13), through
 an ``EngineCore``: the same step trace, then each request's decoded text.
 A request's ``prompt_len`` becomes that many real token ids (its synthetic
 ids mapped onto the model's ordinary tokens, ``real_prompt``), explicit
@@ -29,6 +29,7 @@ from mechserve.spec import TOP
 from mechserve.workload import (
     ENGINE_DEFAULTS,
     ENGINE_KEYS,
+    ENGINE_SWITCHES,
     REQUEST_FLAG,
     RequestSpec,
     Workload,
@@ -44,7 +45,7 @@ from mechserve.workload import (
 )
 
 # engine value -> its flag
-ENGINE_FLAGS = {name: "--" + name.replace("_", "-") for name in ENGINE_KEYS}
+ENGINE_FLAGS = {name: "--" + name.replace("_", "-") for name in (*ENGINE_KEYS, *ENGINE_SWITCHES)}
 # Why a step with nothing in it did nothing, when some request is running (m02/m03's never-fits step).
 STUCK = "nothing could be scheduled for the running requests"
 BACKENDS = ("spec", "torch")
@@ -71,11 +72,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one request with a synthetic prompt (repeatable)",
     )
     for name, flag in ENGINE_FLAGS.items():
+        if name in ENGINE_SWITCHES:
+            continue
         if name in ENGINE_DEFAULTS:
             text = f"override the engine's {name} (default {ENGINE_DEFAULTS[name]}"
         else:
             text = f"set the engine's {name} (m12 or later; default: no limit"
         parser.add_argument(flag, type=int, metavar="N", help=f"{text}; at most {ENGINE_LIMITS[name]})")
+    parser.add_argument(
+        ENGINE_FLAGS["output_caching"],
+        action=argparse.BooleanOptionalAction,
+        help="publish generated blocks into the prefix cache too (m13 or later; default: the workload's "
+        "output_caching, else off on the spec backend and on with --backend torch)",
+    )
     parser.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -153,9 +162,14 @@ def _read_text(path: str) -> str:
 def header(rung: ModuleType, workload: Workload) -> str:
     """One line naming the rung, the engine values it takes and the number of requests."""
     params = engine_params(rung)
-    used = [f"{name} {value}" for name, value in workload.engine.items() if name in params]
+    used = [f"{name} {_shown(value)}" for name, value in workload.engine.items() if name in params]
     parts = [f"{rung_label(rung)} {rung.TITLE}", *used, f"{len(workload.requests)} request(s)"]
     return " · ".join(parts)
+
+
+def _shown(value: int) -> str:
+    """An engine value in the header: a switch as on/off, a number as itself."""
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 def execute(
@@ -296,6 +310,7 @@ def execute_torch(
             max_running=e.get("max_running"),
             max_waiting=e.get("max_waiting"),
             world_size=e["world_size"],
+            output_caching=bool(e.get("output_caching", EngineConfig().output_caching)),
         )
         core = EngineCore(loaded, config, keep_finished=True)
     except ModelLoadError as exc:

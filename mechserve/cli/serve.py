@@ -130,6 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-model-len", type=integer(1, MAX_NEW_TOKENS), default=None, metavar="N", help="longest prompt + output")
     add_prefix_caching_arguments(parser)
     add(
+        "--no-output-caching",
+        action="store_true",
+        help="publish prompt pages only: a conversation's next turn then computes the previous answer again "
+        "(by default every full block of generated tokens is cached too)",
+    )
+    add(
         "--no-hold-shared-prefix",
         action="store_true",
         help="admit a request at once even while a running request is still computing the prompt prefix they "
@@ -237,6 +243,7 @@ def _engine(args: argparse.Namespace) -> Any:
             kv_memory=args.kv_memory,
             prefix_caching=args.prefix_caching,
             hold_shared_prefix=not args.no_hold_shared_prefix,
+            output_caching=not args.no_output_caching,
             speculative_config=speculative_config(args),
             max_running=args.max_running,
             max_waiting=args.max_waiting,

@@ -2,7 +2,7 @@
 
 The reference for each request is its prompt continued *alone* by the target's ``greedy`` (for the
 torch targets: transformers' ``generate``, batch 1), cut after the first stop or EOS id (STOP or EOS;
-LENGTH after ``max_new_tokens`` ids otherwise).  The workload then runs on m12 over the target's
+LENGTH after ``max_new_tokens`` ids otherwise).  The workload then runs on m13 over the target's
 executors under each ``VARIANTS`` entry, one knob changed at a time, and every request must finish
 with exactly the reference ids and finish reason::
 
@@ -11,6 +11,10 @@ with exactly the reference ids and finish reason::
     page size 1 / 16         pages of 1 or 16 positions (pool re-sized to hold everyone)
     pool tight / ample       the largest request alone (preemption, eviction, recompute) / everyone at once
     prefix caching off       no reuse, no publishing
+    output caching on / off  generated blocks published and reused too (m13), or prompt blocks only
+    next turns               output caching on, and after everyone, a next turn per request: its prompt,
+                             its reference answer but the last id, and its prompt's first ids again,
+                             so the answer's published blocks are reused (and the pool re-sized to fit)
     spec_len 0 / 3           no speculation / up to 3 guesses per decode window (rollback)
     world size 1 / 2         one rank / two ranks (each its own executor over shared weights; they must agree)
     reversed order           the request list reversed (priority, anchor and victims change)
@@ -28,7 +32,8 @@ from mechserve.conformance.errors import InvarianceMismatch
 from mechserve.conformance.runner import EVENTS, engine_settings, events, run_workload
 from mechserve.conformance.strategies import alone_pages, door_verdicts, prompt_len
 
-_Edit = Callable[[dict[str, Any], list[dict[str, Any]]], None]
+_Edit = Callable[[dict[str, Any], list[dict[str, Any]], Any], None]
+"""An edit of the engine section and the request list, given the target (only "next turns" reads it)."""
 
 
 def _pool(requests: list[dict[str, Any]], page_size: int, kind: str) -> int:
@@ -37,7 +42,7 @@ def _pool(requests: list[dict[str, Any]], page_size: int, kind: str) -> int:
 
 
 def _page_size(ps: int) -> _Edit:
-    def edit(eng: dict[str, Any], reqs: list[dict[str, Any]]) -> None:
+    def edit(eng: dict[str, Any], reqs: list[dict[str, Any]], target: Any) -> None:
         eng["page_size"] = ps
         eng["num_pages"] = _pool(reqs, ps, "ample")
 
@@ -45,37 +50,66 @@ def _page_size(ps: int) -> _Edit:
 
 
 def _set(key: str, value: Any) -> _Edit:
-    def edit(eng: dict[str, Any], reqs: list[dict[str, Any]]) -> None:
+    def edit(eng: dict[str, Any], reqs: list[dict[str, Any]], target: Any) -> None:
         eng[key] = value
 
     return edit
 
 
 def _arrivals(stagger: bool) -> _Edit:
-    def edit(eng: dict[str, Any], reqs: list[dict[str, Any]]) -> None:
+    def edit(eng: dict[str, Any], reqs: list[dict[str, Any]], target: Any) -> None:
         for i, r in enumerate(reqs):
             r["arrival_step"] = i if stagger else 0
 
     return edit
 
 
-def _reverse(eng: dict[str, Any], reqs: list[dict[str, Any]]) -> None:
+def _reverse(eng: dict[str, Any], reqs: list[dict[str, Any]], target: Any) -> None:
     reqs.reverse()
 
 
-def _budget_large(eng: dict[str, Any], reqs: list[dict[str, Any]]) -> None:
+def _budget_large(eng: dict[str, Any], reqs: list[dict[str, Any]], target: Any) -> None:
     eng["max_step_tokens"] = sum(prompt_len(r) for r in reqs) + len(reqs) * (1 + max(3, eng["spec_len"]))
 
 
 def _pool_kind(kind: str) -> _Edit:
-    def edit(eng: dict[str, Any], reqs: list[dict[str, Any]]) -> None:
+    def edit(eng: dict[str, Any], reqs: list[dict[str, Any]], target: Any) -> None:
         eng["num_pages"] = _pool(reqs, eng["page_size"], kind)
 
     return edit
 
 
+def _next_turns(eng: dict[str, Any], reqs: list[dict[str, Any]], target: Any) -> None:
+    """Output caching on; after every request of the workload a next turn ``<id>+`` per request that wants
+    two tokens or more, arriving once the first turns can all have ended (each step advances the anchor):
+    its prompt, its reference answer less the last id (the last id's KV is never computed), then the
+    prompt's first ids again as the new message."""
+    if target is None:
+        raise ValueError('variant "next turns" needs the target (its reference answers)')
+    eng["output_caching"] = True
+    later = max((int(r.get("arrival_step") or 0) for r in reqs), default=0)
+    later += 2 * sum(prompt_len(r) + int(r["max_new_tokens"]) for r in reqs) + 1
+    turns = []
+    for r in reqs:
+        n = int(r["max_new_tokens"])
+        if n < 2 or not r["tokens"]:
+            continue
+        answer, _ = expected(target, r)
+        message = list(r["tokens"][:3])
+        turns.append(
+            {
+                "request_id": f"{r['request_id']}+",
+                "tokens": [*r["tokens"], *answer[:-1], *message],
+                "max_new_tokens": min(n, 4),
+                "arrival_step": later,
+            }
+        )
+    reqs += turns
+    eng["num_pages"] = max(int(eng["num_pages"]), max((alone_pages(r, eng["page_size"]) for r in reqs), default=1))
+
+
 VARIANTS: dict[str, _Edit] = {
-    "as drawn": lambda eng, reqs: None,
+    "as drawn": lambda eng, reqs, target: None,
     "budget 1": _set("max_step_tokens", 1),
     "budget large": _budget_large,
     "page size 1": _page_size(1),
@@ -83,6 +117,9 @@ VARIANTS: dict[str, _Edit] = {
     "pool tight": _pool_kind("tight"),
     "pool ample": _pool_kind("ample"),
     "prefix caching off": _set("prefix_caching", False),
+    "output caching on": _set("output_caching", True),
+    "output caching off": _set("output_caching", False),
+    "next turns": _next_turns,
     "spec_len 0": _set("spec_len", 0),
     "spec_len 3": _set("spec_len", 3),
     "world size 1": _set("world_size", 1),
@@ -95,13 +132,16 @@ VARIANTS: dict[str, _Edit] = {
 """Each variant changes one knob of a workload (module docstring)."""
 
 
-def variant(workload: Mapping[str, Any], name: str) -> dict[str, Any]:
-    """A copy of ``workload`` under variant ``name`` (a ``VARIANTS`` key; ``KeyError`` otherwise)."""
+def variant(workload: Mapping[str, Any], name: str, target: Any = None) -> dict[str, Any]:
+    """A copy of ``workload`` under variant ``name`` (a ``VARIANTS`` key; ``KeyError`` otherwise).
+
+    ``target`` gives "next turns" its reference answers (``ValueError`` without it).
+    """
     edit = VARIANTS[name]
     out = copy.deepcopy(dict(workload))
     eng = {**engine_settings(out), **{k: v for k, v in (out.get("engine") or {}).items() if v is not None}}
     reqs = out["requests"] = list(out.get("requests") or [])
-    edit(eng, reqs)
+    edit(eng, reqs, target)
     out["engine"] = eng
     return out
 
@@ -155,7 +195,7 @@ def check_invariance(target: Any, workload: Mapping[str, Any], variants: Sequenc
     runs = steps = 0
     seen = dict.fromkeys(EVENTS, 0)
     for name in variants or list(VARIANTS):
-        changed = variant(workload, name)
+        changed = variant(workload, name, target)
         door = door_verdicts(changed)
         run = run_workload(target, changed)
         runs += 1

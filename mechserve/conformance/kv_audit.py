@@ -8,8 +8,8 @@ every request that finished in the step, through the page table of its last plan
     dense    = target.dense_kv(tokens)                          no paging, no cache, one sequence
     |paged - dense| <= atol + rtol * |dense|  elementwise (NaN in dense: no reference, skipped)
 
-and likewise for every block of the radix cache (its page against the dense K/V of the prompt prefix
-its key chain spells), referenced or not.  Positions at or past ``computed`` are not audited: after a
+and likewise for every block of the radix cache (its page against the dense K/V of the token prefix
+its key chain spells: prompt ids, and with m13's output caching generated ids too), referenced or not.  Positions at or past ``computed`` are not audited: after a
 rollback they still hold the rejected guesses' K/V, which nobody reads (the next step rewrites them
 before attending), so stale state there is harmless by design.  What the audit proves is that prefix
 sharing (a page read by several requests), rollback (the frontier moved back) and preemption (state
@@ -31,7 +31,7 @@ import torch
 
 from mechserve.conformance.errors import ConformanceError, KVMismatch
 from mechserve.conformance.runner import RealRun, events, run_workload
-from mechserve.spec import m12_admission_control as m12
+from mechserve.spec import m13_output_caching as m13
 
 
 @dataclass
@@ -65,7 +65,7 @@ class KVAuditor:
         self._last: dict[tuple[str, int, tuple[int, ...]], _Copy] = {}
         self.positions = 0
 
-    def snapshot(self, run: RealRun, record: m12.StepRecord) -> None:
+    def snapshot(self, run: RealRun, record: m13.StepRecord) -> None:
         """Copy every running request's and every cache block's paged K/V, on every rank.
 
         A request that finished in this step has given its pages back, but nothing has written
@@ -79,7 +79,7 @@ class KVAuditor:
         live += [
             (r, last_tables[r.request_id])
             for r in engine.requests
-            if r.request_id in record.finished and r.request_id in last_tables and r.state is m12.RequestState.FINISHED
+            if r.request_id in record.finished and r.request_id in last_tables and r.state is m13.RequestState.FINISHED
         ]
         for rank, ex in enumerate(run.executors):
             k, v = self.target.kv_of(ex)
@@ -148,7 +148,7 @@ class KVAuditor:
 
 
 def _cache_blocks(cache: Any) -> list[tuple[tuple[int, ...], int]]:
-    """``(prompt prefix through the block, page)`` for every node of m12's radix cache."""
+    """``(token prefix through the block, page)`` for every node of m13's radix cache (prompt and generated ids)."""
     out: list[tuple[tuple[int, ...], int]] = []
     stack: list[tuple[tuple[int, ...], Mapping[Any, Any]]] = [((), cache.root)]
     while stack:

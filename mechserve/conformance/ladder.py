@@ -1,9 +1,10 @@
 """Check 5, ladder consistency, on the spec alone: a rung whose new mechanism is idle is the rung below.
 
-For every rung ``m01`` … ``m12`` and a workload drawn by ``strategies.mechanism_idle(rung)`` (the knobs
+For every rung ``m01`` … ``m13`` and a workload drawn by ``strategies.mechanism_idle(rung)`` (the knobs
 under which that rung's mechanism changes nothing: a covering budget for m02/m04, an ample pool for
 m03/m05, no shared first blocks and an ample pool for m08, ``spec_len`` 0 for m09, requests that all
-pass the door for m12, nothing at all for the purely structural rungs), the rung and the rung below
+pass the door for m12, output caching off for m13, nothing at all for the purely structural rungs),
+the rung and the rung below
 run the same workload with their built-in scripted executors.  They must agree on every field the
 lower rung has, and end the same way (the same error type at the same step, or none).  Where the
 upper rung adds fields, they must be idle too: m09's ``drafted``/``accepted``/``rolled_back`` all 0,

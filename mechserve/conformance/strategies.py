@@ -30,14 +30,17 @@ test ask for the situation it needs:
   ``max_model_len``, and requests may ask for 0 tokens, have an empty prompt (``"tokens": []``) or
   carry ``stop_token_ids`` (mostly ids the scripted model will sample), so the door rejects for
   every reason a valid 4.2 spec can give (``door_verdicts``) and requests finish with STOP.  Such a
-  workload builds on m12 only (rungs below refuse 0 tokens and empty prompts); it takes ``budget``
-  ``"any"`` or ``"large"``.  Off by default: no default workload has anything only m12 reads.
+  workload builds on m12 and later only (rungs below refuse 0 tokens and empty prompts); it takes
+  ``budget`` ``"any"`` or ``"large"``.  Off by default: no default workload has anything only m12 reads.
+* ``output_caching`` (m13 only): ``True`` puts ``"output_caching": true`` in the engine section (the
+  rungs below refuse it, or ``build`` drops it for them), ``"any"`` draws it either way, ``False``
+  (the default) leaves it out, so that m13 runs as m12.
 
 ``mechanism_idle(rung)`` presets the knobs under which a rung's mechanism changes nothing relative to
 the rung below, for ladder-consistency checks.  ``build(rung_module, workload)`` turns a workload into
 that rung's ``Engine``, passing only what the rung takes (through the CLI's own loader,
 ``mechserve.workload``, unless told not to validate): m12's admission settings and stop ids reach
-m12 only.
+m12 and later only, m13's output-caching switch m13 only.
 """
 
 from __future__ import annotations
@@ -55,14 +58,16 @@ from mechserve.spec import m01_continuous_batching, m12_admission_control
 from mechserve.workload import (
     ENGINE_DEFAULTS,
     ENGINE_OPTIONAL,
+    ENGINE_SWITCHES,
     build_engine,
     fit_rung,
     parse_workload,
     synthetic_prompt,
 )
 
-ENGINE_KEYS = (*ENGINE_DEFAULTS, *ENGINE_OPTIONAL)
-"""The engine section's keys in 4.2 order: the five every workload has, then m12's optional limits."""
+ENGINE_KEYS = (*ENGINE_DEFAULTS, *ENGINE_OPTIONAL, *ENGINE_SWITCHES)
+"""The engine section's keys in 4.2 order: the five every workload has, then m12's optional limits,
+then m13's switch."""
 
 
 # ---- workload arithmetic ---------------------------------------------------------------------------------
@@ -74,8 +79,10 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 def engine_of(workload: Mapping[str, Any]) -> dict[str, int]:
-    """The workload's engine section with the 4.2 defaults filled in; m12's limits only when given."""
-    given = {k: int(v) for k, v in (workload.get("engine") or {}).items() if v is not None}
+    """The workload's engine section with the 4.2 defaults filled in; m12's limits and m13's switch
+    (a bool) only when given."""
+    section = (workload.get("engine") or {}).items()
+    given = {k: v if isinstance(v, bool) else int(v) for k, v in section if v is not None}
     return {**ENGINE_DEFAULTS, **given}
 
 
@@ -206,6 +213,7 @@ def workloads(
     world_size: tuple[int, int] = (1, 1),
     negatives: bool = False,
     admission: bool = False,
+    output_caching: bool | str = False,
 ) -> dict[str, Any]:
     """A random workload in the 4.2 JSON shape; see the module docstring for the knobs.
 
@@ -222,6 +230,8 @@ def workloads(
         raise ValueError(f"min_new must lie in [{0 if admission else 1}, max_new], not {min_new!r}")
     if scripts not in (True, False, "rollback"):
         raise ValueError(f"scripts must be True, False or 'rollback', not {scripts!r}")
+    if output_caching not in (True, False, "any"):
+        raise ValueError(f"output_caching must be True, False or 'any', not {output_caching!r}")
     if admission and budget == "covering":
         raise ValueError("a covering budget is measured on m01, which cannot build an admission workload")
     n = draw(st.integers(min_requests, max_requests))
@@ -280,6 +290,10 @@ def workloads(
         for key, values in limits.items():
             if draw(st.booleans()):
                 workload["engine"][key] = draw(values)
+    if output_caching == "any":
+        workload["engine"]["output_caching"] = draw(st.booleans())
+    elif output_caching:
+        workload["engine"]["output_caching"] = True
     engine = {key: workload["engine"][key] for key in ENGINE_KEYS if key in workload["engine"]}
     return {"engine": engine, "requests": requests}
 
@@ -299,6 +313,8 @@ IDLE_KNOBS: dict[str, dict[str, Any]] = {
     # N21: every request passes the door (each fits the pool on its own; no limit, no stop id, no
     # empty prompt, no zero-token request): m12's trace is m11's plus empty rejected/aborted.
     "m12_admission_control": {"pool": "fits", "admission": False},
+    # N1 of m13: with output caching off, m13 is m12 field for field (the door's workloads included).
+    "m13_output_caching": {"output_caching": False},
 }
 """Per rung, the knobs under which its mechanism is idle, so its trace equals the rung below's."""
 

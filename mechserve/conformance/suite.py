@@ -9,7 +9,7 @@ real-model checks, ``strategies.mechanism_idle`` for the ladder, ``N`` per rung 
     kv          kv_audit.check_kv          cases.real_workloads (the same workloads as replay)
     invariance  invariance.check_invariance (every variant; odd-numbered requests stop early at an id
                                            of their reference)      cases.invariance_workloads
-    ladder      ladder.check_ladder_pair   strategies.mechanism_idle(rung), for m01 … m12
+    ladder      ladder.check_ladder_pair   strategies.mechanism_idle(rung), for m01 … m13
 
 A failure does not stop the check: every workload is run, the first few failures are kept (the
 workload, the error type and its one-line message) and the rest counted.  A check the target cannot

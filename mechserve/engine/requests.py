@@ -1,6 +1,6 @@
 """A submitted request in front of the boundary: its ``n`` samples, their kept ids, text and timings.
 
-The scheduler (m12) knows one request per sample (``"<id>#<j>"`` for ``n > 1``) and its token ids;
+The scheduler (m13) knows one request per sample (``"<id>#<j>"`` for ``n > 1``) and its token ids;
 ``EngineCore`` keeps, for each, what the user gets back: the ids it keeps after the stop cuts, the
 text (``OutputText``: incremental detokenization and stop strings), logprobs, and the times that
 vLLM's ``RequestOutput.metrics`` reports::
@@ -20,10 +20,10 @@ from mechserve.engine.detokenizer import OutputText
 
 @dataclass(eq=False)
 class Sample:
-    """One sample of a request: the m12 request ``engine_id``, its kept ids, text and finish.
+    """One sample of a request: the m13 request ``engine_id``, its kept ids, text and finish.
 
-    ``prompt_only``: a request for prompt logprobs with ``max_tokens`` 0, run by m12 with one new
-    token that is never kept (m12 finishes a request of no new token at admission, unrun).
+    ``prompt_only``: a request for prompt logprobs with ``max_tokens`` 0, run by m13 with one new
+    token that is never kept (m13 finishes a request of no new token at admission, unrun).
     """
 
     engine_id: str

@@ -1,4 +1,4 @@
-"""The async engine: ``AsyncLLM``, the m12 engine serving requests that arrive while it runs.
+"""The async engine: ``AsyncLLM``, the m13 engine serving requests that arrive while it runs.
 
 One background thread owns the ``EngineCore`` and steps it
 (``mechserve.entrypoints.stepper``); an asyncio program submits requests,
@@ -171,7 +171,7 @@ def _join(a: SampleDelta, b: SampleDelta) -> SampleDelta:
 
 
 class AsyncLLM:
-    """A model served by the m12 engine to requests that arrive while it runs; an async context manager.
+    """A model served by the m13 engine to requests that arrive while it runs; an async context manager.
 
     ``model`` and the engine settings are ``LLM``'s, with the same defaults (``"smollm2"``, a local
     Hugging Face directory or a ``LoadedModel``; any field of ``EngineConfig``, vLLM's names for

@@ -28,6 +28,11 @@ the draft is one position behind and catches up from the request's ids in the ne
     draft KV valid for [0, valid);  next item starts at s (the spec's computed)
     s <= valid (a rollback, a preemption, a prefix hit): valid := s, nothing to redo
     s >  valid (all guesses accepted last step):       rows valid .. s-1 from the history first
+
+With output caching (m13) a page can be published while its last accepted guess still lacks draft KV,
+and a request that finishes never catches up.  The proposer therefore remembers such slots (each
+window's last guess, until a draft forward writes the slot) and a window whose pages below its start
+hold one (a prefix hit on another request's generated block) recomputes the draft KV from there.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from mechserve.executor.sampling import STREAM_DRAFT, Row, Sampler
 from mechserve.kv.paged import Span, build_attention_batch
 from mechserve.model.llama import LlamaModel
-from mechserve.spec.m12_admission_control import PlanItem
+from mechserve.spec.m13_output_caching import PlanItem
 
 
 def propose_ngram(history: Sequence[int], num: int, max_ngram: int = 3, filler: int | None = None) -> list[int]:
@@ -207,6 +212,8 @@ class DraftModelProposer:
         self.cache = model.new_cache(num_pages, page_size, kv_dtype)
         self.sampler = sampler
         self._valid: dict[str, int] = {}
+        # page -> offsets whose target KV a step wrote but this draft did not (a window's last guess)
+        self._stale: dict[int, set[int]] = {}
 
     def valid(self, request_id: str) -> int | None:
         """Leading positions of ``request_id`` whose draft KV is valid (None: not seen yet)."""
@@ -226,9 +233,13 @@ class DraftModelProposer:
         for r in range(2, max(caps, default=0) + 1):
             drafting = [i for i in drafting if caps[i] >= r]
             self._next_round(windows, drafting, r, guesses, qs)
+        ps = self.page_size
         for i, w in enumerate(windows):
             known_end = w.item.start_position + len(w.item.token_ids)
             self._valid[w.item.request_id] = known_end + max(0, len(guesses[i]) - 1)
+            if guesses[i]:
+                last = known_end + len(guesses[i]) - 1
+                self._stale.setdefault(w.item.page_table[last // ps], set()).add(last % ps)
         return [Draft(tuple(g), torch.stack(q) if q else None) if g else NO_DRAFT for g, q in zip(guesses, qs)]
 
     def _first_round(
@@ -245,7 +256,7 @@ class DraftModelProposer:
         for i, w in enumerate(windows):
             item = w.item
             start = item.start_position
-            first = min(self._valid.get(item.request_id, start), start)
+            first = self._stale_before(min(self._valid.get(item.request_id, start), start), item.page_table, w.history)
             lag = w.history[first:start]
             if any(t < 0 for t in lag):  # never happens: a lag is only ever accepted guesses
                 raise AssertionError(f"{item.request_id}: draft catch-up over unknown ids")
@@ -261,6 +272,19 @@ class DraftModelProposer:
                 drafting.append(i)
         self._forward(ids, positions, slots, spans, logit_rows, windows, drafting, 1, guesses, qs)
         return drafting
+
+    def _stale_before(self, end: int, table: Sequence[int], history: Sequence[int]) -> int:
+        """The earliest position below ``end`` whose slot lacks draft KV and from which the ids are known,
+        else ``end``: where a window reading ``table`` must start recomputing the draft KV."""
+        if not self._stale:
+            return end
+        ps = self.page_size
+        for i, page in enumerate(table[: -(-end // ps)]):
+            offsets = self._stale.get(page)
+            if offsets:
+                p = i * ps + min(offsets)
+                return p if p < end and min(history[p:end], default=0) >= 0 else end
+        return end
 
     def _next_round(
         self,
@@ -300,6 +324,13 @@ class DraftModelProposer:
         """One draft forward (writes its KV); guess ``r`` of each of ``drafting`` from ``logit_rows``."""
         if not ids:
             return
+        if self._stale:
+            for slot in slots:
+                offsets = self._stale.get(slot // self.page_size)
+                if offsets is not None:
+                    offsets.discard(slot % self.page_size)
+                    if not offsets:
+                        del self._stale[slot // self.page_size]
         arch = self.model.arch
         batch = build_attention_batch(
             spans, slots, self.page_size, arch.num_heads // arch.num_kv_heads, self.model.distinct_windows

@@ -30,7 +30,7 @@ from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.kv import native
 from mechserve.model.llama import LlamaArch
 from mechserve.model.sharded import ShardedLlama
-from mechserve.spec import m12_admission_control as m12
+from mechserve.spec import m13_output_caching as m13
 
 # Failures a test can plant in a rank's next step (RankGroup.plant).
 FAULTS = ("disagree", "hang", "crash", "raise")
@@ -79,7 +79,7 @@ class RankExecutor(TorchExecutor):
             dist.broadcast(ids, src=0)
         return ids.tolist()
 
-    def execute(self, plan: tuple[m12.PlanItem, ...]) -> tuple[m12.Outcome, ...]:
+    def execute(self, plan: tuple[m13.PlanItem, ...]) -> tuple[m13.Outcome, ...]:
         fault, self.fault = self.fault, None
         if fault == "hang":
             while True:
@@ -112,8 +112,8 @@ class RankServer:
 
     def handle(self, command: tuple[Any, ...]) -> Any:
         """Run one command: ``("execute", plan)``, ``("add", request_id, prompt_ids, params, eos, stop, bad)``,
-        ``("release", request_id)``, ``("logprobs", request_id)``, ``("prompt_logprobs", request_id)``,
-        ``("advise", caps, max_k)``,
+        ``("release", request_id)``, ``("settle", windows)``, ``("logprobs", request_id)``,
+        ``("prompt_logprobs", request_id)``, ``("advise", caps, max_k)``,
         ``("stats",)``, ``("params",)``, ``("fault", kind)``.  Raises ``ValueError`` for anything else."""
         name, args = command[0], command[1:]
         ex = self.executor
@@ -124,6 +124,8 @@ class RankServer:
             return ex.add_request(rid, prompt_ids, params, eos_token_ids=eos, stop_token_ids=stop, bad_words_ids=bad)
         if name == "release":
             return ex.release(args[0])
+        if name == "settle":
+            return ex.settle(args[0])
         if name == "logprobs":
             return ex.take_logprobs(args[0])
         if name == "prompt_logprobs":

@@ -1,10 +1,10 @@
 """Rank processes behind m11's group: each rank a ``ShardedLlama`` and its executor, the scheduler once.
 
-The control side (m12's engine, in the driver) freezes one plan per step; the group hands the same
-plan to every rank and gives m12 one executor per rank, so m11's join compares the N real reports
+The control side (m13's engine, in the driver) freezes one plan per step; the group hands the same
+plan to every rank and gives m13 one executor per rank, so m11's join compares the N real reports
 and raises ``GroupViolation`` unless all N are equal::
 
-    driver: m12.Engine ──plan──> ExecutorGroup ──> proxy 0 ─┐ first call: send (queued commands, plan)
+    driver: m13.Engine ──plan──> ExecutorGroup ──> proxy 0 ─┐ first call: send (queued commands, plan)
                                                    proxy 1 ─┤ to every rank, wait for every report
                                                    ...      ┘ (deadline, process sentinels)
     rank r: (queued add/release..., execute plan) ─> ShardedLlama forward (all-reduce / all-gather)
@@ -25,7 +25,7 @@ Two launchers, one rank loop (``serve_rank``):
   (``gather_object``); the other ranks serve inside ``start_group`` and exit when rank 0 closes
   the group.  A dead or hung rank surfaces through the process group's timeout.
 
-Commands that need no answer (``add_request``, ``release``) are queued per rank and travel with
+Commands that need no answer (``add_request``, ``release``, ``settle``) are queued per rank and travel with
 the next command that does, so a decode step costs one round trip.
 
 Backend: ``gloo`` (CPU).  The torch backend computes on the CPU only, so ``nccl`` is not offered.
@@ -37,7 +37,7 @@ import contextlib
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -51,7 +51,7 @@ from mechserve.api.outputs import TokenLogprobs
 from mechserve.api.params import GREEDY, SamplingParams
 from mechserve.executor.protocol import ExecutorStats
 from mechserve.executor.rank import FAULTS, RankServer, RankSpec, _DistChannel, _spawned_rank, serve_rank
-from mechserve.spec import m12_admission_control as m12
+from mechserve.spec import m13_output_caching as m13
 
 # Seconds the ranks may take to start (load their shards).
 DEFAULT_START_TIMEOUT_S = 300.0
@@ -59,20 +59,21 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class _RankProxy:
-    """Rank ``rank``'s executor as m12 sees it: its report for the plan the group fanned out."""
+    """Rank ``rank``'s executor as m13 sees it: its report for the plan the group fanned out."""
 
     def __init__(self, group: RankGroup, rank: int) -> None:
         self.group, self.rank = group, rank
 
-    def execute(self, plan: tuple[m12.PlanItem, ...]) -> tuple[m12.Outcome, ...]:
+    def execute(self, plan: tuple[m13.PlanItem, ...]) -> tuple[m13.Outcome, ...]:
         return self.group.report(self.rank, plan)
 
 
 class RankGroup:
     """The driver's handle on ``world_size`` ranks; the executor API ``EngineCore`` uses, once for all.
 
-    ``rank_executors()`` are the m12 rank executors; ``add_request``/``release`` reach every rank (queued
-    until the next round trip); ``take_logprobs``, ``take_prompt_logprobs``, ``advise`` and ``stats`` ask rank 0 (every rank
+    ``rank_executors()`` are the m13 rank executors; ``add_request``/``release``/``settle`` reach every rank
+    (queued until the next round trip); ``take_logprobs``, ``take_prompt_logprobs``, ``advise`` and ``stats``
+    ask rank 0 (every rank
     holds the same).  Any failure raises ``RankError`` and shuts the group down.
     """
 
@@ -80,20 +81,20 @@ class RankGroup:
 
     def __init__(self) -> None:
         self._queues: list[list[tuple[Any, ...]]] = [[] for _ in range(self.world_size)]
-        self._plan: tuple[m12.PlanItem, ...] | None = None
-        self._reports: dict[int, tuple[m12.Outcome, ...]] = {}
+        self._plan: tuple[m13.PlanItem, ...] | None = None
+        self._reports: dict[int, tuple[m13.Outcome, ...]] = {}
         self.closed = False
 
-    # m12's side
+    # m13's side
     def rank_executors(self) -> list[_RankProxy]:
-        """One proxy per rank: m12's group fans each plan out to them and joins their reports (m11)."""
+        """One proxy per rank: m13's group fans each plan out to them and joins their reports (m11)."""
         return [_RankProxy(self, r) for r in range(self.world_size)]
 
-    def execute(self, plan: tuple[m12.PlanItem, ...]) -> tuple[m12.Outcome, ...]:
+    def execute(self, plan: tuple[m13.PlanItem, ...]) -> tuple[m13.Outcome, ...]:
         """Every rank's outcomes for ``plan``, joined as m11 joins them (``GroupViolation`` on disagreement)."""
-        return m12.ExecutorGroup(self.rank_executors()).execute(plan)
+        return m13.ExecutorGroup(self.rank_executors()).execute(plan)
 
-    def report(self, rank: int, plan: tuple[m12.PlanItem, ...]) -> tuple[m12.Outcome, ...]:
+    def report(self, rank: int, plan: tuple[m13.PlanItem, ...]) -> tuple[m13.Outcome, ...]:
         """Rank ``rank``'s outcomes for ``plan``; the first proxy asked sends the plan to every rank."""
         if not plan:
             return ()
@@ -125,6 +126,12 @@ class RankGroup:
     def release(self, request_id: str) -> None:
         if not self.closed:
             self._queue(("release", request_id))
+
+    def settle(self, windows: Mapping[str, int]) -> None:
+        """Every rank learns what each decode window kept (queued, like ``release``), so their counters and
+        acceptance estimates stay equal."""
+        if not self.closed and windows:
+            self._queue(("settle", dict(windows)))
 
     def take_logprobs(self, request_id: str) -> list[TokenLogprobs]:
         result: list[TokenLogprobs] = self._ask(("logprobs", request_id))

@@ -1,4 +1,4 @@
-"""The torch executor: real weights and real paged KV tensors behind the m12 boundary.
+"""The torch executor: real weights and real paged KV tensors behind the m10 boundary.
 
 Each ``execute(plan)`` asks the proposer for each decode window's guesses, runs one target forward
 over every plan item (see ``paged_kv`` for the flat-batch layout), then returns one outcome per item::
@@ -40,7 +40,10 @@ outputs) for the proposer.  A plan may begin mid-prompt after a prefix-cache hit
 saw are kept as unknown (-1) unless the prompt was registered with ``add_request``.  The control
 side decides what stays (rollback, EOS, stop ids, freeing pages).  Requests that ask for
 ``logprobs`` get one ``TokenLogprobs`` per appended id on a side channel, ``take_logprobs``.
-``stats()`` counts target forwards, proposed and accepted guesses (``ExecutorStats``).
+``stats()`` counts target forwards, proposed and accepted guesses (``ExecutorStats``).  A decode
+window's guesses are counted, and fed to the acceptance estimates, only when the control side says
+how many of them the request kept (``settle``, after the step's cuts at an EOS or stop id or a stop
+string): an accepted window ``[a, EOS, b, c]`` counts 1 accepted guess and 2 emitted ids, not 4 and 5.
 
 Penalties and token filters (``SamplingParams.filtered``) need each sampling row's history: row j
 of a window is given the request's known ids followed by the window's first j guesses, so a
@@ -60,7 +63,7 @@ hands them over.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -84,7 +87,7 @@ from mechserve.executor.sampling import Row, Sampler, token_logprobs
 from mechserve.executor.verify import verify_draft
 from mechserve.kv.paged import AttentionBatch, Span, build_attention_batch
 from mechserve.model.llama import LlamaModel
-from mechserve.spec.m12_admission_control import Outcome, PlanItem
+from mechserve.spec.m13_output_caching import Outcome, PlanItem
 
 # (history, num) -> up to num point-mass guesses; the executor pads a short proposal with the last known id.
 ProposerFn = Callable[[Sequence[int], int], Sequence[int]]
@@ -199,6 +202,7 @@ class TorchExecutor:
         self.acceptance = Acceptance()
         self.counters = ExecutorStats()
         self._proposed: list[int] = []  # this step's proposal lengths, per item (before padding)
+        self._windows: dict[str, tuple[int, int]] = {}  # this step's decode windows: (slots, proposed), until settled
         self._history: dict[str, list[int]] = {}
         self._sampling: dict[str, _Sampling] = {}
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -231,7 +235,7 @@ class TorchExecutor:
         return getattr(self.proposer, "cache", None)
 
     def rank_executors(self) -> list[TorchExecutor]:
-        """One rank: m12's group joins this executor alone."""
+        """One rank: m13's group joins this executor alone."""
         return [self]
 
     def stats(self) -> ExecutorStats:
@@ -282,6 +286,27 @@ class TorchExecutor:
         self.proposer.release(request_id)
         self.acceptance.release(request_id)
 
+    def settle(self, windows: Mapping[str, int]) -> None:
+        """Count this step's decode windows by what each request kept: ``windows[id]`` accepted guesses.
+
+        ``ExecutorStats`` (windows, slots, proposed, accepted, emitted) and the acceptance estimates
+        ``advise`` weighs are updated here, from the control side's cut verdict (the step record's
+        ``accepted``), never from this executor's own; a window not settled before the next
+        ``execute`` is not counted.  Ids unknown to this step are ignored.
+        """
+        stats = self.counters
+        for rid, kept in windows.items():
+            window = self._windows.pop(rid, None)
+            if window is None:
+                continue
+            slots, real = window
+            stats.windows += 1
+            stats.slots += slots
+            stats.proposed += real
+            stats.accepted += min(kept, real)
+            stats.emitted += kept + 1
+            self.acceptance.observe(rid, real, min(kept, real))
+
     def history(self, request_id: str) -> list[int]:
         """The ids this executor knows for ``request_id``, by position (-1 = unknown)."""
         return list(self._history.get(request_id, ()))
@@ -328,6 +353,7 @@ class TorchExecutor:
 
     def execute(self, plan: tuple[PlanItem, ...]) -> tuple[Outcome, ...]:
         """Run one step: drafts, one target forward over all items, then verdicts and sampled ids per item."""
+        self._windows = {}
         if not plan:
             return ()
         windows = [self._window(item) for item in plan]
@@ -522,7 +548,6 @@ class TorchExecutor:
         """Accept each decode window's leading guesses that match the targets; append the ids to history."""
         outcomes = []
         offset = 0
-        stats = self.counters
         for n, (item, g) in enumerate(zip(plan, guesses)):
             accepted = 0
             ids: tuple[int, ...] = ()
@@ -537,14 +562,8 @@ class TorchExecutor:
                 if recorded is not None and recorded[n]:
                     # accepted guesses equal the targets, so the appended ids are t0 .. t_a
                     self._logprobs.setdefault(item.request_id, []).extend(recorded[n][: accepted + 1])
-            if item.decode:
-                real = self._proposed[n]
-                stats.windows += 1
-                stats.slots += len(g)
-                stats.proposed += real
-                stats.accepted += min(accepted, real)
-                stats.emitted += len(ids)
-                self.acceptance.observe(item.request_id, real, min(accepted, real))
+            if item.decode:  # counted once the control side says what was kept (settle)
+                self._windows[item.request_id] = (len(g), self._proposed[n])
             outcomes.append(
                 Outcome(item.request_id, item.start_position, item.num_tokens, accepted, item.placements, ids)
             )

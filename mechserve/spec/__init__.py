@@ -18,5 +18,6 @@ RUNGS = (
     "m10_executor_boundary",
     "m11_parallelism",
     "m12_admission_control",
+    "m13_output_caching",
 )
 TOP = RUNGS[-1]

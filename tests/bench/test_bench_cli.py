@@ -159,3 +159,59 @@ def test_bench_spec_len_adds_a_speculative_variant_with_the_same_greedy_ids(tmp_
     )
     cmp = doc["workloads"]["throughput"]["comparisons"]
     assert cmp["mechserve[exact,ngram-3] vs hf[exact] greedy agreement"]["identical_requests"] == 1.0
+
+
+# The assistant's turn rendered as the generation prompt (w3) then its text, as real chat templates do.
+TURNS_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}w3 {{ m['content'] }} w2 "
+    "{% else %}w1 {{ m['content'] }} w2 {% endif %}{% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_models import save_word_tokenizer
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("bench-chat")
+    save_tiny(path, tiny_config())
+    save_word_tokenizer(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = TURNS_TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+def test_bench_multiturn_reuses_the_answers_side_by_side(
+    tmp_path: Path, chat_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Conversations of 3 turns, 2 interleaved, in four configurations in one run: with output caching, turn
+    2 and 3 compute only what the previous turn never computed plus less than one block; without it, the
+    whole previous answer again; the answers are the same everywhere."""
+    doc = _bench(tmp_path, chat_dir, "--workload", "multiturn", "--no-roofline", "--size", "output_len=20")
+    err = capsys.readouterr().err
+    assert "hf skipped on the multiturn workload" in err
+    entry = doc["workloads"]["multiturn"]
+    assert entry["params"]["turns"] == 3 and entry["params"]["num"] == 2
+    runs = {r["variant"]: r for r in entry["runs"]}
+    assert set(runs) == {"output-caching", "no-output-caching", "output-caching+ngram-4", "no-output-caching+ngram-4"}
+    on, off = runs["output-caching"], runs["no-output-caching"]
+    assert [t["turn"] for t in on["turns"]] == [1, 2, 3] and all(t["conversations"] == 2 for t in on["turns"])
+    for a, b in zip(on["turns"][1:], off["turns"][1:]):
+        assert a["retokenized"] == 1.0 and a["within_one_block"] is True
+        assert a["prefill_computed"] < b["prefill_computed"] and a["reused"] > b["reused"]
+        assert a["prefill_computed"] < a["new_tokens"] + 16 <= b["prefill_computed"] + 16
+        assert a["p50_ttft_ms"] > 0 and a["p99_ttft_ms"] >= a["p50_ttft_ms"]
+    assert (
+        on["turns"][0]["new_tokens"] is None
+        and on["turns"][0]["prefill_computed"] == off["turns"][0]["prefill_computed"]
+    )
+    assert (on["settings"]["output_caching"], off["settings"]["output_caching"]) == (True, False)
+    assert runs["output-caching+ngram-4"]["settings"]["spec_len"] == 4
+    for r in entry["runs"]:  # every turn of every conversation, with the answers it got
+        assert len(r["requests"]) == 6 and all(len(q["output_ids"]) == 20 for q in r["requests"])
+    cmp = entry["comparisons"]
+    assert cmp["every configuration gave the same answers [exact]"] is True
+    assert cmp["target met: turn >= 2 prefill = new + < 1 block [exact,output-caching]"] is True
+    assert cmp["prefill computed on/off [exact,on turn 2]"] < 1
+    assert (tmp_path / "out" / "multiturn.png").stat().st_size > 1000

@@ -20,7 +20,7 @@ def test_mechs_prints_one_aligned_line_per_rung(cli) -> None:
     result = cli("mechs")
     assert result.code == 0
     lines = result.lines
-    assert len(lines) == len(RUNGS) == 13
+    assert len(lines) == len(RUNGS) == 14
     rungs = [load_rung(name) for name in RUNGS]
     note_width = max(len(r.NOTE) for r in rungs)
     title_width = max(len(r.TITLE) for r in rungs)
@@ -31,6 +31,7 @@ def test_mechs_prints_one_aligned_line_per_rung(cli) -> None:
     assert lines[0].startswith("00-engine-loop.md")
     assert lines[11].startswith("11-parallelism.md")
     assert lines[12].startswith("12-admission-control.md")
+    assert lines[13].startswith("13-output-caching.md")
 
 
 def test_diff_m04_m05_shows_preemption(cli) -> None:
@@ -62,6 +63,38 @@ def test_diff_m11_m12_shows_admission_control(cli) -> None:
     added = [line for line in cli("diff", "m11", "m12").lines if line.startswith("+")]
     assert any("def add_request" in line for line in added)
     assert any("def abort" in line for line in added)
+
+
+def test_diff_m12_m13_shows_exactly_output_caching(cli) -> None:
+    """m13 is m12 plus one switch: every hunk is about output caching, and every line of m12's code that
+    the diff removes comes back inside an ``if self.output_caching`` branch, except the rung's name and the
+    sentences its explanations print."""
+    lines = cli("diff", "m12", "m13").lines
+    assert lines[:2] == ["--- mechserve/spec/m12_admission_control.py", "+++ mechserve/spec/m13_output_caching.py"]
+    body = lines[lines.index('+"""m13 — Output caching.') :]
+    added = [line[1:] for line in body if line.startswith("+")]
+    removed = [line[1:] for line in body if line.startswith("-")]
+    assert any("output_caching: bool = False" in line for line in added)
+    assert any("def _block_keys" in line for line in added)
+    assert sum("# m13" in line for line in added) >= 6
+    code = removed[removed.index('TITLE = "Admission control"') :]
+    back = {line.strip() for line in added}
+    gone = [line.strip() for line in code if line.strip() not in back]
+    assert gone == [
+        'TITLE = "Admission control"',
+        'KEY_QUESTION = "What may enter the engine, and how does a request leave before it finishes?"',
+        'NOTE = "12-admission-control.md"',
+        "scripted ``eos_after`` trigger still applies).",
+        '"""The complete engine as of m12.',
+        '"""Cold requests adopt their longest cached prompt prefix; returns tokens reused."""',
+        'f"{r.request_id} found {len(hit)} cached block(s) of its prompt and reused {usable} "',
+        "A block whose key is already resident with another page is adopted:",
+        "the request's table points at the resident page and its own copy is",
+        "freed at once (departure D2).",
+        'self._why.append(f"{r.request_id} published prompt block(s) on page(s) {own_pages} to the cache.")',
+    ], gone
+    hunks = "\n".join(lines).split("\n@@ ")[1:]
+    assert all("m13" in hunk or "output" in hunk.lower() for hunk in hunks), hunks
 
 
 def test_diff_unknown_rung(cli) -> None:
@@ -294,3 +327,20 @@ def test_console_script_error_is_one_line() -> None:
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("mechserve: error: ")
     assert "Traceback" not in proc.stderr
+
+
+def test_run_output_caching_flag(cli) -> None:
+    """``--output-caching`` turns m13's switch on over any workload; a rung below m13 refuses it in one line;
+    ``--no-output-caching`` is m12's trace (and allowed on every rung)."""
+    on = cli("run", "--request", "a:6:9", "--output-caching", "--json")
+    assert on.code == 0, on.err
+    steps = on.json_lines()[:-1]
+    assert sum(sum(step["published"].values()) for step in steps) == 3
+    assert "output_caching on" in cli("run", "--request", "a:6:9", "--output-caching").lines[0]
+    off = cli("run", "--request", "a:6:9", "--no-output-caching", "--json")
+    assert off.out == cli("run", "--request", "a:6:9", "--json", "--mech", "m12").out
+    assert sum(sum(step["published"].values()) for step in off.json_lines()[:-1]) == 1
+    assert_one_error_line(
+        cli("run", "--request", "a:6:9", "--output-caching", "--mech", "m12"), "m12 has no output caching"
+    )
+    assert cli("run", "--request", "a:6:9", "--no-output-caching", "--mech", "m05").code == 0

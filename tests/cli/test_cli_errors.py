@@ -235,7 +235,7 @@ def test_missing_spec_file(cli, tmp_path) -> None:
 
 @pytest.mark.parametrize("command", [["run", "--request", "a:1:1"], ["demo"]])
 def test_unknown_rung(cli, command: list[str]) -> None:
-    assert_one_error_line(cli(*command, "--mech", "m13"), "unknown rung", '"m13"', "m00 .. m12", RUNGS[-1])
+    assert_one_error_line(cli(*command, "--mech", "m14"), "unknown rung", '"m14"', "m00 .. m13", RUNGS[-1])
 
 
 @pytest.mark.parametrize(
@@ -248,6 +248,8 @@ def test_unknown_rung(cli, command: list[str]) -> None:
         ("m11", {"engine": {"max_running": 1}, "requests": [request()]}, "max_running 1 needs m12"),
         ("m04", {"engine": {"max_model_len": 9}, "requests": [request()]}, "max_model_len 9 needs m12"),
         ("m11", {"requests": [request(stop_token_ids=[3])]}, "stop_token_ids"),
+        ("m12", {"engine": {"output_caching": True}, "requests": [request()]}, "output_caching true needs m13"),
+        ("m03", {"engine": {"output_caching": True}, "requests": [request()]}, "m03 has no output caching"),
     ],
 )
 def test_rung_cannot_take_the_workload(cli, spec_file, mech: str, workload: Any, needle: str) -> None:

@@ -179,7 +179,7 @@ def test_run_torch_prints_the_trace_and_the_texts(tiny_dir, capsys) -> None:
     rc, out, err = call(argv, capsys)
     assert rc == 0, err
     lines = out.splitlines()
-    assert lines[0].startswith("m12 Admission control") and "torch backend" in lines[0]
+    assert lines[0].startswith("m13 Output caching") and "torch backend" in lines[0]
     assert "step 0" in lines and any(line.strip().startswith("tokens") for line in lines)
     text = lines.index("text")
     assert lines[text + 1].startswith('a  " w') and lines[text + 2].startswith('b  " w')
@@ -224,7 +224,7 @@ def test_run_torch_spec_file_with_tokens_rejections_and_stop_ids(tiny_dir, tmp_p
     ("argv", "message"),
     [
         (["--request", "a:4:2:0:1"], "eos_after: a real model ends on its own EOS"),
-        (["--request", "a:4:2", "--mech", "m05"], "--backend torch runs the top rung (m12)"),
+        (["--request", "a:4:2", "--mech", "m05"], "--backend torch runs the top rung (m13)"),
         (["--request", "a:4:2", "--world-size", "8"], "world size 8 exceeds the model's 4 attention heads"),
     ],
 )

@@ -87,14 +87,14 @@ def test_load_rung_spellings(spelling: str) -> None:
     assert rung_label(rung) == "m05"
 
 
-@pytest.mark.parametrize("spelling", ["m13", "13", "preemption", "", "m05_preempt", "-1"])
+@pytest.mark.parametrize("spelling", ["m14", "14", "preemption", "", "m05_preempt", "-1"])
 def test_load_rung_unknown(spelling: str) -> None:
-    with pytest.raises(UnknownRung, match=r"m00 \.\. m12: m00_engine_loop.*m12_admission_control"):
+    with pytest.raises(UnknownRung, match=r"m00 \.\. m13: m00_engine_loop.*m12_admission_control, m13_output_caching"):
         load_rung(spelling)
 
 
 def test_load_rung_top() -> None:
-    assert load_rung("m12") is load_rung(RUNGS[-1]) is load_rung("12")
+    assert load_rung("m13") is load_rung(RUNGS[-1]) is load_rung("13")
 
 
 def test_unknown_rung_is_a_workload_error() -> None:
@@ -231,6 +231,34 @@ def test_fit_rung_drops_admission_settings_below_m12() -> None:
     build_engine(load_rung("m11"), fitted).run()
 
 
+def test_the_output_caching_switch_is_a_json_boolean_for_m13() -> None:
+    """``output_caching`` (m13): absent unless given, true or false only; m13 takes it, lower rungs refuse
+    true (``check_rung``) and drop it with a note (``fit_rung``); false is allowed everywhere."""
+    request = {"request_id": "a", "prompt_len": 6, "max_new_tokens": 9}
+    plain = parse_workload({"requests": [request]})
+    assert "output_caching" not in plain.engine and build_engine(load_rung("m13"), plain).output_caching is False
+    on = parse_workload({"engine": {"output_caching": True}, "requests": [request]})
+    assert on.engine["output_caching"] is True
+    engine = build_engine(load_rung("m13"), on)
+    assert engine.output_caching is True and sum(sum(t.published.values()) for t in engine.run()) == 3
+    for bad in (1, 0, "true", [True]):
+        with pytest.raises(WorkloadError, match=r"engine\.output_caching: must be true or false"):
+            parse_workload({"engine": {"output_caching": bad}})
+    assert "output_caching" not in parse_workload({"engine": {"output_caching": None}}).engine
+    with pytest.raises(WorkloadError, match="m12 has no output caching: output_caching true needs m13 or later"):
+        build_engine(load_rung("m12"), on)
+    off = parse_workload({"engine": {"output_caching": False}, "requests": [request]})
+    build_engine(load_rung("m05"), off).run()
+    fitted, notes = fit_rung(load_rung("m12"), on)
+    assert "output_caching" not in fitted.engine and notes == (
+        "m12 has no output caching: running without output_caching",
+    )
+    assert fit_rung(load_rung("m12"), off)[1] == ()
+    assert with_engine(plain, {"output_caching": True}).engine["output_caching"] is True
+    with pytest.raises(WorkloadError, match="--output-caching: must be true or false"):
+        with_engine(plain, {"output_caching": 3}, {"output_caching": "--output-caching"})
+
+
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
@@ -242,7 +270,8 @@ def test_fit_rung_drops_admission_settings_below_m12() -> None:
 def test_m12_only_request_values_below_m12(extra, needle) -> None:
     workload = parse_workload({"requests": [{"request_id": "a", "prompt_len": 2, "max_new_tokens": 1, **extra}]})
     build_engine(load_rung("m12"), workload).run()
-    for name in RUNGS[:-1]:
+    build_engine(load_rung("m13"), workload).run()
+    for name in RUNGS[: RUNGS.index("m12_admission_control")]:
         with pytest.raises(WorkloadError, match=f"{name[:3]} has no admission control: .*{needle}"):
             build_engine(load_rung(name), workload)
 

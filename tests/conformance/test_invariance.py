@@ -54,6 +54,16 @@ def test_the_variants_exercise_what_they_name(target: Target) -> None:
     alone = run_workload(target, variant(base, "one at a time"))
     assert all(len(rec.scheduled) <= 1 for rec in alone.records)
     assert not events(run_workload(target, variant(base, "prefix caching off")).records)["reused"]
+    # output caching: generated blocks are published, and the next turns reuse the answers' blocks
+    on = run_workload(target, variant(base, "output caching on"))
+    assert any("holding generated tokens" in line for rec in on.records for line in rec.explain)
+    turns = variant(base, "next turns", target)
+    firsts = {r["request_id"]: len(r["tokens"]) for r in base["requests"]}
+    run = run_workload(target, turns)
+    reused = {rid: n for rec in run.records for rid, n in rec.reused.items() if rid.endswith("+")}
+    assert reused and all(n > firsts[rid[:-1]] for rid, n in reused.items()), (reused, firsts)
+    with pytest.raises(ValueError, match="needs the target"):
+        variant(base, "next turns")
 
 
 def test_the_reference_follows_rule_s(target: Target) -> None:

@@ -10,7 +10,7 @@ from hypothesis import given
 
 from mechserve.conformance import KVAuditor, KVMismatch, Target, check_kv, real_workloads
 from mechserve.conformance.runner import RealRun, run_workload
-from mechserve.spec import m12_admission_control as m12
+from mechserve.spec import m13_output_caching as m13
 
 from .conftest import CI
 
@@ -36,7 +36,7 @@ def test_stale_kv_of_rejected_guesses_past_the_frontier_is_not_flagged(target: T
     stale: list[tuple[int, str]] = []
     auditor = KVAuditor(target)
 
-    def on_step(run: RealRun, record: m12.StepRecord) -> None:
+    def on_step(run: RealRun, record: m13.StepRecord) -> None:
         auditor.snapshot(run, record)
         ps = run.engine.pool.page_size
         for r in run.engine.running:
@@ -62,11 +62,46 @@ def test_the_audit_covers_every_rank_and_cache_page(target: Target) -> None:
     assert any(rec.reused for rec in run.records)
 
 
+def test_the_audit_covers_generated_blocks_in_the_cache(target: Target) -> None:
+    """With output caching the cache holds blocks of generated ids; the audit compares each against the dense
+    K/V of the prompt and output ids its key chain spells, and catches one corrupted after publishing."""
+    workload = {**SPECULATIVE, "engine": {**SPECULATIVE["engine"], "output_caching": True, "world_size": 1}}
+    auditor = KVAuditor(target)
+    run = run_workload(target, workload, on_step=auditor.snapshot)
+    assert auditor.verify() > 0
+    prompts = {tuple(r.tokens) for r in run.engine.requests}
+    generated = [
+        c
+        for c in auditor.copies
+        if c.label.startswith("cache page")
+        and not any(c.tokens[: len(p)] == p and len(c.tokens) <= len(p) for p in prompts)
+    ]
+    assert generated, "no cached block holding generated ids was audited"
+    corrupted = KVAuditor(target)
+    hit: list[int] = []
+
+    def on_step(run: RealRun, record: m13.StepRecord) -> None:
+        a = run.engine.requests[0]
+        cached = [p for p in a.page_table if run.engine.pool.owner[p] is m13.CACHE]
+        if not hit and len(cached) * 4 > len(a.tokens):  # a's first block past its prompt is cached
+            k, _ = target.kv_of(run.executors[0])
+            k[0, cached[-1], 3] += 0.5
+            hit.append(cached[-1])
+        corrupted.snapshot(run, record)
+
+    run_workload(target, workload, on_step=on_step)
+    assert hit
+    # position 7, a's first generated id, read by a and by the cache's audit alike (a is reported: same step)
+    pattern = rf"rank 0, (a|cache page {hit[0]}): K at position 7 \(page {hit[0]}, offset 3\), layer 0"
+    with pytest.raises(KVMismatch, match=pattern):
+        corrupted.verify()
+
+
 def test_a_mismatch_names_step_rank_request_position_and_tolerance(target: Target) -> None:
     """Corrupt one cached page between steps (behind the executor's back): the audit reports it."""
     auditor = KVAuditor(target)
 
-    def on_step(run: RealRun, record: m12.StepRecord) -> None:
+    def on_step(run: RealRun, record: m13.StepRecord) -> None:
         if record.step == 1:
             k, _ = target.kv_of(run.executors[1])
             page = run.engine.requests[0].page_table[0]
@@ -74,7 +109,7 @@ def test_a_mismatch_names_step_rank_request_position_and_tolerance(target: Targe
         auditor.snapshot(run, record)
 
     # Rank 1 now reads different K/V than rank 0, so the ranks disagree at the next step (m11's join).
-    with pytest.raises(m12.GroupViolation, match="rank 1 disagrees with rank 0"):
+    with pytest.raises(m13.GroupViolation, match="rank 1 disagrees with rank 0"):
         run_workload(target, SPECULATIVE, on_step=on_step)
     pattern = r"kv: after step 1, rank 1, a: K at position 2 \(page \d+, offset 2\), layer 1"
     with pytest.raises(KVMismatch, match=pattern) as info:

@@ -28,7 +28,7 @@ from mechserve.conformance import (
     model_workload,
 )
 from mechserve.conformance.runner import events, run_workload
-from mechserve.spec.m12_admission_control import BoundaryViolation
+from mechserve.spec.m13_output_caching import BoundaryViolation
 
 from . import mutants as m
 
@@ -128,7 +128,7 @@ def test_what_a_check_cannot_see_it_does_not_flag(
 def test_a_broken_answer_is_also_refused_by_the_engines_own_commit(
     mutant: Callable[[type], Target], workload: dict[str, Any], cls: type, message: str
 ) -> None:
-    """Without the checker, m12's commit (N8, N13) refuses these answers on its own, so every check that
+    """Without the checker, the top rung's commit (m10 N8, N13) refuses these answers on its own, so every check that
     runs the workload fails with the engine's ``BoundaryViolation``."""
     for check in ("replay", "kv", "invariance"):
         with pytest.raises(BoundaryViolation, match=message) as info:

@@ -16,7 +16,7 @@ from mechserve.conformance import ReplayMismatch, Target, check_replay, compare,
 from mechserve.conformance.replay import ReplayExecutor, replay
 from mechserve.conformance.runner import build_engine, end_state, run_workload
 from mechserve.conformance.strategies import build, cli_valid, prompt_tokens, workloads
-from mechserve.spec import m12_admission_control as m12
+from mechserve.spec import m13_output_caching as m13
 
 from .conftest import CI
 
@@ -43,9 +43,9 @@ def explicit(workload: dict[str, Any]) -> dict[str, Any]:
 def test_the_scripted_executor_replays_itself(workload: dict[str, Any]) -> None:
     """Fed the scripted executor's own verdicts and ids, ``ReplayExecutor`` reproduces its trace exactly,
     accept scripts with out-of-range entries, EOS triggers and stop ids included."""
-    engine = build(m12, workload, validate=cli_valid(workload))
+    engine = build(m13, workload, validate=cli_valid(workload))
     records = engine.run()
-    replayed = replay(explicit(workload), records, eos_token_ids=(m12.EOS_TOKEN_ID,))
+    replayed = replay(explicit(workload), records, eos_token_ids=(m13.EOS_TOKEN_ID,))
     compare(records, replayed, real_end=end_state(engine))
 
 
@@ -65,6 +65,7 @@ def test_the_product_engine_path_replays(target: Target, tiny_pair: Any) -> None
             "world_size": 1,
             "max_model_len": 512,
             "hold_shared_prefix": True,  # EngineConfig's default: r1 waits for the prefix r0 is computing
+            "output_caching": True,  # EngineConfig's default: generated blocks are published too
         },
         "requests": [
             {"request_id": f"r{i}", "tokens": p, "max_new_tokens": 7, "arrival_step": a}
@@ -73,6 +74,7 @@ def test_the_product_engine_path_replays(target: Target, tiny_pair: Any) -> None
     }
     assert any(rec.reused for rec in result.records) and any(rec.rolled_back for rec in result.records)
     assert any("r1 is held back" in line for rec in result.records for line in rec.explain)
+    assert any("holding generated tokens" in line for rec in result.records for line in rec.explain)
     compare(result.records, replay(workload, result.records))
 
 
@@ -117,6 +119,6 @@ def test_a_tampered_trace_is_reported_at_its_step_and_field(target: Target) -> N
 
 
 def test_a_replay_that_runs_out_of_recorded_ids_is_a_difference() -> None:
-    item = m12.PlanItem("a", 3, 1, 0, True, ((3, 0, 3),), (9,), True, 1, (0,))
+    item = m13.PlanItem("a", 3, 1, 0, True, ((3, 0, 3),), (9,), True, 1, (0,))
     with pytest.raises(Exception, match="recorded no more ids"):
         ReplayExecutor([]).execute((item,))

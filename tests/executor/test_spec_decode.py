@@ -22,6 +22,7 @@ from engine_runs import run_engine as generate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_checkpoints import Tiny, random_prompts, tiny_config
+from tiny_models import save_cycle_model
 
 from mechserve.api.config import EngineConfig, SpeculativeConfig, parse_draft_model
 from mechserve.api.params import SamplingParams
@@ -32,7 +33,7 @@ from mechserve.executor.proposers import DraftModelProposer, Window, lookup_ngra
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.model.llama import LlamaModel
 from mechserve.model.loader import LoadedModel, load_model
-from mechserve.spec import m12_admission_control as m12
+from mechserve.spec import m13_output_caching as m13
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False)
 
@@ -54,7 +55,7 @@ def one_thread() -> Iterator[None]:
 class Run:
     outputs: dict[str, list[int]]
     finish: dict[str, str | None]
-    records: list[m12.StepRecord]
+    records: list[m13.StepRecord]
     executor: TorchExecutor
 
 
@@ -81,14 +82,15 @@ def run(
     requests = []
     for i, (p, n, a) in enumerate(zip(prompts, news, arrivals)):
         ex.add_request(f"r{i}", p, params or SamplingParams(temperature=0.0, max_tokens=n), eos_token_ids=eos)
-        requests.append(m12.Request(f"r{i}", list(p), n, arrival_step=a, stop_token_ids=stop_token_ids))
+        requests.append(m13.Request(f"r{i}", list(p), n, arrival_step=a, stop_token_ids=stop_token_ids))
     spec_len = spec.num_speculative_tokens if spec else 0
-    engine = m12.Engine(requests, budget, page_size, num_pages, spec_len=spec_len, executors=[ex], eos_token_ids=eos)
+    engine = m13.Engine(requests, budget, page_size, num_pages, spec_len=spec_len, executors=[ex], eos_token_ids=eos)
 
-    def step_done(record: m12.StepRecord) -> None:
+    def step_done(record: m13.StepRecord) -> None:
         engine.check_invariants()
         if on_step is not None:
             on_step(engine, ex, record)
+        ex.settle(record.accepted)  # as EngineCore does: the executor counts what the requests kept
         for rid in record.finished:
             ex.release(rid)
 
@@ -101,7 +103,7 @@ def run(
     )
 
 
-def total(records: Sequence[m12.StepRecord], name: str) -> int:
+def total(records: Sequence[m13.StepRecord], name: str) -> int:
     return sum(sum(getattr(rec, name).values()) for rec in records)
 
 
@@ -176,7 +178,7 @@ def test_preemption_mid_speculation_gives_the_same_output(
 ) -> None:
     """A pool that cannot hold every request: speculating requests are preempted and recomputed."""
     spec, draft = (NGRAM, None) if proposer == "ngram" else (draft_spec(), tiny.model)
-    need = max(m12.pages_for(len(p) + 16, 2) for p in PROMPTS)
+    need = max(m13.pages_for(len(p) + 16, 2) for p in PROMPTS)
     got = run(tiny.model, PROMPTS, 16, spec=spec, draft=draft, page_size=2, num_pages=need + 6, budget=24)
     assert got.outputs == plain
     assert any(rec.preempted for rec in got.records)
@@ -198,10 +200,10 @@ def test_preemption_mid_speculation_gives_the_same_output(
 
 def dense_kv(model: LlamaModel, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of ``model`` over ``ids`` in one fresh contiguous forward: [layers, len(ids), KV, D]."""
-    ex = TorchExecutor(model, m12.pages_for(len(ids), 4), 4)
+    ex = TorchExecutor(model, m13.pages_for(len(ids), 4), 4)
     n = len(ids)
-    table = tuple(range(m12.pages_for(n, 4)))
-    item = m12.PlanItem("d", 0, n, 0, False, tuple((p, p // 4, p % 4) for p in range(n)), tuple(ids), True, 0, table)
+    table = tuple(range(m13.pages_for(n, 4)))
+    item = m13.PlanItem("d", 0, n, 0, False, tuple((p, p // 4, p % 4) for p in range(n)), tuple(ids), True, 0, table)
     ex.execute((item,))
     k, v = ex.cache.k, ex.cache.v
     return k.reshape(k.shape[0], -1, *k.shape[3:])[:, :n], v.reshape(v.shape[0], -1, *v.shape[3:])[:, :n]
@@ -210,10 +212,10 @@ def dense_kv(model: LlamaModel, ids: Sequence[int]) -> tuple[torch.Tensor, torch
 def dense_greedy(model: LlamaModel, ids: Sequence[int], n: int) -> list[int]:
     out = list(ids)
     for _ in range(n):
-        ex = TorchExecutor(model, m12.pages_for(len(out), 4), 4)
-        table = tuple(range(m12.pages_for(len(out), 4)))
+        ex = TorchExecutor(model, m13.pages_for(len(out), 4), 4)
+        table = tuple(range(m13.pages_for(len(out), 4)))
         placements = tuple((p, p // 4, p % 4) for p in range(len(out)))
-        (o,) = ex.execute((m12.PlanItem("d", 0, len(out), 0, False, placements, tuple(out), True, 0, table),))
+        (o,) = ex.execute((m13.PlanItem("d", 0, len(out), 0, False, placements, tuple(out), True, 0, table),))
         out.append(o.token_ids[0])
     return out[len(ids) :]
 
@@ -227,7 +229,7 @@ def test_draft_kv_and_proposals_match_a_dense_draft_after_reuse_rollback_and_pre
     checked = {"kv": 0, "proposals": 0}
     proposals: list[tuple[list[int], tuple[int, ...]]] = []
 
-    def on_step(engine: m12.Engine, ex: TorchExecutor, record: m12.StepRecord) -> None:
+    def on_step(engine: m13.Engine, ex: TorchExecutor, record: m13.StepRecord) -> None:
         proposer = ex.proposer
         assert isinstance(proposer, DraftModelProposer)
         cache, ps = proposer.cache, 2
@@ -274,6 +276,71 @@ def test_draft_kv_and_proposals_match_a_dense_draft_after_reuse_rollback_and_pre
     assert checked["kv"] > 100 and checked["proposals"] > 10
 
 
+def test_a_draft_reads_valid_kv_from_another_requests_generated_blocks(tiny: Tiny) -> None:
+    """With output caching a block is published while the draft KV of its last accepted guess is still
+    missing (the draft never feeds its last guess back), and a request that finishes never catches up.  A
+    next turn that reuses that block must not read the gap: its draft KV through the reused pages equals a
+    dense draft forward and every guess is the dense draft's greedy choice (the draft is the full model, so
+    every guess of turn 1 is accepted and its last windows end on such gaps)."""
+    draft = tiny.model.truncated(tiny.model.arch.num_layers)
+    spec = SpeculativeConfig(method="draft", num_speculative_tokens=3, draft_model="tiny", adaptive=False)
+    ex = TorchExecutor(tiny.model, 64, 4, speculative=spec, draft_model=draft)
+    proposer = ex.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    firsts = random_prompts([6, 9, 5], seed=91)
+    engine = m13.Engine([], 64, 4, 64, spec_len=3, executors=[ex], eos_token_ids=(), output_caching=True)
+
+    def submit(rid: str, prompt: list[int], n: int) -> m13.Request:
+        r = m13.Request(rid, list(prompt), n)
+        assert engine.add_request(r) is None
+        ex.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n))
+        return r
+
+    def step_done(record: m13.StepRecord) -> None:
+        ex.settle(record.accepted)
+        for rid in record.finished:
+            ex.release(rid)
+
+    # lengths such that every last window ends a block: P + n - 1 is a multiple of the page size
+    turn1 = [submit(f"a{i}", p, n) for i, (p, n) in enumerate(zip(firsts, (7, 8, 8)))]
+    engine.run(step_done)
+    gaps = {page: set(offsets) for page, offsets in proposer._stale.items() if engine.pool.owner[page] is m13.CACHE}
+    assert gaps, "no cached block was left with a draft-KV gap"
+    proposals: list[tuple[list[int], tuple[int, ...]]] = []
+    original = DraftModelProposer.propose
+
+    def recording(self: DraftModelProposer, windows: Sequence[Window]) -> Any:
+        drafts = original(self, windows)
+        proposals.extend((list(w.history), d.tokens) for w, d in zip(windows, drafts) if d.tokens)
+        return drafts
+
+    turn2 = [submit(f"b{i}", [*r.tokens, *r.output_ids[:-1], 7, 8], 6) for i, r in enumerate(turn1)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DraftModelProposer, "propose", recording)
+        records = engine.run(step_done)
+    reused = {rid: n for rec in records for rid, n in rec.reused.items()}
+    assert all(reused[r.request_id] > len(first.tokens) for r, first in zip(turn2, turn1)), reused
+    assert any(page in gaps for page in {p for r in turn2 for p in engine.cache.match(r.prompt_keys)})
+    for history, guesses in proposals:
+        assert list(guesses) == dense_greedy(draft, history, len(guesses))
+    assert proposals and all(
+        rec.accepted.get(r.request_id) == rec.drafted.get(r.request_id)
+        for rec in records
+        for r in turn2
+        if r.request_id in rec.drafted
+    )
+    ps = 4
+    for r in turn2:  # the draft KV of the whole sequence, reused pages included
+        ids = [*r.tokens, *r.output_ids][: r.computed]
+        want_k, _ = dense_kv(draft, ids)
+        table = engine.cache.match(m13.prefix_keys(ids, ps))
+        pages = torch.tensor([table[p // ps] for p in range(len(table) * ps)])
+        offsets = torch.tensor([p % ps for p in range(len(table) * ps)])
+        torch.testing.assert_close(
+            proposer.cache.k[:, pages, offsets], want_k[:, : len(table) * ps], atol=1e-5, rtol=1e-5
+        )
+
+
 # BC16 and BC22 kinds, with both proposers --------------------------------------------------------------------------
 
 CYCLE = [3, 5, 2, 7, 4, 6, 1]
@@ -281,27 +348,9 @@ CYCLE = [3, 5, 2, 7, 4, 6, 1]
 
 @pytest.fixture(scope="module")
 def cycle_model(tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
-    """A real 1-layer Llama whose greedy successor of id ``CYCLE[i]`` is ``CYCLE[i + 1]`` (cyclically):
-    one-hot embeddings, attention and MLP that add nothing, a head mapping ``e_i`` to its successor."""
-    from transformers import AutoModelForCausalLM
-
-    vocab = 16
-    config = tiny_config(
-        vocab_size=vocab, hidden_size=vocab, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2
-    )
-    config.num_key_value_heads = 1
-    hf = AutoModelForCausalLM.from_config(config).eval()
-    successor = {a: b for a, b in zip(CYCLE, [*CYCLE[1:], CYCLE[0]])}
-    with torch.no_grad():
-        hf.model.embed_tokens.weight.copy_(torch.eye(vocab))
-        hf.model.layers[0].self_attn.o_proj.weight.zero_()
-        hf.model.layers[0].mlp.down_proj.weight.zero_()
-        head = torch.zeros(vocab, vocab)
-        for i in range(vocab):
-            head[successor.get(i, i), i] = 1.0
-        hf.lm_head.weight.copy_(head)
+    """A real 1-layer Llama whose greedy successor of id ``CYCLE[i]`` is ``CYCLE[i + 1]`` (cyclically)."""
     path = tmp_path_factory.mktemp("cycle")
-    hf.save_pretrained(path)
+    save_cycle_model(path, CYCLE)
     return load_model(str(path), tokenizer=False).model
 
 
@@ -376,7 +425,7 @@ def test_a_stop_string_inside_an_accepted_run_cuts_ids_and_text(cycle_model: Lla
     # guesses before the cut; the guesses after it count as rolled back.
     last = next(step.record for step in outs if step.record.finished)
     kept = last.tokens["0"]
-    assert last.finished["0"] is m12.FinishReason.STOP and list(kept) == [2, 7, 4][-len(kept) :]
+    assert last.finished["0"] is m13.FinishReason.STOP and list(kept) == [2, 7, 4][-len(kept) :]
     assert last.accepted["0"] == len(kept) - 1 < last.drafted["0"]
     assert last.rolled_back["0"] == last.drafted["0"] - last.accepted["0"]
     assert not last.aborted and core.summary()[0]["state"] == "FINISHED"
@@ -429,7 +478,8 @@ def test_no_id_or_text_after_the_earliest_stop_eos_or_cap(
 ) -> None:
     """BC16's invariant over its whole kind, on the real executor with either proposer: whatever ends a request
     (an EOS id, a stop id, a stop string, max_tokens) inside an accepted run of any length, nothing after it is
-    emitted, and the result (ids, text, finish and stop reasons) is the non-speculative one."""
+    emitted, the result (ids, text, finish and stop reasons) is the non-speculative one, and the executor's
+    counters count only the ids the request kept."""
     prompt = [CYCLE[(start + i) % len(CYCLE)] for i in range(length)]
     cont = [SUCCESSOR[prompt[-1]]]
     while len(cont) < max_tokens:
@@ -455,8 +505,12 @@ def test_no_id_or_text_after_the_earliest_stop_eos_or_cap(
     assert (got.text, got.finish_reason, got.stop_reason) == (plain.text, plain.finish_reason, plain.stop_reason)
     if stop_string is not None:
         assert stop_string not in got.text
+    stats = core.executor.stats()
+    # what the executor counts is what the request kept: every kept id after the prefill's first one came
+    # from a decode window (kept guesses plus one each), whatever cut the last window
+    assert stats.emitted == len(got.token_ids) - 1 and stats.accepted <= stats.proposed
     if max_tokens >= 3 and end >= 2:
-        assert core.executor.stats().accepted > 0  # the run really was speculative
+        assert stats.proposed > 0  # the run really was speculative
 
 
 # Conformance: the real runs obey the spec -------------------------------------------------------------------------

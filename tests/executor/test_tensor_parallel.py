@@ -22,7 +22,7 @@ from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
 from mechserve.model.loader import LoadedModel, load_model
 from mechserve.model.sharded import HeadSplit, RankShape, full_parameter_count
-from mechserve.spec import m12_admission_control as m12
+from mechserve.spec import m13_output_caching as m13
 
 HEADS, KV_HEADS, HIDDEN = 6, 3, 48
 CONFIG = EngineConfig(num_pages=48, page_size=4, max_step_tokens=16, spec_len=2)
@@ -164,6 +164,20 @@ def test_ranks_apply_penalties_and_record_prompt_logprobs_as_one_process(cores, 
         assert len(a) == len(b) and all(abs(x - y) < 1e-4 for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
+def test_ranks_count_speculation_as_one_process_does(cores, loaded) -> None:
+    """``settle`` reaches every rank: rank 0's counters after a speculative run (prompt lookup, spec_len 2)
+    are the one-process executor's, decode window for decode window."""
+    one = EngineCore(loaded, CONFIG)
+    two = core_of(cores, loaded, 2)
+    before = two.stats(executor=True).executor
+    assert generate(one) == generate(two)
+    after = two.stats(executor=True).executor
+    alone = one.stats(executor=True).executor
+    for name in ("windows", "slots", "proposed", "accepted", "emitted"):
+        assert getattr(after, name) - getattr(before, name) == getattr(alone, name), name
+    assert alone.windows > 0
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_rank_shards_sum_to_the_model_with_replicated_kv_heads_and_norms(cores, loaded, world_size: int) -> None:
     """Exact relation: sharded parts partition the model; each replicated KV head is counted once per
@@ -186,7 +200,7 @@ def test_a_planted_disagreement_is_a_group_violation_and_stops_the_group(cores, 
     core = core_of(cores, loaded, 2)
     assert core.executor is not None
     pids = core.executor.pids  # type: ignore[attr-defined]
-    with pytest.raises(m12.GroupViolation, match="rank 1 disagrees with rank 0"):
+    with pytest.raises(m13.GroupViolation, match="rank 1 disagrees with rank 0"):
         generate(core, plant=(1, "disagree"))
     assert core.executor.closed and gone(pids)
 

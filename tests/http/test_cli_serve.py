@@ -127,7 +127,7 @@ def test_arrivals_are_a_poisson_process() -> None:
 def test_serve_takes_the_speculation_flags(capsys, tiny_dir: Path) -> None:
     """``--spec-method``/``--draft-model``/``--spec-len``/``--spec-fixed`` build the engine's ``SpeculativeConfig``
     (generate's flags); a bad combination is one error line before anything loads.  The shared-prefix hold
-    is on unless ``--no-hold-shared-prefix``."""
+    is on unless ``--no-hold-shared-prefix``, output caching unless ``--no-output-caching``."""
     from mechserve.cli.main import parse
     from mechserve.cli.serve import _engine, _speculation
 
@@ -141,6 +141,10 @@ def test_serve_takes_the_speculation_flags(capsys, tiny_dir: Path) -> None:
     assert plain.speculative is None and plain.scheduler.spec_engine.hold_shared_prefix is True
     unheld = _engine(parse(["serve", "--model", str(tiny_dir), "--num-pages", "16", "--no-hold-shared-prefix"]))
     assert unheld.core.scheduler.spec_engine.hold_shared_prefix is False
+    # output caching (m13) is on unless --no-output-caching
+    assert plain.scheduler.spec_engine.output_caching is True and plain.config.output_caching is True
+    uncached = _engine(parse(["serve", "--model", str(tiny_dir), "--num-pages", "16", "--no-output-caching"]))
+    assert uncached.core.scheduler.spec_engine.output_caching is False
     code, _, err = run_cli(capsys, "serve", "--spec-method", "draft")
     assert code == 2 and "--draft-model" in err and err.count("\n") == 1
 

@@ -244,8 +244,12 @@ def check_step(rung: str, engine: Any, record: Any, index: int) -> None:
         assert len(set(rec["evicted"])) == len(rec["evicted"])
         assert _in_order(list(rec["published"]), executed)
         for rid, blocks in rec["published"].items():
-            assert blocks <= by_id[rid].prompt_len // ps, "a block holding generated tokens was published"
+            if output_caching(engine):  # m13: complete computed blocks of prompt + output
+                assert blocks <= by_id[rid].computed // ps, "a block past the computed frontier was published"
+            else:
+                assert blocks <= by_id[rid].prompt_len // ps, "a block holding generated tokens was published"
         check_own_chain(engine)
+        check_cached_slots(engine)
     if i >= 9:  # m09: one entry per decode window, in all three dicts
         assert list(rec["drafted"]) == list(rec["accepted"]) == list(rec["rolled_back"])
         assert _in_order(list(rec["drafted"]), executed)
@@ -305,15 +309,47 @@ def check_admission(engine: Any, rec: dict[str, Any]) -> None:
         assert "ABORTED" in states[rid] and rid not in mentioned, (rid, rec)
 
 
+def check_cached_slots(engine: Any) -> None:
+    """Every cached block holds what its key names (m08+; m13's generated blocks too): slot ``o`` of the
+    block at depth ``d`` holds position ``d * page_size + o``, written by a request whose tokens (prompt,
+    then output ids) up to that position are the tokens the key chain spells."""
+    ps = engine.pool.page_size
+    history = {id(r): [*r.tokens, *getattr(r, "output_ids", ())] for r in engine.requests}
+    writers: dict[str, list[list[int]]] = {}
+    for r in engine.requests:
+        writers.setdefault(r.request_id, []).append(history[id(r)])
+    stack: list[tuple[tuple[int, ...], Any]] = [((), engine.cache.root)]
+    while stack:
+        spelled, children = stack.pop()
+        for key, node in children.items():
+            tokens = spelled + tuple(key.block_tokens)
+            for offset, slot in enumerate(engine.pool.slots[node.block]):
+                assert slot is not None, f"cached page {node.block}: offset {offset} never written"
+                writer, pos = slot
+                assert pos == len(tokens) - ps + offset, (node.block, slot)
+                want = list(tokens[: pos + 1])
+                assert any(h[: pos + 1] == want for h in writers.get(writer, [])), (
+                    f"cached page {node.block}: {writer} wrote position {pos} over other tokens than its key's"
+                )
+            stack.append((tokens, node.children))
+
+
+def output_caching(engine: Any) -> bool:
+    """m13 with output caching on (and prefix caching): generated blocks are published too."""
+    return bool(getattr(engine, "output_caching", False)) and engine.prefix_caching
+
+
 def check_own_chain(engine: Any) -> None:
-    """D2: a live request's cached pages lead its page table and are its own prompt's chain in the trie."""
+    """D2: a live request's cached pages lead its page table and are its own chain in the trie (its
+    prompt's, or with m13's output caching its whole sequence's)."""
     cached = set(cache_blocks(engine))
     for r in engine.requests:
         if r.state.value in GONE:
             continue
         shared = [p for p in r.page_table if p in cached]
+        keys = r.block_keys if output_caching(engine) else r.prompt_keys
         assert r.page_table[: len(shared)] == shared, f"{r.request_id}: a cached page after a private one"
-        assert engine.cache.match(r.prompt_keys)[: len(shared)] == shared, f"{r.request_id}: not its own chain"
+        assert engine.cache.match(keys)[: len(shared)] == shared, f"{r.request_id}: not its own chain"
 
 
 def snapshot(engine: Any) -> dict[str, tuple[int, int, str]]:
@@ -373,7 +409,8 @@ def check_frontiers(rung: str, engine: Any, record: Any, before: dict[str, tuple
         start = reused.get(rid, computed)
         if rid in reused:
             ps = engine.pool.page_size
-            assert computed == 0 and reused[rid] <= (r.prompt_len - 1) // ps * ps, (rid, computed, reused)
+            known = r.prompt_len + (generated if output_caching(engine) else 0)  # m13 N8: the whole sequence
+            assert computed == 0 and reused[rid] <= (known - 1) // ps * ps, (rid, computed, reused)
         target = r.prompt_len + generated
         acc = accepted.get(rid, 0)
         assert r.generated == generated + acc + (rec["sampled"].get(rid) == "TOKEN"), (rid, rec)

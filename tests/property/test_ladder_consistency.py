@@ -302,3 +302,34 @@ def test_door_that_refuses_nothing_changes_nothing(workload: dict) -> None:
 @given(workload=DOOR_IDLE)
 def test_door_that_refuses_nothing_changes_nothing_slow(workload: dict) -> None:
     check_door_idle(workload)
+
+
+# ---- m13 == m12 with output caching off (N1) --------------------------------------------------------------
+
+
+def check_output_caching_idle(workload: dict) -> None:
+    """Output caching off (absent, or false): m13's trace, summary and error are m12's, field for field."""
+    m13, m12 = execute("m13_output_caching", workload), execute("m12_admission_control", workload)
+    assert not m13.engine.output_caching
+    assert m13.outcome() == m12.outcome()
+    assert m13.engine.summary() == m12.engine.summary()
+
+
+OUTPUT_IDLE = st.one_of(
+    mechanism_idle("m13_output_caching", prompts="mixed", spec_len=(0, 3), scripts=True, negatives=True),
+    mechanism_idle("m13_output_caching", pool="tight", prompts="shared", spec_len=(0, 2), scripts=True),
+    mechanism_idle("m13_output_caching", admission=True, prompts="shared", world_size=(1, 2)),
+)
+
+
+@CI
+@given(workload=OUTPUT_IDLE)
+def test_output_caching_off_changes_nothing(workload: dict) -> None:
+    check_output_caching_idle(workload)
+
+
+@pytest.mark.slow
+@SLOW
+@given(workload=OUTPUT_IDLE)
+def test_output_caching_off_changes_nothing_slow(workload: dict) -> None:
+    check_output_caching_idle(workload)

@@ -198,9 +198,9 @@ def test_admission_knob_reaches_stops_zero_tokens_and_held_back_requests() -> No
 
 @CI
 @given(workload=ADMISSION)
-def test_admission_settings_reach_m12_only(workload: dict) -> None:
-    """``build`` passes m12's limits and stop ids to m12 alone, on both paths; a zero-token request or an
-    empty prompt makes every rung below m12 refuse the workload."""
+def test_admission_settings_reach_m12_and_later_only(workload: dict) -> None:
+    """``build`` passes m12's limits and stop ids to m12 and later alone (the top rung checked), on both
+    paths; a zero-token request or an empty prompt makes every rung below m12 refuse the workload."""
     assert json.loads(json.dumps(workload)) == workload
     eng = engine_of(workload)
     keys = list(workload["engine"])
@@ -216,7 +216,7 @@ def test_admission_settings_reach_m12_only(workload: dict) -> None:
         refused = any(
             spec["max_new_tokens"] == 0 or not prompt_tokens(workload, i) for i, spec in enumerate(workload["requests"])
         )
-        for rung in RUNGS[:-1]:
+        for rung in RUNGS[: RUNGS.index("m12_admission_control")]:
             if refused:
                 with pytest.raises(ValueError):
                     build(MODULES[rung], workload, validate=validate)
@@ -259,3 +259,26 @@ def test_unknown_knob_values_are_rejected() -> None:
     for knobs in ({"budget": "huge"}, {"pool": "none"}, {"prompts": "tokens"}, {"scripts": "all"}, {"min_new": 9}):
         with pytest.raises(ValueError):
             find(workloads(**knobs), lambda w: True, settings=FIND)
+
+
+@CI
+@given(workload=workloads(prompts="shared", output_caching="any"))
+def test_the_output_caching_switch_reaches_m13_only(workload: dict) -> None:
+    """``output_caching`` is drawn as a JSON boolean after m12's keys; ``build`` passes it to m13 alone on
+    both paths, and drops it for every rung below (``fit_rung``; the CLI refuses it there instead)."""
+    on = workload["engine"]["output_caching"]
+    assert isinstance(on, bool) and list(workload["engine"])[-1] == "output_caching"
+    assert engine_of(workload)["output_caching"] is on
+    for validate in (True, False):
+        assert build(MODULES[TOP], workload, validate=validate).output_caching is on
+        for rung in RUNGS[: RUNGS.index(TOP)]:
+            assert not hasattr(build(MODULES[rung], workload, validate=validate), "output_caching"), rung
+
+
+def test_output_caching_draws_reach_generated_blocks() -> None:
+    """With the switch on, generated blocks are published (``block_keys`` beyond the prompt's)."""
+    published_generated = lambda run: any(  # noqa: E731
+        len(r.block_keys) > len(r.prompt_keys) for r in run.engine.requests
+    )
+    reaches(workloads(output_caching=True), TOP, published_generated)
+    assert not find(workloads(), lambda w: True, settings=FIND)["engine"].get("output_caching")
