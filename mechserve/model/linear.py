@@ -9,7 +9,7 @@
 
 Few rows (a decode step) are bound by reading the weights once; torch's GEMV reached 9-11 GB/s on
 SmolLM2's shapes here (and its bfloat16 path no more than its float32 one), the kernel 20-29 GB/s,
-the machine's streaming read (see docs/benchmarks.md, "Small-batch decode").  Many rows (prefill)
+the machine's streaming read (see docs/benchmarks.md, "Against llama.cpp").  Many rows (prefill)
 are bound by arithmetic, where MKL and oneDNN are better than anything written here.
 
 The kernel is built once per machine by ``mechserve.native.build``.  ``MECHSERVE_LINEAR``
