@@ -14,7 +14,7 @@ SHELL := /bin/bash
 PIP_NOISE := is ignored: it is neither a file nor a directory
 QUIET_PIP = 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 
-.PHONY: setup browser demo test test-all lint clean-cache viz-readme api-fields
+.PHONY: setup browser demo test test-all lint clean-cache viz-readme api-fields llama-cpp
 
 setup: $(VENV)/.installed
 
@@ -64,3 +64,10 @@ viz-readme: setup
 
 clean-cache:
 	rm -rf $${MECHSERVE_CACHE:-$$HOME/.cache/mechserve}
+
+# llama.cpp's tools for the benchmark peer (`mechserve bench run --engine llama-cpp`): llama-server,
+# llama-quantize, llama-perplexity and llama-bench, built from the llama-cpp-python source distribution
+# on PyPI with the system compiler and CMake into $$MECHSERVE_CACHE/llama.cpp (about 10 minutes on two
+# cores), then the embedded model's F32/BF16/Q8_0 GGUFs.  Optional, and not part of CI.
+llama-cpp: setup
+	$(PY) -m mechserve.bench.llama_cpp build --jobs 2 --ggufs

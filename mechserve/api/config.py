@@ -46,6 +46,10 @@ DTYPES: Mapping[str, str] = {
     "half": "float16",
 }
 
+# Weight formats the matrices may be kept in (``EngineConfig.quantization``): GGUF's blocks, multiplied
+# as they are (``mechserve.model.quantized``, ``mechserve.model.linear``).
+QUANTIZATIONS = ("q4_1", "q8_0")
+
 METHODS = ("ngram", "draft")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)b?|(b)?)\s*", re.IGNORECASE)
@@ -199,6 +203,12 @@ class EngineConfig:
 
     * ``dtype``: weights, activations and KV cache: ``"float32"`` (default, the mode checked
       against transformers; ``"auto"`` means it on a CPU), ``"bfloat16"`` or ``"float16"``.
+    * ``quantization``: None (the matrices in ``dtype``), ``"q4_1"`` or ``"q8_0"``: every weight
+      matrix kept in GGUF's blocks and multiplied as it is, never expanded to a float copy
+      (``mechserve.model.quantized``); activations, norms and the KV cache stay in ``dtype``
+      (float32 or bfloat16).  ``"q4_1"`` is the embedded SmolLM2's own file (its Q4_1 layers and
+      Q8_0 embedding, read from the GGUF); other models are quantized at load with ggml's rounding,
+      the embedding and LM head in Q8_0 as in that file.  One rank only.
     * ``max_step_tokens``: the per-step token budget (vLLM's ``max_num_batched_tokens``), which is
       also the prefill chunk; ``page_size``: positions per KV page (``block_size``).
     * The pool: ``num_pages`` pages, else as many as ``kv_memory`` bytes hold (an int or a size such
@@ -228,6 +238,7 @@ class EngineConfig:
     """
 
     dtype: str = "float32"
+    quantization: str | None = None
     max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
     page_size: int = DEFAULT_PAGE_SIZE
     num_pages: int | None = None
@@ -257,6 +268,16 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if self.quantization is not None:
+            if not isinstance(self.quantization, str) or self.quantization.lower() not in QUANTIZATIONS:
+                raise ValueError(
+                    f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+                )
+            object.__setattr__(self, "quantization", self.quantization.lower())
+            if self.dtype not in ("float32", "bfloat16"):
+                raise ValueError(
+                    f"quantization {self.quantization} runs with dtype float32 or bfloat16, not {self.dtype}"
+                )
         _size("max_step_tokens", self.max_step_tokens, 1)
         _size("page_size", self.page_size, 1)
         _size("num_pages", self.num_pages, 1, optional=True)
@@ -294,6 +315,10 @@ class EngineConfig:
             if self.spec_len not in (0, k):
                 raise ValueError(f"spec_len {self.spec_len} differs from speculative.num_speculative_tokens {k}")
             object.__setattr__(self, "spec_len", k)
+        if self.quantization is not None and self.world_size > 1:
+            raise ValueError(
+                f"quantization {self.quantization} runs on one rank; world_size must be 1, got {self.world_size}"
+            )
 
     @classmethod
     def from_args(cls, **kwargs: Any) -> EngineConfig:
@@ -354,6 +379,7 @@ __all__ = [
     "DEFAULT_PAGE_SIZE",
     "DTYPES",
     "METHODS",
+    "QUANTIZATIONS",
     "EngineConfig",
     "SpeculativeConfig",
     "dtype_name",

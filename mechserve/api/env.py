@@ -3,9 +3,10 @@
 ==========================  ===========================================================================
 ``MECHSERVE_CACHE``         where converted models and built kernels live (default ``~/.cache/mechserve``)
 ``MECHSERVE_ATTENTION``     ``auto`` (default), ``native`` or ``torch``: the decode attention path
+``MECHSERVE_LINEAR``        ``auto`` (default), ``native`` or ``torch``: matrix products of few rows
 ``MECHSERVE_RANK_TIMEOUT``  seconds a tensor-parallel rank may take to answer one step (default 300)
 ``MECHSERVE_TRACEBACK``     set: a rank's full traceback on its stderr (the driver reports one line)
-``CXX``                     the C++ compiler that builds the native kernel (default c++/g++/clang++)
+``CXX``                     the C++ compiler that builds the native kernels (default c++/g++/clang++)
 ==========================  ===========================================================================
 """
 
@@ -19,6 +20,7 @@ from mechserve.api.errors import ModelLoadError
 CACHE_ENV = "MECHSERVE_CACHE"
 ATTENTION_ENV = "MECHSERVE_ATTENTION"
 ATTENTION_MODES = ("auto", "native", "torch")
+LINEAR_ENV = "MECHSERVE_LINEAR"
 RANK_TIMEOUT_ENV = "MECHSERVE_RANK_TIMEOUT"
 DEFAULT_RANK_TIMEOUT_S = 300.0
 
@@ -41,6 +43,14 @@ def attention_mode() -> str:
     return value
 
 
+def linear_mode() -> str:
+    """``MECHSERVE_LINEAR`` (``auto``/``native``/``torch``, as ``MECHSERVE_ATTENTION``); ``ValueError`` otherwise."""
+    value = os.environ.get(LINEAR_ENV, "auto").strip().lower() or "auto"
+    if value not in ATTENTION_MODES:
+        raise ValueError(f"{LINEAR_ENV} must be one of {', '.join(ATTENTION_MODES)}, got {value!r}")
+    return value
+
+
 def rank_timeout() -> float:
     """``MECHSERVE_RANK_TIMEOUT`` seconds if set (a positive number), else ``DEFAULT_RANK_TIMEOUT_S``."""
     raw = os.environ.get(RANK_TIMEOUT_ENV)
@@ -58,4 +68,13 @@ def traceback_wanted() -> bool:
     return bool(os.environ.get("MECHSERVE_TRACEBACK"))
 
 
-__all__ = ["ATTENTION_MODES", "CACHE_ENV", "attention_mode", "cache_dir", "rank_timeout", "traceback_wanted"]
+__all__ = [
+    "ATTENTION_MODES",
+    "CACHE_ENV",
+    "LINEAR_ENV",
+    "attention_mode",
+    "cache_dir",
+    "linear_mode",
+    "rank_timeout",
+    "traceback_wanted",
+]

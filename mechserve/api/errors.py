@@ -12,7 +12,7 @@ HTTP server turns it into an OpenAI-style 4xx/5xx body::
       EngineDeadError     the background stepper is not running (never started, shut down, dead)
       EngineStepError     an engine step raised; every request in flight ended with it
       RankError           a tensor-parallel rank crashed, hung or raised; the group was shut down
-      NativeKernelError   the native paged-attention kernel could not be built or loaded
+      NativeKernelError   a native kernel (paged attention, few-row linear) could not be built or loaded
 """
 
 from __future__ import annotations

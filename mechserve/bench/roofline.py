@@ -53,6 +53,16 @@ def linear_params(model: Any) -> int:
     return sum(w.qkv.numel() + w.o.numel() + w.gate_up.numel() + w.down.numel() for w in model.layers)
 
 
+def weight_read_bytes(model: Any) -> int:
+    """Bytes one decode step reads for the weight matrices (each layer's four and the LM head):
+    float tensors at their element size, GGUF blocks at theirs (``QuantizedMatrix.nbytes``)."""
+
+    def size(m: Any) -> int:
+        return int(m.nbytes) if hasattr(m, "blocks") else m.numel() * m.element_size()
+
+    return sum(size(w.qkv) + size(w.o) + size(w.gate_up) + size(w.down) for w in model.layers) + size(model.lm_head)
+
+
 def matmul_peak(model: Any, rows: Sequence[int], repeats: int = 3) -> dict[str, Any]:
     """GFLOP/s of each linear shape at each row count (model's dtype); ``peak_gflops`` is the best."""
     dtype = model.dtype
@@ -128,7 +138,7 @@ def decode_probe(
     a = model.arch
     flops = 2 * linear_params(model) * batch + _attn_flops(model, batch * (context + 1))
     flops += 2 * a.hidden_size * a.vocab_size * batch
-    weight_bytes = (linear_params(model) + model.lm_head.numel()) * model.lm_head.element_size()
+    weight_bytes = weight_read_bytes(model)
     kv_bytes = 2 * a.num_layers * batch * (context + 1) * a.num_kv_heads * a.head_dim * cache.k.element_size()
     gflops = flops / seconds / 1e9
     return {

@@ -5,9 +5,11 @@
     mechserve bench run [--workload throughput,latency,prefix,spec,serve,multiturn|all] [--engine mechserve,hf,...]
                         [--mode exact,fast] [--quick] [--out DIR] [--model M] [--seed N]
 
-Modes: ``exact`` (float32 weights and KV, the mode checked token for token against transformers)
-and ``fast`` (bfloat16 weights and KV; each fast run reports how far its greedy output stays equal
-to the same engine's exact run).  Every engine runs each workload of ``workloads`` (see there),
+Modes: ``exact`` (float32 weights and KV, the mode checked token for token against transformers),
+``fast`` (bfloat16 weights and KV), and ``q4_1`` / ``q8_0`` (the weight matrices in GGUF blocks,
+multiplied as they are, bfloat16 activations and KV; q4_1 is the embedded model's own file).  Each
+run in a mode other than exact reports how far its greedy output stays equal to the same engine's
+exact run.  transformers has no quantized mode; llama.cpp runs F32, BF16, Q4_1 and Q8_0 GGUFs.  Every engine runs each workload of ``workloads`` (see there),
 after a warm-up, in this process; ``--engine`` names an optional engine that is not installed:
 it is skipped with a line on stderr saying why.  The ``multiturn`` workload runs mechserve alone, in four
 configurations stepped in turn (output caching on and off, each with and without prompt lookup;
@@ -35,7 +37,7 @@ from typing import Any
 from mechserve.bench.workloads import WORKLOADS
 
 ENGINE_NAMES = ("mechserve", "hf", "llama-cpp", "vllm")
-MODE_NAMES = ("exact", "fast")
+MODE_NAMES = ("exact", "fast", "q4_1", "q8_0")
 
 
 def _choices(kind: str, allowed: tuple[str, ...], all_value: tuple[str, ...] | None = None) -> Any:
@@ -100,7 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["mechserve", "hf"],
         help=f"comma-separated: {', '.join(ENGINE_NAMES)} (default mechserve,hf; absent optional ones are skipped)",
     )
-    add("--mode", type=_choices("mode", MODE_NAMES), default=["exact"], help="exact (fp32), fast (bf16) or exact,fast")
+    add(
+        "--mode",
+        type=_choices("mode", MODE_NAMES),
+        default=["exact"],
+        help="comma-separated: exact (fp32), fast (bf16), q4_1, q8_0 (GGUF blocks, bf16 activations); default exact",
+    )
     add("--model", default="smollm2", help="'smollm2' (embedded, default) or a local Hugging Face model directory")
     add("--quick", action="store_true", help="small sizes: about a minute for everything on 2 CPU cores")
     add(
@@ -268,18 +275,22 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "workloads": {},
         "skipped": [],
     }
-    optional = {n: eng.OptionalRunner(n) for n in args.engine if n in ("llama-cpp", "vllm")}
-    for name, peer in optional.items():
+    optional: dict[str, Any] = {n: eng.OptionalRunner(n) for n in args.engine if n == "vllm"}
+    if "llama-cpp" in args.engine:
+        optional["llama-cpp"] = eng.LlamaCppRunner("exact", model=str(args.model), threads=threads)
+    for name, peer in list(optional.items()):
         reason = peer.available()
         if reason:
             print(reason, file=sys.stderr)
             results["skipped"].append({"engine": name, "reason": reason})
+        else:
+            del optional[name]  # available: it runs below
     loaded: dict[str, Any] = {}
     peaks: dict[str, float] = {}
     for mode in args.mode:
-        loaded[mode] = load_model(
-            str(args.model), dtype=eng.MODES[mode], tokenizer=False
-        )  # ids in, ids out (hf detokenizes nothing either)
+        dtype, quantization = eng.MODES[mode]
+        # ids in, ids out (hf detokenizes nothing either)
+        loaded[mode] = load_model(str(args.model), dtype=dtype, tokenizer=False, quantization=quantization)
         if not args.no_roofline:
             q = args.quick
             r = roofline(
@@ -302,6 +313,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     a = model0.arch
     flops_args = (linear_params(model0), a.num_heads * a.head_dim, a.num_layers, a.hidden_size * a.vocab_size)
     hf_runners: dict[str, Any] = {}
+    hf_skipped: set[str] = set()
     for wname in args.workload:
         sizes = {k: v for k, v in args.size if k in SIZES[wname]["full"]}
         if wname == "multiturn":
@@ -317,10 +329,19 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             for ename in args.engine:
                 if ename in optional:
                     continue
-                if ename == "hf":
+                if ename == "hf" and eng.MODES[mode][1] is not None:
+                    if mode not in hf_skipped:
+                        hf_skipped.add(mode)
+                        reason = f"hf skipped in mode {mode}: transformers has no GGUF-block mode here"
+                        print(reason, file=sys.stderr)
+                        results["skipped"].append({"engine": "hf", "mode": mode, "reason": reason})
+                    continue
+                if ename == "llama-cpp":
+                    runner: Any = eng.LlamaCppRunner(mode, model=str(args.model), threads=threads)
+                elif ename == "hf":
                     if mode not in hf_runners:
                         hf_runners[mode] = eng.HFRunner(path, mode, batch_size=args.hf_batch_size)
-                    runner: Any = hf_runners[mode]
+                    runner = hf_runners[mode]
                 else:
                     runner = eng.MechserveRunner(
                         loaded[mode], mode, max_step_tokens=args.max_step_tokens, spec_len=args.spec_len
@@ -366,7 +387,7 @@ def _say(line: str) -> None:
 def _line(workload: str, r: dict[str, Any]) -> str:
     m, s = r["metrics"], r["engine_stats"] or {}
     extra = ""
-    if s:
+    if "steps" in s:
         extra = (
             f" | steps {s['steps']}, {s['tokens_per_step']:.0f} tok/step, prefill computed {s['prefill_tokens_computed']}"
             f", sched {100 * (s['scheduler_fraction'] or 0):.1f}%"
@@ -383,7 +404,8 @@ def _line(workload: str, r: dict[str, Any]) -> str:
 
 
 def _compare(entry: dict[str, Any]) -> None:
-    """Ratios of mechserve's output throughput over hf's per mode, fast-vs-exact / engine agreement, and on
+    """Ratios of mechserve's output throughput over hf's (exact) and llama.cpp's (the same mode and the best
+    mode), greedy agreement between modes and engines, and on
     the prefix workload mechserve's prefill tokens computed with prefix caching over without, and its
     TTFT p50 without over with."""
     runs = entry["runs"]
@@ -394,12 +416,26 @@ def _compare(entry: dict[str, Any]) -> None:
         if engine == "mechserve" and hf:
             key = f"mechserve[{mode},{variant}]/hf[exact]"
             cmp[key] = r["metrics"]["output_throughput"] / hf["metrics"]["output_throughput"]
+        peers = [p for (e, m, v), p in by.items() if e == "llama-cpp"]
+        if engine == "mechserve" and peers:
+            best = max(peers, key=lambda p: p["metrics"]["output_throughput"])
+            cmp[f"mechserve[{mode},{variant}]/llama-cpp[best: {best['mode']}]"] = (
+                r["metrics"]["output_throughput"] / best["metrics"]["output_throughput"]
+            )
+        same = by.get(("llama-cpp", mode, "default"))
+        if engine == "mechserve" and same:
+            cmp[f"mechserve[{mode},{variant}]/llama-cpp[{mode}]"] = (
+                r["metrics"]["output_throughput"] / same["metrics"]["output_throughput"]
+            )
+            cmp[f"mechserve[{mode},{variant}] vs llama-cpp[{mode}] greedy agreement"] = _agreement(
+                same["outputs"], r["outputs"]
+            )
         exact = by.get((engine, "exact", variant))
-        if mode == "fast" and exact:
-            cmp[f"{engine}[{variant}] fast vs exact greedy agreement"] = _agreement(exact["outputs"], r["outputs"])
+        if mode != "exact" and exact:
+            cmp[f"{engine}[{variant}] {mode} vs exact greedy agreement"] = _agreement(exact["outputs"], r["outputs"])
         hf_same = by.get(("hf", mode, "default"))
-        if engine == "mechserve" and hf_same:
-            cmp[f"mechserve[{mode},{variant}] vs hf[{mode}] greedy agreement"] = _agreement(
+        if engine in ("mechserve", "llama-cpp") and hf_same:
+            cmp[f"{engine}[{mode},{variant}] vs hf[{mode}] greedy agreement"] = _agreement(
                 hf_same["outputs"], r["outputs"]
             )
     for mode in MODE_NAMES:

@@ -13,7 +13,11 @@ engine-side figures where the engine has them.
 * ``hf``: transformers ``generate``, static batching with left padding, greedy, EOS suppressed until
   the batch's longest request is done; a request's tokens are its first ``max_tokens`` of its batch
   (the rest is waste, as in static batching).  Its per-token times come from a streamer.
-* ``llama-cpp`` and ``vllm``: optional; ``available()`` says why they are skipped.
+* ``llama-cpp``: ``llama-server`` (``mechserve.bench.llama_cpp``) on the mode's GGUF (F32 for exact,
+  BF16 for fast, the shipped Q4_1 or a Q8_0 for the quantized modes), 32 parallel slots, the same
+  token-id prompts with ``n_predict``/``ignore_eos``/greedy/no prompt cache; per-token times are taken
+  at the client from the streamed events.  Optional: ``available()`` says why it is skipped.
+* ``vllm``: optional; ``available()`` says why it is skipped.
 """
 
 from __future__ import annotations
@@ -28,11 +32,20 @@ from typing import Any, ClassVar
 
 import torch
 
+from mechserve.bench import llama_cpp
+from mechserve.bench.llama_cpp import SLOTS
 from mechserve.bench.timings import RequestTiming, trace_stats
 from mechserve.bench.workloads import Workload
 
 ENGINES = ("mechserve", "hf", "llama-cpp", "vllm")
-MODES = {"exact": torch.float32, "fast": torch.bfloat16}
+# mode -> (activation dtype, weight quantization): exact and fast are float32 and bfloat16 throughout;
+# q4_1 and q8_0 keep the weight matrices in GGUF blocks with bfloat16 activations and KV.
+MODES: dict[str, tuple[torch.dtype, str | None]] = {
+    "exact": (torch.float32, None),
+    "fast": (torch.bfloat16, None),
+    "q4_1": (torch.bfloat16, "q4_1"),
+    "q8_0": (torch.bfloat16, "q8_0"),
+}
 
 
 @dataclass(slots=True)
@@ -139,6 +152,7 @@ class MechserveRunner(Runner):
         pages = batch * -(-longest // self.page_size) + 8
         config = EngineConfig(
             dtype=dtype_name(self.loaded.model.dtype),
+            quantization=getattr(self.loaded.model, "quantization", None),
             max_step_tokens=self.max_step_tokens,
             page_size=self.page_size,
             num_pages=pages,
@@ -225,7 +239,10 @@ class HFRunner(Runner):
     def __init__(self, path: Path, mode: str, *, batch_size: int | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=MODES[mode], attn_implementation="sdpa").eval()
+        dtype, quantization = MODES[mode]
+        if quantization is not None:
+            raise ValueError(f"hf has no {mode} mode")
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
         self.mode = mode
         self.batch_size = batch_size
         self.pad_id = 0
@@ -286,13 +303,60 @@ class _TimeStreamer:
         pass
 
 
-class OptionalRunner(Runner):
-    """An engine used only where its package is installed (``llama-cpp``: llama-cpp-python, ``vllm``)."""
+class LlamaCppRunner(Runner):
+    """``llama-server`` on the mode's GGUF, restarted per workload with a context that fits it."""
 
-    PACKAGES: ClassVar[dict[str, tuple[str, str]]] = {
-        "llama-cpp": ("llama_cpp", "llama-cpp-python"),
-        "vllm": ("vllm", "vllm"),
-    }
+    name = "llama-cpp"
+
+    def __init__(self, mode: str, *, model: str = "smollm2", threads: int | None = None, slots: int = SLOTS) -> None:
+        self.mode = mode
+        self.model = model
+        self.threads = threads or torch.get_num_threads()
+        self.slots = slots
+
+    def available(self) -> str | None:
+        if self.model != "smollm2":
+            return f"llama-cpp skipped: it runs the embedded model's GGUFs only (--model smollm2), not {self.model}"
+        return llama_cpp.missing_message()
+
+    def run(self, workload: Workload, variant: str) -> RunResult:
+        gguf = llama_cpp.ensure_gguf(llama_cpp.MODE_GGUF[self.mode])
+        longest = max(len(r.prompt_ids) + r.max_tokens for r in workload.requests)
+        context = -(-(longest + 8) // 256) * 256  # per slot, rounded up
+        server = llama_cpp.LlamaServer(gguf, threads=self.threads, slots=self.slots, context=context)
+        try:
+            server.complete([1, 2, 3, 4], 2)  # warm-up
+            requests = [(r.prompt_ids, r.max_tokens) for r in workload.requests]
+            llama_cpp.reset_proc_peak_rss(server.process.pid)
+            arrivals, done, duration = llama_cpp.run_requests(server, requests, sequential=workload.sequential)
+            rss = llama_cpp.proc_peak_rss(server.process.pid)
+            version = server.version()
+        finally:
+            server.close()
+        timings = [
+            RequestTiming(len(r.prompt_ids), a, tuple(c.token_times[: r.max_tokens]))
+            for r, a, c in zip(workload.requests, arrivals, done)
+        ]
+        outputs = [c.tokens[: r.max_tokens] for r, c in zip(workload.requests, done)]
+        stats = {
+            "server_prompt_ms": [c.timings.get("prompt_ms") for c in done],
+            "server_predicted_ms": [c.timings.get("predicted_ms") for c in done],
+        }
+        settings = {
+            "gguf": gguf.name,
+            "slots": self.slots,
+            "context_per_slot": context,
+            "threads": self.threads,
+            "server": server.command[0],
+            "version": version,
+        }
+        return RunResult(self.name, variant, self.mode, timings, duration, outputs, rss, stats, settings)
+
+
+class OptionalRunner(Runner):
+    """An engine used only where its package is installed (``vllm``)."""
+
+    PACKAGES: ClassVar[dict[str, tuple[str, str]]] = {"vllm": ("vllm", "vllm")}
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -441,6 +505,7 @@ __all__ = [
     "ENGINES",
     "MODES",
     "HFRunner",
+    "LlamaCppRunner",
     "MechserveRunner",
     "OptionalRunner",
     "RunResult",

@@ -13,7 +13,7 @@ import importlib
 
 HELP = (
     "benchmarks (run: engines side by side; spec: the spec engine at scale; serve: Poisson client; "
-    "spec-decode: speculative decoding; tp: tensor-parallel world sizes)"
+    "spec-decode: speculative decoding; tp: tensor-parallel world sizes; perplexity: per mode, beside llama.cpp)"
 )
 # (subcommand, module, help)
 BENCHMARKS = (
@@ -36,6 +36,11 @@ BENCHMARKS = (
         "tp",
         "mechserve.bench.world_sizes",
         "output tokens/s of one greedy run at several tensor-parallel world sizes (ids compared)",
+    ),
+    (
+        "perplexity",
+        "mechserve.bench.perplexity",
+        "perplexity of a local text per mode (exact, fast, q4_1, q8_0), beside llama.cpp's llama-perplexity",
     ),
     (
         "spec-decode",

@@ -310,24 +310,50 @@ def sampling_params(args: argparse.Namespace) -> Any:
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+QUANTIZATIONS = ("q4_1", "q8_0")  # mechserve.api.config.QUANTIZATIONS (the CLI imports no config before it must)
+
+
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
-    """``--dtype``: the weights', activations' and KV cache's dtype (shared with ``run --backend torch``)."""
+    """``--dtype`` (the weights', activations' and KV cache's dtype) and ``--quantization`` (the weight
+    matrices in GGUF blocks); shared with ``serve``."""
     parser.add_argument(
         "--dtype",
         choices=DTYPES,
         default=None,
         help="weights, activations and KV cache (default float32, the mode checked against transformers)",
     )
+    add_quantization_argument(parser)
 
 
-def load(model: str, dtype: str | None, world_size: int = 1) -> Any:
-    """``load_model(model)`` in ``dtype`` (default float32), its weights only for one rank (with more,
-    the ranks load their shards); ``ModelLoadError`` propagates."""
+def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
+    """``--quantization``: keep the weight matrices in GGUF's Q4_1 or Q8_0 blocks (``EngineConfig.quantization``)."""
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="keep the weight matrices in GGUF blocks and multiply them as they are (q4_1: the embedded "
+        "model's own file); activations and KV cache stay in --dtype (float32 or bfloat16); one rank only",
+    )
+
+
+def load(model: str, dtype: str | None, world_size: int = 1, quantization: str | None = None) -> Any:
+    """``load_model(model)`` in ``dtype`` (default float32) and ``quantization``, its weights only for one
+    rank (with more, the ranks load their shards); ``ModelLoadError`` propagates, and ``CliError`` for a
+    quantization the other flags exclude."""
     import torch
 
     from mechserve.model.loader import load_model
 
-    return load_model(model, dtype=getattr(torch, dtype or "float32"), weights=world_size == 1)
+    if quantization is not None:
+        from mechserve.api.config import EngineConfig
+
+        try:
+            EngineConfig(dtype=dtype or "float32", quantization=quantization, world_size=world_size)
+        except ValueError as exc:
+            raise CliError(f"--quantization: {exc}") from None
+    return load_model(
+        model, dtype=getattr(torch, dtype or "float32"), weights=world_size == 1, quantization=quantization
+    )
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -366,7 +392,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         configure_threads()
-        loaded = load(args.model, args.dtype, args.world_size)
+        loaded = load(args.model, args.dtype, args.world_size, args.quantization)
         apply_chat_template_flag(loaded.tokenizer, args.chat_template)
         prompt, ids = prompt_ids(loaded.tokenizer, args.prompt, args.chat)
         core = EngineCore(loaded, engine_config(args, loaded.model, len(ids)), keep_finished=True)
@@ -424,6 +450,7 @@ def engine_config(args: argparse.Namespace, model: Any, prompt_len: int) -> Any:
     )
     return EngineConfig(
         dtype=args.dtype or "float32",
+        quantization=args.quantization,
         max_step_tokens=args.max_step_tokens,
         page_size=args.page_size,
         num_pages=args.num_pages,

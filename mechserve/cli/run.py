@@ -102,6 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("float32", "bfloat16", "float16"),
         help="with --backend torch: weights, activations and KV cache (default float32)",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=("q4_1", "q8_0"),
+        help="with --backend torch: the weight matrices in GGUF blocks, multiplied as they are",
+    )
     add_output_arguments(parser)
 
 
@@ -122,11 +127,12 @@ def run(args: argparse.Namespace) -> int:
             workload,
             model=args.model or "smollm2",
             dtype=args.dtype,
+            quantization=args.quantization,
             as_json=args.json,
             explain=args.explain,
             viz=viz,
         )
-    for flag, value in (("--model", args.model), ("--dtype", args.dtype)):
+    for flag, value in (("--model", args.model), ("--dtype", args.dtype), ("--quantization", args.quantization)):
         if value is not None:
             raise CliError(f"{flag} needs --backend torch (the spec backend runs the scripted model)")
     return execute(rung, workload, as_json=args.json, explain=args.explain, viz=viz)
@@ -271,6 +277,7 @@ def execute_torch(
     *,
     model: str,
     dtype: str | None = None,
+    quantization: str | None = None,
     as_json: bool,
     explain: bool,
     viz: VizOutputs | None = None,
@@ -296,12 +303,13 @@ def execute_torch(
     e = workload.engine
     try:
         configure_threads()
-        loaded = generate.load(model, dtype, e["world_size"])
+        loaded = generate.load(model, dtype, e["world_size"], quantization)
         vocab = loaded.model.arch.vocab_size
         ordinary = ordinary_ids(vocab, loaded.tokenizer, loaded.eos_token_ids)
         prompts = [real_prompt(req, vocab, ordinary) for req in workload.requests]
         config = EngineConfig(
             dtype=dtype or "float32",
+            quantization=quantization,
             max_step_tokens=e["max_step_tokens"],
             page_size=e["page_size"],
             num_pages=e["num_pages"],

@@ -237,6 +237,7 @@ def _engine(args: argparse.Namespace) -> Any:
         llm = AsyncLLM(
             args.model,
             dtype=args.dtype or "float32",
+            quantization=args.quantization,
             max_step_tokens=args.max_step_tokens,
             page_size=args.page_size,
             num_pages=args.num_pages,

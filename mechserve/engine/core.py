@@ -69,8 +69,8 @@ class EngineCore:
     request is dropped once its end has been reported.  ``rank_timeout_s``: the longest a rank may
     take to answer one step (default ``MECHSERVE_RANK_TIMEOUT``).
 
-    The KV cache is allocated here.  Raises ``ValueError`` for bad sizes, a ``config.dtype`` other
-    than the one the model was loaded in, or a draft model that cannot serve this model, ``KVMemoryError`` when the cache exceeds ``kv_memory`` or the
+    The KV cache is allocated here.  Raises ``ValueError`` for bad sizes, a ``config.dtype`` or
+    ``config.quantization`` other than the model's, or a draft model that cannot serve this model, ``KVMemoryError`` when the cache exceeds ``kv_memory`` or the
     available memory or cannot be allocated, ``NativeKernelError`` when ``MECHSERVE_ATTENTION=native``
     and the kernel cannot be built, ``RankError`` when a rank cannot start.
 
@@ -100,6 +100,12 @@ class EngineCore:
             raise ValueError(
                 f"the model was loaded in {loaded_as} but the config asks for dtype {config.dtype!r}: "
                 f"give dtype={loaded_as!r}, or load the model in {config.dtype}"
+            )
+        loaded_q = getattr(self.model, "quantization", None)
+        if loaded_q != config.quantization:
+            raise ValueError(
+                f"the model was loaded with quantization {loaded_q} but the config asks for {config.quantization}: "
+                "load it with the config's quantization (EngineCore.open does)"
             )
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = tuple(loaded.eos_token_ids)
@@ -136,7 +142,8 @@ class EngineCore:
     @classmethod
     def open(cls, model: Any, config: EngineConfig | None = None, **kwargs: Any) -> EngineCore:
         """Load ``model`` (``"smollm2"``, a local Hugging Face directory, or an already loaded
-        ``LoadedModel``) in ``config.dtype`` and build its engine; ``kwargs`` go to ``EngineCore``.
+        ``LoadedModel``) in ``config.dtype`` (and ``config.quantization``) and build its engine; ``kwargs``
+        go to ``EngineCore``.
 
         With ``world_size > 1`` the driver loads no weights (the rank processes load their shards).
         Raises ``ModelLoadError`` and what ``EngineCore`` raises.
@@ -148,7 +155,12 @@ class EngineCore:
         loaded = (
             model
             if isinstance(model, LoadedModel)
-            else load_model(os.fspath(model), dtype=torch_dtype(config.dtype), weights=config.world_size == 1)
+            else load_model(
+                os.fspath(model),
+                dtype=torch_dtype(config.dtype),
+                weights=config.world_size == 1,
+                quantization=config.quantization,
+            )
         )
         return cls(loaded, config, **kwargs)
 

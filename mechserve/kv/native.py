@@ -2,11 +2,8 @@
 
 The kernel attends short query runs (decode steps and speculative windows) straight from the page
 pool, reading each K/V page once (see the source for the layouts and the algorithm).  It is built
-with the system C++ compiler (``$CXX``, else ``c++``/``g++``) into the cache directory
-(``MECHSERVE_CACHE``, see ``mechserve.api.env``), keyed by the source, the
-compiler and the CPU, so a build happens once per machine; concurrent builders each write a
-temporary file and rename it into place.  It runs on the OpenMP runtime torch already loaded
-(``libgomp.so.1`` is resolved by soname), so it shares no threads with a second runtime.
+once per machine into the cache directory by ``mechserve.native.build`` (the system C++ compiler,
+``$CXX`` else ``c++``/``g++``; ``MECHSERVE_CACHE``, see ``mechserve.api.env``).
 
 Which attention path a step uses is chosen by ``MECHSERVE_ATTENTION`` (``mechserve.api.env.attention_mode``):
 
@@ -19,67 +16,25 @@ Which attention path a step uses is chosen by ``MECHSERVE_ATTENTION`` (``mechser
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mechserve.api.env import attention_mode, cache_dir
+from mechserve.api.env import attention_mode
 from mechserve.api.errors import NativeKernelError
+from mechserve.native.build import Kernel
 
 if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can check the mode without it
     import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 ABI = 1
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
+KERNEL = Kernel(SOURCE, "mechserve_paged_attention_abi", ABI)
 # Query runs up to this length go to the kernel; longer ones (prefill chunks) are matmul-bound and
 # go to SDPA over a gathered context, where the gather is small next to the compute.
 MAX_QUERY = 16
-
-
-def _compiler() -> list[str]:
-    """``$CXX`` split like a shell word list (e.g. ``ccache g++``), else the first of c++/g++/clang++ found."""
-    given = os.environ.get("CXX", "").strip()
-    if given:
-        try:
-            words = shlex.split(given)
-        except ValueError as exc:
-            raise NativeKernelError(f"CXX={given!r} is not a command line: {exc}") from None
-        if not words or not shutil.which(words[0]):
-            raise NativeKernelError(f"CXX={given!r} does not name an executable on PATH")
-        return words
-    for name in ("c++", "g++", "clang++"):
-        if shutil.which(name):
-            return [name]
-    raise NativeKernelError("no C++ compiler found (set CXX, or install g++)")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _library_path(compiler: list[str]) -> Path:
-    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(
-        "\0".join(
-            [SOURCE.read_text(), " ".join(compiler), version, " ".join(FLAGS), _cpu_flags(), platform.machine()]
-        ).encode()
-    ).hexdigest()[:16]
-    return cache_dir() / "kernels" / f"paged_attention-{key}.so"
 
 
 def build() -> Path:
@@ -87,54 +42,16 @@ def build() -> Path:
 
     Raises ``NativeKernelError`` with the compiler's message if it cannot be built.
     """
-    compiler = _compiler()
-    target = _library_path(compiler)
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [*compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, check=False, timeout=300
-        )
-        if done.returncode != 0:
-            said = (done.stderr or done.stdout).strip()[-2000:] or "no message"
-            raise NativeKernelError(
-                f"{' '.join(compiler)} failed to build {SOURCE.name} (exit {done.returncode}): {said}"
-            )
-        os.chmod(tmp, 0o755)  # mkstemp makes it private; a shared cache must be loadable by others
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    return KERNEL.build()
 
 
 _ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
 
 
-def _open(path: Path) -> ctypes.CDLL | None:
-    """The library at ``path`` if it loads and has this ABI, else None."""
-    try:
-        lib = ctypes.CDLL(str(path))
-        if lib.mechserve_paged_attention_abi() == ABI:
-            return lib
-    except (OSError, AttributeError):
-        pass
-    return None
-
-
 @cache
 def _load() -> ctypes.CDLL:
-    path = build()
-    lib = _open(path)
-    if lib is None:  # a truncated or foreign file under our name (an interrupted copy, a stale cache): rebuild
-        path.unlink(missing_ok=True)
-        path = build()
-        lib = _open(path)
-    if lib is None:
-        raise NativeKernelError(f"{path} does not load as the paged-attention kernel even after a rebuild")
+    KERNEL.forget()
+    lib = KERNEL.load()
     for name in ("mechserve_paged_attention_f32", "mechserve_paged_attention_bf16"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _ARGS, None

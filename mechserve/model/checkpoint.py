@@ -46,11 +46,16 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 @dataclass(slots=True)
 class Checkpoint:
-    """A loaded checkpoint: its directory, transformers config and tensors by name (``dtype``)."""
+    """A loaded checkpoint: its directory, transformers config and tensors by name (``dtype``).
+
+    In a quantized checkpoint (``quantization`` is ``"q4_1"`` or ``"q8_0"``) the weight matrices are
+    ``mechserve.model.quantized.QuantizedMatrix`` blocks and the rest (norms, biases) tensors.
+    """
 
     path: Path
     config: Any
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, Any]
+    quantization: str | None = None
 
 
 def _cache_error(path: Path, exc: OSError) -> ModelLoadError:

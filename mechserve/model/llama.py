@@ -23,8 +23,11 @@ import torch.nn.functional as F
 from mechserve.api.errors import ModelLoadError
 from mechserve.kv.paged import AttentionBatch, PagedKVCache, paged_attention
 from mechserve.model.checkpoint import Checkpoint, whole_number
+from mechserve.model.linear import dequantize_rows, linear
+from mechserve.model.quantized import QuantizedMatrix
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+Matrix = torch.Tensor | QuantizedMatrix  # a weight matrix: floats of the model's dtype, or quantized blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,20 +153,21 @@ class LayerWeights:
 
     ``qkv``: [(H + 2 * KV) * D, hidden]; ``o``: [hidden, H * D];
     ``gate_up``: [2 * I, hidden]; ``down``: [hidden, I]; norms: [hidden]
-    (``q_norm``/``k_norm``: [D], Qwen3 only).
+    (``q_norm``/``k_norm``: [D], Qwen3 only).  The four matrices are tensors of the model's dtype,
+    or ``QuantizedMatrix`` blocks in a quantized model.
     """
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Matrix
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Matrix
     o_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
+    gate_up: Matrix
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: Matrix
     down_bias: torch.Tensor | None
 
 
@@ -172,21 +176,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-# Row counts whose matrix-matrix kernels are slower than MIN_GEMM_ROWS rows on a CPU (MKL's small-M
-# path): F.linear of 2 or 3 rows took 1.1-1.4x the time of 4 on SmolLM2's shapes (2 threads).
-MIN_GEMM_ROWS = 4
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` (``x``: [T, in] -> [T, out]); 2 or 3 rows are computed as ``MIN_GEMM_ROWS`` (zero
-    rows added, then dropped), which is faster on a CPU.  One row stays a matrix-vector product."""
-    rows = x.shape[0]
-    if 1 < rows < MIN_GEMM_ROWS and x.device.type == "cpu":
-        padded = torch.cat((x, x.new_zeros(MIN_GEMM_ROWS - rows, x.shape[1])))
-        return F.linear(padded, weight, bias)[:rows]
-    return F.linear(x, weight, bias)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -204,22 +193,26 @@ class LlamaModel:
         self.arch = arch = LlamaArch.from_config(checkpoint.config)
         t = checkpoint.tensors
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> Any:
             if name not in t:
                 raise ModelLoadError(f"checkpoint {checkpoint.path} is missing tensor {name!r}")
             return t[name]
 
-        def cat(names: list[str]) -> torch.Tensor | None:
+        def cat(names: list[str]) -> Any:
             present = [n for n in names if n in t]
             if not present:
                 return None
             if len(present) != len(names):
                 raise ModelLoadError(f"checkpoint {checkpoint.path} has only some of {names}")
-            return torch.cat([t[n] for n in names]).contiguous()
+            parts = [t[n] for n in names]
+            if isinstance(parts[0], QuantizedMatrix):
+                return QuantizedMatrix.cat(parts)
+            return torch.cat(parts).contiguous()
 
-        self.embed = take("model.embed_tokens.weight")  # [V, hidden]
-        self.dtype = self.embed.dtype
+        self.embed: Matrix = take("model.embed_tokens.weight")  # [V, hidden]
         self.norm = take("model.norm.weight")
+        self.dtype = self.norm.dtype  # activations, norms, biases and KV (the matrices may be quantized)
+        self.quantization = checkpoint.quantization
         if arch.tie_word_embeddings or "lm_head.weight" not in t:
             self.lm_head = self.embed  # [V, hidden]
         else:
@@ -258,7 +251,7 @@ class LlamaModel:
         does not describe its weights would otherwise fail inside the first forward)."""
         a = self.arch
         h, q, kv, inter = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
-        expected: list[tuple[str, torch.Tensor | None, tuple[int, ...]]] = [
+        expected: list[tuple[str, Matrix | None, tuple[int, ...]]] = [
             ("embed_tokens", self.embed, (a.vocab_size, h)),
             ("lm_head", self.lm_head, (a.vocab_size, h)),
             ("norm", self.norm, (h,)),
@@ -304,6 +297,12 @@ class LlamaModel:
         a = self.arch
         return PagedKVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, dtype or self.dtype)
 
+    def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``input_ids`` ([T] int64) as [T, hidden] in the model's dtype."""
+        if isinstance(self.embed, QuantizedMatrix):
+            return dequantize_rows(self.embed, input_ids, self.dtype)
+        return self.embed.index_select(0, input_ids)
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for ``positions`` ([T] int64): each [T, 1, head_dim], model dtype."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
@@ -331,7 +330,7 @@ class LlamaModel:
         a = self.arch
         h, kv, d = a.num_heads, a.num_kv_heads, a.head_dim
         cos, sin = self.rope(positions)
-        x = self.embed.index_select(0, input_ids)  # [T, hidden]
+        x = self.embed_rows(input_ids)  # [T, hidden]
         attn_out = torch.empty(x.shape[0], h * d, dtype=x.dtype)
         for i, w in enumerate(self.layers):
             y = rms_norm(x, w.input_norm, a.rms_norm_eps)
@@ -349,4 +348,4 @@ class LlamaModel:
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
         x = rms_norm(x, self.norm, a.rms_norm_eps)
-        return linear(x, self.lm_head).float()  # [R, V]
+        return linear(x, self.lm_head, out_dtype=torch.float32)  # [R, V]

@@ -17,6 +17,7 @@ import torch
 from mechserve.api.config import dtype_name
 from mechserve.model.checkpoint import (
     EMBEDDED,
+    embedded_gguf,
     eos_token_ids,
     load_checkpoint,
     load_config,
@@ -38,20 +39,31 @@ class LoadedModel:
 
 
 def load_model(
-    model: str = EMBEDDED, dtype: torch.dtype = torch.float32, tokenizer: bool = True, weights: bool = True
+    model: str = EMBEDDED,
+    dtype: torch.dtype = torch.float32,
+    tokenizer: bool = True,
+    weights: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Resolve ``model`` (``"smollm2"`` or a directory) and load weights, config and tokenizer.
 
     With ``weights=False`` the model is only its shape (``tensor_parallel.ModelShape``): what
-    the driver of tensor-parallel ranks needs, the ranks reading their own shards.  Every
-    failure is a ``ModelLoadError`` naming the problem.
+    the driver of tensor-parallel ranks needs, the ranks reading their own shards.
+    ``quantization`` (``"q4_1"``, ``"q8_0"``): the weight matrices in GGUF blocks, activations in
+    ``dtype`` (``quantized.load_quantized``); the embedded SmolLM2's Q4_1 blocks come from its own
+    GGUF file.  Every failure is a ``ModelLoadError`` naming the problem.
     """
     path = resolve_model(model)
     if not weights:
         config = load_config(path)
         tok = load_tokenizer(path) if tokenizer else None
         return LoadedModel(path, ModelShape.of(config, dtype), tok, eos_token_ids(path, config, tok))
-    checkpoint = load_checkpoint(path, dtype)
+    if quantization is not None:
+        from mechserve.model.quantized import load_quantized
+
+        checkpoint = load_quantized(path, dtype, quantization, gguf=embedded_gguf() if model == EMBEDDED else None)
+    else:
+        checkpoint = load_checkpoint(path, dtype)
     forward = LlamaModel(checkpoint)
     tok = load_tokenizer(path) if tokenizer else None
     return LoadedModel(path, forward, tok, eos_token_ids(path, checkpoint.config, tok))

@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from mechserve.api.errors import ModelLoadError
 from mechserve.kv.paged import AttentionBatch, PagedKVCache, paged_attention
 from mechserve.model.checkpoint import load_config
-from mechserve.model.llama import LayerWeights, LlamaArch, LlamaModel, _rotate, linear, rms_norm, rope_inv_freq
+from mechserve.model.linear import linear
+from mechserve.model.llama import LayerWeights, LlamaArch, LlamaModel, _rotate, rms_norm, rope_inv_freq
 
 
 def even_split(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -199,6 +200,7 @@ class ShardedLlama(LlamaModel):
         hs = shape.heads
         self.arch = replace(full, num_heads=hs.num_kv * hs.group, num_kv_heads=hs.num_kv)
         self.dtype = dtype
+        self.quantization = None
         t = _Slices(path, dtype)
         v0, v1 = shape.vocab
         self.embed = t.rows("model.embed_tokens.weight", v0, v1)  # [V_r, hidden]
@@ -264,6 +266,7 @@ class ShardedLlama(LlamaModel):
         v0, v1 = self.shape.vocab
         mine = (input_ids >= v0) & (input_ids < v1)
         local = (input_ids - v0).clamp(0, max(v1 - v0 - 1, 0))
+        assert isinstance(self.embed, torch.Tensor)  # a rank's shard is never quantized (EngineConfig refuses it)
         x = self.embed.index_select(0, local) * mine[:, None].to(self.dtype)  # [T, hidden]
         dist.all_reduce(x)
         return x

@@ -55,7 +55,7 @@ def test_bench_run_quick_end_to_end(tmp_path: Path, tiny_dir: Path, capsys: pyte
         tmp_path, tiny_dir, "--workload", "throughput,prefix", "--engine", "mechserve,hf,llama-cpp", "--size", "num=6"
     )
     err = capsys.readouterr().err
-    assert "llama-cpp skipped" in err and "llama-cpp-python" in err
+    assert "llama-cpp skipped: it runs the embedded model's GGUFs only" in err
     assert doc["skipped"][0]["engine"] == "llama-cpp"
     assert {"cpu", "cpus", "torch_threads"} <= doc["machine"].keys()
     assert doc["versions"]["torch"] and "commit" in doc["git"]

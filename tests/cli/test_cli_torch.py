@@ -264,3 +264,23 @@ def test_dtype_flag(tiny_dir, capsys) -> None:
     assert rc == 0, err
     rc, _, err = call(["run", "--request", "a:4:2", "--dtype", "bfloat16"], capsys)
     assert "--dtype needs --backend torch" in error_line(rc, err)
+
+
+def test_quantization_flag(tiny_dir, capsys) -> None:
+    path, _ = tiny_dir
+    for extra in (["--quantization", "q4_1"], ["--quantization", "q8_0", "--dtype", "bfloat16"]):
+        argv = ["generate", PROMPT, "--model", str(path), "--max-tokens", "3", "-q", *extra]
+        rc, out, err = call(argv, capsys)
+        assert rc == 0 and len(out.split()) == 3, err
+    rc, _, err = call(
+        ["run", "--backend", "torch", "--model", str(path), "--quantization", "q8_0", "--request", "a:3:2"], capsys
+    )
+    assert rc == 0, err
+    rc, _, err = call(
+        ["generate", PROMPT, "--model", str(path), "--quantization", "q4_1", "--dtype", "float16"], capsys
+    )
+    assert "--quantization: quantization q4_1 runs with dtype float32 or bfloat16, not float16" in error_line(rc, err)
+    rc, _, err = call(["generate", PROMPT, "--model", str(path), "--quantization", "q4_1", "--world-size", "2"], capsys)
+    assert "runs on one rank" in error_line(rc, err)
+    rc, _, err = call(["run", "--request", "a:4:2", "--quantization", "q4_1"], capsys)
+    assert "--quantization needs --backend torch" in error_line(rc, err)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from mechserve.kv import native
 from mechserve.kv.paged import PagedKVCache, Span, build_attention_batch, paged_attention
+from mechserve.native.build import compiler
 
 
 def test_kernel_builds_and_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,7 +66,7 @@ def test_a_corrupt_cached_library_is_rebuilt(monkeypatch: pytest.MonkeyPatch, tm
 def test_cxx_may_carry_words_but_must_name_a_program(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("MECHSERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "g++ -Wall")
-    assert native._compiler() == ["g++", "-Wall"]
+    assert compiler() == ["g++", "-Wall"]
     assert native.build().exists()
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     with pytest.raises(native.NativeKernelError, match="does not name an executable"):

@@ -1,0 +1,197 @@
+"""The forward's matrix products: torch's GEMM for many rows, a native kernel for few, and quantized weights.
+
+``linear(x, weight, bias)`` is ``F.linear`` with three paths::
+
+    weight              rows of x <= NATIVE_MAX_ROWS           more rows
+    float32 / bfloat16  native kernel (csrc/linear.cpp)        torch (MKL / oneDNN)
+    QuantizedMatrix     native kernel on the blocks            blocks dequantized a slice at a time
+                                                               into a reused buffer, then torch
+
+Few rows (a decode step) are bound by reading the weights once; torch's GEMV reached 9-11 GB/s on
+SmolLM2's shapes here (and its bfloat16 path no more than its float32 one), the kernel 20-29 GB/s,
+the machine's streaming read (see docs/benchmarks.md, "Against llama.cpp").  Many rows (prefill)
+are bound by arithmetic, where MKL and oneDNN are better than anything written here.
+
+The kernel is built once per machine by ``mechserve.native.build``.  ``MECHSERVE_LINEAR``
+(``mechserve.api.env.linear_mode``) chooses: ``auto`` (the kernel when it builds, else torch with
+one warning), ``native`` (``NativeKernelError`` if it cannot be built) or ``torch`` (torch only; a
+quantized matrix is then dequantized by ``quantized.dequantize`` a slice at a time: the reference the
+kernel is tested against).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mechserve.api.env import linear_mode
+from mechserve.api.errors import NativeKernelError
+from mechserve.model.quantized import QuantizedMatrix, dequantize
+from mechserve.native.build import Kernel
+
+KERNEL = Kernel(
+    Path(__file__).with_name("csrc") / "linear.cpp",
+    "mechserve_linear_abi",
+    1,
+    std="c++20",
+    extra=("-ffp-contract=off",),
+)
+# Row counts up to this go to the kernel (measured on SmolLM2's shapes, docs/benchmarks.md).
+NATIVE_MAX_ROWS = 16
+# torch's matrix-matrix kernels are slower at 2 or 3 rows than at MIN_GEMM_ROWS (MKL's small-M path):
+# F.linear of 2 or 3 rows took 1.1-1.4x the time of 4 on SmolLM2's shapes (2 threads).
+MIN_GEMM_ROWS = 4
+# A quantized matrix multiplied at many rows is dequantized this many weights at a time.
+DEQUANT_SLICE = 1 << 21
+
+_TYPES = {torch.float32: 0, torch.bfloat16: 1, "q4_1": 2, "q8_0": 3}
+
+
+@cache
+def _load() -> ctypes.CDLL:
+    KERNEL.forget()
+    lib = KERNEL.load()
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.mechserve_linear.argtypes = [ptr, i32, ptr, i32, ptr, ptr, i32, i64, i64, i64, i32]
+    lib.mechserve_linear.restype = None
+    lib.mechserve_dequantize_rows.argtypes = [ptr, i32, ptr, i64, i64, ptr, i32, i32]
+    lib.mechserve_dequantize_rows.restype = None
+    return lib
+
+
+@cache
+def enabled() -> bool:
+    """Whether few-row products use the kernel (per ``MECHSERVE_LINEAR``; built on the first call).
+
+    Raises ``NativeKernelError`` in ``native`` mode when the kernel cannot be built.
+    """
+    chosen = linear_mode()
+    if chosen == "torch":
+        return False
+    try:
+        _load()
+    except (NativeKernelError, OSError, subprocess.SubprocessError) as exc:
+        if chosen == "native":
+            raise NativeKernelError(str(exc)) from exc
+        print(f"mechserve: native linear kernel unavailable, using torch's: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def native_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | QuantizedMatrix,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The kernel's ``x @ weight.T + bias``: ``x`` [M, K] float32 or bfloat16, ``weight`` [N, K] (x's
+    dtype, or a ``QuantizedMatrix``), ``bias`` [N] in x's dtype; returns [M, N] in ``out_dtype``
+    (default x's; float32 or bfloat16), accumulated in float32.  Runs on ``torch.get_num_threads()``
+    threads.  Raises ``ValueError`` for dtypes or shapes it does not take.
+    """
+    out_dtype = out_dtype or x.dtype
+    quantized = isinstance(weight, QuantizedMatrix)
+    w_type = weight.kind if isinstance(weight, QuantizedMatrix) else weight.dtype
+    if x.dtype not in (torch.float32, torch.bfloat16) or out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the linear kernel takes float32 or bfloat16 activations, got {x.dtype} -> {out_dtype}")
+    if not quantized and w_type != x.dtype:
+        raise ValueError(f"weight dtype {w_type} differs from the activations' {x.dtype}")
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        raise ValueError("bias must be contiguous in the activations' dtype")
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"x has {k} features but the weight expects {weight.shape[1]}")
+    x = x.contiguous()
+    data = weight.blocks if isinstance(weight, QuantizedMatrix) else weight.contiguous()
+    y = torch.empty(m, n, dtype=out_dtype)
+    _load().mechserve_linear(
+        x.data_ptr(),
+        _TYPES[x.dtype],
+        data.data_ptr(),
+        _TYPES[w_type],
+        bias.data_ptr() if bias is not None else None,
+        y.data_ptr(),
+        _TYPES[out_dtype],
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    return y
+
+
+def dequantize_rows(matrix: QuantizedMatrix, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` ([R] int64) of ``matrix`` as [R, K] ``dtype`` (float32 or bfloat16): an embedding lookup.
+
+    The kernel when enabled, else ``quantized.dequantize`` of the selected rows (the same values).
+    """
+    if not enabled():
+        return dequantize(matrix.rows(ids), dtype)
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), matrix.in_features, dtype=dtype)
+    _load().mechserve_dequantize_rows(
+        matrix.blocks.data_ptr(),
+        _TYPES[matrix.kind],
+        ids.data_ptr(),
+        ids.numel(),
+        matrix.in_features,
+        out.data_ptr(),
+        _TYPES[dtype],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def _quantized_gemm(
+    x: torch.Tensor, weight: QuantizedMatrix, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Many rows against a quantized matrix: dequantize a slice of its rows at a time, multiply with torch."""
+    n, k = weight.shape
+    step = max(1, DEQUANT_SLICE // k)
+    y = torch.empty(x.shape[0], n, dtype=out_dtype)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        w = dequantize_rows(weight, torch.arange(r0, r1), x.dtype)
+        b = bias[r0:r1] if bias is not None else None
+        y[:, r0:r1] = F.linear(x, w, b)
+    return y
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | QuantizedMatrix,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``F.linear`` (``x``: [T, in] -> [T, out]) by the fastest path for its row count (module docstring).
+
+    ``out_dtype``: the result's dtype (default ``x``'s); the kernel writes it from its float32
+    accumulator, torch's path converts.  Torch's path computes 2 or 3 rows as ``MIN_GEMM_ROWS``
+    (zero rows added, then dropped), which is faster on a CPU.
+    """
+    rows = x.shape[0]
+    out_dtype = out_dtype or x.dtype
+    if (
+        rows <= NATIVE_MAX_ROWS
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and (isinstance(weight, QuantizedMatrix) or weight.dtype == x.dtype)
+        and enabled()
+    ):
+        return native_linear(x, weight, bias, out_dtype)
+    if isinstance(weight, QuantizedMatrix):
+        return _quantized_gemm(x, weight, bias, out_dtype)
+    if 1 < rows < MIN_GEMM_ROWS and x.device.type == "cpu":
+        padded = torch.cat((x, x.new_zeros(MIN_GEMM_ROWS - rows, x.shape[1])))
+        return F.linear(padded, weight, bias)[:rows].to(out_dtype)
+    return F.linear(x, weight, bias).to(out_dtype)
+
+
+__all__ = ["MIN_GEMM_ROWS", "NATIVE_MAX_ROWS", "dequantize_rows", "enabled", "linear", "native_linear"]

@@ -1,0 +1,1 @@
+"""Building and loading the C++ kernels (``build``); the kernels themselves live beside their users."""
