@@ -87,7 +87,7 @@ from mechserve.executor.sampling import Row, Sampler, token_logprobs
 from mechserve.executor.verify import verify_draft
 from mechserve.kv.paged import AttentionBatch, Span, build_attention_batch
 from mechserve.model.llama import LlamaModel
-from mechserve.spec.m13_output_caching import Outcome, PlanItem
+from mechserve.spec.m14_forced_runs import Outcome, PlanItem
 
 # (history, num) -> up to num point-mass guesses; the executor pads a short proposal with the last known id.
 ProposerFn = Callable[[Sequence[int], int], Sequence[int]]
@@ -235,7 +235,7 @@ class TorchExecutor:
         return getattr(self.proposer, "cache", None)
 
     def rank_executors(self) -> list[TorchExecutor]:
-        """One rank: m13's group joins this executor alone."""
+        """One rank: m14's group joins this executor alone."""
         return [self]
 
     def stats(self) -> ExecutorStats:
