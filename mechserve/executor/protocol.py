@@ -45,7 +45,9 @@ class ExecutorStats:
     positions; ``proposed``: guesses the proposer made (the rest of the slots were pads);
     ``accepted``: of those, the ones the request kept (the executor's verdict after the control
     side's cuts: an EOS or stop id inside an accepted run, a stop string, max_tokens); ``emitted``:
-    ids the request kept from its decode windows (kept guesses, pads included, plus one each).
+    ids the request kept from its decode windows (kept guesses, pads included, plus one each);
+    ``forced``: ids reported as forced after a sample (m14; the control side may cut a run that
+    ends the request).
     """
 
     forwards: int = 0
@@ -55,6 +57,7 @@ class ExecutorStats:
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0
+    forced: int = 0  # m14: ids reported in Outcome.forced (appended without sampling)
 
 
 @runtime_checkable
