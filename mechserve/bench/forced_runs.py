@@ -47,7 +47,12 @@ def run(
         reqs.append(m14.Request(f"r{i}", list(p), new))
     eng = m14.Engine(reqs, 512, 16, 256, executors=[ex], eos_token_ids=loaded.eos_token_ids)
     wall, cpu = time.perf_counter(), time.process_time()
-    eng.run(lambda rec: [ex.release(r) for r in rec.finished])
+
+    def done(rec: m14.StepRecord) -> None:
+        for rid in rec.finished:
+            ex.release(rid)
+
+    eng.run(done)
     return [r.output_ids for r in reqs], ex.stats(), time.perf_counter() - wall, time.process_time() - cpu
 
 
@@ -59,7 +64,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
-    tok = loaded.tokenizer
+    tok: Any = loaded.tokenizer
+    if tok is None:
+        raise SystemExit(f"{args.model} has no tokenizer")
     prompts = [
         list(
             tok(
