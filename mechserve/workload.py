@@ -15,7 +15,7 @@ The validated ``Workload`` is rung-independent; ``build_engine`` turns it into
 the ``Engine`` of any rung of the ladder, passing only what that rung takes,
 and ``check_rung`` reports what a lower rung cannot take (speculation before
 m09, ranks before m11, admission settings before m12, output caching before
-m13).  Standard library only.
+m13, forced scripts before m14).  Standard library only.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import itertools
 import json
 import re
 import sys
@@ -67,7 +68,10 @@ REQUEST_KEYS = (
     "eos_after",
     "accept_script",
     "stop_token_ids",
+    "forced_script",
 )
+# m14: the most forced ids one forced_script may hold, over all its entries.
+MAX_FORCED_IDS = 100_000
 REQUEST_FLAG = "ID:PROMPT_LEN:MAX_NEW[:ARRIVAL[:EOS_AFTER]]"
 _FLAG_FIELDS = ("ID", "PROMPT_LEN", "MAX_NEW", "ARRIVAL", "EOS_AFTER")
 # The prompt of the request at list position i is [SYNTHETIC_STRIDE*i, ...].
@@ -93,6 +97,8 @@ class RequestSpec:
     eos_after: int | None = None
     accept_script: tuple[int, ...] | None = None
     stop_token_ids: tuple[int, ...] = ()  # m12
+    # m14: (output index, forced ids) pairs, ascending index; None when absent
+    forced_script: tuple[tuple[int, tuple[int, ...]], ...] | None = None
     synthetic: bool = False  # the prompt came from prompt_len (synthetic_prompt), not from explicit tokens
 
     @property
@@ -299,6 +305,33 @@ def _prompt(where: str, sep: str, raw: Mapping[str, Any], index: int, room: int)
     return synthetic_prompt(index, length) if ids is None else ids
 
 
+def _forced_script(where: str, value: object) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """m14's scripted grammar: a JSON object from an output index (a decimal string) to a non-empty
+    list of token ids, as ``(index, ids)`` pairs in ascending index.
+
+    Raises ``WorkloadError`` for a non-object, a key that is not a decimal integer >= 0, a value that
+    is not a non-empty list of token ids, or more than ``MAX_FORCED_IDS`` ids in all.
+    """
+    script = _object(where, value)
+    pairs: list[tuple[int, tuple[int, ...]]] = []
+    total = 0
+    for key, ids in script.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 10:
+            raise WorkloadError(f"{where}: key {_show(key)} must be an output index (a decimal integer >= 0)")
+        forced = _int_list(f"{where}.{key}", ids, 0, TOKEN_ID_LIMIT)
+        if not forced:
+            raise WorkloadError(f"{where}.{key}: must be a non-empty list of token ids, got []")
+        total += len(forced)
+        if total > MAX_FORCED_IDS:
+            raise WorkloadError(f"{where}: more than {MAX_FORCED_IDS} forced ids (mechserve's limit)")
+        pairs.append((int(key), forced))
+    pairs.sort()
+    for (a, _), (b, _) in itertools.pairwise(pairs):  # "1" and "01" name one index
+        if a == b:
+            raise WorkloadError(f"{where}: output index {a} appears twice")
+    return tuple(pairs)
+
+
 def _optional_int(where: str, value: object, maximum: int | None = None) -> int | None:
     return None if value is None else _integer(where, value, 0, maximum)
 
@@ -311,7 +344,7 @@ def parse_request(
     Errors name the request as ``where`` (default ``requests[<index>]``) and a
     field as ``where + sep + name``.  A request without ``tokens`` gets the
     synthetic prompt of its position.  ``arrival_step``, ``eos_after``,
-    ``accept_script`` and ``stop_token_ids`` may be null (absent).
+    ``accept_script``, ``stop_token_ids`` and ``forced_script`` (m14) may be null (absent).
     ``max_new_tokens`` may be 0 and ``tokens`` empty here (m12 takes both;
     ``check_rung`` refuses them below m12).  Raises ``WorkloadError`` for an
     unknown key, a missing ``request_id``, ``max_new_tokens`` or prompt, a
@@ -325,7 +358,7 @@ def parse_request(
     for required in ("request_id", "max_new_tokens"):
         if required not in req:
             raise WorkloadError(f"{where}: missing {required}")
-    script, stops = req.get("accept_script"), req.get("stop_token_ids")
+    script, stops, forced = req.get("accept_script"), req.get("stop_token_ids"), req.get("forced_script")
     return RequestSpec(
         request_id=_request_id(f"{where}{sep}request_id", req["request_id"]),
         tokens=_prompt(where, sep, req, index, room),
@@ -334,6 +367,7 @@ def parse_request(
         eos_after=_optional_int(f"{where}{sep}eos_after", req.get("eos_after")),
         accept_script=None if script is None else _int_list(f"{where}{sep}accept_script", script, None),
         stop_token_ids=() if stops is None else _int_list(f"{where}{sep}stop_token_ids", stops, 0, TOKEN_ID_LIMIT),
+        forced_script=None if forced is None else _forced_script(f"{where}{sep}forced_script", forced),
         synthetic=req.get("tokens") is None,
     )
 
@@ -511,9 +545,10 @@ def check_rung(rung: ModuleType, workload: Workload) -> None:
     (speculative decoding), ``world_size > 1`` before m11 (parallelism), and
     before m12 (admission control) any of ``max_waiting``, ``max_running``,
     ``max_model_len``, a non-empty ``stop_token_ids``, ``max_new_tokens`` 0
-    or an empty ``tokens`` list, and ``output_caching`` true before m13.  An
-    empty ``accept_script`` or ``stop_token_ids``, and a switch set to false,
-    behave like absent ones and are allowed.
+    or an empty ``tokens`` list, ``output_caching`` true before m13, and a
+    non-empty ``forced_script`` before m14 (forced runs).  An empty
+    ``accept_script``, ``stop_token_ids`` or ``forced_script``, and a switch
+    set to false, behave like absent ones and are allowed.
     """
     label, params = rung_label(rung), engine_params(rung)
     for name, neutral, what, first in _LATER_FEATURES:
@@ -533,6 +568,13 @@ def check_rung(rung: ModuleType, workload: Workload) -> None:
                 )
     if not has_admission_control(rung):
         _check_no_admission(label, workload)
+    if "forced_script" not in _request_fields(rung):  # m14
+        for req in workload.requests:
+            if req.forced_script:
+                raise WorkloadError(
+                    f"{label} has no forced runs: request {_show(req.request_id)} has a forced_script "
+                    "(it needs m14 or later)"
+                )
 
 
 def _check_no_admission(label: str, workload: Workload) -> None:
@@ -567,6 +609,8 @@ def _make_request(rung: ModuleType, req: RequestSpec, fields: set[str]) -> Any:
         kwargs["accept_script"] = list(req.accept_script)  # the engine consumes it; give it its own list
     if req.stop_token_ids:
         kwargs["stop_token_ids"] = tuple(req.stop_token_ids)
+    if req.forced_script and "forced_script" in fields:  # m14
+        kwargs["forced_script"] = dict(req.forced_script)
     return rung.Request(**kwargs)
 
 
@@ -595,7 +639,7 @@ def fit_rung(rung: ModuleType, workload: Workload) -> tuple[Workload, tuple[str,
 
     Before m09 ``spec_len`` becomes 0 and accept scripts are dropped; before
     m11 ``world_size`` becomes 1; before m12 the admission settings and stop
-    ids are dropped; before m13 the output-caching switch is.  ``mechserve demo --mech`` uses this so the fixed demo
+    ids are dropped; before m13 the output-caching switch is; before m14 the forced scripts are.  ``mechserve demo --mech`` uses this so the fixed demo
     runs on every rung; ``run`` reports the same things as errors
     (``check_rung``).  Zero-token requests and empty prompts are not dropped:
     ``build_engine`` still refuses them below m12.
@@ -619,4 +663,7 @@ def fit_rung(rung: ModuleType, workload: Workload) -> tuple[Workload, tuple[str,
     for name, what, _ in _LATER_SWITCHES:
         if name not in params and name in engine and engine.pop(name):
             notes.append(f"{label} has no {what}: running without {name}")
+    if "forced_script" not in _request_fields(rung) and any(r.forced_script for r in requests):  # m14
+        notes.append(f"{label} has no forced runs: running without forced scripts")
+        requests = tuple(dataclasses.replace(r, forced_script=None) for r in requests)
     return Workload(engine, requests), tuple(notes)

@@ -17,7 +17,7 @@ HTTP server turns it into an OpenAI-style 4xx/5xx body::
 
 from __future__ import annotations
 
-from mechserve.spec.m13_output_caching import RejectReason
+from mechserve.spec.m14_forced_runs import RejectReason
 
 
 class ParamError(ValueError):

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from mechserve.spec.m13_output_caching import StepRecord
+from mechserve.spec.m14_forced_runs import StepRecord
 
 LENGTH = "length"
 STOP = "stop"

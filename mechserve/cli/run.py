@@ -1,12 +1,12 @@
 """``mechserve run``: run a workload (a JSON spec or ``--request`` flags) through one rung.
 
 ``--backend spec`` (the default) runs it on the rung's scripted executor;
-``--backend torch`` runs it on a real model under the top rung (m13), through
+``--backend torch`` runs it on a real model under the top rung (m14), through
 an ``EngineCore``: the same step trace, then each request's decoded text.
 A request's ``prompt_len`` becomes that many real token ids (its synthetic
 ids mapped onto the model's ordinary tokens, ``real_prompt``), explicit
 ``tokens`` are used as ids, and sampling is greedy.  What only the scripted
-model has (``accept_script``, ``eos_after``) is refused.  ``--world-size N``
+model has (``accept_script``, ``eos_after``, ``forced_script``) is refused.  ``--world-size N``
 runs N tensor-parallel rank processes (``mechserve.executor.rank_group``).
 """
 
@@ -241,6 +241,11 @@ def check_torch_workload(rung: ModuleType, workload: Workload) -> None:
             raise CliError(
                 f"request {req.request_id!r} has eos_after: a real model ends on its own EOS token, so the scripted "
                 "trigger cannot apply (remove eos_after; max_new_tokens still bounds the output)"
+            )
+        if req.forced_script:
+            raise CliError(
+                f"request {req.request_id!r} has a forced_script: a real model's forced ids come from its "
+                "grammar (structured outputs), so a scripted grammar cannot apply (remove forced_script)"
             )
 
 

@@ -43,7 +43,7 @@ import torch
 from mechserve.conformance.errors import ContractViolation
 from mechserve.conformance.runner import events, run_workload
 from mechserve.conformance.target import KV
-from mechserve.spec.m13_output_caching import Outcome, PlanItem
+from mechserve.spec.m14_forced_runs import Outcome, PlanItem
 
 
 def check_outcomes(

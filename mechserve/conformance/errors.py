@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mechserve.spec.m13_output_caching import BoundaryViolation
+from mechserve.spec.m14_forced_runs import BoundaryViolation
 
 
 class ConformanceError(Exception):

@@ -1,9 +1,9 @@
 """Check 1, trace replay: the real run's trace is the trace the spec gives for the same verdicts.
 
-A real run (m13 over real executors, ``runner.run_workload``) is recorded as step records: every
+A real run (m14 over real executors, ``runner.run_workload``) is recorded as step records: every
 verdict it applied (``accepted``, per decode window) and every id it appended (``tokens``, per
-sampling request).  The replay builds a fresh m13 engine over the same workload whose rank executors
-are ``ReplayExecutor``s: m13's own scripted ``LocalExecutor`` with
+sampling request).  The replay builds a fresh m14 engine over the same workload whose rank executors
+are ``ReplayExecutor``s: m14's own scripted ``LocalExecutor`` with
 
 * the accept scripts set to each request's recorded ``accepted`` counts, in order (rule N5 consumes
   one per decode window and clamps it to ``[0, drafted]``, exactly as for a scripted request), and
@@ -42,17 +42,17 @@ from mechserve.conformance.runner import (
     events,
     run_workload,
 )
-from mechserve.spec import m13_output_caching as m13
+from mechserve.spec import m14_forced_runs as m14
 
 
-class ReplayExecutor(m13.LocalExecutor):
-    """m13's scripted executor answering from a recorded run (see the module docstring).
+class ReplayExecutor(m14.LocalExecutor):
+    """m14's scripted executor answering from a recorded run (see the module docstring).
 
     ``records``: the real run's step records.  Raises ``ConformanceError`` from ``execute`` when
     the replay asks a request for more sampled ids than the real run produced.
     """
 
-    def __init__(self, records: Sequence[m13.StepRecord]) -> None:
+    def __init__(self, records: Sequence[m14.StepRecord]) -> None:
         scripts: dict[str, list[int]] = {}
         ids: dict[str, deque[tuple[int, ...]]] = {}
         for rec in records:
@@ -63,7 +63,7 @@ class ReplayExecutor(m13.LocalExecutor):
         super().__init__(scripts, {})
         self.ids = ids
 
-    def _run(self, item: m13.PlanItem) -> m13.Outcome:
+    def _run(self, item: m14.PlanItem) -> m14.Outcome:
         out = super()._run(item)
         if not item.sample:
             return out
@@ -73,7 +73,10 @@ class ReplayExecutor(m13.LocalExecutor):
                 f"{item.request_id} samples at position {item.start_position + item.num_tokens - 1} "
                 "but the real run recorded no more ids for it"
             )
-        return dataclasses.replace(out, token_ids=stream.popleft())
+        ids = stream.popleft()
+        # m14: ids past the window's accepted + 1 were forced after its sample (N13)
+        kept = out.accepted_draft_tokens + 1
+        return dataclasses.replace(out, token_ids=ids[:kept], forced=ids[kept:])
 
 
 @dataclasses.dataclass
@@ -81,15 +84,15 @@ class Replay:
     """The replay run: its engine, records, exchanges and the error that stopped it (None if none)."""
 
     engine: Any
-    records: list[m13.StepRecord]
+    records: list[m14.StepRecord]
     exchanges: list[Exchange]
     error: Exception | None = None
 
 
 def replay(
-    workload: Mapping[str, Any], records: Sequence[m13.StepRecord], *, eos_token_ids: Sequence[int] = ()
+    workload: Mapping[str, Any], records: Sequence[m14.StepRecord], *, eos_token_ids: Sequence[int] = ()
 ) -> Replay:
-    """Run ``workload`` on m13 over ``ReplayExecutor``s (one per rank) fed ``records``.
+    """Run ``workload`` on m14 over ``ReplayExecutor``s (one per rank) fed ``records``.
 
     Stops after ``len(records) + 1`` steps at most; an exception from the engine or the executors
     ends the replay and is kept in ``error``.  A request a record lists as ``aborted`` is aborted just
@@ -105,7 +108,7 @@ def replay(
         for rid in records[k].aborted if k < len(records) else ():
             engine.abort(rid)
 
-    def on_step(record: m13.StepRecord) -> None:
+    def on_step(record: m14.StepRecord) -> None:
         out.records.append(record)
         if len(out.records) > len(records):
             raise _Overrun
@@ -135,7 +138,7 @@ def _norm(value: Any) -> Any:
 
 
 def compare(
-    real_records: Sequence[m13.StepRecord],
+    real_records: Sequence[m14.StepRecord],
     replayed: Replay,
     *,
     real_exchanges: Sequence[Exchange] | None = None,
@@ -174,11 +177,11 @@ def compare(
                     raise ReplayMismatch(None, f"requests[{i}].{name} ({x['request_id']})", x[name], y.get(name))
 
 
-def _compare_plans(step: int, real: Sequence[m13.PlanItem], mine: Sequence[m13.PlanItem]) -> None:
+def _compare_plans(step: int, real: Sequence[m14.PlanItem], mine: Sequence[m14.PlanItem]) -> None:
     if len(real) != len(mine):
         raise ReplayMismatch(step, "plan (items)", [i.request_id for i in real], [i.request_id for i in mine])
     for i, (x, y) in enumerate(zip(real, mine)):
-        for f in dataclasses.fields(m13.PlanItem):
+        for f in dataclasses.fields(m14.PlanItem):
             if getattr(x, f.name) != getattr(y, f.name):
                 raise ReplayMismatch(
                     step, f"plan[{i}].{f.name} ({x.request_id})", getattr(x, f.name), getattr(y, f.name)
@@ -186,10 +189,10 @@ def _compare_plans(step: int, real: Sequence[m13.PlanItem], mine: Sequence[m13.P
 
 
 def check_replay(
-    target: Any, workload: Mapping[str, Any], *, engine_factory: Callable[..., Any] = m13.Engine
+    target: Any, workload: Mapping[str, Any], *, engine_factory: Callable[..., Any] = m14.Engine
 ) -> dict[str, Any]:
-    """Check 1 on one workload: run it on ``engine_factory`` (the "real engine", default m13) over the
-    target's executors, replay the verdicts and ids on m13, and compare (``ReplayMismatch``).
+    """Check 1 on one workload: run it on ``engine_factory`` (the "real engine", default m14) over the
+    target's executors, replay the verdicts and ids on m14, and compare (``ReplayMismatch``).
 
     Returns ``{"runs": 2, "steps": <steps compared>, "events": <what the real run exercised>}``.
     """

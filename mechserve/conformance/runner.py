@@ -1,8 +1,8 @@
-"""Run a workload on the top rung (m13) over a target's rank executors, and record the boundary traffic.
+"""Run a workload on the top rung (m14) over a target's rank executors, and record the boundary traffic.
 
 This is the "real run" every check starts from::
 
-    workload ──> m13.Engine(requests, executors=[wrap(rank, target.make_executor(P, S)) for each rank],
+    workload ──> m14.Engine(requests, executors=[wrap(rank, target.make_executor(P, S)) for each rank],
                             eos_token_ids=target.eos_token_ids, **engine section)
                  engine.executor (the rank group) is wrapped by a Recorder: (step, plan, joined outcomes)
     after each step: on_step(run, record); finished/aborted ids are released on every executor
@@ -20,7 +20,7 @@ from typing import Any
 
 from mechserve.conformance.errors import ConformanceError
 from mechserve.conformance.strategies import engine_of, prompt_len
-from mechserve.spec import m13_output_caching as m13
+from mechserve.spec import m14_forced_runs as m14
 from mechserve.workload import ENGINE_KEYS
 
 
@@ -29,8 +29,8 @@ class Exchange:
     """One step's traffic across the boundary: the engine's plan and the outcomes the rank group joined."""
 
     step: int
-    plan: tuple[m13.PlanItem, ...]
-    outcomes: tuple[m13.Outcome, ...]
+    plan: tuple[m14.PlanItem, ...]
+    outcomes: tuple[m14.Outcome, ...]
 
 
 class Recorder:
@@ -41,7 +41,7 @@ class Recorder:
         self.engine = engine
         self.exchanges: list[Exchange] = []
 
-    def execute(self, plan: tuple[m13.PlanItem, ...]) -> tuple[m13.Outcome, ...]:
+    def execute(self, plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
         outcomes = tuple(self.inner.execute(plan))
         self.exchanges.append(Exchange(self.engine.step_counter, plan, outcomes))
         return outcomes
@@ -49,23 +49,23 @@ class Recorder:
 
 @dataclass
 class RealRun:
-    """A run of ``workload`` on m13: the engine, the target's executors (``executors``, one per rank, as
+    """A run of ``workload`` on m14: the engine, the target's executors (``executors``, one per rank, as
     made) and what the engine was given (``ranks``, possibly wrapped), the step records and exchanges."""
 
     workload: dict[str, Any]
     engine: Any
     executors: list[Any]
     ranks: list[Any]
-    records: list[m13.StepRecord] = field(default_factory=list)
+    records: list[m14.StepRecord] = field(default_factory=list)
     exchanges: list[Exchange] = field(default_factory=list)
 
 
 def engine_settings(workload: Mapping[str, Any]) -> dict[str, Any]:
-    """The m13 ``Engine`` keyword arguments of the workload's engine section (4.2 defaults filled in).
+    """The m14 ``Engine`` keyword arguments of the workload's engine section (4.2 defaults filled in).
 
     Besides the 4.2 keys the section may carry ``prefix_caching`` (a bool, default true),
     ``hold_shared_prefix`` (a bool, default false as in m12; the product path turns it on) and
-    ``output_caching`` (a bool, default false as in m13; the product path turns it on).
+    ``output_caching`` (a bool, default false as in m14; the product path turns it on).
     """
     eng = engine_of({"engine": {k: v for k, v in (workload.get("engine") or {}).items() if k in ENGINE_KEYS}})
     settings: dict[str, Any] = {k: eng[k] for k in ENGINE_KEYS if k in eng}
@@ -76,12 +76,12 @@ def engine_settings(workload: Mapping[str, Any]) -> dict[str, Any]:
     return settings
 
 
-def make_requests(workload: Mapping[str, Any]) -> list[m13.Request]:
-    """Fresh m13 requests for the workload's request list (explicit ``tokens`` required)."""
+def make_requests(workload: Mapping[str, Any]) -> list[m14.Request]:
+    """Fresh m14 requests for the workload's request list (explicit ``tokens`` required)."""
     out = []
     for spec in workload.get("requests") or []:
         out.append(
-            m13.Request(
+            m14.Request(
                 str(spec["request_id"]),
                 list(spec["tokens"]),
                 int(spec["max_new_tokens"]),
@@ -98,11 +98,11 @@ def build_engine(
     ranks: Sequence[Any],
     *,
     eos_token_ids: Sequence[int] = (),
-    engine_factory: Callable[..., Any] = m13.Engine,
+    engine_factory: Callable[..., Any] = m14.Engine,
 ) -> Any:
-    """``engine_factory`` (default ``m13.Engine``) over the workload, with ``ranks`` as its rank executors.
+    """``engine_factory`` (default ``m14.Engine``) over the workload, with ``ranks`` as its rank executors.
 
-    Raises ``ValueError`` as m13's constructor does (e.g. a number of ranks other than ``world_size``).
+    Raises ``ValueError`` as m14's constructor does (e.g. a number of ranks other than ``world_size``).
     """
     return engine_factory(
         make_requests(workload), executors=list(ranks), eos_token_ids=tuple(eos_token_ids), **engine_settings(workload)
@@ -121,8 +121,8 @@ def run_workload(
     workload: Mapping[str, Any],
     *,
     wrap: Callable[[int, Any], Any] | None = None,
-    on_step: Callable[[RealRun, m13.StepRecord], None] | None = None,
-    engine_factory: Callable[..., Any] = m13.Engine,
+    on_step: Callable[[RealRun, m14.StepRecord], None] | None = None,
+    engine_factory: Callable[..., Any] = m14.Engine,
 ) -> RealRun:
     """Run ``workload`` to the end on ``engine_factory`` over ``target``'s executors; return the run.
 
@@ -148,7 +148,7 @@ def run_workload(
     run = RealRun(dict(workload), engine, executors, ranks, exchanges=recorder.exchanges)
     bound = step_bound(workload)
 
-    def step_done(record: m13.StepRecord) -> None:
+    def step_done(record: m14.StepRecord) -> None:
         run.records.append(record)
         for rid in (*record.finished, *record.aborted):
             for ex in executors:
@@ -168,7 +168,7 @@ EVENTS = ("preempted", "rolled_back", "reused", "evicted", "rejected", "stopped"
 """The trace events ``events`` counts: what a run exercised."""
 
 
-def events(records: Sequence[m13.StepRecord]) -> dict[str, int]:
+def events(records: Sequence[m14.StepRecord]) -> dict[str, int]:
     """How often a run's trace shows each of ``EVENTS``: preemptions, decode windows with a rollback,
     prefix reuses, evicted pages, rejections, requests that finished with STOP and with EOS."""
     out = dict.fromkeys(EVENTS, 0)
@@ -178,13 +178,13 @@ def events(records: Sequence[m13.StepRecord]) -> dict[str, int]:
         out["reused"] += len(rec.reused)
         out["evicted"] += len(rec.evicted)
         out["rejected"] += len(rec.rejected)
-        out["stopped"] += sum(1 for v in rec.finished.values() if v is m13.FinishReason.STOP)
-        out["eos"] += sum(1 for v in rec.finished.values() if v is m13.FinishReason.EOS)
+        out["stopped"] += sum(1 for v in rec.finished.values() if v is m14.FinishReason.STOP)
+        out["eos"] += sum(1 for v in rec.finished.values() if v is m14.FinishReason.EOS)
     return out
 
 
 def end_state(engine: Any) -> list[dict[str, Any]]:
-    """Per request, list order: m13's ``summary()`` entry plus ``output_ids`` and ``reject_reason``."""
+    """Per request, list order: m14's ``summary()`` entry plus ``output_ids`` and ``reject_reason``."""
     return [
         {**entry, "output_ids": list(r.output_ids), "reject_reason": r.reject_reason.value if r.reject_reason else None}
         for entry, r in zip(engine.summary(), engine.requests)

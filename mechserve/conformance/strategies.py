@@ -32,7 +32,7 @@ test ask for the situation it needs:
   every reason a valid 4.2 spec can give (``door_verdicts``) and requests finish with STOP.  Such a
   workload builds on m12 and later only (rungs below refuse 0 tokens and empty prompts); it takes
   ``budget`` ``"any"`` or ``"large"``.  Off by default: no default workload has anything only m12 reads.
-* ``output_caching`` (m13 only): ``True`` puts ``"output_caching": true`` in the engine section (the
+* ``output_caching`` (m13 and later): ``True`` puts ``"output_caching": true`` in the engine section (the
   rungs below refuse it, or ``build`` drops it for them), ``"any"`` draws it either way, ``False``
   (the default) leaves it out, so that m13 runs as m12.
 
@@ -40,7 +40,7 @@ test ask for the situation it needs:
 the rung below, for ladder-consistency checks.  ``build(rung_module, workload)`` turns a workload into
 that rung's ``Engine``, passing only what the rung takes (through the CLI's own loader,
 ``mechserve.workload``, unless told not to validate): m12's admission settings and stop ids reach
-m12 and later only, m13's output-caching switch m13 only.
+m12 and later only, m13's output-caching switch m13 and later, m14's forced scripts m14 only.
 """
 
 from __future__ import annotations
@@ -315,6 +315,8 @@ IDLE_KNOBS: dict[str, dict[str, Any]] = {
     "m12_admission_control": {"pool": "fits", "admission": False},
     # N1 of m13: with output caching off, m13 is m12 field for field (the door's workloads included).
     "m13_output_caching": {"output_caching": False},
+    # N1 of m14: no request has a forced_script, so no outcome forces an id: m14 is m13, either switch.
+    "m14_forced_runs": {"output_caching": "any"},
 }
 """Per rung, the knobs under which its mechanism is idle, so its trace equals the rung below's."""
 
@@ -359,6 +361,8 @@ def _request(rung: ModuleType, index: int, spec: Mapping[str, Any]) -> Any:
         if spec.get(key) is not None and key in takes:
             value = spec[key]
             kwargs[key] = list(value) if key == "accept_script" else tuple(value) if key == "stop_token_ids" else value
+    if spec.get("forced_script") and "forced_script" in takes:  # m14: JSON keys are decimal strings
+        kwargs["forced_script"] = {int(i): tuple(ids) for i, ids in spec["forced_script"].items()}
     return rung.Request(**kwargs)
 
 

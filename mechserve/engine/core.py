@@ -1,13 +1,13 @@
-"""The engine: one scheduler (the top rung, m13), one executor behind the boundary, and the tokenizer.
+"""The engine: one scheduler (the top rung, m14), one executor behind the boundary, and the tokenizer.
 
 ``EngineCore`` is what every front end drives: ``LLM`` (offline batches), the background stepper
 under ``AsyncLLM`` and the server, ``mechserve generate`` and ``mechserve run --backend torch``.
 It is synchronous, single-threaded and does no I/O; one step happens in one place, ``step``::
 
     add_request(prompt_ids, params) ── validate ── m12's door ──┬── RequestRejected (ValueError)
-                                                                └── n samples: m13 requests + executor registrations
+                                                                └── n samples: m14 requests + executor registrations
     step() ── advise spec_len (adaptive speculation)
-           ── scheduler.step(): m13 schedules, the executor runs the plan, m13 commits the outcomes
+           ── scheduler.step(): m14 schedules, the executor runs the plan, m14 commits the outcomes
            ── per sample: keep the new ids, detokenize, find stop strings (a match finishes it: STOP)
            ── the record with every stop cut applied ── executor.settle(its accepted): what each decode
               window kept is what the executor counts ── release the samples that ended
@@ -38,7 +38,7 @@ from mechserve.engine.requests import RequestGroup, Sample
 from mechserve.engine.scheduler import PageUsage, Scheduler
 from mechserve.executor.protocol import Executor, ExecutorStats
 from mechserve.kv import native
-from mechserve.spec import m13_output_caching as m13
+from mechserve.spec import m14_forced_runs as m14
 
 __all__ = ["EngineCore", "EngineStats"]
 
@@ -56,7 +56,7 @@ class EngineStats:
 
 
 class EngineCore:
-    """One m13 scheduler over one executor, with the tokenizer that turns ids into text.
+    """One m14 scheduler over one executor, with the tokenizer that turns ids into text.
 
     ``loaded`` is a ``LoadedModel`` (or anything with ``model``, ``tokenizer``, ``eos_token_ids``
     and, for ranks or a draft model of the same checkpoint, ``path``; the tokenizer needs
@@ -78,7 +78,7 @@ class EngineCore:
     chooses the engine's ``spec_len`` (0 .. ``num_speculative_tokens``) from what the executor
     advises for the requests about to draft: the guesses their proposers have, weighed by how
     often their guesses were accepted.  A rank that crashes or hangs raises ``RankError``, a
-    disagreement ``m13.GroupViolation``; either shuts the group down.
+    disagreement ``m14.GroupViolation``; either shuts the group down.
     """
 
     def __init__(
@@ -179,10 +179,10 @@ class EngineCore:
 
         ``request_id`` defaults to the next of ``"0"``, ``"1"``, ...; ``prompt`` is only carried
         into the output; ``arrival_step`` is the engine step from which it may be admitted (0: at
-        once).  Sample ``j`` of ``n > 1`` runs as m13 request ``"<id>#<j>"`` with
+        once).  Sample ``j`` of ``n > 1`` runs as m14 request ``"<id>#<j>"`` with
         ``params.for_sample(j)``; only sample 0 computes prompt logprobs.  A prompt longer than
         ``params.truncate_prompt_tokens`` keeps its last that many ids.  A request for prompt
-        logprobs with ``max_tokens`` 0 runs its prompt (m13 sees one new token, never kept).
+        logprobs with ``max_tokens`` 0 runs its prompt (m14 sees one new token, never kept).
         Raises ``ParamError`` (a ``ValueError`` naming the field) for a prompt id, stop token id,
         ``logit_bias`` or ``allowed_token_ids`` id outside the vocabulary, bad words without a
         tokenizer, ``n`` over ``max_waiting`` (it could never be admitted), ``ValueError`` for
@@ -205,7 +205,7 @@ class EngineCore:
             )
         request_id = self._new_id() if request_id is None else str(request_id)
         if request_id in self._groups:
-            raise RequestRejected(request_id, m13.RejectReason.DUPLICATE_ID, "a request with this id is running")
+            raise RequestRejected(request_id, m14.RejectReason.DUPLICATE_ID, "a request with this id is running")
         group = RequestGroup(request_id, prompt, ids, [], time.perf_counter())
         prompt_only = params.prompt_logprobs is not None and params.max_tokens == 0
         max_new = 1 if prompt_only else params.max_tokens
@@ -266,7 +266,7 @@ class EngineCore:
     def step(self) -> StepOutput:
         """Run one engine step; return its record, each touched sample's delta and the requests that ended.
 
-        Engine and executor failures propagate (``m13.OutOfPages``, a torch error, ``RankError``);
+        Engine and executor failures propagate (``m14.OutOfPages``, a torch error, ``RankError``);
         ``step_counter`` names the failing step.
         """
         spec_len = None
@@ -274,7 +274,7 @@ class EngineCore:
             spec_len = self._advised_spec_len(self.speculative.num_speculative_tokens)
         try:
             step = self.scheduler.step(spec_len)
-        except (m13.GroupViolation, RankError):
+        except (m14.GroupViolation, RankError):
             self.close()  # the ranks' states can no longer be trusted to agree
             raise
         now = time.perf_counter()
@@ -323,7 +323,7 @@ class EngineCore:
                 on_step(out)
         return finished
 
-    def _append(self, engine_id: str, ids: Sequence[int], reason: m13.FinishReason | None, now: float) -> None:
+    def _append(self, engine_id: str, ids: Sequence[int], reason: m14.FinishReason | None, now: float) -> None:
         """Keep the ids a step appended, up to a stop string's last character; end the sample if it ended."""
         group, s = self._samples[engine_id]
         taken = self.executor.take_logprobs(engine_id) if s.logprobs is not None else []
@@ -331,7 +331,7 @@ class EngineCore:
             # every prompt position is recorded by the step that samples the first token
             found = self.executor.take_prompt_logprobs(engine_id)
             group.prompt_logprobs = [None, *(self._vllm_logprobs(lp) for lp in found)]
-        ends_with_stop_id = reason in (m13.FinishReason.EOS, m13.FinishReason.STOP)
+        ends_with_stop_id = reason in (m14.FinishReason.EOS, m14.FinishReason.STOP)
         kept = 0 if s.prompt_only else len(ids)
         stop: str | None = None
         for k, token_id in enumerate(ids[:kept]):
@@ -359,16 +359,16 @@ class EngineCore:
         elif reason is not None:
             self._end(s, reason)
 
-    def _end(self, s: Sample, reason: m13.FinishReason) -> None:
+    def _end(self, s: Sample, reason: m14.FinishReason) -> None:
         """The engine ended ``s``: its finish reason, then the last held-back characters (which may hold a stop).
 
         Its executor state is released after the step's ``settle``."""
         self._leaving.append(s.engine_id)
-        if reason is m13.FinishReason.LENGTH:
+        if reason is m14.FinishReason.LENGTH:
             s.finish_reason, s.stop_reason = LENGTH, None
         else:
             s.finish_reason = STOP
-            s.stop_reason = s.token_ids[-1] if reason is m13.FinishReason.STOP and s.token_ids else None
+            s.stop_reason = s.token_ids[-1] if reason is m14.FinishReason.STOP and s.token_ids else None
         stop = s.text.finish()
         if stop is not None:
             s.stop_reason = stop
@@ -426,7 +426,7 @@ class EngineCore:
         return self.scheduler.summary()
 
     def check_pages(self) -> None:
-        """Raise ``AssertionError`` unless the pool is consistent (m13's check) and, with no request
+        """Raise ``AssertionError`` unless the pool is consistent (m14's check) and, with no request
         in the engine, every page is free or cache-owned."""
         self.scheduler.check()
 
@@ -498,13 +498,13 @@ class EngineCore:
         return found
 
     def _reject_detail(
-        self, reason: m13.RejectReason, prompt_len: int, max_tokens: int, prompt_only: bool = False
+        self, reason: m14.RejectReason, prompt_len: int, max_tokens: int, prompt_only: bool = False
     ) -> str:
         """The limit behind a door refusal, in words."""
         ps = self.config.page_size
-        if reason is m13.RejectReason.EMPTY_PROMPT:
+        if reason is m14.RejectReason.EMPTY_PROMPT:
             return "the prompt has no tokens"
-        if reason is m13.RejectReason.TOO_LONG:
+        if reason is m14.RejectReason.TOO_LONG:
             limit = (
                 f"max_model_len {self.max_model_len}"
                 if self.config.max_model_len
@@ -515,12 +515,12 @@ class EngineCore:
                 f"a prompt of {prompt_len} token(s) + {max_tokens} new token(s) = {prompt_len + max_tokens}, "
                 f"over {limit}{extra}"
             )
-        if reason is m13.RejectReason.NEVER_FITS:
-            need = m13.pages_for(prompt_len + max_tokens - 1, ps)
+        if reason is m14.RejectReason.NEVER_FITS:
+            need = m14.pages_for(prompt_len + max_tokens - 1, ps)
             return f"needs {need} pages of {ps} positions, the pool has {self.num_pages}"
-        if reason is m13.RejectReason.OVERLOADED:
+        if reason is m14.RejectReason.OVERLOADED:
             return f"{self.config.max_waiting} request(s) already wait (max_waiting)"
-        if reason is m13.RejectReason.DUPLICATE_ID:
+        if reason is m14.RejectReason.DUPLICATE_ID:
             return "a request with this id is running"
         return str(reason.value)
 

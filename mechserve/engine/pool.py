@@ -20,7 +20,7 @@ from typing import Any
 from mechserve.api.config import EngineConfig, format_bytes
 from mechserve.api.errors import KVMemoryError
 from mechserve.api.limits import MAX_PAGES, MAX_SLOTS
-from mechserve.spec.m13_output_caching import pages_for
+from mechserve.spec.m14_forced_runs import pages_for
 
 # A long-lived engine's automatic pool holds at most this many positions (or one full context, if larger).
 AUTO_MAX_POSITIONS = 16_384

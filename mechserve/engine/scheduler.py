@@ -1,6 +1,6 @@
 """The scheduler as the runtime sees it: the top rung of the ladder, behind a small contract.
 
-``m13.Engine`` is the executable specification, unchanged; ``Scheduler`` is the one place in the
+``m14.Engine`` is the executable specification, unchanged; ``Scheduler`` is the one place in the
 runtime that touches its state (vLLM's ``SchedulerInterface`` plays this part there).  Callers ask
 for numbers and give orders; they never read its queues, pool or cache::
 
@@ -8,16 +8,16 @@ for numbers and give orders; they never read its queues, pool or cache::
     abort(id)                   the request leaves now (the next record lists it under ``aborted``)
     finish(id, kept)            a finish decided outside the step (a stop string): ends the request
                                 with STOP, not as an abort, keeping ``kept`` of this step's ids
-    trim(id, kept)              a request m13 just finished keeps only ``kept`` of this step's ids
+    trim(id, kept)              a request m14 just finished keeps only ``kept`` of this step's ids
                                 (a prompt-logprobs request with max_tokens 0 keeps none)
     drafting()                  the requests about to draft and their caps (m09's rule)
-    step(spec_len) -> Step      one m13 step, and what it means for metrics (prompt tokens admitted,
+    step(spec_len) -> Step      one m14 step, and what it means for metrics (prompt tokens admitted,
                                 prefix-cache hits, preemptions that dropped computed state)
     cut(record)                 this step's record with every stop-string finish applied
     counts() / page_usage()     running and waiting requests, pages free/cached/private: O(1)
-    summary() / check()         the end-of-run summary; m13's invariants plus the leak check
+    summary() / check()         the end-of-run summary; m14's invariants plus the leak check
 
-``spec_engine`` is the m13 engine itself, for the two tools whose job is to read the spec's own
+``spec_engine`` is the m14 engine itself, for the two tools whose job is to read the spec's own
 state: the trace pictures (``mechserve.viz``) and the conformance audits.  Nothing writes to it
 from outside this class.
 """
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mechserve.api.config import EngineConfig
-from mechserve.spec import m13_output_caching as m13
+from mechserve.spec import m14_forced_runs as m14
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,20 +65,20 @@ class Step:
     thrashing, not counted).
     """
 
-    record: m13.StepRecord
+    record: m14.StepRecord
     prompt_tokens: Mapping[str, int]
     prefix_hits: int
     preemptions: int
 
 
 class Scheduler:
-    """The m13 engine for one ``EngineCore``: ``num_pages`` pages of ``config.page_size``.
+    """The m14 engine for one ``EngineCore``: ``num_pages`` pages of ``config.page_size``.
 
-    ``executors`` are the rank executors m13 joins (one per rank); ``eos_token_ids`` end a request
+    ``executors`` are the rank executors m14 joins (one per rank); ``eos_token_ids`` end a request
     (unless it ignores EOS); ``max_model_len`` bounds prompt + output.  With ``keep_finished``,
     requests that left stay in ``summary()`` (a finite run printing its summary at the end);
     without it a request is dropped once its leaving has been reported, so a long-lived engine's
-    memory follows its live requests.  Raises ``ValueError`` for sizes m13 refuses.
+    memory follows its live requests.  Raises ``ValueError`` for sizes m14 refuses.
     """
 
     def __init__(
@@ -88,13 +88,13 @@ class Scheduler:
         num_pages: int,
         max_model_len: int | None,
         eos_token_ids: Sequence[int],
-        executors: Sequence[m13.Executor],
+        executors: Sequence[m14.Executor],
         keep_finished: bool = False,
     ) -> None:
         self.page_size = config.page_size
         self.num_pages = num_pages
         self.keep_finished = keep_finished
-        self._engine = m13.Engine(
+        self._engine = m14.Engine(
             [],
             max_step_tokens=config.max_step_tokens,
             page_size=config.page_size,
@@ -118,8 +118,8 @@ class Scheduler:
         self._arriving: dict[str, tuple[int, int]] = {}  # accepted, not yet admitted: (prompt length, max_new)
 
     @property
-    def spec_engine(self) -> m13.Engine:
-        """The m13 engine itself, to be read (never written) by the viz recorder and the conformance audits."""
+    def spec_engine(self) -> m14.Engine:
+        """The m14 engine itself, to be read (never written) by the viz recorder and the conformance audits."""
         return self._engine
 
     @property
@@ -138,10 +138,10 @@ class Scheduler:
         arrival_step: int = 0,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
-    ) -> m13.RejectReason | None:
+    ) -> m14.RejectReason | None:
         """Offer a request to m12's door: None if it joined the waiting queue, else why not (recorded
         in the next step's ``rejected``)."""
-        request = m13.Request(
+        request = m14.Request(
             request_id,
             list(prompt_ids),
             max_new_tokens,
@@ -174,7 +174,7 @@ class Scheduler:
         self._outputs[request_id] = generated
 
     def trim(self, request_id: str, kept: int) -> None:
-        """Keep only ``kept`` of the ids this step appended to ``request_id``, which m13 finished in it
+        """Keep only ``kept`` of the ids this step appended to ``request_id``, which m14 finished in it
         (its finish reason stays); the record from ``cut`` and the summary say so."""
         self._trims[request_id] = kept
         self._outputs[request_id] = kept
@@ -192,7 +192,7 @@ class Scheduler:
     # One step -----------------------------------------------------------------------------------------------------
 
     def step(self, spec_len: int | None = None) -> Step:
-        """Run one m13 step (with ``spec_len`` guesses per decode window, if given); engine errors propagate."""
+        """Run one m14 step (with ``spec_len`` guesses per decode window, if given); engine errors propagate."""
         engine = self._engine
         if not self.keep_finished:
             for gone in engine.drop_finished():
@@ -218,7 +218,7 @@ class Scheduler:
             preemptions=sum(1 for rid in record.preempted if computed_before.get(rid, 0) > 0),
         )
 
-    def cut(self, record: m13.StepRecord) -> m13.StepRecord:
+    def cut(self, record: m14.StepRecord) -> m14.StepRecord:
         """``record`` with this step's stop-string finishes applied: each such request's ``tokens`` cut to
         what it kept, its decode window's ``accepted``/``rolled_back`` counted on the kept ids, and
         ``finished`` STOP."""
@@ -239,7 +239,7 @@ class Scheduler:
                 accepted[rid] = min(accepted[rid], max(kept - 1, 0))
                 rolled_back[rid] = record.drafted[rid] - accepted[rid]
             if rid in cuts:
-                finished[rid] = m13.FinishReason.STOP
+                finished[rid] = m14.FinishReason.STOP
         return dataclasses.replace(
             record,
             tokens=_frozen(tokens),
@@ -260,7 +260,7 @@ class Scheduler:
         tables' length)."""
         engine = self._engine
         owner = engine.pool.owner
-        shared = {p for r in engine.running for p in r.page_table if owner[p] is m13.CACHE}
+        shared = {p for r in engine.running for p in r.page_table if owner[p] is m14.CACHE}
         return PageUsage(self.num_pages, len(engine.pool.free), engine.cache.size, len(shared))
 
     def has_live(self) -> bool:
@@ -268,7 +268,7 @@ class Scheduler:
         return bool(self._engine.live)
 
     def summary(self) -> list[dict[str, Any]]:
-        """m13's summary, with a stop-string finish reported as ``FINISHED``/``STOP`` (and its kept output
+        """m14's summary, with a stop-string finish reported as ``FINISHED``/``STOP`` (and its kept output
         length as ``generated``) instead of ``ABORTED``."""
         entries = self._engine.summary()
         for entry in entries:
@@ -280,7 +280,7 @@ class Scheduler:
         return entries
 
     def check(self) -> None:
-        """Raise ``AssertionError`` unless m13's invariants hold and, with no live request, every page is
+        """Raise ``AssertionError`` unless m14's invariants hold and, with no live request, every page is
         free or cache-owned (nothing leaked)."""
         self._engine.check_invariants()
         if not self._engine.live:

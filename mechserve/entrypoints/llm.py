@@ -1,6 +1,6 @@
 """The offline Python API, as in vLLM: ``LLM(model=...)``, ``llm.generate(prompts, params)``, ``llm.chat(messages)``.
 
-Every request runs under the top rung of the ladder (m13) through one
+Every request runs under the top rung of the ladder (m14) through one
 long-lived ``EngineCore``; ``llm.trace`` holds the step records the spec
 prints::
 
@@ -29,7 +29,7 @@ from mechserve.engine.core import EngineCore
 from mechserve.entrypoints.prompts import Chat, Prompt, encode_chat, params_list, parse_prompt, prompt_list
 from mechserve.model.checkpoint import EMBEDDED
 from mechserve.model.loader import LoadedModel
-from mechserve.spec.m13_output_caching import StepRecord
+from mechserve.spec.m14_forced_runs import StepRecord
 
 __all__ = [
     "LLM",
@@ -65,7 +65,7 @@ class RequestsRejected(ValueError):
 
 
 class LLM:
-    """A model served by the m13 engine on a paged KV cache, for offline batches.
+    """A model served by the m14 engine on a paged KV cache, for offline batches.
 
     ``model``: ``"smollm2"`` (the embedded SmolLM2-135M-Instruct), a local Hugging Face
     directory, or an already loaded ``LoadedModel``.  Every other keyword is an engine setting,
@@ -81,7 +81,7 @@ class LLM:
     ``world_size > 1`` each rank is a process holding its shard of the weights and KV pages;
     ``close()`` (or ``with LLM(...) as llm``) stops them, and they are stopped at exit anyway.
 
-    ``llm.trace`` is the list of m13 ``StepRecord``s of the most recent ``generate``/``chat``
+    ``llm.trace`` is the list of m14 ``StepRecord``s of the most recent ``generate``/``chat``
     call; with ``trace=True`` it keeps the records of every call since construction instead (it
     then grows without bound).
 

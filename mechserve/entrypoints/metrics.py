@@ -62,7 +62,7 @@ from prometheus_client import (
 from prometheus_client.exposition import choose_encoder
 
 from mechserve.api.outputs import ABORT, LENGTH, STOP
-from mechserve.spec.m13_output_caching import RejectReason
+from mechserve.spec.m14_forced_runs import RejectReason
 
 RATE_WINDOW = 10.0  # seconds of history behind the tokens/s gauge
 LABELS = ("model_name", "engine")
@@ -247,7 +247,7 @@ class ServingMetrics:
     # Fed by the engine thread -------------------------------------------------------------------------------------
 
     def observe_step(self, out: Any, now: float | None = None) -> None:
-        """Count one engine step (a ``StepOutput``: its m13 record, the prompt tokens it admitted, its
+        """Count one engine step (a ``StepOutput``: its m14 record, the prompt tokens it admitted, its
         prefix-cache hits and the preemptions that dropped computed state)."""
         now = time.perf_counter() if now is None else now
         record = out.record

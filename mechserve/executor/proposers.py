@@ -48,7 +48,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from mechserve.executor.sampling import STREAM_DRAFT, Row, Sampler
 from mechserve.kv.paged import Span, build_attention_batch
 from mechserve.model.llama import LlamaModel
-from mechserve.spec.m13_output_caching import PlanItem
+from mechserve.spec.m14_forced_runs import PlanItem
 
 
 def propose_ngram(history: Sequence[int], num: int, max_ngram: int = 3, filler: int | None = None) -> list[int]:

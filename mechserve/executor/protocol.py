@@ -1,18 +1,18 @@
 """The executor contract: what ``EngineCore`` asks of whatever runs its plans behind the boundary.
 
 The spec (m10) fixes the data plane: one frozen plan per step in, one outcome per plan item out,
-validated by the engine's commit (``mechserve.spec.m13_output_caching.Executor``).  A real
+validated by the engine's commit (``mechserve.spec.m14_forced_runs.Executor``).  A real
 executor also keeps per-request state that the spec does not model (sampling params, token
 history for proposers, logprobs); ``EngineCore`` drives it through the control methods below and
 through nothing else, so any class with these methods can stand behind the engine::
 
     EngineCore                                   Executor
     ──────────                                   ────────
-    building m13 ──────────── rank_executors() -> the executors m13's group joins (m11):
+    building m14 ──────────── rank_executors() -> the executors m14's group joins (m11):
                                                    [self] for one rank, one proxy per rank process
     add_request (after the door) ─ add_request(id, prompt_ids, params, eos_token_ids=..., bad_words_ids=...)
     before a step ──────────────── advise(caps, max_k) -> spec_len for the coming step
-    m13.step() ──────────────────── execute(plan) -> outcomes            (through rank_executors)
+    m14.step() ──────────────────── execute(plan) -> outcomes            (through rank_executors)
     after a step ───────────────── take_logprobs(id) -> one TokenLogprobs per appended id
                                    take_prompt_logprobs(id) -> one per prompt position recorded
                                    settle(windows): the accepted guesses each decode window kept
@@ -33,7 +33,7 @@ from typing import Protocol, runtime_checkable
 
 from mechserve.api.outputs import TokenLogprobs
 from mechserve.api.params import SamplingParams
-from mechserve.spec import m13_output_caching as m13
+from mechserve.spec import m14_forced_runs as m14
 
 
 @dataclass(slots=True)
@@ -45,7 +45,9 @@ class ExecutorStats:
     positions; ``proposed``: guesses the proposer made (the rest of the slots were pads);
     ``accepted``: of those, the ones the request kept (the executor's verdict after the control
     side's cuts: an EOS or stop id inside an accepted run, a stop string, max_tokens); ``emitted``:
-    ids the request kept from its decode windows (kept guesses, pads included, plus one each).
+    ids the request kept from its decode windows (kept guesses, pads included, plus one each);
+    ``forced``: ids reported as forced after a sample (m14; the control side may cut a run that
+    ends the request).
     """
 
     forwards: int = 0
@@ -55,18 +57,19 @@ class ExecutorStats:
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0
+    forced: int = 0  # m14: ids reported in Outcome.forced (appended without sampling)
 
 
 @runtime_checkable
 class Executor(Protocol):
-    """Anything ``EngineCore`` can drive: m13's ``execute`` plus the control methods (module docstring)."""
+    """Anything ``EngineCore`` can drive: m14's ``execute`` plus the control methods (module docstring)."""
 
-    def execute(self, plan: tuple[m13.PlanItem, ...]) -> tuple[m13.Outcome, ...]:
+    def execute(self, plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
         """One step: an outcome per plan item, in item order (every rank's, joined, for a group)."""
         ...
 
-    def rank_executors(self) -> Sequence[m13.Executor]:
-        """The per-rank executors m13's group fans each plan out to and joins (m11)."""
+    def rank_executors(self) -> Sequence[m14.Executor]:
+        """The per-rank executors m14's group fans each plan out to and joins (m11)."""
         ...
 
     def add_request(

@@ -30,7 +30,7 @@ from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.kv import native
 from mechserve.model.llama import LlamaArch
 from mechserve.model.sharded import ShardedLlama
-from mechserve.spec import m13_output_caching as m13
+from mechserve.spec import m14_forced_runs as m14
 
 # Failures a test can plant in a rank's next step (RankGroup.plant).
 FAULTS = ("disagree", "hang", "crash", "raise")
@@ -79,7 +79,7 @@ class RankExecutor(TorchExecutor):
             dist.broadcast(ids, src=0)
         return ids.tolist()
 
-    def execute(self, plan: tuple[m13.PlanItem, ...]) -> tuple[m13.Outcome, ...]:
+    def execute(self, plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
         fault, self.fault = self.fault, None
         if fault == "hang":
             while True:

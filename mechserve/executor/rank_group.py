@@ -1,10 +1,10 @@
 """Rank processes behind m11's group: each rank a ``ShardedLlama`` and its executor, the scheduler once.
 
-The control side (m13's engine, in the driver) freezes one plan per step; the group hands the same
-plan to every rank and gives m13 one executor per rank, so m11's join compares the N real reports
+The control side (m14's engine, in the driver) freezes one plan per step; the group hands the same
+plan to every rank and gives m14 one executor per rank, so m11's join compares the N real reports
 and raises ``GroupViolation`` unless all N are equal::
 
-    driver: m13.Engine ──plan──> ExecutorGroup ──> proxy 0 ─┐ first call: send (queued commands, plan)
+    driver: m14.Engine ──plan──> ExecutorGroup ──> proxy 0 ─┐ first call: send (queued commands, plan)
                                                    proxy 1 ─┤ to every rank, wait for every report
                                                    ...      ┘ (deadline, process sentinels)
     rank r: (queued add/release..., execute plan) ─> ShardedLlama forward (all-reduce / all-gather)
@@ -51,7 +51,7 @@ from mechserve.api.outputs import TokenLogprobs
 from mechserve.api.params import GREEDY, SamplingParams
 from mechserve.executor.protocol import ExecutorStats
 from mechserve.executor.rank import FAULTS, RankServer, RankSpec, _DistChannel, _spawned_rank, serve_rank
-from mechserve.spec import m13_output_caching as m13
+from mechserve.spec import m14_forced_runs as m14
 
 # Seconds the ranks may take to start (load their shards).
 DEFAULT_START_TIMEOUT_S = 300.0
@@ -59,19 +59,19 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class _RankProxy:
-    """Rank ``rank``'s executor as m13 sees it: its report for the plan the group fanned out."""
+    """Rank ``rank``'s executor as m14 sees it: its report for the plan the group fanned out."""
 
     def __init__(self, group: RankGroup, rank: int) -> None:
         self.group, self.rank = group, rank
 
-    def execute(self, plan: tuple[m13.PlanItem, ...]) -> tuple[m13.Outcome, ...]:
+    def execute(self, plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
         return self.group.report(self.rank, plan)
 
 
 class RankGroup:
     """The driver's handle on ``world_size`` ranks; the executor API ``EngineCore`` uses, once for all.
 
-    ``rank_executors()`` are the m13 rank executors; ``add_request``/``release``/``settle`` reach every rank
+    ``rank_executors()`` are the m14 rank executors; ``add_request``/``release``/``settle`` reach every rank
     (queued until the next round trip); ``take_logprobs``, ``take_prompt_logprobs``, ``advise`` and ``stats``
     ask rank 0 (every rank
     holds the same).  Any failure raises ``RankError`` and shuts the group down.
@@ -81,20 +81,20 @@ class RankGroup:
 
     def __init__(self) -> None:
         self._queues: list[list[tuple[Any, ...]]] = [[] for _ in range(self.world_size)]
-        self._plan: tuple[m13.PlanItem, ...] | None = None
-        self._reports: dict[int, tuple[m13.Outcome, ...]] = {}
+        self._plan: tuple[m14.PlanItem, ...] | None = None
+        self._reports: dict[int, tuple[m14.Outcome, ...]] = {}
         self.closed = False
 
-    # m13's side
+    # m14's side
     def rank_executors(self) -> list[_RankProxy]:
-        """One proxy per rank: m13's group fans each plan out to them and joins their reports (m11)."""
+        """One proxy per rank: m14's group fans each plan out to them and joins their reports (m11)."""
         return [_RankProxy(self, r) for r in range(self.world_size)]
 
-    def execute(self, plan: tuple[m13.PlanItem, ...]) -> tuple[m13.Outcome, ...]:
+    def execute(self, plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
         """Every rank's outcomes for ``plan``, joined as m11 joins them (``GroupViolation`` on disagreement)."""
-        return m13.ExecutorGroup(self.rank_executors()).execute(plan)
+        return m14.ExecutorGroup(self.rank_executors()).execute(plan)
 
-    def report(self, rank: int, plan: tuple[m13.PlanItem, ...]) -> tuple[m13.Outcome, ...]:
+    def report(self, rank: int, plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
         """Rank ``rank``'s outcomes for ``plan``; the first proxy asked sends the plan to every rank."""
         if not plan:
             return ()

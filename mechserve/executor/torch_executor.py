@@ -72,6 +72,7 @@ import torch
 from mechserve.api.config import SpeculativeConfig
 from mechserve.api.outputs import TokenLogprobs
 from mechserve.api.params import GREEDY, SamplingParams
+from mechserve.executor.forcing import ForcedSource
 from mechserve.executor.governor import Acceptance, Candidate, Governor, draft_governor
 from mechserve.executor.proposers import (
     CallableProposer,
@@ -87,7 +88,7 @@ from mechserve.executor.sampling import Row, Sampler, token_logprobs
 from mechserve.executor.verify import verify_draft
 from mechserve.kv.paged import AttentionBatch, Span, build_attention_batch
 from mechserve.model.llama import LlamaModel
-from mechserve.spec.m13_output_caching import Outcome, PlanItem
+from mechserve.spec.m14_forced_runs import Outcome, PlanItem
 
 # (history, num) -> up to num point-mass guesses; the executor pads a short proposal with the last known id.
 ProposerFn = Callable[[Sequence[int], int], Sequence[int]]
@@ -207,6 +208,7 @@ class TorchExecutor:
         self._sampling: dict[str, _Sampling] = {}
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
         self._prompt_logprobs: dict[str, _PromptLogprobs] = {}
+        self._forcers: dict[str, ForcedSource] = {}  # m14: per request, where its forced ids come from
 
     def _new_proposer(
         self, num_pages: int, kv_dtype: torch.dtype | None, fn: ProposerFn | None, draft: LlamaModel | None
@@ -235,7 +237,7 @@ class TorchExecutor:
         return getattr(self.proposer, "cache", None)
 
     def rank_executors(self) -> list[TorchExecutor]:
-        """One rank: m13's group joins this executor alone."""
+        """One rank: m14's group joins this executor alone."""
         return [self]
 
     def stats(self) -> ExecutorStats:
@@ -277,8 +279,22 @@ class TorchExecutor:
         if prompt_ids is not None:
             self._history[request_id] = list(prompt_ids)
 
+    def set_forcer(self, request_id: str, source: ForcedSource | None) -> None:
+        """Give ``request_id`` a source of forced ids (m14; its grammar's matcher), or take it away (None).
+
+        After each sampling item of the request the executor tells ``source`` the ids it appended
+        and reports ``source.forced_tokens()`` in ``Outcome.forced`` (see ``executor/forcing.py``).
+        A request that asks for logprobs is not forced: a forced id has no logits when it is
+        appended, and the grammar's mask gives the same id one step later.
+        """
+        if source is None:
+            self._forcers.pop(request_id, None)
+        else:
+            self._forcers[request_id] = source
+
     def release(self, request_id: str) -> None:
         """Forget a finished request's history, params, drafting state and untaken logprobs (take them first)."""
+        self._forcers.pop(request_id, None)
         self._history.pop(request_id, None)
         self._sampling.pop(request_id, None)
         self._logprobs.pop(request_id, None)
@@ -551,6 +567,7 @@ class TorchExecutor:
         for n, (item, g) in enumerate(zip(plan, guesses)):
             accepted = 0
             ids: tuple[int, ...] = ()
+            forced: tuple[int, ...] = ()  # m14
             if item.sample:
                 t = targets[offset : offset + len(g) + 1]
                 offset += len(g) + 1
@@ -559,15 +576,29 @@ class TorchExecutor:
                         accepted += 1
                 ids = (*g[:accepted], t[accepted])
                 self._history[item.request_id] += ids
+                forced = self._forced(item.request_id, ids)
                 if recorded is not None and recorded[n]:
                     # accepted guesses equal the targets, so the appended ids are t0 .. t_a
                     self._logprobs.setdefault(item.request_id, []).extend(recorded[n][: accepted + 1])
             if item.decode:  # counted once the control side says what was kept (settle)
                 self._windows[item.request_id] = (len(g), self._proposed[n])
             outcomes.append(
-                Outcome(item.request_id, item.start_position, item.num_tokens, accepted, item.placements, ids)
+                Outcome(item.request_id, item.start_position, item.num_tokens, accepted, item.placements, ids, forced)
             )
         return tuple(outcomes)
+
+    def _forced(self, request_id: str, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """m14: tell the request's forced-id source what was appended; the ids it forces next (often none)."""
+        source = self._forcers.get(request_id)
+        if source is None or self._sampling.get(request_id, _DEFAULT).params.logprobs is not None:
+            return ()
+        source.consume_tokens(ids)
+        forced = tuple(source.forced_tokens())
+        if forced:
+            source.consume_tokens(forced)
+            self._history[request_id] += forced
+            self.counters.forced += len(forced)
+        return forced
 
     def _observe(self, item: PlanItem) -> list[int]:
         """Update the request's history with the item's known ids; it then ends at the first guess."""

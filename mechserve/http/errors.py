@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError, RequestRejected
-from mechserve.spec.m13_output_caching import RejectReason
+from mechserve.spec.m14_forced_runs import RejectReason
 
 log = logging.getLogger("mechserve.http")
 RETRY_AFTER_SECONDS = 1

@@ -19,5 +19,6 @@ RUNGS = (
     "m11_parallelism",
     "m12_admission_control",
     "m13_output_caching",
+    "m14_forced_runs",
 )
 TOP = RUNGS[-1]

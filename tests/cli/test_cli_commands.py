@@ -20,7 +20,7 @@ def test_mechs_prints_one_aligned_line_per_rung(cli) -> None:
     result = cli("mechs")
     assert result.code == 0
     lines = result.lines
-    assert len(lines) == len(RUNGS) == 14
+    assert len(lines) == len(RUNGS) == 15
     rungs = [load_rung(name) for name in RUNGS]
     note_width = max(len(r.NOTE) for r in rungs)
     title_width = max(len(r.TITLE) for r in rungs)
@@ -32,6 +32,7 @@ def test_mechs_prints_one_aligned_line_per_rung(cli) -> None:
     assert lines[11].startswith("11-parallelism.md")
     assert lines[12].startswith("12-admission-control.md")
     assert lines[13].startswith("13-output-caching.md")
+    assert lines[14].startswith("14-forced-runs.md")
 
 
 def test_diff_m04_m05_shows_preemption(cli) -> None:
@@ -95,6 +96,38 @@ def test_diff_m12_m13_shows_exactly_output_caching(cli) -> None:
     ], gone
     hunks = "\n".join(lines).split("\n@@ ")[1:]
     assert all("m13" in hunk or "output" in hunk.lower() for hunk in hunks), hunks
+
+
+def test_diff_m13_m14_shows_exactly_forced_runs(cli) -> None:
+    """m14 is m13 plus an outcome field and one phase in sampling: every hunk is marked ``# m14`` or is
+    about forcing, and the only lines of m13's code the diff removes are the rung's name, docstring lines
+    that gained a sentence, the scripted executor's constructor and outcome (they take the forced
+    scripts) and the EOS clamp (which forced ids may carry below 0)."""
+    lines = cli("diff", "m13", "m14").lines
+    assert lines[:2] == ["--- mechserve/spec/m13_output_caching.py", "+++ mechserve/spec/m14_forced_runs.py"]
+    body = lines[lines.index('+"""m14 — Forced runs (jump-forward).') :]
+    added = [line[1:] for line in body if line.startswith("+")]
+    removed = [line[1:] for line in body if line.startswith("-")]
+    assert any("forced: tuple[int, ...] = ()  # m14" in line for line in added)
+    assert any("def _force" in line for line in added)
+    assert sum("# m14" in line for line in added) >= 8
+    code = removed[removed.index('TITLE = "Output caching"') :]
+    back = {line.strip() for line in added}
+    gone = [line.strip() for line in code if line.strip() not in back]
+    assert gone == [
+        'TITLE = "Output caching"',
+        'KEY_QUESTION = "How does a conversation\'s next turn reuse the answer the engine has just generated?"',
+        'NOTE = "13-output-caching.md"',
+        "so far: the prompt's keys, then keys over appended ids.",
+        '"""The record as a JSON-ready dict, trace fields in contract order."""',
+        "returned where rule S says EOS (``eos_after``).",
+        "def __init__(self, scripts: dict[str, list[int]], eos_after: dict[str, int]) -> None:",
+        "return Outcome(item.request_id, item.start_position, item.num_tokens, accepted, item.placements, tuple(ids))",
+        '"""The complete engine as of m13.',
+        "a = min(a, r.eos_after - r.generated)  # the EOS clamp",
+    ], gone
+    hunks = "\n".join(lines).split("\n@@ ")[1:]
+    assert all("m14" in hunk or "forced" in hunk.lower() for hunk in hunks), hunks
 
 
 def test_diff_unknown_rung(cli) -> None:

@@ -87,14 +87,14 @@ def test_load_rung_spellings(spelling: str) -> None:
     assert rung_label(rung) == "m05"
 
 
-@pytest.mark.parametrize("spelling", ["m14", "14", "preemption", "", "m05_preempt", "-1"])
+@pytest.mark.parametrize("spelling", ["m15", "15", "preemption", "", "m05_preempt", "-1"])
 def test_load_rung_unknown(spelling: str) -> None:
-    with pytest.raises(UnknownRung, match=r"m00 \.\. m13: m00_engine_loop.*m12_admission_control, m13_output_caching"):
+    with pytest.raises(UnknownRung, match=r"m00 \.\. m14: m00_engine_loop.*m13_output_caching, m14_forced_runs"):
         load_rung(spelling)
 
 
 def test_load_rung_top() -> None:
-    assert load_rung("m13") is load_rung(RUNGS[-1]) is load_rung("13")
+    assert load_rung("m14") is load_rung(RUNGS[-1]) is load_rung("14")
 
 
 def test_unknown_rung_is_a_workload_error() -> None:

@@ -18,7 +18,7 @@ from mechserve.engine import pool as engine_module
 from mechserve.engine.core import EngineCore
 from mechserve.engine.pool import available_memory, page_bytes
 from mechserve.model.loader import LoadedModel, load_model
-from mechserve.spec import m13_output_caching as m13
+from mechserve.spec import m14_forced_runs as m14
 
 
 def call(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -292,7 +292,7 @@ class _FailingAt:
         calls = iter(range(1_000_000))
         original = inner.execute
 
-        def execute(plan: tuple[m13.PlanItem, ...]) -> tuple[m13.Outcome, ...]:
+        def execute(plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
             if next(calls) == self.step:
                 raise self.error
             return original(plan)
@@ -307,8 +307,8 @@ engine_module_executor = executors_module.TorchExecutor
 @pytest.mark.parametrize(
     ("error", "message"),
     [
-        (m13.Irreducible("r0 needs 9 page(s) but the pool has 8"), "Irreducible during step 2: r0 needs 9 page(s)"),
-        (m13.BoundaryViolation("r0: bad outcome"), "BoundaryViolation during step 2: r0: bad outcome"),
+        (m14.Irreducible("r0 needs 9 page(s) but the pool has 8"), "Irreducible during step 2: r0 needs 9 page(s)"),
+        (m14.BoundaryViolation("r0: bad outcome"), "BoundaryViolation during step 2: r0: bad outcome"),
         (RuntimeError("CPU allocator: failed to allocate 10 GB"), "out of memory during step 2: CPU allocator"),
         (ValueError("something odd"), "ValueError during step 2: something odd"),
     ],

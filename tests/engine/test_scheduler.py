@@ -1,17 +1,17 @@
-"""``Scheduler``: m13 behind the runtime's contract (counts, page usage, finish with status, metrics facts)."""
+"""``Scheduler``: m14 behind the runtime's contract (counts, page usage, finish with status, metrics facts)."""
 
 from __future__ import annotations
 
 from mechserve.api.config import EngineConfig
 from mechserve.engine.scheduler import Scheduler
-from mechserve.spec import m13_output_caching as m13
+from mechserve.spec import m14_forced_runs as m14
 
 
 def scheduler(num_pages: int, **config: object) -> Scheduler:
-    """A scheduler over m13's scripted executor (no model): page size 1, a budget of 16 tokens."""
+    """A scheduler over m14's scripted executor (no model): page size 1, a budget of 16 tokens."""
     cfg = EngineConfig(page_size=1, max_step_tokens=16, max_running=None, **config)  # type: ignore[arg-type]
     return Scheduler(
-        cfg, num_pages=num_pages, max_model_len=None, eos_token_ids=(), executors=[m13.LocalExecutor({}, {})]
+        cfg, num_pages=num_pages, max_model_len=None, eos_token_ids=(), executors=[m14.LocalExecutor({}, {})]
     )
 
 
@@ -73,7 +73,7 @@ def test_a_finish_outside_the_step_is_a_stop_not_an_abort() -> None:
     assert record.accepted["a"] == 3 and len(record.tokens["a"]) == 4
     s.finish("a", kept=2, generated=3)
     cut = s.cut(record)
-    assert cut.finished["a"] is m13.FinishReason.STOP and cut.tokens["a"] == record.tokens["a"][:2]
+    assert cut.finished["a"] is m14.FinishReason.STOP and cut.tokens["a"] == record.tokens["a"][:2]
     assert (cut.accepted["a"], cut.rolled_back["a"]) == (1, 2)
     after = s.step().record
     assert "a" not in after.aborted
@@ -90,10 +90,10 @@ def test_every_cut_leaves_the_record_counting_what_the_request_keeps() -> None:
     prompt = [1, 2, 3]
     chain, prev = [], prompt[-1]
     for j in range(8):
-        prev = m13.scripted_token(prev, len(prompt) + j)
+        prev = m14.scripted_token(prev, len(prompt) + j)
         chain.append(prev)
 
-    def window(**add: object) -> m13.StepRecord:
+    def window(**add: object) -> m14.StepRecord:
         s = scheduler(16, spec_len=3)
         s.add("a", prompt, int(add.pop("max_new", 10)), **add)  # type: ignore[arg-type]
         s.step()  # the prefill samples chain[0]
@@ -102,7 +102,7 @@ def test_every_cut_leaves_the_record_counting_what_the_request_keeps() -> None:
     plain = window()
     assert (plain.drafted["a"], plain.accepted["a"], plain.tokens["a"]) == (3, 3, tuple(chain[1:5]))
     stop = window(stop_token_ids=(chain[2],))
-    assert (stop.accepted["a"], stop.tokens["a"], stop.finished["a"]) == (1, tuple(chain[1:3]), m13.FinishReason.STOP)
+    assert (stop.accepted["a"], stop.tokens["a"], stop.finished["a"]) == (1, tuple(chain[1:3]), m14.FinishReason.STOP)
     capped = window(max_new=3)
     assert (capped.drafted["a"], capped.accepted["a"], capped.tokens["a"]) == (1, 1, tuple(chain[1:3]))
     s = scheduler(16, spec_len=3)
@@ -112,11 +112,11 @@ def test_every_cut_leaves_the_record_counting_what_the_request_keeps() -> None:
     s.finish("a", kept=2, generated=3)  # a stop string ended in the second id the window appended
     cut = s.cut(record)
     assert (cut.accepted["a"], cut.rolled_back["a"], cut.tokens["a"]) == (1, 2, tuple(chain[1:3]))
-    eng = m13.Engine([m13.Request("a", prompt, 10, eos_after=2)], 16, 1, 16, spec_len=3)
+    eng = m14.Engine([m14.Request("a", prompt, 10, eos_after=2)], 16, 1, 16, spec_len=3)
     eng.step()
     eos = eng.step()
     assert (eos.accepted["a"], eos.tokens["a"], eos.finished["a"]) == (
         1,
-        (chain[1], m13.EOS_TOKEN_ID),
-        m13.FinishReason.EOS,
+        (chain[1], m14.EOS_TOKEN_ID),
+        m14.FinishReason.EOS,
     )

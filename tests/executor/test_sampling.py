@@ -16,7 +16,7 @@ from tiny_checkpoints import Tiny, build_tiny
 from mechserve.api.params import SamplingParams
 from mechserve.executor.sampling import Row, Sampler, apply_top_p, token_logprobs
 from mechserve.executor.torch_executor import TorchExecutor
-from mechserve.spec import m13_output_caching as m13
+from mechserve.spec import m14_forced_runs as m14
 
 SLACK = 1e-4  # float32 against the float64 reference at a mask's boundary
 
@@ -215,7 +215,7 @@ def sample_once_each(tiny: Tiny, params: list[SamplingParams], sampler_seed: int
     for i, p in enumerate(params):
         ex.add_request(f"r{i}", PROMPT, p)
         placements = tuple((pos, i, pos) for pos in range(len(PROMPT)))
-        plan.append(m13.PlanItem(f"r{i}", 0, len(PROMPT), 0, False, placements, tuple(PROMPT), True, 0, (i,)))
+        plan.append(m14.PlanItem(f"r{i}", 0, len(PROMPT), 0, False, placements, tuple(PROMPT), True, 0, (i,)))
     return [o.token_ids[0] for o in ex.execute(tuple(plan))]
 
 
