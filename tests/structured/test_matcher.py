@@ -148,3 +148,33 @@ def test_drafts_the_grammar_forbids_are_never_accepted(byte_model: LoadedModel) 
     assert sum(sum(r.drafted.values()) for r in records) > 0
     assert sum(sum(r.accepted.values()) for r in records) == 0
     assert got[0].outputs[0].text.isdigit()
+
+
+def test_an_end_after_a_complete_stopped_grammar_is_valid_as_a_guess_and_as_output(byte_model, compiler) -> None:
+    """llguidance's validate_tokens refuses the end once a JSON value is closed (the matcher is stopped),
+    though consuming it works: a guessed end there is valid, and an output ending with it syncs."""
+    tok = byte_model.tokenizer
+    m = compiler.compile(StructuredOutputsParams(json={"type": "object", "properties": {}})).matcher([0])
+    ids = tok.encode("{}")
+    assert m.valid_prefix([*ids, 0]) == len(ids) + 1
+    m.sync([*ids, 0])
+    assert m.tokens == [*ids, 0] and m.is_stopped()
+    m.sync(ids)  # rolled back past the end
+    assert m.tokens == ids
+
+
+def test_ends_past_a_stopped_grammar_are_counted_and_rolled_back(byte_model, compiler) -> None:
+    """With ignore_eos a request keeps going after its end: the stopped grammar allows only more ends."""
+    tok = byte_model.tokenizer
+    m = compiler.compile(StructuredOutputsParams(regex="ab")).matcher([0])
+    ids = tok.encode("ab")
+    m.sync([*ids, 0, 0, 0])
+    bm = new_bitmask(1, compiler.vocab_size)
+    m.fill(bm, 0)
+    assert allowed_rows(bm, compiler.vocab_size)[0].nonzero().flatten().tolist() == [0]
+    assert m.valid_prefix([0, 0, 5]) == 2
+    m.sync([*ids, 0])
+    assert m.tokens == [*ids, 0]
+    m.sync(ids[:1])
+    m.fill(bm, 0)
+    assert torch.equal(bm[0], mask_after(compiler, StructuredOutputsParams(regex="ab"), ids[:1]))
