@@ -8,8 +8,8 @@
   compiles (the cache emptied each time);
 * ``mask``: at each batch size B, B matchers walk valid "person" instances token by token; per step,
   ``fill_us`` is llguidance writing B masks (``GrammarMatcher.fill``) and ``apply_us`` unpacking them
-  and masking ``[B, V]`` float32 logits (``allowed_rows`` + ``masked_fill_``, what the sampler does),
-  medians over the steps;
+  and masking ``[B, V]`` float32 logits (``allowed_rows`` + the sampler's ``process_logits``: a copy of
+  the logits and one masked write per row), medians over the steps;
 * ``e2e``: greedy generation of ``--max-tokens`` tokens through ``LLM`` at each batch size,
   unconstrained and constrained by the person schema, interleaved round by round: wall seconds,
   output tokens, ms per output token, and the executor's own mask time per step
@@ -121,7 +121,8 @@ def mask_costs(compiler: Any, tokenizer: Any, vocab: int, batch: int) -> dict[st
     """Per step of ``batch`` matchers walking person instances: median fill and apply microseconds."""
     import torch
 
-    from mechserve.api.params import StructuredOutputsParams
+    from mechserve.api.params import GREEDY, StructuredOutputsParams
+    from mechserve.executor.sampling import Row, process_logits
     from mechserve.executor.structured import allowed_rows, new_bitmask
 
     grammar = compiler.compile(StructuredOutputsParams(json=PERSON))
@@ -137,8 +138,8 @@ def mask_costs(compiler: Any, tokenizer: Any, vocab: int, batch: int) -> dict[st
         for j in live:
             matchers[j].fill(bm, j)
         filled = time.perf_counter()
-        x = logits.clone()
-        x.masked_fill_(~allowed_rows(bm, vocab), float("-inf"))
+        allowed = allowed_rows(bm, vocab)
+        process_logits(logits, [Row(GREEDY, step, allowed=allowed[j]) for j in range(batch)])
         applied = time.perf_counter()
         fills.append(filled - began)
         applies.append(applied - filled)
