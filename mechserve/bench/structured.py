@@ -154,14 +154,16 @@ def mask_costs(compiler: Any, tokenizer: Any, vocab: int, batch: int) -> dict[st
 
 
 def e2e(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
-    from mechserve.api.params import SamplingParams
+    from mechserve.api.params import SamplingParams, StructuredOutputsParams
     from mechserve.entrypoints.llm import LLM
 
     llm = LLM(loaded, num_pages=args.num_pages, max_step_tokens=args.max_step_tokens)
     prompt = "Invent a person and describe them as JSON with name, age, email, city, languages and address."
     modes = {
         "unconstrained": SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True),
-        "constrained": SamplingParams(temperature=0.0, max_tokens=args.max_tokens, structured_outputs={"json": PERSON}),
+        "constrained": SamplingParams(
+            temperature=0.0, max_tokens=args.max_tokens, structured_outputs=StructuredOutputsParams(json=PERSON)
+        ),
     }
     llm.generate([prompt], modes["constrained"], use_tqdm=False)  # compile and warm up once
     report: dict[str, Any] = {}
