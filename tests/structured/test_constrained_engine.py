@@ -15,9 +15,9 @@ from typing import Any
 
 import jsonschema
 import pytest
-from conftest import byte_core
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_engines import byte_core
 
 from mechserve.api.config import SpeculativeConfig
 from mechserve.api.errors import ParamError

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import byte_core
 from scipy.stats import chisquare
+from tiny_engines import byte_core
 from transformers import AutoModelForCausalLM
 
 from mechserve.api.params import SamplingParams

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import byte_core
+from tiny_engines import byte_core
 
 from mechserve.api.config import EngineConfig
 from mechserve.api.params import SamplingParams, StructuredOutputsParams
