@@ -21,6 +21,7 @@ _LAZY = {
     "EngineCore": "mechserve.engine.core",
     "RequestRejected": "mechserve.engine.core",
     "SamplingParams": "mechserve.api.params",
+    "StructuredOutputsParams": "mechserve.api.params",
     "RequestOutput": "mechserve.api.outputs",
     "CompletionOutput": "mechserve.api.outputs",
 }

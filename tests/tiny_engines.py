@@ -73,6 +73,13 @@ def core(loaded: LoadedModel, **config: Any) -> EngineCore:
     return EngineCore(loaded, EngineConfig(**config))
 
 
+def byte_core(loaded: LoadedModel, **config: Any) -> EngineCore:
+    """An ``EngineCore`` on the byte-level tiny model of ``tests/structured`` (page size 4, 256 pages unless given)."""
+    config.setdefault("page_size", 4)
+    config.setdefault("num_pages", 256)
+    return EngineCore(loaded, EngineConfig(**config))
+
+
 def drain(c: EngineCore, limit: int = 10_000) -> list[Any]:
     """Step ``c`` until it is idle; return the StepOutputs."""
     outs = []

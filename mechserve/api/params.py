@@ -9,6 +9,7 @@ vocabulary, a bad word that does not tokenize) happen at submission, in
 
 from __future__ import annotations
 
+import json as _json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -23,6 +24,120 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_PENALTY = 2.0  # OpenAI's (and vLLM's) range for presence/frequency penalties: [-2, 2]
 MAX_FILTER_IDS = 65_536  # ids in logit_bias / allowed_token_ids; bad words
 MAX_BAD_WORDS = 128  # vLLM's MAX_NUM_BAD_WORDS
+MAX_CHOICES = 1024  # strings in a structured_outputs choice
+MAX_GRAMMAR_CHARS = 1_000_000  # a schema's JSON text, a regex or a grammar
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output, vLLM's ``StructuredOutputsParams`` (exactly one kind set).
+
+    * ``json``: a JSON schema (a dict, or its JSON text); the output is one JSON value valid under it.
+    * ``regex``: the output matches the regular expression as a whole.
+    * ``choice``: the output is exactly one of these strings.
+    * ``grammar``: a context-free grammar, Lark/EBNF as llguidance reads it, or llama.cpp's GBNF
+      (recognised by its ``::=`` rules).
+    * ``json_object``: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+
+    Whether a schema, regex or grammar compiles is checked when the request is submitted (the
+    grammar engine is behind the boundary); here only the shape is checked.  Raises ``ParamError``
+    with ``param="structured_outputs"`` unless exactly one kind is set and it has the right type.
+    """
+
+    json: dict[str, Any] | str | None = field(default=None, hash=False)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, str):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        set_kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object is True:
+            set_kinds.append("json_object")
+        elif self.json_object is not False:
+            raise ParamError(
+                "structured_outputs", f"structured_outputs.json_object must be a boolean, got {self.json_object!r}"
+            )
+        if len(set_kinds) != 1:
+            raise ParamError(
+                "structured_outputs",
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                f"got {set_kinds or 'none'}",
+            )
+        if self.json is not None:
+            ok = isinstance(self.json, dict) or (isinstance(self.json, str) and 0 < len(self.json) <= MAX_GRAMMAR_CHARS)
+            _so_check(
+                ok, f"structured_outputs.json must be a JSON schema (an object or its JSON text), got {self.json!r:.80}"
+            )
+            if isinstance(self.json, str):
+                try:
+                    schema = _json.loads(self.json)
+                except ValueError as e:
+                    raise ParamError("structured_outputs", f"structured_outputs.json is not valid JSON: {e}") from None
+                _so_check(
+                    isinstance(schema, dict | bool),
+                    f"structured_outputs.json must be a JSON schema (an object), got {schema!r:.80}",
+                )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                _so_check(
+                    isinstance(value, str) and 0 < len(value) <= MAX_GRAMMAR_CHARS,
+                    f"structured_outputs.{name} must be a non-empty string of at most {MAX_GRAMMAR_CHARS} characters",
+                )
+        if self.choice is not None:
+            ch = self.choice
+            _so_check(
+                not isinstance(ch, str) and 0 < len(ch) <= MAX_CHOICES and all(isinstance(c, str) and c for c in ch),
+                f"structured_outputs.choice must be a list of 1..{MAX_CHOICES} non-empty strings, got {ch!r:.80}",
+            )
+
+    @property
+    def kind(self) -> str:
+        """The kind set: ``"json"``, ``"regex"``, ``"choice"``, ``"grammar"`` or ``"json_object"``."""
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """A hashable key naming the constraint (compiled grammars are cached by it)."""
+        if self.json is not None:
+            schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+            return ("json", _json.dumps(schema, sort_keys=True))
+        if self.choice is not None:
+            return ("choice", _json.dumps(list(self.choice)))
+        if self.regex is not None:
+            return ("regex", self.regex)
+        if self.grammar is not None:
+            return ("grammar", self.grammar)
+        return ("json_object", "")
+
+    @classmethod
+    def from_value(cls, value: Any) -> StructuredOutputsParams:
+        """``value`` as ``StructuredOutputsParams``: itself, or a dict of its fields (vLLM accepts both).
+
+        Raises ``ParamError("structured_outputs", ...)`` for another type or an unknown key."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise ParamError("structured_outputs", f"structured_outputs must be an object, got {value!r:.80}")
+        known = {"json", "regex", "choice", "grammar", "json_object"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ParamError(
+                "structured_outputs",
+                f"structured_outputs has unknown keys {unknown}; known: {sorted(known)}",
+            )
+        return cls(**{k: v for k, v in value.items() if v is not None})
+
+
+def _so_check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ParamError("structured_outputs", message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +184,10 @@ class SamplingParams:
       "The output so far" at a position is every token before it, so a decode window's guess
       positions count the guesses before them (speculation changes nothing).
     * ``truncate_prompt_tokens``: keep only the last k prompt tokens (-1: the model's context).
+    * ``structured_outputs``: a ``StructuredOutputsParams`` (or a dict of its fields): the output is
+      constrained to a JSON schema, any JSON object, a regex, a choice or a grammar.  The grammar's
+      mask applies after every other filter; a constrained request's EOS is allowed only where the
+      grammar accepts.
 
     Raises ``ParamError`` (a ``ValueError`` whose ``param`` names the field) on any out-of-range value.
     """
@@ -95,8 +214,11 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = field(default=())
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_value(self.structured_outputs))
         # Accept a bare string / any sequence for the list fields, store tuples.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
@@ -217,4 +339,12 @@ def _check(ok: bool, message: str) -> None:
 
 GREEDY = SamplingParams(temperature=0.0)
 
-__all__ = ["GREEDY", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_PENALTY", "SAMPLING_EPS", "SamplingParams"]
+__all__ = [
+    "GREEDY",
+    "MAX_LOGIT_BIAS",
+    "MAX_LOGPROBS",
+    "MAX_PENALTY",
+    "SAMPLING_EPS",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]

@@ -9,6 +9,7 @@ id, following vLLM's sampler (``vllm/model_executor/layers/sampler.py``,
          (``vllm/v1/sample/sampler.py``, ``Sampler.forward`` steps 3-6):
          allowed_token_ids -> bad_words -> min_tokens (EOS and stop ids = -inf while the output is
          shorter than min_tokens) -> logit_bias -> repetition, frequency, presence penalties
+         -> the grammar's mask (structured outputs: ids it forbids = -inf; ``Row.allowed``)
       -> greedy rows (temperature < 1e-5 or top_k == 1): argmax, done
       -> sampling rows: / temperature -> top-k -> softmax -> top-p -> min-p (masked = probability 0)
       -> draw: argmax(probs / q), q = -log(U) ~ Exp(1) i.i.d. (the exponential race: P(i) = probs[i] / sum(probs))
@@ -58,6 +59,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from mechserve.api.outputs import TokenLogprobs
@@ -83,7 +85,10 @@ class Row(NamedTuple):
     (``params.filtered``): ``history`` is every token before this row's
     position (the prompt, then the output so far, a decode window's earlier
     guesses included), of which the first ``prompt_len`` are the prompt, and
-    ``bad_words`` the token ids of its bad words.
+    ``bad_words`` the token ids of its bad words.  ``allowed``: for a constrained request
+    (``params.structured_outputs``), bool ``[V]``, the ids its grammar allows at this row (the
+    grammar's mask is applied after every other filter; should the filters leave none of them,
+    min_tokens bans first, the grammar's mask alone applies to the raw logits).
     """
 
     params: SamplingParams
@@ -92,11 +97,16 @@ class Row(NamedTuple):
     history: Sequence[int] = ()
     prompt_len: int = 0
     bad_words: tuple[tuple[int, ...], ...] = ()
+    allowed: torch.Tensor | None = None
 
     @property
     def processed(self) -> bool:
         """Whether ``process_logits`` changes this row."""
-        return self.params.filtered or bool(self.banned and self.token_index < self.params.min_tokens)
+        return (
+            self.params.filtered
+            or self.allowed is not None
+            or bool(self.banned and self.token_index < self.params.min_tokens)
+        )
 
 
 def _mix64(z: int) -> int:
@@ -272,10 +282,26 @@ def process_logits(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     todo = [i for i, row in enumerate(rows) if row.processed]
     if not todo:
         return logits
-    out = logits.clone()
+    # numpy's copy and masked write are single-threaded: torch's parallel kernels stall for milliseconds
+    # on a loaded machine, for a copy this size (see docs/benchmarks.md, structured outputs).
+    out = torch.from_numpy(logits.detach().numpy().copy()) if logits.device.type == "cpu" else logits.clone()
     for i in todo:
-        _process_row(out[i], rows[i])
+        row = rows[i]
+        _process_row(out[i], row)
+        if row.allowed is not None:
+            _mask_row(out[i], logits[i], row.allowed)
     return out
+
+
+def _mask_row(x: torch.Tensor, raw: torch.Tensor, allowed: torch.Tensor) -> None:
+    """Set ``x`` ([V] float32, written in place) to -inf where the grammar's ``allowed`` ([V] bool) is
+    false; should that leave nothing (min_tokens banned every id the grammar allows), the grammar's
+    mask over the ``raw`` logits instead."""
+    xn, forbidden = x.numpy(), ~allowed.numpy()
+    np.copyto(xn, -np.inf, where=forbidden)
+    if xn.max() == -np.inf:
+        np.copyto(xn, raw.detach().numpy())
+        np.copyto(xn, -np.inf, where=forbidden)
 
 
 def _process_row(x: torch.Tensor, row: Row) -> None:

@@ -52,3 +52,28 @@ def test_each_bad_value_names_its_field(field: str, value: object) -> None:
     with pytest.raises(ParamError) as err:
         SamplingParams(**{field: value})
     assert err.value.param == field and field in str(err.value)
+
+
+def test_structured_outputs_takes_exactly_one_kind_and_a_dict() -> None:
+    from mechserve.api.errors import ParamError
+    from mechserve.api.params import StructuredOutputsParams
+
+    p = SamplingParams(structured_outputs={"choice": ["a", "b"]})
+    assert p.structured_outputs == StructuredOutputsParams(choice=("a", "b"))
+    assert p.structured_outputs.kind == "choice"
+    assert StructuredOutputsParams(json='{"b": 1, "a": 2}').key == StructuredOutputsParams(json={"a": 2, "b": 1}).key
+    bad = [
+        {},
+        {"regex": "a", "choice": ["b"]},
+        {"json": "{not json"},
+        {"json": "[1]"},
+        {"choice": []},
+        {"choice": ["", "x"]},
+        {"regex": ""},
+        {"json_object": "yes"},
+        {"jsn": {}},
+    ]
+    for value in bad:
+        with pytest.raises(ParamError) as info:
+            SamplingParams(structured_outputs=value)
+        assert info.value.param == "structured_outputs", value
