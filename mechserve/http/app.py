@@ -144,11 +144,12 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         response_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=body.fit_max_tokens)
         render = _render(body, params, llm)
-        stream = ChatStream(handles, response_id, model_name, params, body.include_usage, render)
+        tools = body.tool_plan()
+        stream = ChatStream(handles, response_id, model_name, params, body.include_usage, render, tools=tools)
         if body.stream:
             return EventStream(stream.chunks(), handles)
         outputs = await _unless_disconnected(request, _drain(llm, handles), handles)
-        choices = r.chat_choices(outputs[0], render)
+        choices = r.chat_choices(outputs[0], render, tools)
         result = r.envelope("chat.completion", response_id, stream.created, model_name, choices)
         if render.prompt_logprobs:
             result["prompt_logprobs"] = r.vllm_prompt_logprobs(outputs[0].prompt_logprobs)
@@ -188,6 +189,8 @@ def body_chat(body: TokenizeChatRequest) -> Chat:
         body.check_supported()
     except UnsupportedField as exc:
         raise APIError(400, str(exc), param=exc.param, code="unsupported_parameter") from None
+    except ParamError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     return body.chat()
 
 
