@@ -52,6 +52,33 @@ def save_word_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
+# Byte-level pieces merged into single tokens, so JSON has several spellings (drafts, rollback).
+BYTE_MERGES = ('"', ":"), ("{", '"'), (",", '"'), ('"', "}"), ("t", "r"), ("tr", "u"), ("tru", "e"), ("Ġ", '"')
+BYTE_VOCAB = 272  # 1 EOS + 256 bytes + the merges, padded to an even width
+
+
+def save_byte_tokenizer(path: Path) -> Any:
+    """Save a byte-level BPE tokenizer (GPT-2's byte alphabet, a few JSON merges, EOS ``<|endoftext|>`` = 0)
+    next to a model of vocabulary ``BYTE_VOCAB``: any text is a token string, as structured outputs need."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0}
+    for ch in sorted(ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    for a, b in BYTE_MERGES:
+        vocab[a + b] = len(vocab)
+    assert len(vocab) <= BYTE_VOCAB
+    tok = Tokenizer(models.BPE(vocab, list(BYTE_MERGES)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
 def hf_greedy(hf: Any, prompt: Sequence[int], max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
     """transformers' own greedy continuation of one prompt (batch 1, no padding)."""
     ids = torch.tensor([list(prompt)])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -30,13 +31,14 @@ from typing import Any
 from mechserve.api.config import EngineConfig, dtype_name
 from mechserve.api.errors import ParamError, RankError, RequestRejected
 from mechserve.api.outputs import ABORT, LENGTH, STOP, PositionLogprobs, RequestOutput, StepOutput, TokenLogprobs
-from mechserve.api.params import SamplingParams
+from mechserve.api.params import SamplingParams, StructuredOutputsParams
 from mechserve.engine.detokenizer import OutputText
 from mechserve.engine.executors import build_executor, configure_threads, load_draft
 from mechserve.engine.pool import check_kv_memory, draft_page_bytes, model_context, page_bytes, size_pool
 from mechserve.engine.requests import RequestGroup, Sample
 from mechserve.engine.scheduler import PageUsage, Scheduler
 from mechserve.executor.protocol import Executor, ExecutorStats
+from mechserve.executor.structured import CompiledGrammar, GrammarCompiler
 from mechserve.kv import native
 from mechserve.spec import m13_output_caching as m13
 
@@ -132,6 +134,8 @@ class EngineCore:
         self._unrecorded = False  # a door refusal or abort the next step record will show
         self._ids = itertools.count()
         self._token_text: dict[int, str] = {}  # decoded_token of each id a logprob has named
+        self._grammars: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
 
     @classmethod
     def open(cls, model: Any, config: EngineConfig | None = None, **kwargs: Any) -> EngineCore:
@@ -184,6 +188,8 @@ class EngineCore:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         ids = self._truncated(self._check_ids(prompt_ids, params), params)
         bad_words = self._bad_words_ids(params)
+        grammar = self.compile_grammar(params.structured_outputs) if params.structured_outputs else None
+        constrained = {} if grammar is None else {"grammar": grammar}
         limit = self.config.max_waiting
         if limit is not None and params.n > limit:
             raise ParamError(
@@ -222,7 +228,7 @@ class EngineCore:
                 sample.logprobs = []
             group.samples.append(sample)
             self.executor.add_request(
-                engine_id, ids, sample_params, eos_token_ids=self.eos_token_ids, bad_words_ids=bad_words
+                engine_id, ids, sample_params, eos_token_ids=self.eos_token_ids, bad_words_ids=bad_words, **constrained
             )
         self._groups[request_id] = group
         for sample in group.samples:
@@ -431,6 +437,26 @@ class EngineCore:
         self.executor.close()
 
     # Submission checks --------------------------------------------------------------------------------------------
+
+    def compile_grammar(self, so: StructuredOutputsParams) -> CompiledGrammar:
+        """``so`` compiled for this model's tokenizer (cached by ``so.key``); safe from any thread.
+
+        ``AsyncLLM`` calls it in a worker thread before it hands a request to the engine thread, so a
+        schema is compiled before admission and never on the step loop; ``add_request`` then finds
+        it in the cache.  Raises ``ParamError("structured_outputs", ...)`` naming the problem (a
+        schema keyword llguidance does not implement, a bad regex or grammar), or when this engine
+        cannot constrain (no tokenizer, ``world_size > 1``)."""
+        if self.world_size > 1:
+            raise ParamError("structured_outputs", "structured outputs are not supported with world_size > 1 yet")
+        if self.tokenizer is None or not hasattr(self.tokenizer, "backend_tokenizer"):
+            raise ParamError(
+                "structured_outputs", "structured outputs need the model's Hugging Face tokenizer; this one has none"
+            )
+        with self._grammar_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+            grammars = self._grammars
+        return grammars.compile(so)
 
     def _check_ids(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt as a list of ints; raises ``ParamError`` for an id outside the vocabulary in the

@@ -9,6 +9,7 @@ id, following vLLM's sampler (``vllm/model_executor/layers/sampler.py``,
          (``vllm/v1/sample/sampler.py``, ``Sampler.forward`` steps 3-6):
          allowed_token_ids -> bad_words -> min_tokens (EOS and stop ids = -inf while the output is
          shorter than min_tokens) -> logit_bias -> repetition, frequency, presence penalties
+         -> the grammar's mask (structured outputs: ids it forbids = -inf; ``Row.allowed``)
       -> greedy rows (temperature < 1e-5 or top_k == 1): argmax, done
       -> sampling rows: / temperature -> top-k -> softmax -> top-p -> min-p (masked = probability 0)
       -> draw: argmax(probs / q), q = -log(U) ~ Exp(1) i.i.d. (the exponential race: P(i) = probs[i] / sum(probs))
@@ -83,7 +84,10 @@ class Row(NamedTuple):
     (``params.filtered``): ``history`` is every token before this row's
     position (the prompt, then the output so far, a decode window's earlier
     guesses included), of which the first ``prompt_len`` are the prompt, and
-    ``bad_words`` the token ids of its bad words.
+    ``bad_words`` the token ids of its bad words.  ``allowed``: for a constrained request
+    (``params.structured_outputs``), bool ``[V]``, the ids its grammar allows at this row (the
+    grammar's mask is applied after every other filter; should the filters leave none of them,
+    min_tokens bans first, the grammar's mask alone applies to the raw logits).
     """
 
     params: SamplingParams
@@ -92,11 +96,16 @@ class Row(NamedTuple):
     history: Sequence[int] = ()
     prompt_len: int = 0
     bad_words: tuple[tuple[int, ...], ...] = ()
+    allowed: torch.Tensor | None = None
 
     @property
     def processed(self) -> bool:
         """Whether ``process_logits`` changes this row."""
-        return self.params.filtered or bool(self.banned and self.token_index < self.params.min_tokens)
+        return (
+            self.params.filtered
+            or self.allowed is not None
+            or bool(self.banned and self.token_index < self.params.min_tokens)
+        )
 
 
 def _mix64(z: int) -> int:
@@ -275,6 +284,12 @@ def process_logits(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     out = logits.clone()
     for i in todo:
         _process_row(out[i], rows[i])
+        allowed = rows[i].allowed
+        if allowed is not None:
+            x = out[i]
+            x.masked_fill_(~allowed, float("-inf"))
+            if not bool(torch.isfinite(x).any()):  # the filters left nothing the grammar allows
+                x.copy_(logits[i].masked_fill(~allowed, float("-inf")))
     return out
 
 

@@ -84,6 +84,7 @@ from mechserve.executor.proposers import (
 from mechserve.executor.proposers import Proposer as DraftProposer
 from mechserve.executor.protocol import ExecutorStats
 from mechserve.executor.sampling import Row, Sampler, token_logprobs
+from mechserve.executor.structured import CompiledGrammar, GrammarMatcher, allowed_rows, new_bitmask
 from mechserve.executor.verify import verify_draft
 from mechserve.kv.paged import AttentionBatch, Span, build_attention_batch
 from mechserve.model.llama import LlamaModel
@@ -207,6 +208,7 @@ class TorchExecutor:
         self._sampling: dict[str, _Sampling] = {}
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
         self._prompt_logprobs: dict[str, _PromptLogprobs] = {}
+        self._matchers: dict[str, GrammarMatcher] = {}
 
     def _new_proposer(
         self, num_pages: int, kv_dtype: torch.dtype | None, fn: ProposerFn | None, draft: LlamaModel | None
@@ -254,9 +256,14 @@ class TorchExecutor:
         eos_token_ids: Sequence[int] = (),
         stop_token_ids: Sequence[int] = (),
         bad_words_ids: Sequence[Sequence[int]] = (),
+        grammar: CompiledGrammar | None = None,
     ) -> None:
         """Register a request's sampling params, its end ids and (optionally) its prompt, for drafting,
         penalties and prompt logprobs.
+
+        ``grammar``: the compiled ``params.structured_outputs`` (``GrammarCompiler.compile``, done by
+        the caller before admission); the request gets its own matcher, and every sampling row of it
+        is masked by the grammar.  A constrained request needs ``prompt_ids``.
 
         While fewer than ``params.min_tokens`` tokens exist, the stop ids
         (``stop_token_ids`` and ``params.stop_token_ids``) and, unless
@@ -276,6 +283,27 @@ class TorchExecutor:
             self._prompt_logprobs[request_id] = _PromptLogprobs(params.prompt_logprobs, tuple(prompt_ids))
         if prompt_ids is not None:
             self._history[request_id] = list(prompt_ids)
+        self._matchers.pop(request_id, None)
+        if grammar is not None:
+            if prompt_ids is None:
+                raise ValueError(f"{request_id}: a constrained request must be registered with its prompt")
+            self._matchers[request_id] = grammar.matcher(eos_token_ids)
+
+    def matcher(self, request_id: str) -> GrammarMatcher | None:
+        """The grammar matcher of a constrained request (None for another), e.g. for its ``forced_tokens()``.
+
+        Its state is synced to the request's output at each of its sampling rows; between steps it is
+        the state after the ids this executor last saw kept (call ``sync_matcher`` for the current
+        output)."""
+        return self._matchers.get(request_id)
+
+    def sync_matcher(self, request_id: str) -> GrammarMatcher | None:
+        """The matcher of ``request_id`` brought to the state after every output id this executor knows."""
+        m = self._matchers.get(request_id)
+        if m is not None:
+            s = self._sampling[request_id]
+            m.sync(self._history[request_id][s.prompt_len :])
+        return m
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's history, params, drafting state and untaken logprobs (take them first)."""
@@ -283,6 +311,7 @@ class TorchExecutor:
         self._sampling.pop(request_id, None)
         self._logprobs.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
+        self._matchers.pop(request_id, None)
         self.proposer.release(request_id)
         self.acceptance.release(request_id)
 
@@ -485,6 +514,8 @@ class TorchExecutor:
                 if first <= last:
                     prompt_rows.append((item.request_id, first, last - first + 1))
                     prompt_logit_rows += range(row + first - 1 - item.start_position, row + last - item.start_position)
+        if self._matchers:
+            self._mask_rows(plan, drafts, rows)
         arch = self.model.arch
         batch = build_attention_batch(
             spans, slots, ps, arch.num_heads // arch.num_kv_heads, self.model.distinct_windows
@@ -501,6 +532,45 @@ class TorchExecutor:
             num_logprobs=num_logprobs,
             prompt_rows=prompt_rows,
         )
+
+    def _mask_rows(self, plan: tuple[PlanItem, ...], drafts: list[Draft], rows: list[Row]) -> None:
+        """Give each sampling row of a constrained request its grammar mask (``Row.allowed``), in place.
+
+        The request's matcher is first synced to its output so far (``hist[prompt_len:]``, which the
+        item's known ids end: a rejected guess, a stop cut or a recompute after preemption rolls it
+        back or rebuilds it); row ``j`` of a decode window gets the state after the window's first
+        ``j`` guesses (``GrammarMatcher.window_masks``)."""
+        todo: list[tuple[GrammarMatcher, int, list[int]]] = []
+        first = 0
+        for item, d in zip(plan, drafts):
+            if not item.sample:
+                continue
+            m = self._matchers.get(item.request_id)
+            if m is not None:
+                s = self._sampling[item.request_id]
+                hist = self._history[item.request_id]
+                output = hist[s.prompt_len :]
+                if len(output) != item.generated or -1 in output:
+                    raise ValueError(
+                        f"{item.request_id}: the executor knows {len(output)} output id(s) of {item.generated} "
+                        "(a constrained request needs its whole output)"
+                    )
+                m.sync(output)
+                todo.append((m, first, list(d.tokens)))
+            first += len(d.tokens) + 1
+        if not todo:
+            return
+        bitmask = new_bitmask(sum(len(g) + 1 for _, _, g in todo), self.model.arch.vocab_size)
+        at = 0
+        for m, _, guesses in todo:
+            m.window_masks(guesses, bitmask, at)
+            at += len(guesses) + 1
+        allowed = allowed_rows(bitmask, self.model.arch.vocab_size)  # [C, V] bool
+        at = 0
+        for _, first, guesses in todo:
+            for j in range(len(guesses) + 1):
+                rows[first + j] = rows[first + j]._replace(allowed=allowed[at])
+                at += 1
 
     def _targets(self, step: _Step, logits: torch.Tensor) -> list[int]:
         """One id per sampling row, such that accepting each window's guesses while they equal the ids is the verdict.
