@@ -142,9 +142,20 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         model_name = _check_model(body.model, name)
         prompts, params = _prepare(body, lambda: [body.chat()], llm)
         response_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
-        handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=body.fit_max_tokens)
-        render = _render(body, params, llm)
         tools = body.tool_plan()
+        try:
+            handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=body.fit_max_tokens)
+        except APIError as exc:
+            if tools.forced and exc.param == "structured_outputs":
+                # the grammar is the tools' schema: a schema it cannot compile is a bad tool definition
+                raise APIError(
+                    400,
+                    f"tools: a function's parameters cannot be forced: {exc.message}",
+                    param="tools",
+                    code="invalid_value",
+                ) from None
+            raise
+        render = _render(body, params, llm)
         stream = ChatStream(handles, response_id, model_name, params, body.include_usage, render, tools=tools)
         if body.stream:
             return EventStream(stream.chunks(), handles)

@@ -3,7 +3,8 @@
 The serving tests' word tokenizer (``w0`` .. ``w127``) has no ``{`` or ``"``, so no JSON tool call can
 be written with it; this one has the 256 bytes (ids 0..255) and ChatML's two special tokens
 (``<|im_start|>`` 256, ``<|im_end|>`` 257, the EOS), and SmolLM2's ChatML template, which renders no
-tools (so the server uses its shipped tools template for this model, as it does for SmolLM2).
+tools (so the server uses its shipped tools template for this model, as it does for SmolLM2).  Its context
+is 4096 positions: at a byte per token a prompt with two tools is some 900 ids.
 """
 
 from __future__ import annotations
@@ -45,5 +46,9 @@ def save_byte_model(path: Path, seed: int = 0) -> Path:
     fast.chat_template = CHATML
     assert fast.convert_tokens_to_ids("<|im_end|>") == EOS, "the special tokens follow the 256 bytes"
     fast.save_pretrained(path)
-    save_tiny(path, tiny_config(vocab_size=BYTE_VOCAB, eos_token_id=EOS, bos_token_id=256), seed=seed)
+    save_tiny(
+        path,
+        tiny_config(vocab_size=BYTE_VOCAB, eos_token_id=EOS, bos_token_id=256, max_position_embeddings=4096),
+        seed=seed,
+    )
     return path
