@@ -22,13 +22,16 @@ by ``max_tokens`` keeps ``"length"``), ``tool_calls`` in OpenAI's shape (``id``,
 ``function.name``, ``function.arguments`` a JSON string) and ``content`` the text around the calls
 (null if none).  ``ToolStream`` parses a reply as it streams and gives OpenAI's chunk deltas; the
 whole reply is the same parse fed at once, so a streamed reply and a non-streamed one agree.
+A function's ``parameters`` must be a valid JSON schema of an object (``jsonschema`` checks it); with
+``strict: true``, an ``auto`` call whose arguments do not validate under it stays text (a forced call
+always validates: the grammar writes it).
 
 The template: the model's own (or ``--chat-template``'s) when it uses ``tools``; else, for a ChatML
 model (SmolLM2's template has no tools), ``templates/chatml_tools.jinja`` shipped here; else a 400
 (give ``--chat-template`` one that renders tools).  The same choice is made for a conversation
 whose history holds an assistant's ``tool_calls`` or ``tool`` messages, so they are never dropped.
 
-Standard library only.
+The standard library, and ``jsonschema`` for the tools' schemas.
 """
 
 from __future__ import annotations
@@ -185,6 +188,24 @@ def _check_parameters(schema: Any, where: str) -> None:
     required = schema.get("required", [])
     if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
         raise ParamError(f"{where}.required", f"{where}.required must be a list of property names")
+    jsonschema = _jsonschema()
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ParamError(where, f"{where} is not a valid JSON schema: {exc.message}") from None
+
+
+def _jsonschema() -> Any:
+    """``jsonschema``, imported when a tool is first checked (the server's dependency, not the package's)."""
+    import jsonschema  # type: ignore[import-untyped]
+
+    return jsonschema
+
+
+def valid_arguments(tool: FunctionTool, arguments: Mapping[str, Any]) -> bool:
+    """Whether ``arguments`` validate under ``tool``'s ``parameters`` (``jsonschema``)."""
+    validator = _jsonschema().validators.validator_for(tool.parameters)(tool.parameters)
+    return bool(validator.is_valid(arguments))
 
 
 def parse_tool_choice(raw: Any, tools: tuple[FunctionTool, ...], parallel: bool | None = None) -> ToolPlan:
@@ -385,7 +406,8 @@ class ToolStream:
     def _as_call(self, found: Any) -> ToolCall | None:
         if not isinstance(found, dict) or not isinstance(found.get("name"), str):
             return None
-        if self.plan.tool(found["name"]) is None:
+        tool = self.plan.tool(found["name"])
+        if tool is None:
             return None
         arguments = found.get("arguments", found.get("parameters", {}))
         if isinstance(arguments, str):  # some models write the arguments as JSON text
@@ -395,6 +417,8 @@ class ToolStream:
                 return None
         if not isinstance(arguments, dict):
             return None
+        if tool.strict and self.plan.mode == "auto" and not valid_arguments(tool, arguments):
+            return None  # a strict function's call must follow its schema (forced choices always do)
         return ToolCall(found["name"], json.dumps(arguments, ensure_ascii=False))
 
     def _emit(self, call: ToolCall) -> list[dict[str, Any]]:

@@ -295,9 +295,10 @@ FIELDS: tuple[Field, ...] = (
         honoured="function tools, rendered into the prompt by the chat template (the model's or "
         "`--chat-template`'s when it uses `tools`, else the shipped ChatML tools template); the reply's "
         '`<tool_call>{"name", "arguments"}</tool_call>` blocks come back as `tool_calls` with `finish_reason` '
-        '`"tool_calls"`, also streamed as `delta.tool_calls`',
+        '`"tool_calls"`, also streamed as `delta.tool_calls`; with `strict: true` an `auto` call whose arguments '
+        "do not validate under the function's schema stays text",
         refused_values="other kinds than `function`, a name outside `[A-Za-z0-9_-]{1,64}` or given twice, "
-        "`parameters` that are not a JSON schema of an object, more than 128 tools, a model whose "
+        "`parameters` that are not a valid JSON schema of an object, more than 128 tools, a model whose "
         "template renders no tools and is not ChatML",
         bad={"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
     ),

@@ -60,6 +60,11 @@ def fn(name: str, **function: Any) -> dict[str, Any]:
         ([fn("f", parameters={"type": "object", "properties": {"a": 1}})], "tools.0.function.parameters.properties"),
         ([fn("f", parameters={"type": "object", "required": "a"})], "tools.0.function.parameters.required"),
         ([fn("f", strict="yes")], "tools.0.function.strict"),
+        (
+            [fn("f", parameters={"type": "object", "properties": {"a": {"type": "nope"}}})],
+            "tools.0.function.parameters",
+        ),
+        ([fn("f", parameters={"type": "object", "minProperties": -1})], "tools.0.function.parameters"),
         ([fn(f"f{i}") for i in range(129)], "tools"),
     ],
 )
@@ -259,6 +264,17 @@ def test_a_named_function_streams_its_arguments_as_they_come(text: str, cuts: li
     reply = ToolStream(plan).parse(text)
     assert [(c.name, c.arguments) for c in reply.calls] == [("get_weather", text)] and reply.content is None
     assert stream_parse(plan, text, cuts)[:2] == ("", [("get_weather", text)])
+
+
+def test_a_strict_functions_auto_call_must_follow_its_schema() -> None:
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}  # type: ignore[dict-item]
+    for tools, calls in (([strict], []), ([WEATHER], ["get_weather"])):
+        plan = ToolPlan(parse_tools(tools), "auto")
+        bad = f'{OPEN}{{"name": "get_weather", "arguments": {{"town": "Paris"}}}}{CLOSE}'
+        reply = ToolStream(plan).parse(bad)
+        assert [c.name for c in reply.calls] == calls and reply.content == (None if calls else bad)
+        good = ToolStream(plan).parse(f'{OPEN}{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}{CLOSE}')
+        assert [c.name for c in good.calls] == ["get_weather"]
 
 
 def test_finish_reason() -> None:
