@@ -218,3 +218,24 @@ def test_the_shipped_template_path(tmp_path: Path) -> None:
 
     tok = load_model(str(save_byte_model(tmp_path))).tokenizer
     assert not renders_tools(tok.chat_template) and "<|im_start|>" in tok.chat_template
+
+
+# auto: a random model writes no call, so vLLM's structured_outputs (h16's field) writes one in the template's format
+CALL = r'<tool_call>\{"name":"get_time","arguments":\{"zone":"(UTC|CET)","exact":(true|false)\}\}</tool_call>'
+TWO_CALLS = {"regex": r"Checking\.\n" + CALL + r"\n" + CALL}
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_parses_calls_out_of_the_text(served: Served, parallel: bool) -> None:
+    body: dict[str, Any] = {"model": NAME, "messages": ASK, "tools": TOOLS, "max_tokens": 200}
+    body |= {"parallel_tool_calls": parallel, "extra_body": {"structured_outputs": TWO_CALLS}}
+    reply = served.client().chat.completions.create(**body, seed=3)
+    choice = reply.choices[0]
+    calls = check_calls(choice.message.tool_calls, {"get_time"})
+    assert len(calls) == (2 if parallel else 1), "without parallel calls, the reply stops at the first call's end"
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    chunks = list(served.client().chat.completions.create(**body, seed=3, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed = [d.function.arguments for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    assert content == "Checking." and streamed == [c.function.arguments for c in choice.message.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"

@@ -360,3 +360,15 @@ def test_the_template_is_package_data() -> None:
     import mechserve.entrypoints
 
     assert (Path(mechserve.entrypoints.__file__).parent / "templates" / "chatml_tools.jinja").is_file()
+
+
+def test_llm_chat_renders_tools_as_the_server_does(tmp_path: Path) -> None:
+    from mechserve.api.params import SamplingParams
+    from mechserve.entrypoints.llm import LLM
+
+    llm = LLM(str(save_byte_model(tmp_path)), page_size=4, num_pages=512)
+    (out,) = llm.chat(HISTORY[1:2], SamplingParams(max_tokens=1), use_tqdm=False, tools=[WEATHER])
+    assert out.prompt == encode_chat(llm.core.tokenizer, Chat(HISTORY[1:2], tools=[TOOLS[0].as_template()]))[0]
+    assert "<tools>" in out.prompt and '"name": "get_weather"' in out.prompt
+    with pytest.raises(ParamError):
+        llm.chat(HISTORY[1:2], use_tqdm=False, tools=[fn("bad name")])
