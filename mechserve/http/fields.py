@@ -37,8 +37,8 @@ OPENAI = "OpenAI"
 VLLM = "vLLM"
 LLAMA_CPP = "llama.cpp"
 
-# Why a field is refused when it belongs to a later issue (structured outputs and tool calling).
-LATER = "not supported yet (structured outputs and tool calling come later)"
+# Why a field is refused when it belongs to a later issue (structured outputs).
+LATER = "not supported yet (structured outputs come later)"
 
 
 @dataclass(frozen=True, slots=True)

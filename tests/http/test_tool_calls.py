@@ -168,6 +168,26 @@ def test_n_choices_each_carry_their_calls(served: Served) -> None:
         check_calls(choice.message.tool_calls)
 
 
+def test_a_stream_of_n_choices_keeps_each_choices_calls_apart(served: Served) -> None:
+    body: dict[str, Any] = {"model": NAME, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "n": 2}
+    body |= {"parallel_tool_calls": False, "max_tokens": 200, "seed": 11}
+    whole = served.client().chat.completions.create(**body)
+    calls: dict[int, dict[str, str]] = {}
+    finish: dict[int, str] = {}
+    for chunk in served.client().chat.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index, "")
+            for d in choice.delta.tool_calls or ():
+                assert d.index == 0, "one call per choice"
+                call = calls.setdefault(choice.index, {"name": "", "arguments": ""})
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for choice in whole.choices:
+        (call,) = choice.message.tool_calls
+        assert calls[choice.index] == {"name": call.function.name, "arguments": call.function.arguments}
+
+
 def test_auto_returns_text_when_the_reply_holds_no_call(served: Served) -> None:
     reply = served.client().chat.completions.create(
         model=NAME, messages=ASK, tools=TOOLS, max_tokens=6, temperature=0, stop=["<"]
