@@ -106,8 +106,8 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str]:
         """A hashable key naming the constraint (compiled grammars are cached by it)."""
         if self.json is not None:
-            text = self.json if isinstance(self.json, str) else _json.dumps(self.json, sort_keys=True)
-            return ("json", text)
+            schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+            return ("json", _json.dumps(schema, sort_keys=True))
         if self.choice is not None:
             return ("choice", _json.dumps(list(self.choice)))
         if self.regex is not None:

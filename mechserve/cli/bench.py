@@ -13,7 +13,7 @@ import importlib
 
 HELP = (
     "benchmarks (run: engines side by side; spec: the spec engine at scale; serve: Poisson client; "
-    "spec-decode: speculative decoding; tp: tensor-parallel world sizes)"
+    "spec-decode: speculative decoding; tp: tensor-parallel world sizes; structured: constrained decoding)"
 )
 # (subcommand, module, help)
 BENCHMARKS = (
@@ -42,6 +42,12 @@ BENCHMARKS = (
         "mechserve.bench.spec_decode",
         "speculative decoding off / prompt lookup / draft model side by side on copy-heavy and novel prompts, "
         "batch 1 and 8: tokens per target forward, acceptance, speedup",
+    ),
+    (
+        "structured",
+        "mechserve.bench.structured",
+        "structured outputs: grammar compile time per kind, mask fill and apply per step, constrained vs "
+        "unconstrained generation at batch 1 and 32",
     ),
 )
 

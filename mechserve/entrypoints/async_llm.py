@@ -266,7 +266,9 @@ class AsyncLLM:
         default to vLLM's (temperature 1.0, max_tokens 16).
         ``fit_max_tokens`` lowers ``max_tokens`` to what the prompt leaves of
         the model's context and of the pool (OpenAI chat's "as many as fit").
-        Raises ``RequestRejected`` (a ``ValueError``) when m12's door refuses
+        A ``params.structured_outputs`` constraint is compiled in a worker
+        thread before the engine sees the request (``ParamError`` when it
+        cannot be).  Raises ``RequestRejected`` (a ``ValueError``) when m12's door refuses
         it, ``ValueError`` for a prompt that cannot be encoded or a token id
         outside the vocabulary, ``EngineDeadError`` when the engine is not
         running.  Cancelled while waiting, it aborts the request.
@@ -274,6 +276,10 @@ class AsyncLLM:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.structured_outputs is not None:
+            # Compile (or find cached) here, in a worker thread, so that the engine thread's add_request
+            # only hits the cache: a new schema never stalls the step loop (ParamError: a 400).
+            await asyncio.to_thread(self.core.compile_grammar, params.structured_outputs)
         request_id = f"req-{uuid.uuid4().hex}" if request_id is None else str(request_id)
         stream = RequestStream(request_id, self._stepper)
         command = AddCommand(

@@ -10,7 +10,8 @@ through nothing else, so any class with these methods can stand behind the engin
     ──────────                                   ────────
     building m13 ──────────── rank_executors() -> the executors m13's group joins (m11):
                                                    [self] for one rank, one proxy per rank process
-    add_request (after the door) ─ add_request(id, prompt_ids, params, eos_token_ids=..., bad_words_ids=...)
+    add_request (after the door) ─ add_request(id, prompt_ids, params, eos_token_ids=..., bad_words_ids=...,
+                                   [grammar=CompiledGrammar: only for params.structured_outputs])
     before a step ──────────────── advise(caps, max_k) -> spec_len for the coming step
     m13.step() ──────────────────── execute(plan) -> outcomes            (through rank_executors)
     after a step ───────────────── take_logprobs(id) -> one TokenLogprobs per appended id

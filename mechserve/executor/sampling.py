@@ -59,6 +59,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from mechserve.api.outputs import TokenLogprobs
@@ -281,16 +282,26 @@ def process_logits(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     todo = [i for i, row in enumerate(rows) if row.processed]
     if not todo:
         return logits
-    out = logits.clone()
+    # numpy's copy and masked write are single-threaded: torch's parallel kernels stall for milliseconds
+    # on a loaded machine, for a copy this size (see docs/benchmarks.md, structured outputs).
+    out = torch.from_numpy(logits.detach().numpy().copy()) if logits.device.type == "cpu" else logits.clone()
     for i in todo:
-        _process_row(out[i], rows[i])
-        allowed = rows[i].allowed
-        if allowed is not None:
-            x = out[i]
-            x.masked_fill_(~allowed, float("-inf"))
-            if not bool(torch.isfinite(x).any()):  # the filters left nothing the grammar allows
-                x.copy_(logits[i].masked_fill(~allowed, float("-inf")))
+        row = rows[i]
+        _process_row(out[i], row)
+        if row.allowed is not None:
+            _mask_row(out[i], logits[i], row.allowed)
     return out
+
+
+def _mask_row(x: torch.Tensor, raw: torch.Tensor, allowed: torch.Tensor) -> None:
+    """Set ``x`` ([V] float32, written in place) to -inf where the grammar's ``allowed`` ([V] bool) is
+    false; should that leave nothing (min_tokens banned every id the grammar allows), the grammar's
+    mask over the ``raw`` logits instead."""
+    xn, forbidden = x.numpy(), ~allowed.numpy()
+    np.copyto(xn, -np.inf, where=forbidden)
+    if xn.max() == -np.inf:
+        np.copyto(xn, raw.detach().numpy())
+        np.copyto(xn, -np.inf, where=forbidden)
 
 
 def _process_row(x: torch.Tensor, row: Row) -> None:

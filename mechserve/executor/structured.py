@@ -179,6 +179,7 @@ class GrammarMatcher:
         self.tokens: list[int] = []  # output ids consumed so far
         self.eos_ids = frozenset(eos_token_ids) | {grammar.eos_token}
         self.rebuilds = 0
+        self._ends = 0  # trailing ends consumed after the grammar stopped (llguidance takes none of them)
 
     def _grammar_ids(self, ids: Sequence[int]) -> list[int]:
         eos = self.grammar.eos_token
@@ -201,7 +202,7 @@ class GrammarMatcher:
         while common < limit and mine[common] == ids[common]:
             common += 1
         if common < len(mine):
-            if not self._m.rollback(len(mine) - common):
+            if not self._rollback(len(mine) - common):
                 self.rebuild(ids)
                 return
             del mine[common:]
@@ -211,30 +212,69 @@ class GrammarMatcher:
         """A fresh matcher that consumed ``output_ids`` (after preemption, or when the state was lost)."""
         self._m = self.grammar.fresh()
         self.tokens = []
+        self._ends = 0
         self.rebuilds += 1
         self._consume(list(output_ids))
+
+    def _rollback(self, n: int) -> bool:
+        """Undo the last ``n`` consumed ids (ends past a stopped grammar first: llguidance never saw them)."""
+        ends = min(n, self._ends)
+        self._ends -= ends
+        return n == ends or bool(self._m.rollback(n - ends))
 
     def _consume(self, ids: list[int]) -> None:
         if not ids:
             return
         g = self._grammar_ids(ids)
-        valid = self._m.validate_tokens(g)
+        valid = self._valid_len(g)
         if valid < len(g):
             raise ValueError(
                 f"output id {ids[valid]} at output position {len(self.tokens) + valid} is not allowed by the grammar"
             )
-        if not self._m.consume_tokens(g):
-            raise ValueError(f"the grammar matcher failed: {self._m.get_error()}")
+        self._advance(g)
         self.tokens += ids
+
+    def _advance(self, g: list[int]) -> int:
+        """Consume grammar ids ``g`` (already validated); ends after a stopped grammar are only counted.
+        Returns how many ids llguidance consumed."""
+        eos = self.grammar.eos_token
+        take = len(g)
+        while take and g[take - 1] == eos and (self._ends or take > int(self._m.validate_tokens(g[:take]))):
+            take -= 1  # a trailing end the stopped grammar refuses to consume
+        if take and not self._m.consume_tokens(g[:take]):
+            raise ValueError(f"the grammar matcher failed: {self._m.get_error()}")
+        self._ends += len(g) - take
+        return take
 
     def valid_prefix(self, guesses: Sequence[int]) -> int:
         """How many leading ``guesses`` the grammar allows from the current state (nothing changes)."""
-        return int(self._m.validate_tokens(self._grammar_ids(guesses))) if guesses else 0
+        return self._valid_len(self._grammar_ids(guesses)) if guesses else 0
+
+    def _valid_len(self, g: list[int]) -> int:
+        """The valid prefix of grammar ids ``g``.  Once the grammar is complete and stopped (nothing else
+        can follow), llguidance's ``validate_tokens`` refuses the end although an end is exactly what
+        may come: ends there count as valid."""
+        eos = self.grammar.eos_token
+        v = 0 if self._ends else int(self._m.validate_tokens(g))
+        if v < len(g) and g[v] == eos:
+            stopped = bool(self._ends)
+            if not stopped:
+                if v:
+                    self._m.consume_tokens(g[:v])
+                stopped = bool(self._m.is_stopped())
+                if v:
+                    self._m.rollback(v)
+            while stopped and v < len(g) and g[v] == eos:
+                v += 1
+        return v
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the current state's mask into ``bitmask[row]`` (int32 ``[R, ceil(V/32)]``)."""
         v = bitmask[row]
-        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        if self._ends:
+            v.zero_()
+        else:
+            self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
         if not bool(v.any()):  # stopped (after an end): only an end may follow
             set_bit(bitmask, row, self.grammar.eos_token)
 
@@ -249,12 +289,15 @@ class GrammarMatcher:
         left where it was."""
         v = self.valid_prefix(guesses)
         g = self._grammar_ids(guesses[:v])
+        ends_before = self._ends
+        consumed = 0
         for j in range(v + 1):
             self.fill(bitmask, row0 + j)
             if j < v:
-                self._m.consume_token(g[j])
-        if v:
-            self._m.rollback(v)
+                consumed += self._advance([g[j]])
+        if consumed:
+            self._m.rollback(consumed)
+        self._ends = ends_before
         for j in range(v + 1, len(guesses) + 1):
             bitmask[row0 + j] = bitmask[row0 + v]
         return v

@@ -63,6 +63,7 @@ hands them over.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -209,6 +210,10 @@ class TorchExecutor:
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
         self._prompt_logprobs: dict[str, _PromptLogprobs] = {}
         self._matchers: dict[str, GrammarMatcher] = {}
+        # Structured outputs' cost on the step: seconds spent syncing matchers and filling and unpacking
+        # masks (``_mask_rows``), and the sampling rows masked (read by ``mechserve bench structured``).
+        self.grammar_mask_s = 0.0
+        self.grammar_rows = 0
 
     def _new_proposer(
         self, num_pages: int, kv_dtype: torch.dtype | None, fn: ProposerFn | None, draft: LlamaModel | None
@@ -515,7 +520,9 @@ class TorchExecutor:
                     prompt_rows.append((item.request_id, first, last - first + 1))
                     prompt_logit_rows += range(row + first - 1 - item.start_position, row + last - item.start_position)
         if self._matchers:
+            began = time.perf_counter()
             self._mask_rows(plan, drafts, rows)
+            self.grammar_mask_s += time.perf_counter() - began
         arch = self.model.arch
         batch = build_attention_batch(
             spans, slots, ps, arch.num_heads // arch.num_kv_heads, self.model.distinct_windows
@@ -566,6 +573,7 @@ class TorchExecutor:
             m.window_masks(guesses, bitmask, at)
             at += len(guesses) + 1
         allowed = allowed_rows(bitmask, self.model.arch.vocab_size)  # [C, V] bool
+        self.grammar_rows += allowed.shape[0]
         at = 0
         for _, first, guesses in todo:
             for j in range(len(guesses) + 1):

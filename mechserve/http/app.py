@@ -123,6 +123,7 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         model_name = _check_model(body.model, name)
         prompts, params = _prepare(body, body.prompts, llm)
+        await _compile(body, params, llm)
         response_id = f"cmpl-{body.request_id or uuid.uuid4().hex}"
         handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=body.fit_max_tokens)
         render = _render(body, params, llm)
@@ -144,6 +145,7 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         response_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         tools = body.tool_plan()
         try:
+            await _compile(body, params, llm)
             handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=body.fit_max_tokens)
         except APIError as exc:
             if tools.forced and exc.param == "structured_outputs":
@@ -262,6 +264,19 @@ def _prepare(
             code="invalid_value",
         )
     return found, params
+
+
+async def _compile(body: Any, params: SamplingParams, llm: AsyncLLM) -> None:
+    """Compile the body's output constraint in a worker thread (cached, so the engine's admission only
+    finds it); a 400 naming the body's field (``response_format``, ``guided_json``, ...) when it cannot be."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await asyncio.to_thread(llm.core.compile_grammar, params.structured_outputs)
+    except ParamError as exc:
+        field = body.constraint_field or exc.param
+        message = str(exc).replace("structured_outputs", field, 1) if field != exc.param else str(exc)
+        raise APIError(400, message, param=field, code="invalid_value") from None
 
 
 def _render(body: Any, params: SamplingParams, llm: AsyncLLM) -> r.Render:

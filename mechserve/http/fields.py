@@ -37,9 +37,6 @@ OPENAI = "OpenAI"
 VLLM = "vLLM"
 LLAMA_CPP = "llama.cpp"
 
-# Why a field is refused when it belongs to a later issue (structured outputs).
-LATER = "not supported yet (structured outputs come later)"
-
 
 @dataclass(frozen=True, slots=True)
 class Field:
@@ -282,11 +279,13 @@ FIELDS: tuple[Field, ...] = (
     # --- OpenAI chat only -----------------------------------------------------------------------------------------
     _f(
         "response_format",
-        (CHAT,),
+        BOTH,
         OPENAI,
-        honoured='`{"type": "text"}`',
-        refused_values="`json_object` and `json_schema`: " + LATER,
-        bad={"response_format": {"type": "json_object"}},
+        honoured='`{"type": "text"}` (unconstrained), `{"type": "json_object"}` (any JSON object) or '
+        '`{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` (the output follows `schema`, '
+        "enforced token by token, with `strict` true or false) -> " + _SP + "structured_outputs; a schema that "
+        "does not compile is a 400 naming the problem (on completions, a vLLM extension)",
+        bad={"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
     ),
     _f(
         "tools",
@@ -553,20 +552,51 @@ FIELDS: tuple[Field, ...] = (
         bad={"logits_processors": ["x"]},
     ),
     _f(
-        "response_format",
-        (COMPLETIONS,),
+        "structured_outputs",
+        BOTH,
         VLLM,
-        why=LATER,
-        neutral=({"type": "text"},),
-        bad={"response_format": {"type": "json_object"}},
+        honoured="exactly one of `json` (a JSON schema), `regex`, `choice` (a list of strings), `grammar` "
+        "(Lark/EBNF, or llama.cpp's GBNF) or `json_object: true` -> " + _SP + "structured_outputs (llguidance); "
+        "one constraint field per request (this, `response_format`, `guided_*`, `json_schema`, `grammar`)",
+        bad={"structured_outputs": {"regex": "(w"}},
     ),
-    _f("structured_outputs", BOTH, VLLM, why=LATER, bad={"structured_outputs": {"choice": ["a", "b"]}}),
-    _f("guided_json", BOTH, VLLM, why=LATER, bad={"guided_json": {"type": "object"}}),
-    _f("guided_regex", BOTH, VLLM, why=LATER, bad={"guided_regex": "w[0-9]"}),
-    _f("guided_choice", BOTH, VLLM, why=LATER, bad={"guided_choice": ["w1", "w2"]}),
-    _f("guided_grammar", BOTH, VLLM, why=LATER, bad={"guided_grammar": "root ::= 'w1'"}),
-    _f("guided_decoding_backend", BOTH, VLLM, why=LATER, bad={"guided_decoding_backend": "xgrammar"}),
-    _f("guided_whitespace_pattern", BOTH, VLLM, why=LATER, bad={"guided_whitespace_pattern": " "}),
+    _f(
+        "guided_json",
+        BOTH,
+        VLLM,
+        honoured="a JSON schema (object or its text) -> " + _SP + "structured_outputs.json (vLLM's older name)",
+        bad={"guided_json": {"type": "object", "not": {}}},
+    ),
+    _f(
+        "guided_regex",
+        BOTH,
+        VLLM,
+        honoured="-> " + _SP + "structured_outputs.regex (the whole output matches)",
+        bad={"guided_regex": "(w"},
+    ),
+    _f("guided_choice", BOTH, VLLM, honoured="-> " + _SP + "structured_outputs.choice", bad={"guided_choice": []}),
+    _f(
+        "guided_grammar",
+        BOTH,
+        VLLM,
+        honoured="Lark/EBNF or GBNF -> " + _SP + "structured_outputs.grammar",
+        bad={"guided_grammar": "start: nowhere"},
+    ),
+    _f(
+        "guided_decoding_backend",
+        BOTH,
+        VLLM,
+        why="not supported: the grammar engine is llguidance",
+        neutral=("guidance", "llguidance", "auto"),
+        bad={"guided_decoding_backend": "xgrammar"},
+    ),
+    _f(
+        "guided_whitespace_pattern",
+        BOTH,
+        VLLM,
+        why='not supported: JSON has no free whitespace (a schema\'s `"x-guidance"` options can change it)',
+        bad={"guided_whitespace_pattern": " "},
+    ),
     _f(
         "echo",
         (CHAT,),
@@ -755,8 +785,20 @@ FIELDS: tuple[Field, ...] = (
         why="not supported: the order is fixed (filters and penalties, temperature, top-k, top-p, min-p)",
         bad={"samplers": ["top_k"]},
     ),
-    _f("grammar", BOTH, LLAMA_CPP, why=LATER, bad={"grammar": "root ::= 'w1'"}),
-    _f("json_schema", BOTH, LLAMA_CPP, why=LATER, bad={"json_schema": {"type": "object"}}),
+    _f(
+        "grammar",
+        BOTH,
+        LLAMA_CPP,
+        honoured="a GBNF (or Lark) grammar -> " + _SP + "structured_outputs.grammar",
+        bad={"grammar": "root ::= nowhere"},
+    ),
+    _f(
+        "json_schema",
+        BOTH,
+        LLAMA_CPP,
+        honoured="a JSON schema -> " + _SP + "structured_outputs.json",
+        bad={"json_schema": {"type": "object", "not": {}}},
+    ),
     _f(
         "id_slot",
         BOTH,
@@ -854,7 +896,6 @@ __all__ = [
     "COMPLETIONS",
     "ENDPOINT_PATHS",
     "FIELDS",
-    "LATER",
     "Field",
     "fields_for",
     "honoured_names",

@@ -24,7 +24,7 @@ from mechserve.api.limits import MAX_LOGPROBS
 from mechserve.api.params import SamplingParams, StructuredOutputsParams
 from mechserve.entrypoints.prompts import Chat, PromptInput, Text, unicode_problem
 from mechserve.entrypoints.tools import MAX_TOOLS, ToolPlan, history_message, parse_tool_choice, parse_tools
-from mechserve.http.fields import CHAT, COMPLETIONS, LATER, refused_field
+from mechserve.http.fields import CHAT, COMPLETIONS, refused_field
 
 MAX_N = 64
 MAX_STOP = 16
@@ -58,6 +58,35 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+
+
+class JsonSchemaFormat(_Body):
+    """OpenAI's ``response_format.json_schema``: ``{"name", "description", "schema", "strict"}``."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    description: str | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# The body fields that constrain the output, in the order they are looked at; at most one may be set.
+CONSTRAINT_FIELDS = (
+    "structured_outputs",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "json_schema",
+    "grammar",
+)
 
 
 class _Request(_Body):
@@ -98,6 +127,17 @@ class _Request(_Body):
     return_token_ids: bool | None = None
     # llama.cpp's name for max_tokens
     n_predict: Annotated[int, Field(ge=-1, le=MAX_TOKENS)] | None = None
+    # Structured outputs: vLLM's, OpenAI's and llama.cpp's spellings (``constraint``)
+    structured_outputs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Annotated[str, Field(min_length=1)] | None = None
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)] | None = (
+        None
+    )
+    guided_grammar: Annotated[str, Field(min_length=1)] | None = None
+    json_schema: dict[str, Any] | None = None
+    grammar: Annotated[str, Field(min_length=1)] | None = None
 
     def check_supported(self) -> None:
         """Raises ``UnsupportedField`` for a refused field (the table's) or an honoured field's refused value."""
@@ -111,6 +151,50 @@ class _Request(_Body):
             raise UnsupportedField("n_predict", "n_predict and max_tokens disagree; give one of them")
         if self.stream and self.samples > 1 and self.prompt_logprobs is not None:
             raise UnsupportedField("prompt_logprobs", "prompt_logprobs with stream and n > 1 is not supported yet")
+        given = [name for name in CONSTRAINT_FIELDS if self._constraint_value(name) is not None]
+        if len(given) > 1:
+            raise UnsupportedField(given[1], f"{given[1]} and {given[0]} both constrain the output; give one of them")
+
+    def _constraint_value(self, name: str) -> Any:
+        value = getattr(self, name)
+        if name == "response_format" and value is not None and value.type == "text":
+            return None
+        return value
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The body field that constrains the output (``CONSTRAINT_FIELDS``), or None."""
+        return next((n for n in CONSTRAINT_FIELDS if self._constraint_value(n) is not None), None)
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The output constraint the body asks for; ``ParamError`` naming the field for a bad one.
+
+        ``response_format``: ``json_object`` is any JSON object, ``json_schema`` its ``schema``
+        (``strict`` true or false: the output follows the schema either way, since it is enforced
+        token by token)."""
+        name = self.constraint_field
+        if name is None:
+            return None
+        value = getattr(self, name)
+        try:
+            if name == "structured_outputs":
+                return StructuredOutputsParams.from_value(value)
+            if name == "response_format":
+                if value.type == "json_object":
+                    return StructuredOutputsParams(json_object=True)
+                spec = value.json_schema
+                if spec is None or spec.schema_ is None:
+                    raise ParamError(name, 'response_format of type "json_schema" needs json_schema.schema')
+                return StructuredOutputsParams(json=spec.schema_)
+            if name in ("guided_json", "json_schema"):
+                return StructuredOutputsParams(json=value)
+            if name == "guided_regex":
+                return StructuredOutputsParams(regex=value)
+            if name == "guided_choice":
+                return StructuredOutputsParams(choice=tuple(value))
+            return StructuredOutputsParams(grammar=value)
+        except ParamError as exc:
+            raise ParamError(name, str(exc).replace("structured_outputs", name, 1)) from None
 
     @property
     def samples(self) -> int:
@@ -158,6 +242,7 @@ class _Request(_Body):
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             bad_words=tuple(self.bad_words or ()),
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=self.constraint(),
         )
 
 
@@ -301,10 +386,6 @@ class ChatMessage(_Body):
         return message
 
 
-class ResponseFormat(_Body):
-    type: str
-
-
 class ChatCompletionRequest(_Request):
     """``POST /v1/chat/completions``: one conversation through the model's chat template, answered ``n`` times."""
 
@@ -314,7 +395,6 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
@@ -328,8 +408,6 @@ class ChatCompletionRequest(_Request):
     def check_supported(self) -> None:
         super().check_supported()
         self.tool_plan()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise UnsupportedField("response_format", f"response_format {self.response_format.type!r} is {LATER}")
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedField("top_logprobs", "top_logprobs needs logprobs: true")
 

@@ -37,3 +37,14 @@ def byte_core(loaded: LoadedModel, **config: Any) -> EngineCore:
     config.setdefault("page_size", 4)
     config.setdefault("num_pages", 256)
     return EngineCore(loaded, EngineConfig(**config))
+
+
+@pytest.fixture(scope="session")
+def tiny_word(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """The tiny model with the word tokenizer (``w0`` .. ``w127``), which llguidance cannot read."""
+    from tiny_models import save_word_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-words")
+    save_tiny(path, tiny_config())
+    save_word_tokenizer(path)
+    return load_model(str(path))

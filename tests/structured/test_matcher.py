@@ -1,0 +1,180 @@
+"""The per-request grammar matcher: window masks (row j after the first j guesses), a forbidden draft ends
+the valid rows, rollback and rebuild give exactly a fresh matcher's state, forced tokens; and through the
+executor, drafts the grammar forbids are never accepted while the ids stay the same."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import byte_core
+
+from mechserve.api.config import EngineConfig
+from mechserve.api.params import SamplingParams, StructuredOutputsParams
+from mechserve.engine.core import EngineCore
+from mechserve.executor.structured import GrammarCompiler, allowed_rows, is_allowed, new_bitmask
+from mechserve.executor.torch_executor import TorchExecutor
+from mechserve.model.loader import LoadedModel
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def compiler(byte_model: LoadedModel) -> GrammarCompiler:
+    return GrammarCompiler(byte_model.tokenizer, byte_model.model.arch.vocab_size)
+
+
+def mask_after(compiler: GrammarCompiler, so: StructuredOutputsParams, ids: list[int]) -> torch.Tensor:
+    """The mask of a fresh matcher after ``ids`` (the reference every other state is checked against)."""
+    m = compiler.compile(so).matcher([0])
+    m.sync(ids)
+    bm = new_bitmask(1, compiler.vocab_size)
+    m.fill(bm, 0)
+    return bm[0].clone()
+
+
+def test_window_masks_are_the_states_after_the_guesses_before_each_row(byte_model: LoadedModel, compiler) -> None:
+    so = StructuredOutputsParams(json=SCHEMA)
+    tok = byte_model.tokenizer
+    prefix = tok.encode('{"name":"a')
+    guesses = tok.encode('bc","n":1') + tok.encode("x")  # valid up to the "x" (after an integer digit)
+    m = compiler.compile(so).matcher([0])
+    m.sync(prefix)
+    before = mask_after(compiler, so, prefix)
+    bm = new_bitmask(len(guesses) + 1, compiler.vocab_size)
+    v = m.window_masks(guesses, bm, 0)
+    assert v == len(guesses) - 1
+    for j in range(v + 1):
+        assert torch.equal(bm[j], mask_after(compiler, so, prefix + guesses[:j])), j
+    assert not is_allowed(bm, v, guesses[v])  # the forbidden guess is masked at its row: the window ends there
+    assert torch.equal(bm[v + 1], bm[v])  # past it: a copy, never reached
+    # the matcher is where it was
+    assert m.tokens == prefix
+    after = new_bitmask(1, compiler.vocab_size)
+    m.fill(after, 0)
+    assert torch.equal(after[0], before)
+
+
+def test_sync_rolls_back_a_rejected_guess_and_rebuilds_after_an_error(byte_model: LoadedModel, compiler) -> None:
+    so = StructuredOutputsParams(json=SCHEMA)
+    tok = byte_model.tokenizer
+    a, b = tok.encode('{"name":"abc"'), tok.encode('{"name":"xy","n":4')
+    m = compiler.compile(so).matcher([0])
+    m.sync(a)
+    m.sync(b)  # shares '{"name":"' with a: rolled back to it, then b's rest consumed
+    assert m.tokens == b and m.rebuilds == 0
+    bm = new_bitmask(1, compiler.vocab_size)
+    m.fill(bm, 0)
+    assert torch.equal(bm[0], mask_after(compiler, so, b))
+    m._m.consume_token(tok.encode("q")[0])  # an invalid id: llguidance's matcher is now in its error state
+    assert m._m.is_error()
+    m.sync(a)  # rebuilt from a fresh copy (as after a preemption)
+    assert m.rebuilds == 1 and m.tokens == a
+    m.fill(bm, 0)
+    assert torch.equal(bm[0], mask_after(compiler, so, a))
+    with pytest.raises(ValueError, match="not allowed by the grammar"):
+        m.sync(tok.encode("nope"))
+
+
+def test_eos_is_allowed_only_where_the_grammar_accepts_and_every_eos_id_is_the_end(byte_model, compiler) -> None:
+    so = StructuredOutputsParams(choice=("ab", "abc"))
+    tok = byte_model.tokenizer
+    m = compiler.compile(so).matcher([0, 5])
+    bm = new_bitmask(3, compiler.vocab_size)
+    m.sync(tok.encode("a"))
+    m.fill(bm, 0)
+    m.sync(tok.encode("ab"))
+    m.fill(bm, 1)
+    assert not is_allowed(bm, 0, 0) and is_allowed(bm, 1, 0)
+    m.sync([*tok.encode("ab"), 5])  # id 5 is one of the request's EOS ids: the grammar's end
+    assert m.is_stopped()
+    m.fill(bm, 2)
+    assert allowed_rows(bm, compiler.vocab_size)[2].nonzero().flatten().tolist() == [0]
+
+
+def test_forced_tokens_are_the_only_continuation(byte_model: LoadedModel, compiler) -> None:
+    m = compiler.compile(StructuredOutputsParams(json=SCHEMA)).matcher([0])
+    forced = m.forced_tokens()
+    text = byte_model.tokenizer.decode(forced)
+    assert forced and '{"name":"'.startswith(text)
+    m.accept(forced)
+    assert m.tokens == forced
+    m2 = compiler.compile(StructuredOutputsParams(regex="[0-9]+")).matcher([0])
+    assert m2.forced_tokens() == []
+
+
+def test_allowed_rows_unpacks_llguidance_bit_order() -> None:
+    bm = new_bitmask(2, 70)
+    bm.zero_()
+    for t in (0, 31, 32, 69):
+        from mechserve.executor.structured import set_bit
+
+        set_bit(bm, 1, t)
+    rows = allowed_rows(bm, 70)
+    assert rows.shape == (2, 70) and rows.dtype == torch.bool
+    assert not rows[0].any() and rows[1].nonzero().flatten().tolist() == [0, 31, 32, 69]
+
+
+def test_drafts_the_grammar_forbids_are_never_accepted(byte_model: LoadedModel) -> None:
+    """A proposer that always guesses letters for a digits-only regex: every window ends at its first guess,
+    the ids are the unconstrained-by-speculation ones, and no guess is kept."""
+    letters = byte_model.tokenizer.encode("zzzz")
+
+    def propose(history: Any, num: int) -> list[int]:
+        return letters[:num]
+
+    so = {"regex": "[0-9]{10,20}"}
+    params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=so)
+    prompt = byte_model.tokenizer.encode("count: 1 2 3")
+    plain = byte_core(byte_model)
+    plain.add_request(prompt, params)
+    (want,) = plain.run_until_idle()
+    config = EngineConfig(page_size=4, num_pages=64, spec_len=3)
+    ex = TorchExecutor(byte_model.model, 64, 4, proposer=propose)
+    core = EngineCore(byte_model, config, executor=ex)
+    core.add_request(prompt, params)
+    records = []
+    while core.has_unfinished():
+        step = core.step()
+        records.append(step.record)
+        got = step.finished or None
+    assert got is not None and got[0].outputs[0].token_ids == want.outputs[0].token_ids
+    assert sum(sum(r.drafted.values()) for r in records) > 0
+    assert sum(sum(r.accepted.values()) for r in records) == 0
+    assert got[0].outputs[0].text.isdigit()
+
+
+def test_an_end_after_a_complete_stopped_grammar_is_valid_as_a_guess_and_as_output(byte_model, compiler) -> None:
+    """llguidance's validate_tokens refuses the end once a JSON value is closed (the matcher is stopped),
+    though consuming it works: a guessed end there is valid, and an output ending with it syncs."""
+    tok = byte_model.tokenizer
+    m = compiler.compile(StructuredOutputsParams(json={"type": "object", "properties": {}})).matcher([0])
+    ids = tok.encode("{}")
+    assert m.valid_prefix([*ids, 0]) == len(ids) + 1
+    m.sync([*ids, 0])
+    assert m.tokens == [*ids, 0] and m.is_stopped()
+    m.sync(ids)  # rolled back past the end
+    assert m.tokens == ids
+
+
+def test_ends_past_a_stopped_grammar_are_counted_and_rolled_back(byte_model, compiler) -> None:
+    """With ignore_eos a request keeps going after its end: the stopped grammar allows only more ends."""
+    tok = byte_model.tokenizer
+    m = compiler.compile(StructuredOutputsParams(regex="ab")).matcher([0])
+    ids = tok.encode("ab")
+    m.sync([*ids, 0, 0, 0])
+    bm = new_bitmask(1, compiler.vocab_size)
+    m.fill(bm, 0)
+    assert allowed_rows(bm, compiler.vocab_size)[0].nonzero().flatten().tolist() == [0]
+    assert m.valid_prefix([0, 0, 5]) == 2
+    m.sync([*ids, 0])
+    assert m.tokens == [*ids, 0]
+    m.sync(ids[:1])
+    m.fill(bm, 0)
+    assert torch.equal(bm[0], mask_after(compiler, StructuredOutputsParams(regex="ab"), ids[:1]))
