@@ -27,6 +27,7 @@ from mechserve.api.outputs import CompletionOutput, RequestMetrics, RequestOutpu
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
 from mechserve.entrypoints.prompts import Chat, Prompt, encode_chat, params_list, parse_prompt, prompt_list
+from mechserve.entrypoints.tools import parse_tools
 from mechserve.model.checkpoint import EMBEDDED
 from mechserve.model.loader import LoadedModel
 from mechserve.spec.m14_forced_runs import StepRecord
@@ -155,19 +156,25 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}`` messages) or a list of them.
 
         Each conversation goes through the tokenizer's chat template
         (``apply_chat_template``, or ``chat_template`` if given) with
         ``add_generation_prompt``; the templated text is the output's
-        ``prompt``.  Otherwise as ``generate``.  Raises ``ValueError`` if
-        the tokenizer has no chat template.
+        ``prompt``.  ``tools``: OpenAI's function tools, rendered as the server renders them
+        (``mechserve.entrypoints.tools``: the model's template if it uses them, else the shipped ChatML
+        tools template); the reply is text, as vLLM's ``LLM.chat`` returns it (``ToolStream(plan).parse``
+        finds the calls in it).  Otherwise as ``generate``.  Raises ``ValueError`` if the tokenizer
+        has no chat template, ``ParamError`` for a bad tool or a template that cannot render tools.
         """
         conversations: list[Any] = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         tok = self.core.tokenizer
+        rendered = [t.as_template() for t in parse_tools(tools)] or None
         items: list[tuple[str | None, list[int]]] = [
-            encode_chat(tok, Chat(conversation, add_generation_prompt, chat_template)) for conversation in conversations
+            encode_chat(tok, Chat(conversation, add_generation_prompt, chat_template, tools=rendered))
+            for conversation in conversations
         ]
         return self._run(items, params_list(sampling_params, len(items)), use_tqdm)
 

@@ -23,10 +23,19 @@ from typing import Any
 
 from mechserve.api.errors import ParamError
 from mechserve.api.params import SamplingParams
+from mechserve.entrypoints.tools import history_has_tools, template_for_tools
 
 # apply_chat_template's own arguments, which chat_template_kwargs may not set.
 TEMPLATE_ARGUMENTS = frozenset(
-    {"conversation", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template", "return_dict"}
+    {
+        "conversation",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "return_dict",
+        "tools",
+    }
 )
 
 
@@ -46,7 +55,9 @@ class Chat:
     last message open, so the model continues it (not with ``add_generation_prompt``);
     ``template_kwargs``: more variables for the template (vLLM's ``chat_template_kwargs``);
     ``add_special_tokens``: let the tokenizer add its special tokens to the templated text too
-    (off: the template writes them).
+    (off: the template writes them); ``tools``: function tools for the template (OpenAI's shape,
+    ``mechserve.entrypoints.tools``): with them, or with tool calls in the history, a template that
+    renders no tools is replaced by the shipped tools template (ChatML) or refused, never used.
     """
 
     messages: Sequence[Mapping[str, Any]]
@@ -55,6 +66,7 @@ class Chat:
     continue_final_message: bool = False
     template_kwargs: Mapping[str, Any] | None = None
     add_special_tokens: bool = False
+    tools: Sequence[Mapping[str, Any]] | None = None
 
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
@@ -69,8 +81,9 @@ def apply_chat_template(
     *,
     continue_final_message: bool = False,
     template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
-    """The conversation as the model's prompt text.
+    """The conversation as the model's prompt text (``tools``: function tools for the template).
 
     Raises ``ValueError`` if the tokenizer has no chat template, if the template cannot render
     the messages (its own ``raise_exception``, a Jinja error), and ``ParamError`` for
@@ -91,6 +104,8 @@ def apply_chat_template(
     kwargs: dict[str, Any] = {"chat_template": template} if template is not None else {}
     if continue_final_message:
         kwargs["continue_final_message"] = True
+    if tools:
+        kwargs["tools"] = list(tools)
     try:
         text = tokenizer.apply_chat_template(
             list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs, **extra
@@ -109,13 +124,18 @@ def encode_chat(tokenizer: Any, chat: Chat) -> tuple[str, list[int]]:
     for i, message in enumerate(chat.messages):
         for key, value in message.items() if isinstance(message, Mapping) else ():
             check_unicode(value, f"messages[{i}].{key}", "messages")
+    template = chat.chat_template
+    if chat.tools or history_has_tools(chat.messages):
+        own = template if template is not None else getattr(tokenizer, "chat_template", None)
+        template = template_for_tools(own, "tools" if chat.tools else "messages") or template
     text = apply_chat_template(
         tokenizer,
         chat.messages,
         chat.add_generation_prompt,
-        chat.chat_template,
+        template,
         continue_final_message=chat.continue_final_message,
         template_kwargs=chat.template_kwargs,
+        tools=chat.tools,
     )
     return text, list(tokenizer(text, add_special_tokens=chat.add_special_tokens).input_ids)
 

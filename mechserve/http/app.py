@@ -142,15 +142,27 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         model_name = _check_model(body.model, name)
         prompts, params = _prepare(body, lambda: [body.chat()], llm)
-        await _compile(body, params, llm)
         response_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
-        handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=body.fit_max_tokens)
+        tools = body.tool_plan()
+        try:
+            await _compile(body, params, llm)
+            handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=body.fit_max_tokens)
+        except APIError as exc:
+            if tools.forced and exc.param == "structured_outputs":
+                # the grammar is the tools' schema: a schema it cannot compile is a bad tool definition
+                raise APIError(
+                    400,
+                    f"tools: a function's parameters cannot be forced: {exc.message}",
+                    param="tools",
+                    code="invalid_value",
+                ) from None
+            raise
         render = _render(body, params, llm)
-        stream = ChatStream(handles, response_id, model_name, params, body.include_usage, render)
+        stream = ChatStream(handles, response_id, model_name, params, body.include_usage, render, tools=tools)
         if body.stream:
             return EventStream(stream.chunks(), handles)
         outputs = await _unless_disconnected(request, _drain(llm, handles), handles)
-        choices = r.chat_choices(outputs[0], render)
+        choices = r.chat_choices(outputs[0], render, tools)
         result = r.envelope("chat.completion", response_id, stream.created, model_name, choices)
         if render.prompt_logprobs:
             result["prompt_logprobs"] = r.vllm_prompt_logprobs(outputs[0].prompt_logprobs)
@@ -190,6 +202,8 @@ def body_chat(body: TokenizeChatRequest) -> Chat:
         body.check_supported()
     except UnsupportedField as exc:
         raise APIError(400, str(exc), param=exc.param, code="unsupported_parameter") from None
+    except ParamError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     return body.chat()
 
 

@@ -37,9 +37,6 @@ OPENAI = "OpenAI"
 VLLM = "vLLM"
 LLAMA_CPP = "llama.cpp"
 
-# Why a field is refused when it belongs to a later issue (tool calling).
-LATER = "not supported yet (tool calling comes later)"
-
 
 @dataclass(frozen=True, slots=True)
 class Field:
@@ -145,9 +142,12 @@ FIELDS: tuple[Field, ...] = (
         (CHAT,),
         OPENAI,
         honoured="the conversation, through the model's chat template: roles `system`, `developer` (as system), "
-        "`user`, `assistant`; content a string or text parts; `name` is passed to the template",
-        refused_values="`tool` messages and an assistant's `tool_calls` or `function_call` (" + LATER + "), "
-        "an assistant's `refusal` (give it as content), image and audio parts",
+        "`user`, `assistant`, `tool`; content a string or text parts; `name` is passed to the template; an "
+        "assistant's `tool_calls` and `tool` messages (with `tool_call_id`) are rendered by a template that "
+        "renders tools (as with `tools`)",
+        refused_values="an assistant's `function_call` (the deprecated functions API), a call's `arguments` that "
+        "are not the JSON text of an object, a tool message without `tool_call_id`, an assistant's `refusal` "
+        "(give it as content), image and audio parts",
         bad={"messages": []},
     ),
     # --- OpenAI: sampling -----------------------------------------------------------------------------------------
@@ -291,30 +291,52 @@ FIELDS: tuple[Field, ...] = (
         "tools",
         (CHAT,),
         OPENAI,
-        why=LATER,
-        neutral=([],),
-        bad={"tools": [{"type": "function", "function": {"name": "f"}}]},
+        honoured="function tools, rendered into the prompt by the chat template (the model's or "
+        "`--chat-template`'s when it uses `tools`, else the shipped ChatML tools template); the reply's "
+        '`<tool_call>{"name", "arguments"}</tool_call>` blocks come back as `tool_calls` with `finish_reason` '
+        '`"tool_calls"`, also streamed as `delta.tool_calls`; with `strict: true` an `auto` call whose arguments '
+        "do not validate under the function's schema stays text",
+        refused_values="other kinds than `function`, a name outside `[A-Za-z0-9_-]{1,64}` or given twice, "
+        "`parameters` that are not a valid JSON schema of an object, more than 128 tools, a model whose "
+        "template renders no tools and is not ChatML",
+        bad={"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
     ),
     _f(
         "tool_choice",
         (CHAT,),
         OPENAI,
-        why=LATER,
-        neutral=("none", "auto"),
-        neutral_note="no tools are accepted, so none is ever called",
+        honoured='`"none"` (the tools are not rendered; a plain reply), `"auto"` (the default with tools: calls '
+        'parsed from the text), `"required"` (the grammar forces a JSON list of calls, each valid under its '
+        'function\'s `parameters`), `{"type": "function", "function": {"name"}}` (the grammar forces that '
+        "function's arguments)",
+        refused_values="another value, `required` or a function without `tools`, a name that is not a tool's, "
+        "together with another output constraint",
         bad={"tool_choice": "required"},
     ),
     _f(
         "parallel_tool_calls",
         (CHAT,),
         OPENAI,
-        why=LATER,
-        neutral=(True, False),
-        neutral_note="no tools are accepted",
+        honoured="default true; false: at most one call (`auto` stops at the first call's end, `required` "
+        "forces a list of one)",
         bad={"parallel_tool_calls": "x"},
     ),
-    _f("functions", (CHAT,), OPENAI, why=LATER, neutral=([],), bad={"functions": [{"name": "f"}]}),
-    _f("function_call", (CHAT,), OPENAI, why=LATER, neutral=("none", "auto"), bad={"function_call": {"name": "f"}}),
+    _f(
+        "functions",
+        (CHAT,),
+        OPENAI,
+        why="not supported: the deprecated functions API; give `tools`",
+        neutral=([],),
+        bad={"functions": [{"name": "f"}]},
+    ),
+    _f(
+        "function_call",
+        (CHAT,),
+        OPENAI,
+        why="not supported: the deprecated functions API; give `tool_choice`",
+        neutral=("none", "auto"),
+        bad={"function_call": {"name": "f"}},
+    ),
     _f(
         "metadata",
         (CHAT,),
@@ -874,7 +896,6 @@ __all__ = [
     "COMPLETIONS",
     "ENDPOINT_PATHS",
     "FIELDS",
-    "LATER",
     "Field",
     "fields_for",
     "honoured_names",

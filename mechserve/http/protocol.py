@@ -13,6 +13,8 @@ field).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
@@ -21,7 +23,8 @@ from mechserve.api.errors import ParamError
 from mechserve.api.limits import MAX_LOGPROBS
 from mechserve.api.params import SamplingParams, StructuredOutputsParams
 from mechserve.entrypoints.prompts import Chat, PromptInput, Text, unicode_problem
-from mechserve.http.fields import CHAT, COMPLETIONS, LATER, refused_field
+from mechserve.entrypoints.tools import MAX_TOOLS, ToolPlan, history_message, parse_tool_choice, parse_tools
+from mechserve.http.fields import CHAT, COMPLETIONS, refused_field
 
 MAX_N = 64
 MAX_STOP = 16
@@ -303,27 +306,49 @@ class TextPart(_Body):
     text: str
 
 
+class ToolCallFunction(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        """The arguments a call was made with: the JSON text of an object (OpenAI's shape)."""
+        try:
+            found = json.loads(value)
+        except ValueError:
+            found = None
+        if not isinstance(found, dict):
+            raise ValueError("a tool call's arguments must be the JSON text of an object")
+        return value
+
+
+class ToolCallItem(_Body):
+    """One call of an assistant's ``tool_calls`` in the history (what an earlier reply returned)."""
+
+    id: Annotated[str, Field(min_length=1)]
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    # In the history, OpenAI's clients send what earlier replies had; tool calls are refused (a later issue).
-    tool_calls: list[Any] | None = None
+    # In the history, OpenAI's clients send what earlier replies had: an assistant's tool calls, and the
+    # tools' results as tool messages answering them by id.
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
     refusal: str | None = None
 
-    @field_validator("role")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_messages(cls, role: str) -> str:
-        if role == "tool":
-            raise ValueError(f"tool messages are {LATER}")
-        return role
-
-    @field_validator("tool_calls", "function_call")
-    @classmethod
-    def _no_tool_calls(cls, value: Any) -> Any:
+    def _no_function_call(cls, value: Any) -> Any:
         if value:
-            raise ValueError(f"an assistant message's tool calls are {LATER}")
+            raise ValueError(
+                "an assistant message's function_call (the deprecated functions API) is not supported: give tool_calls"
+            )
         return value
 
     @field_validator("refusal")
@@ -335,18 +360,29 @@ class ChatMessage(_Body):
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
-        """Only an assistant message may leave ``content`` out (OpenAI's rule: it may carry tool calls instead)."""
+        """Only an assistant message may leave ``content`` out (OpenAI's rule: it may carry tool calls instead);
+        a tool message answers a call by its ``tool_call_id``; only an assistant makes calls."""
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"a {self.role} message cannot carry tool_calls (only an assistant's can)")
         return self
 
     def as_template_message(self) -> dict[str, Any]:
-        """The message as the chat template sees it: ``developer`` as ``system``, text parts joined."""
+        """The message as the chat template sees it: ``developer`` as ``system``, text parts joined, an
+        assistant's ``tool_calls`` with their arguments as objects, a tool message's ``tool_call_id``."""
         content = self.content
         text = "".join(part.text for part in content) if isinstance(content, list) else content or ""
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            message = history_message(message)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -365,9 +401,13 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        self.tool_plan()
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedField("top_logprobs", "top_logprobs needs logprobs: true")
 
@@ -378,19 +418,40 @@ class ChatCompletionRequest(_Request):
             return self.max_completion_tokens
         return super().requested_max_tokens
 
+    def tool_plan(self) -> ToolPlan:
+        """What the request does with tools (``mechserve.entrypoints.tools``); ``ParamError`` naming the field
+        (``tools.0.function.name``, ``tool_choice``) for a bad definition or choice."""
+        return parse_tool_choice(self.tool_choice, parse_tools(self.tools), self.parallel_tool_calls)
+
     def to_params(self) -> SamplingParams:
         requested = self.requested_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(MAX_TOKENS if requested is None else requested, logprobs, self.prompt_logprobs)
+        params = self.sampling_params(MAX_TOKENS if requested is None else requested, logprobs, self.prompt_logprobs)
+        plan = self.tool_plan()
+        if plan.stop():
+            params = dataclasses.replace(params, stop=(*params.stop, *plan.stop()))
+        schema = plan.schema()
+        if schema is not None:
+            # required / a named function: the grammar engine forces a call valid under the tools' schemas
+            if params.structured_outputs is not None:
+                raise ParamError(
+                    "tool_choice",
+                    f"tool_choice {self.tool_choice!r} forces the output to a tool call; "
+                    "it cannot be combined with another output constraint",
+                )
+            params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+        return params
 
     def chat(self) -> Chat:
-        """The conversation as a prompt, with the template options of the body."""
+        """The conversation as a prompt, with the template options of the body (and its tools, unless
+        ``tool_choice`` is ``none``)."""
         return Chat(
             [m.as_template_message() for m in self.messages],
             add_generation_prompt=True if self.add_generation_prompt is None else self.add_generation_prompt,
             continue_final_message=bool(self.continue_final_message),
             template_kwargs=self.chat_template_kwargs,
             add_special_tokens=bool(self.add_special_tokens),
+            tools=self.tool_plan().template_tools(),
         )
 
 
@@ -418,14 +479,17 @@ class TokenizeChatRequest(_Body):
     return_token_strs: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
-        """Raises ``UnsupportedField`` for a field set to something ``/tokenize`` cannot do."""
-        for name in ("tools", "mm_processor_kwargs"):
-            if getattr(self, name):
-                raise UnsupportedField(name, f"{name} is not supported by this server's /tokenize")
+        """Raises ``UnsupportedField`` for a field set to something ``/tokenize`` cannot do, ``ParamError`` for
+        a bad tool definition."""
+        if self.mm_processor_kwargs:
+            raise UnsupportedField(
+                "mm_processor_kwargs", "mm_processor_kwargs is not supported by this server's /tokenize"
+            )
+        parse_tools(self.tools)
 
     def chat(self) -> Chat:
         """The conversation as a prompt, with the template options of the body."""
@@ -436,6 +500,7 @@ class TokenizeChatRequest(_Body):
             continue_final_message=self.continue_final_message,
             template_kwargs=self.chat_template_kwargs,
             add_special_tokens=self.add_special_tokens,
+            tools=[t.as_template() for t in parse_tools(self.tools)] or None,
         )
 
 

@@ -6,7 +6,8 @@ as the model saw it (after the chat template), ``completion_tokens`` the
 number of ids behind the returned text (an ending EOS or stop id included,
 ids after a matched stop string not).  ``finish_reason`` is ``"stop"`` (EOS,
 a stop id or a stop string), ``"length"``, or ``"abort"`` (the server shut
-down under the request); ``stop_reason`` (vLLM's field) says which stop.
+down under the request) or ``"tool_calls"`` (a reply with tool calls, ``mechserve.entrypoints.tools``);
+``stop_reason`` (vLLM's field) says which stop.
 
 Logprobs come from the engine in vLLM's shape (one ``dict[int, Logprob]`` per token, the chosen or
 prompt token first, each with its ``decoded_token``) and leave in OpenAI's: completions'
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mechserve.api.outputs import CompletionOutput, PositionLogprobs, RequestOutput, SampleDelta
+from mechserve.entrypoints.tools import ToolPlan, ToolStream, finish_reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,14 +169,20 @@ def completion_logprobs(
 # Chat ----------------------------------------------------------------------------------------------------------------
 
 
-def chat_choices(output: RequestOutput, render: Render) -> list[dict[str, Any]]:
+def chat_choices(output: RequestOutput, render: Render, tools: ToolPlan | None = None) -> list[dict[str, Any]]:
+    """Every choice of a chat response; with ``tools`` (an active plan), each reply parsed for tool calls."""
     choices = []
     for c in output.outputs:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if tools is not None and tools.active:
+            reply = ToolStream(tools).parse(c.text)
+            message, finish = reply.message(), finish_reason(c.finish_reason, bool(reply.calls))
         choice = {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": message,
             "logprobs": chat_logprobs(c.token_ids, c.logprobs, render) if render.logprobs else None,
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish,
             "stop_reason": c.stop_reason,
         }
         if render.token_ids:
@@ -183,12 +191,16 @@ def chat_choices(output: RequestOutput, render: Render) -> list[dict[str, Any]]:
     return choices
 
 
-def chat_chunk_choice(d: SampleDelta, render: Render) -> dict[str, Any]:
-    choice = {
+def chat_chunk_choice(
+    d: SampleDelta, render: Render, delta: dict[str, Any] | None = None, finish: str | None = None
+) -> dict[str, Any]:
+    """One streamed chat choice of ``d``; ``delta`` and ``finish`` replace its text and finish reason (a reply
+    parsed for tool calls)."""
+    choice: dict[str, Any] = {
         "index": d.index,
-        "delta": {"content": d.text} if d.text else {},
+        "delta": delta if delta is not None else {"content": d.text} if d.text else {},
         "logprobs": chat_logprobs(d.token_ids, d.logprobs, render) if render.logprobs else None,
-        "finish_reason": d.finish_reason if d.finished else None,
+        "finish_reason": (finish or d.finish_reason) if d.finished else None,
         "stop_reason": d.stop_reason if d.finished else None,
     }
     if render.token_ids:

@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 from mechserve.api.errors import EngineDeadError, EngineStepError
 from mechserve.api.params import SamplingParams
 from mechserve.entrypoints.async_llm import RequestStream
+from mechserve.entrypoints.tools import ToolPlan, ToolStream, finish_reason
 from mechserve.http import responses as r
 from mechserve.http.errors import engine_error
 
@@ -137,15 +138,36 @@ class CompletionStream(_Stream):
 
 
 class ChatStream(_Stream):
+    """A chat stream; with ``tools`` (an active ``ToolPlan``) each choice's text is parsed for tool calls as it
+    arrives (``ToolStream``): their deltas go out as ``delta.tool_calls``, the rest as ``delta.content``."""
+
     kind = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, tools: ToolPlan | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tools = tools if tools is not None and tools.active else None
 
     async def chunks(self) -> AsyncGenerator[dict[str, Any], None]:
         render = self.render
+        parsers: dict[int, ToolStream] = {}
         yield self.chunk([r.chat_role_choice(j) for j in range(self.params.n)])
         async for event in self.handles[0].coalesced():
             for d in event.samples:
-                if d.text or d.finished or (render.logprobs and d.token_ids) or d.prompt_logprobs is not None:
-                    chunk = self.chunk([r.chat_chunk_choice(d, render)])
+                delta: dict[str, Any] | None = None
+                finish = None
+                if self.tools is not None:
+                    parser = parsers.setdefault(d.index, ToolStream(self.tools))
+                    content, calls = parser.feed(d.text)
+                    if d.finished:
+                        more, last = parser.finish()
+                        content, calls = content + more, calls + last
+                        finish = finish_reason(d.finish_reason, bool(parser.calls))
+                    delta = {"content": content} if content else {}
+                    if calls:
+                        delta["tool_calls"] = calls
+                shown = delta if delta is not None else d.text
+                if shown or d.finished or (render.logprobs and d.token_ids) or d.prompt_logprobs is not None:
+                    chunk = self.chunk([r.chat_chunk_choice(d, render, delta, finish)])
                     if render.prompt_logprobs and d.prompt_logprobs is not None:
                         chunk["prompt_logprobs"] = r.vllm_prompt_logprobs(d.prompt_logprobs)
                     yield chunk

@@ -25,10 +25,17 @@ def blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", SECTION, re.S)
 
 
+def python_block(word: str) -> str:
+    """The section's one python example that holds ``word``."""
+    (found,) = [b for b in blocks("python") if word in b]
+    return found
+
+
 def test_the_section_has_the_examples() -> None:
-    assert len(blocks("bash")) == 3 and len(blocks("python")) == 2
+    assert len(blocks("bash")) == 3 and len(blocks("python")) == 3
     assert "mechserve serve" in blocks("bash")[0] and "curl" in blocks("bash")[1] and "lm_eval" in blocks("bash")[2]
-    assert "from openai import OpenAI" in blocks("python")[0] and "AsyncLLM" in blocks("python")[1]
+    assert "from openai import OpenAI" in blocks("python")[0] and "AsyncLLM" in python_block("AsyncLLM")
+    assert "tool_choice" in python_block("tools=")
 
 
 def test_the_commands_parse() -> None:
@@ -88,5 +95,17 @@ def test_the_openai_example_runs(readme_server) -> None:
 def test_the_async_llm_example_runs_on_smollm2() -> None:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(blocks("python")[1], "README.md", "exec"), {"__name__": "__main__"})
+        exec(compile(python_block("AsyncLLM"), "README.md", "exec"), {"__name__": "__main__"})
     assert "Paris" in out.getvalue()
+
+
+@pytest.mark.e2e
+def test_the_tool_call_example_runs_on_smollm2(smollm2) -> None:
+    """The two-turn tool example against SmolLM2 itself (a random model would not name the city)."""
+    with serving(AsyncLLM(smollm2, num_pages=256, model_name="smollm2")) as served:
+        code = python_block("tools=").replace(README_URL, served.url)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, "README.md", "exec"), {})
+    first = out.getvalue().splitlines()[0]
+    assert first == "tool_calls get_weather {'city': 'Paris'}", out.getvalue()
