@@ -14,7 +14,7 @@ SHELL := /bin/bash
 PIP_NOISE := is ignored: it is neither a file nor a directory
 QUIET_PIP = 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 
-.PHONY: setup browser demo test test-all lint clean-cache viz-readme api-fields llama-cpp
+.PHONY: setup browser demo test test-fast lint clean-cache viz-readme api-fields llama-cpp
 
 setup: $(VENV)/.installed
 
@@ -41,11 +41,16 @@ browser:
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; \
 	fi
 
+# The whole suite, slow tests included (only `gpu` tests need a device), on every core (pytest-xdist;
+# `TEST_JOBS=1` runs it in one process) with a per-test timeout so that a hang fails fast.
+TEST_JOBS ?= auto
+TEST_TIMEOUT ?= 1200
 test: setup browser
-	$(PY) -m pytest -q -m "not slow and not gpu"
+	$(PY) -m pytest -q -m "not gpu" -n $(TEST_JOBS) --timeout $(TEST_TIMEOUT) --durations 15
 
-test-all: setup browser
-	$(PY) -m pytest -q -m "not gpu"
+# The quick loop while developing: everything but the `slow` and `gpu` tests.
+test-fast: setup browser
+	$(PY) -m pytest -q -m "not slow and not gpu" -n $(TEST_JOBS) --timeout $(TEST_TIMEOUT)
 
 lint: setup
 	$(VENV)/bin/ruff check mechserve tests
