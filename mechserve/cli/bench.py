@@ -13,7 +13,7 @@ import importlib
 
 HELP = (
     "benchmarks (run: engines side by side; spec: the spec engine at scale; serve: Poisson client; "
-    "spec-decode: speculative decoding; tp: tensor-parallel world sizes)"
+    "spec-decode: speculative decoding; tp: tensor-parallel world sizes; compile: torch.compile's effect)"
 )
 # (subcommand, module, help)
 BENCHMARKS = (
@@ -36,6 +36,11 @@ BENCHMARKS = (
         "tp",
         "mechserve.bench.world_sizes",
         "output tokens/s of one greedy run at several tensor-parallel world sizes (ids compared)",
+    ),
+    (
+        "compile",
+        "mechserve.bench.compile_decode",
+        "decode TPOT with and without torch.compile (EngineConfig.compile) at batch 1 and 8, side by side",
     ),
     (
         "spec-decode",
