@@ -106,7 +106,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_before": _loadavg(),
         "cells": [],
     }
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, tokenizer=False)  # ids in, ids out: a directory without a tokenizer will do
     vocab = loaded.model.arch.vocab_size
     special = set(loaded.eos_token_ids)
     rng = random.Random(args.seed)
