@@ -261,6 +261,7 @@ class LlamaModel:
     """Weights plus the paged forward.  ``dtype`` is the weights' and activations' dtype."""
 
     _blocks: tuple[Any, Any] = (attention_inputs, attention_outputs)
+    device: torch.device = torch.device("cpu")  # a subclass that builds its own tensors (a rank's shard) is on the host
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.config = checkpoint.config
