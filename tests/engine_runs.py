@@ -5,7 +5,8 @@ tokens, arriving at ``arrivals[i]``), runs the engine until it is idle and retur
 records, one ``Completion`` per prompt (prompt order) and the scheduler's summary.  A request the
 door refuses gets a completion with ``rejected`` set and no ids.  Without ``num_pages`` or
 ``kv_memory`` in the config, the pool holds every request at once (``auto_num_pages``), as a
-batch of known prompts needs.
+batch of known prompts needs.  ``DEVICE`` (default ``"cpu"``) is the device of every engine whose
+config leaves ``device`` at ``"cpu"``: the ``gpu`` tests set it to replay the CPU tests on a GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
 from mechserve.engine.pool import auto_num_pages, model_context
 from mechserve.spec import m14_forced_runs as m14
+
+# Where run_engine's engines run: the gpu tests set this to "cuda" to replay the CPU tests there.
+DEVICE = "cpu"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +70,8 @@ def run_engine(
     text and completions carry their text."""
     prompts = [list(tokenizer(p).input_ids) if isinstance(p, str) else list(p) for p in prompts]
     config = config or EngineConfig()
+    if DEVICE != "cpu" and config.device == "cpu":
+        config = replace(config, device=DEVICE)
     if config.num_pages is None and config.kv_memory is None:
         lens = [len(p) for p in prompts] or [1]
         pages = auto_num_pages(
@@ -81,7 +87,11 @@ def run_engine(
         from mechserve.executor.torch_executor import TorchExecutor
 
         executor = TorchExecutor(
-            model, config.num_pages, config.page_size, proposer=proposer, speculative=config.speculative_config()
+            model.to(config.device),
+            config.num_pages,
+            config.page_size,
+            proposer=proposer,
+            speculative=config.speculative_config(),
         )
     loaded = SimpleNamespace(model=model, tokenizer=tokenizer, eos_token_ids=tuple(eos_token_ids), path=None)
     core = EngineCore(loaded, config, keep_finished=True, executor=executor)

@@ -96,6 +96,21 @@ def dtype_name(dtype: object) -> str:
     return DTYPES[name]
 
 
+_DEVICE = re.compile(r"cpu|cuda(?::\d{1,3})?")
+
+
+def device_name(device: object) -> str:
+    """The canonical name of ``device``: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (any case, surrounding
+    spaces dropped; a ``torch.device`` of one is taken by its name).
+
+    Only the form is checked here (no torch); raises ``ValueError`` naming the value otherwise.
+    """
+    name = str(device).strip().lower() if isinstance(device, str) or type(device).__name__ == "device" else None
+    if name is None or not _DEVICE.fullmatch(name):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return name
+
+
 def parse_draft_model(spec: str) -> tuple[str, int | None]:
     """``"MODEL[:layers=N]"`` as ``(MODEL, N or None)``.
 
@@ -233,6 +248,12 @@ class EngineConfig:
     * ``seed``: seeds the generator that unseeded sampling requests share.
     * ``world_size``: tensor-parallel rank processes (``tensor_parallel_size``;
       ``mechserve.executor.rank_group``).
+    * ``device``: where the weights, the KV pool and each step's index tensors live: ``"cpu"``
+      (default), ``"cuda"`` or ``"cuda:N"`` (checked for its form here and for being available where
+      the model is loaded, ``mechserve.model.loader.torch_device``).  The scheduler always runs on
+      the host.  Only ``"cpu"`` with ``world_size > 1``.
+    * ``compile``: ``torch.compile`` the dense parts of each decoder layer (norms, projections,
+      RoPE, MLP) with dynamic shapes (``LlamaModel.compiled``); attention stays eager.
 
     Raises ``ValueError`` naming the field of a bad value.
     """
@@ -255,6 +276,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     seed: int | None = 0
     world_size: int = 1
+    device: str = "cpu"
+    compile: bool = False
 
     # vLLM's names (LLM/EngineArgs keyword arguments) for our fields.
     ALIASES: ClassVar[Mapping[str, str]] = {
@@ -303,7 +326,12 @@ class EngineConfig:
         _size("max_waiting", self.max_waiting, 1, optional=True)
         _size("spec_len", self.spec_len, 0)
         _size("world_size", self.world_size, 1)
-        for name in ("check_memory", "prefix_caching", "hold_shared_prefix", "output_caching"):
+        object.__setattr__(self, "device", device_name(self.device))
+        if self.device != "cpu" and self.world_size > 1:
+            raise ValueError(
+                f"device {self.device!r} with world_size > 1 is not supported (rank processes run on the CPU)"
+            )
+        for name in ("check_memory", "prefix_caching", "hold_shared_prefix", "output_caching", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.seed is not None and not _is_int(self.seed):
@@ -318,6 +346,11 @@ class EngineConfig:
         if self.quantization is not None and self.world_size > 1:
             raise ValueError(
                 f"quantization {self.quantization} runs on one rank; world_size must be 1, got {self.world_size}"
+            )
+        if self.quantization is not None and self.device != "cpu":
+            raise ValueError(
+                f"quantization {self.quantization} runs on the CPU (its kernels are native CPU code); "
+                f"device must be 'cpu', got {self.device!r}"
             )
 
     @classmethod
@@ -382,6 +415,7 @@ __all__ = [
     "QUANTIZATIONS",
     "EngineConfig",
     "SpeculativeConfig",
+    "device_name",
     "dtype_name",
     "format_bytes",
     "parse_draft_model",

@@ -74,6 +74,15 @@ def _engine_int(name: str) -> Any:
     return lambda text: _positive_int(text, ENGINE_LIMITS[name])
 
 
+def _device(text: str) -> str:
+    from mechserve.api.config import device_name
+
+    try:
+        return device_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _size(text: str) -> tuple[str, object]:
     """``KEY=N`` or ``KEY=LO,HI`` (a range), positive integers (a float for ``rate``)."""
     key, sep, value = text.partition("=")
@@ -146,6 +155,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch intra-op threads for every engine (default: one per usable CPU). On a machine shared "
         "with other busy processes, 1 avoids OpenMP threads waiting on each other at every barrier",
+    )
+    add(
+        "--device",
+        type=_device,
+        default="cpu",
+        help="where mechserve's engine and transformers' model run: cpu (default), cuda or cuda:N. The "
+        "roofline probes are CPU-only and are skipped on another device; scale the workloads up with "
+        "--size, e.g. --size num=256",
+    )
+    add(
+        "--compile",
+        action="store_true",
+        help="run mechserve with torch.compile of each decoder layer's dense parts (EngineConfig.compile)",
     )
     add("--no-roofline", action="store_true", help="skip the matmul-peak / prefill / decode MFU probes")
     add("--no-plots", action="store_true", help="write results.json only")
@@ -240,7 +262,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from mechserve.bench.workloads import SIZES, make_workload
     from mechserve.engine.executors import configure_threads
     from mechserve.model.checkpoint import resolve_model
-    from mechserve.model.loader import load_model
+    from mechserve.model.loader import load_model, torch_device
 
     if not args.no_plots:
         import importlib.util
@@ -253,6 +275,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"no workload of {', '.join(args.workload)} has the size(s) {', '.join(unknown)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.device != "cpu":
+        torch_device(args.device)  # an unavailable device fails here, before any model is loaded
+        args.no_roofline = True  # its probes time CPU tensors; a GPU's peaks are not measured (docs/gpu.md)
     threads = configure_threads()
     if args.threads is not None:
         import torch
@@ -340,11 +365,16 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     runner: Any = eng.LlamaCppRunner(mode, model=str(args.model), threads=threads)
                 elif ename == "hf":
                     if mode not in hf_runners:
-                        hf_runners[mode] = eng.HFRunner(path, mode, batch_size=args.hf_batch_size)
+                        hf_runners[mode] = eng.HFRunner(path, mode, batch_size=args.hf_batch_size, device=args.device)
                     runner = hf_runners[mode]
                 else:
                     runner = eng.MechserveRunner(
-                        loaded[mode], mode, max_step_tokens=args.max_step_tokens, spec_len=args.spec_len
+                        loaded[mode],
+                        mode,
+                        max_step_tokens=args.max_step_tokens,
+                        spec_len=args.spec_len,
+                        device=args.device,
+                        compile=args.compile,
                     )
                 for variant in runner.variants(workload):
                     res = runner.run(workload, variant)
@@ -489,6 +519,8 @@ def _multiturn(args: argparse.Namespace, loaded: dict[str, Any], path: Path, siz
             num_pages=len(conversations.messages) * -(-longest // page_size) + 8,
             max_running=None,
             seed=0,
+            device=args.device,
+            compile=args.compile,
         )
         ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
         configs = {
@@ -602,6 +634,9 @@ def _serve(args: argparse.Namespace, workload: Any, entry: dict[str, Any]) -> No
             str(port),
             "--dtype",
             dtype,
+            "--device",
+            args.device,
+            *(["--compile"] if args.compile else []),
         ]
         server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:

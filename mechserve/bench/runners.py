@@ -125,11 +125,21 @@ class MechserveRunner(Runner):
     name = "mechserve"
 
     def __init__(
-        self, loaded: Any, mode: str, *, max_step_tokens: int = 512, page_size: int = 16, spec_len: int | None = None
+        self,
+        loaded: Any,
+        mode: str,
+        *,
+        max_step_tokens: int = 512,
+        page_size: int = 16,
+        spec_len: int | None = None,
+        device: str = "cpu",
+        compile: bool = False,
     ) -> None:
         """``spec_len``: also run the throughput and latency workloads with prompt-lookup speculation
-        (variant ``ngram-<spec_len>``)."""
+        (variant ``ngram-<spec_len>``); ``device`` and ``compile``: ``EngineConfig``'s."""
         self.loaded = loaded
+        self.device = device
+        self.compile = compile
         self.mode = mode
         self.spec_len = spec_len
         self.max_step_tokens = max_step_tokens
@@ -160,6 +170,8 @@ class MechserveRunner(Runner):
             prefix_caching=variant != "no-prefix-cache",
             max_running=None,  # every request of the workload may run at once, as in the static batches it is compared with
             seed=0,
+            device=self.device,
+            compile=self.compile,
         )
         return EngineCore(self.loaded, config)
 
@@ -221,6 +233,8 @@ class MechserveRunner(Runner):
             "num_pages": core.num_pages,
             "prefix_caching": c.prefix_caching,
             "hold_shared_prefix": c.prefix_caching and c.hold_shared_prefix,
+            "device": c.device,
+            "compile": c.compile,
         }
         return RunResult(self.name, variant, self.mode, timings, duration, outputs, rss, stats, settings)
 
@@ -236,13 +250,16 @@ class HFRunner(Runner):
 
     name = "hf"
 
-    def __init__(self, path: Path, mode: str, *, batch_size: int | None = None) -> None:
+    def __init__(self, path: Path, mode: str, *, batch_size: int | None = None, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
         dtype, quantization = MODES[mode]
         if quantization is not None:
             raise ValueError(f"hf has no {mode} mode")
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+        self.device = torch.device(device)
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval().to(self.device)
+        )
         self.mode = mode
         self.batch_size = batch_size
         self.pad_id = 0
@@ -264,14 +281,22 @@ class HFRunner(Runner):
                 outputs.append(ids[i][: r.max_tokens])
         duration = time.perf_counter() - start
         return RunResult(
-            self.name, variant, self.mode, timings, duration, outputs, peak_rss(), None, {"batch_size": size}
+            self.name,
+            variant,
+            self.mode,
+            timings,
+            duration,
+            outputs,
+            peak_rss(),
+            None,
+            {"batch_size": size, "device": str(self.device)},
         )
 
     def _generate(self, prompts: Sequence[Sequence[int]], new: int) -> tuple[list[list[int]], list[float]]:
         """Left-padded greedy generation of exactly ``new`` tokens per row; the ids and each token step's time."""
         longest = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad_id] * (longest - len(p)) + list(p) for p in prompts])
-        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[self.pad_id] * (longest - len(p)) + list(p) for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         streamer = _TimeStreamer()
         with torch.inference_mode():
             out = self.model.generate(
@@ -297,6 +322,8 @@ class _TimeStreamer:
         if not self._prompt_seen:
             self._prompt_seen = True
             return
+        if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+            torch.cuda.synchronize(value.device)  # the token exists once its kernels have run
         self.times.append(time.perf_counter())
 
     def end(self) -> None:

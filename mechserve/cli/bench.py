@@ -14,7 +14,7 @@ import importlib
 HELP = (
     "benchmarks (run: engines side by side; spec: the spec engine at scale; serve: Poisson client; "
     "spec-decode: speculative decoding; tp: tensor-parallel world sizes; perplexity: per mode, beside llama.cpp; "
-    "structured: constrained decoding)"
+    "structured: constrained decoding; compile: torch.compile's effect)"
 )
 # (subcommand, module, help)
 BENCHMARKS = (
@@ -42,6 +42,11 @@ BENCHMARKS = (
         "perplexity",
         "mechserve.bench.perplexity",
         "perplexity of a local text per mode (exact, fast, q4_1, q8_0), beside llama.cpp's llama-perplexity",
+    ),
+    (
+        "compile",
+        "mechserve.bench.compile_decode",
+        "decode TPOT with and without torch.compile (EngineConfig.compile) at batch 1 and 8, side by side",
     ),
     (
         "spec-decode",

@@ -33,6 +33,7 @@ from mechserve.api import config as engine_settings
 from mechserve.api.config import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PAGE_SIZE
 from mechserve.api.limits import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_SAMPLES, MAX_SLOTS
 from mechserve.cli.errors import CliError, engine_failure
+from mechserve.cli.parser import add_device_arguments
 from mechserve.cli.viz import VizOutputs, add_output_flags
 from mechserve.cli.vllm_names import add_chat_template_argument, apply_chat_template_flag
 from mechserve.spec import m14_forced_runs as m14
@@ -81,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default="smollm2", help="'smollm2' (embedded, default) or a local Hugging Face model directory"
     )
     add_dtype_argument(parser)
+    add_device_arguments(parser)
     parser.add_argument(
         "--max-tokens",
         type=integer(0, MAX_NEW_TOKENS),
@@ -458,6 +460,8 @@ def engine_config(args: argparse.Namespace, model: Any, prompt_len: int) -> Any:
         max_kv_bytes=pages * page_bytes(model, args.page_size),
         speculative=speculative_config(args),
         world_size=args.world_size,
+        device=args.device or "cpu",
+        compile=bool(args.compile),
     )
 
 

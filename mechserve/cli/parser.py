@@ -1,10 +1,12 @@
-"""An ``argparse`` parser whose usage errors are one line, not a usage dump (D3)."""
+"""An ``argparse`` parser whose usage errors are one line, not a usage dump (D3), and the engine flags
+every real-model command shares (``--device``, ``--compile``)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import NoReturn
 
+from mechserve.api.config import device_name
 from mechserve.cli.errors import CliError
 
 
@@ -23,3 +25,31 @@ class Parser(argparse.ArgumentParser):
         """Raises ``UsageError`` carrying ``message`` (``--flag: ...``, without argparse's "argument ") and
         where to find help."""
         raise UsageError(f"{message.removeprefix('argument ')} (see '{self.prog} --help')")
+
+
+def device_text(text: str) -> str:
+    """An argparse ``type=`` for ``--device``: ``cpu``, ``cuda`` or ``cuda:N`` (its availability is checked
+    where the engine is built, one error line naming it)."""
+    try:
+        return device_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_device_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    """``--device`` and ``--compile`` (``EngineConfig.device``/``compile``), shared by generate, serve,
+    run --backend torch and bench run; ``prefix`` starts their help (e.g. "with --backend torch: ")."""
+    parser.add_argument(
+        "--device",
+        type=device_text,
+        default=None,
+        metavar="DEVICE",
+        help=f"{prefix}cpu (default), cuda or cuda:N: where the weights, the KV pool and each step's tensors live",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help=f"{prefix}torch.compile each decoder layer's dense parts (compiles on the first steps; "
+        "see docs/benchmarks.md for when it pays)",
+    )

@@ -23,6 +23,7 @@ from typing import Any
 from mechserve.api.limits import ENGINE_LIMITS
 from mechserve.cli.errors import CliError, engine_failure
 from mechserve.cli.lazy import GENERATE_MODULE
+from mechserve.cli.parser import add_device_arguments
 from mechserve.cli.render import IDLE, JsonView, TextView, View
 from mechserve.cli.viz import VizOutputs, add_output_flags
 from mechserve.spec import TOP
@@ -107,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("q4_1", "q8_0"),
         help="with --backend torch: the weight matrices in GGUF blocks, multiplied as they are",
     )
+    add_device_arguments(parser, "with --backend torch: ")
     add_output_arguments(parser)
 
 
@@ -128,11 +130,20 @@ def run(args: argparse.Namespace) -> int:
             model=args.model or "smollm2",
             dtype=args.dtype,
             quantization=args.quantization,
+            device=args.device or "cpu",
+            compile=bool(args.compile),
             as_json=args.json,
             explain=args.explain,
             viz=viz,
         )
-    for flag, value in (("--model", args.model), ("--dtype", args.dtype), ("--quantization", args.quantization)):
+    given = (
+        ("--model", args.model),
+        ("--dtype", args.dtype),
+        ("--quantization", args.quantization),
+        ("--device", args.device),
+        ("--compile", args.compile),
+    )
+    for flag, value in given:
         if value is not None:
             raise CliError(f"{flag} needs --backend torch (the spec backend runs the scripted model)")
     return execute(rung, workload, as_json=args.json, explain=args.explain, viz=viz)
@@ -283,6 +294,8 @@ def execute_torch(
     model: str,
     dtype: str | None = None,
     quantization: str | None = None,
+    device: str = "cpu",
+    compile: bool = False,
     as_json: bool,
     explain: bool,
     viz: VizOutputs | None = None,
@@ -324,6 +337,8 @@ def execute_torch(
             max_waiting=e.get("max_waiting"),
             world_size=e["world_size"],
             output_caching=bool(e.get("output_caching", EngineConfig().output_caching)),
+            device=device,
+            compile=compile,
         )
         core = EngineCore(loaded, config, keep_finished=True)
     except ModelLoadError as exc:

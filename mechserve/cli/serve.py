@@ -35,6 +35,7 @@ from mechserve.cli.generate import (
     parse_size,
     speculative_config,
 )
+from mechserve.cli.parser import add_device_arguments
 from mechserve.cli.vllm_names import (
     add_aliased,
     add_chat_template_argument,
@@ -58,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser, "'smollm2' (embedded, default) or a local Hugging Face model directory")
     add("--served-model-name", default=None, metavar="NAME", help="the name clients use (default: --model)")
     add_dtype_argument(parser)
+    add_device_arguments(parser)
     add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     add("--port", type=integer(0, 65535), default=8000, help="port to bind (default 8000; 0: any free port)")
     add(
@@ -252,6 +254,8 @@ def _engine(args: argparse.Namespace) -> Any:
             seed=args.seed,
             model_name=args.served_model_name or args.model,
             world_size=args.world_size,
+            device=args.device or "cpu",
+            compile=bool(args.compile),
         )
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None

@@ -105,7 +105,9 @@ class KVAuditor:
     ) -> None:
         pages = torch.tensor([s[0] for s in slots], dtype=torch.int64)
         offsets = torch.tensor([s[1] for s in slots], dtype=torch.int64)
-        kc, vc = k[:, pages, offsets].clone(), v[:, pages, offsets].clone()
+        pages, offsets = pages.to(k.device), offsets.to(k.device)
+        # advanced indexing copies; the copies are kept on the host, where the dense reference is
+        kc, vc = k[:, pages, offsets].cpu(), v[:, pages, offsets].cpu()
         key = (label, rank, tokens)
         last = self._last.get(key)
         if last is not None and last.slots == slots and torch.equal(last.k, kc) and torch.equal(last.v, vc):

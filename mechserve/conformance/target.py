@@ -206,7 +206,7 @@ def own_dense_kv(model: Any) -> Callable[[Sequence[int]], KV]:
         )
         positions = torch.arange(n, dtype=torch.int64)
         model.forward(torch.tensor(list(ids), dtype=torch.int64), positions, cache, batch, positions[-1:])
-        return cache.k[:, 0, :n].clone(), cache.v[:, 0, :n].clone()
+        return cache.k[:, 0, :n].to("cpu", copy=True), cache.v[:, 0, :n].to("cpu", copy=True)
 
     return dense
 

@@ -20,6 +20,7 @@ Nothing outside ``mechserve.engine`` touches the scheduler's state: metrics read
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import threading
@@ -33,7 +34,7 @@ from mechserve.api.errors import ParamError, RankError, RequestRejected
 from mechserve.api.outputs import ABORT, LENGTH, STOP, PositionLogprobs, RequestOutput, StepOutput, TokenLogprobs
 from mechserve.api.params import SamplingParams, StructuredOutputsParams
 from mechserve.engine.detokenizer import OutputText
-from mechserve.engine.executors import build_executor, configure_threads, load_draft
+from mechserve.engine.executors import build_executor, configure_threads, load_draft, place_model
 from mechserve.engine.pool import check_kv_memory, draft_page_bytes, model_context, page_bytes, size_pool
 from mechserve.engine.requests import RequestGroup, Sample
 from mechserve.engine.scheduler import PageUsage, Scheduler
@@ -96,6 +97,11 @@ class EngineCore:
         # Settle the attention path now: a bad MECHSERVE_ATTENTION or a kernel that cannot be built
         # in ``native`` mode fails here, at load time, not at the first step.
         native.enabled()
+        if executor is None:  # weights and KV pool on config.device, the one place a model is moved
+            placed = place_model(loaded.model, config)
+            if placed is not loaded.model:
+                loaded = copy.copy(loaded)
+                loaded.model = placed
         self.model = loaded.model
         loaded_as = dtype_name(getattr(self.model, "dtype", config.dtype))
         if loaded_as != config.dtype:
@@ -117,6 +123,8 @@ class EngineCore:
         if config.world_size > 1 and self.speculative is not None and self.speculative.method == "draft":
             raise ValueError("a draft model with world_size > 1 is not supported (use prompt lookup or one rank)")
         draft = None if executor is not None else load_draft(loaded, self.speculative)
+        if draft is not None:
+            draft = place_model(draft, config)
         self.num_pages, self.sized_by = size_pool(self.model, config, self.max_model_len)
         per_page = page_bytes(self.model, config.page_size) + draft_page_bytes(draft, config.page_size)
         self.kv_bytes = self.num_pages * per_page

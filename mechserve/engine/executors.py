@@ -33,6 +33,18 @@ def configure_threads() -> int:
     return torch.get_num_threads()
 
 
+def place_model(model: Any, config: EngineConfig) -> Any:
+    """``model`` on ``config.device`` (``LlamaModel.to``) and, with ``config.compile``, its compiled
+    twin (``LlamaModel.compiled``).  Raises ``ValueError`` naming a device this process cannot use."""
+    from mechserve.model.loader import torch_device
+
+    device = torch_device(config.device)
+    if not hasattr(model, "forward"):  # a shape without weights (world_size > 1): the ranks hold them
+        return model
+    placed = model.to(device)
+    return placed.compiled() if config.compile else placed
+
+
 def load_draft(loaded: Any, speculative: SpeculativeConfig | None) -> Any:
     """The draft ``LlamaModel`` ``speculative`` names next to ``loaded``'s model (None unless its method is
     ``"draft"``).  Raises ``ValueError``/``ModelLoadError`` for a draft that cannot serve it."""
@@ -122,4 +134,4 @@ def build_executor(
     return start_group(spec, config.world_size, timeout_s=rank_timeout_s)
 
 
-__all__ = ["build_executor", "configure_threads", "load_draft", "new_executor"]
+__all__ = ["build_executor", "configure_threads", "load_draft", "new_executor", "place_model"]

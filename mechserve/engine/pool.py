@@ -9,7 +9,8 @@ K and V for every layer (``page_bytes``).  ``size_pool`` picks ``num_pages`` fro
                                     AUTO_MAX_POSITIONS or one full context)  sized_by "auto"
 
 and ``check_kv_memory`` refuses a cache over the ``kv_memory`` budget or the available memory
-(``KVMemoryError``, naming what sized it) before anything is allocated.
+(``KVMemoryError``, naming what sized it) before anything is allocated.  "Available memory" is the
+host's for ``device="cpu"`` and the GPU's free memory for a CUDA device (``device_memory``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ def available_memory(meminfo: str | None = None) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def device_memory(device: str) -> int | None:
+    """Free bytes where the KV cache of ``device`` (an ``EngineConfig.device`` name) will live: the host's
+    ``available_memory()`` for ``"cpu"``, else what ``torch.cuda.mem_get_info`` says is free on the GPU."""
+    if device == "cpu":
+        return available_memory()
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free)
 
 
 def max_pages(page_size: int) -> int:
@@ -109,7 +121,7 @@ def size_pool(model: Any, config: EngineConfig, max_model_len: int | None = None
             )
         return min(pages, max_pages(c.page_size)), "kv_memory"
     budget = c.max_kv_bytes
-    available = available_memory() if c.check_memory else None
+    available = device_memory(c.device) if c.check_memory else None
     if available is not None:
         budget = min(budget, available // 2)
     positions = max(AUTO_MAX_POSITIONS, max_model_len or 0)
@@ -121,7 +133,7 @@ def check_kv_memory(config: EngineConfig, num_pages: int, kv_bytes: int, sized_b
     """Raise ``KVMemoryError`` if ``kv_bytes`` exceed ``config.kv_memory`` or (``check_memory``) the available memory."""
     budget, where = config.kv_memory, "the KV budget"
     if config.check_memory:
-        available = available_memory()
+        available = device_memory(config.device)
         if available is not None and (budget is None or available < budget):
             budget, where = available, "available memory"
     if budget is not None and kv_bytes > budget:
@@ -139,6 +151,7 @@ __all__ = [
     "auto_num_pages",
     "available_memory",
     "check_kv_memory",
+    "device_memory",
     "draft_page_bytes",
     "max_pages",
     "model_context",

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from mechserve.executor.sampling import STREAM_DRAFT, Row, Sampler
+from mechserve.executor.sampling import STREAM_DRAFT, Row, Sampler, sampling_logits
 from mechserve.kv.paged import Span, build_attention_batch
 from mechserve.model.llama import LlamaModel
 from mechserve.spec.m14_forced_runs import PlanItem
@@ -345,6 +345,7 @@ class DraftModelProposer:
         if not drafting:
             return
         rows = [_guess_row(windows[i].row, r, guesses[i]) for i in drafting]
+        logits = sampling_logits(logits, rows)
         if all(row.params.greedy for row in rows):
             for i, t in zip(drafting, self.sampler.choose(logits, rows)):
                 guesses[i].append(t)

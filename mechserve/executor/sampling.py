@@ -272,6 +272,21 @@ class Sampler:
         return self._u[:rows]
 
 
+def sampling_logits(logits: torch.Tensor, rows: Sequence[Row], *, host: bool = False) -> torch.Tensor:
+    """``logits`` ([R, V] float32, one row per entry of ``rows``) where the sampler can use them.
+
+    On a CPU, ``logits`` itself.  On another device ``logits`` stays there when every row is plain
+    greedy (no filters or penalties) and ``host`` is false: one argmax on the device, and only the
+    R ids come back.  Otherwise a host copy: the sampler's generators (vLLM's seeded streams),
+    filters, penalties and logprobs work on the host.
+    """
+    if logits.device.type == "cpu":
+        return logits
+    if not host and all(row.params.greedy and not row.processed for row in rows):
+        return logits
+    return logits.cpu()
+
+
 def process_logits(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     """``logits`` [R, V] float32 after each row's token filters and penalties (module docstring).
 
@@ -415,6 +430,7 @@ __all__ = [
     "apply_top_p",
     "process_logits",
     "row_seed",
+    "sampling_logits",
     "stream_seed",
     "token_logprobs",
 ]

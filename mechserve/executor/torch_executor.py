@@ -85,7 +85,7 @@ from mechserve.executor.proposers import (
 )
 from mechserve.executor.proposers import Proposer as DraftProposer
 from mechserve.executor.protocol import ExecutorStats
-from mechserve.executor.sampling import Row, Sampler, token_logprobs
+from mechserve.executor.sampling import Row, Sampler, sampling_logits, token_logprobs
 from mechserve.executor.structured import CompiledGrammar, GrammarMatcher, allowed_rows, new_bitmask
 from mechserve.executor.verify import verify_draft
 from mechserve.kv.paged import AttentionBatch, Span, build_attention_batch
@@ -417,6 +417,7 @@ class TorchExecutor:
         logits = self.model.forward(step.input_ids, step.positions, self.cache, step.batch, step.logit_rows)
         self.counters.forwards += 1
         self.counters.rows += int(step.input_ids.numel())
+        logits = sampling_logits(logits, step.rows, host=bool(step.prompt_rows or step.num_logprobs or step.sampled))
         sampling = logits[: len(step.rows)]
         if step.prompt_rows:
             self._record_prompt_logprobs(step.prompt_rows, logits[len(step.rows) :])
@@ -455,7 +456,7 @@ class TorchExecutor:
             )
             self.counters.forwards += 1
             self.counters.rows += upto
-            self._record_prompt_logprobs([(item.request_id, first, upto - first + 1)], logits)
+            self._record_prompt_logprobs([(item.request_id, first, upto - first + 1)], logits.cpu())
 
     def _record_prompt_logprobs(self, prompt_rows: Sequence[tuple[str, int, int]], logits: torch.Tensor) -> None:
         """Record ``(request_id, first position, count)`` prompt logprobs from ``logits`` (their rows, in order)."""

@@ -77,6 +77,23 @@ class AttentionGroup:
     kv_slots: torch.Tensor
     masks: dict[int | None, torch.Tensor]
 
+    def to(self, device: torch.device) -> AttentionGroup:
+        """This group with its tensors on ``device``."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return AttentionGroup(
+            self.batch,
+            self.q_len,
+            self.ctx_len,
+            move(self.rows),
+            move(self.src),
+            move(self.dst),
+            self.kv_slots.to(device, non_blocking=True),
+            {w: m.to(device, non_blocking=True) for w, m in self.masks.items()},
+        )
+
 
 @dataclass(slots=True)
 class NativeItems:
@@ -105,6 +122,25 @@ class AttentionBatch:
     page_size: int = 0
     group_size: int = 1
     windows: tuple[int | None, ...] = (None,)
+
+    def to(self, device: torch.device) -> AttentionBatch:
+        """This batch with its index tensors and masks on ``device`` (``self`` on a CPU).
+
+        The native kernel reads host memory, so on any other device its items are attended by the
+        torch path (``native_fallback``): the one place where the device chooses the attention path.
+        """
+        if device.type == "cpu":
+            return self
+        groups = (self.native_fallback() if self.native is not None else ()) + self.groups
+        return AttentionBatch(
+            self.num_tokens,
+            self.slot_mapping.to(device, non_blocking=True),
+            tuple(g.to(device) for g in groups),
+            None,
+            self.page_size,
+            self.group_size,
+            self.windows,
+        )
 
     def native_fallback(self) -> tuple[AttentionGroup, ...]:
         """The native items as SDPA groups (built once, for dtypes the kernel does not take)."""
@@ -215,7 +251,7 @@ class PagedKVCache:
     """K and V pages for every layer (layout in the module docstring).
 
     ``k``/``v``: [num_layers, num_pages, page_size, num_kv_heads, head_dim],
-    ``dtype``; zero-filled at construction.  The gather workspaces are reused
+    ``dtype``, on ``device``; zero-filled at construction.  The gather workspaces are reused
     across layers and steps and grow only when a step needs more context.
     """
 
@@ -227,6 +263,8 @@ class PagedKVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype = torch.float32,
+        *,
+        device: torch.device | str = "cpu",
     ) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError("num_pages and page_size must be > 0")
@@ -235,10 +273,10 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
-        self._ws_k = torch.empty(0, dtype=dtype)
-        self._ws_v = torch.empty(0, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._ws_k = torch.empty(0, dtype=dtype, device=device)
+        self._ws_v = torch.empty(0, dtype=dtype, device=device)
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V as [num_pages * page_size, num_kv_heads, head_dim] views."""
@@ -256,8 +294,8 @@ class PagedKVCache:
         """K and V at ``slots`` ([N] int64) as [N, num_kv_heads, head_dim] views of the workspaces."""
         n = slots.numel() * self.num_kv_heads * self.head_dim
         if self._ws_k.numel() < n:
-            self._ws_k = torch.empty(n, dtype=self.k.dtype)
-            self._ws_v = torch.empty(n, dtype=self.v.dtype)
+            self._ws_k = torch.empty(n, dtype=self.k.dtype, device=self.k.device)
+            self._ws_v = torch.empty(n, dtype=self.v.dtype, device=self.v.device)
         k_flat, v_flat = self.flat(layer)
         k = self._ws_k[:n].view(-1, self.num_kv_heads, self.head_dim)
         v = self._ws_v[:n].view(-1, self.num_kv_heads, self.head_dim)
@@ -287,7 +325,7 @@ def paged_attention(
     g = num_heads // kv_heads
     cache.write(layer, batch.slot_mapping, k, v)
     if out is None:
-        out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
+        out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     groups = batch.groups
     if batch.native is not None:
         if native_kernel.supports(q.dtype, cache.k.dtype):

@@ -13,6 +13,8 @@ rows that sample.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -171,6 +173,10 @@ class LayerWeights:
     down_bias: torch.Tensor | None
 
 
+def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last axis, computed in float32 as transformers does."""
     xf = x.float()
@@ -185,8 +191,66 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def attention_inputs(
+    x: torch.Tensor,
+    norm: torch.Tensor,
+    qkv_w: torch.Tensor,
+    qkv_b: torch.Tensor | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    h: int,
+    kv: int,
+    d: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decoder layer up to attention: ``x`` [T, hidden] -> rotated ``q`` [T, h, d], ``k`` and ``v`` [T, kv, d]."""
+    y = rms_norm(x, norm, eps)
+    qkv = linear(y, qkv_w, qkv_b)  # [T, (H + 2 KV) * D]
+    q, k, v = torch.split(qkv, [h * d, kv * d, kv * d], dim=-1)
+    q, k, v = q.view(-1, h, d), k.view(-1, kv, d), v.view(-1, kv, d)
+    if q_norm is not None and k_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+
+def attention_outputs(
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    o: torch.Tensor,
+    o_b: torch.Tensor | None,
+    norm: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_b: torch.Tensor | None,
+    down: torch.Tensor,
+    down_b: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """A decoder layer after attention: ``x`` [T, hidden] plus the output projection of ``attn``
+    [T, H * D], then the SwiGLU MLP's residual; returns the new [T, hidden]."""
+    x = x + linear(attn, o, o_b)
+    y = rms_norm(x, norm, eps)
+    gate, up = linear(y, gate_up, gate_up_b).chunk(2, dim=-1)  # [T, I] each
+    return x + linear(F.silu(gate) * up, down, down_b)
+
+
+@functools.cache
+def _compiled_blocks() -> tuple[Any, Any]:
+    """``attention_inputs`` and ``attention_outputs`` under ``torch.compile`` with dynamic shapes.
+
+    The weights are arguments, not captured constants, so every layer (and every model) shares one
+    graph per block, and a new row count does not recompile (``dynamic=True``; only 1, 2-3 and more
+    rows differ, through ``linear``'s padding).  Compiled once per process, on first use.
+    """
+    return torch.compile(attention_inputs, dynamic=True), torch.compile(attention_outputs, dynamic=True)
+
+
 class LlamaModel:
     """Weights plus the paged forward.  ``dtype`` is the weights' and activations' dtype."""
+
+    _blocks: tuple[Any, Any] = (attention_inputs, attention_outputs)
+    device: torch.device = torch.device("cpu")  # a subclass that builds its own tensors (a rank's shard) is on the host
 
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.config = checkpoint.config
@@ -245,6 +309,36 @@ class LlamaModel:
         self.inv_freq, self.rope_scaling = rope_inv_freq(checkpoint.config, arch.head_dim)
         self.scale = arch.head_dim**-0.5
         self.distinct_windows = tuple(dict.fromkeys(arch.windows))
+        self.device = self.embed.device
+
+    def to(self, device: torch.device | str) -> LlamaModel:
+        """This model with every tensor (weights, norms, biases, RoPE frequencies) on ``device``.
+
+        ``self`` when everything is already there; otherwise a copy whose tensors are copies on
+        ``device`` (a tied LM head stays tied).  The caches it makes (``new_cache``) and the
+        activations of its forward are on ``device`` too.
+        """
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        embed, lm_head = self.embed, self.lm_head
+        if (
+            not isinstance(embed, torch.Tensor)
+            or not isinstance(lm_head, torch.Tensor)
+            or any(isinstance(w.qkv, QuantizedMatrix) for w in self.layers)
+        ):
+            raise ValueError(f"a quantized model runs on the CPU only, not on {device}")
+        moved = copy.copy(self)
+        moved.embed = embed.to(device)
+        moved.lm_head = moved.embed if lm_head is embed else lm_head.to(device)
+        moved.norm = self.norm.to(device)
+        moved.inv_freq = self.inv_freq.to(device)
+        moved.layers = [
+            LayerWeights(**{f.name: _to(getattr(w, f.name), device) for f in dataclasses.fields(LayerWeights)})  # type: ignore[arg-type]
+            for w in self.layers
+        ]
+        moved.device = device
+        return moved
 
     def _check_shapes(self, path: Any) -> None:
         """Raise ``ModelLoadError`` unless every tensor has the shape the config implies (a config.json that
@@ -292,10 +386,25 @@ class LlamaModel:
         draft.distinct_windows = tuple(dict.fromkeys(draft.arch.windows))
         return draft
 
+    def compiled(self) -> LlamaModel:
+        """A copy of this model (sharing its tensors) whose decoder layers run their dense parts (norms,
+        projections, RoPE, MLP) through ``torch.compile`` (inductor; compiled on the first forward).
+
+        Attention (``paged_attention``: the pool's writes and reads, the native kernel) stays eager
+        between the two compiled blocks.  The greedy tokens are the eager model's (inductor fuses the
+        element-wise work but keeps the matrix products in torch's kernels); checked in
+        ``tests/model/test_compile.py``.
+        """
+        twin = copy.copy(self)
+        twin._blocks = _compiled_blocks()
+        return twin
+
     def new_cache(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None) -> PagedKVCache:
-        """A zeroed paged KV cache shaped for this model."""
+        """A zeroed paged KV cache shaped for this model, on the model's device."""
         a = self.arch
-        return PagedKVCache(a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, dtype or self.dtype)
+        return PagedKVCache(
+            a.num_layers, num_pages, page_size, a.num_kv_heads, a.head_dim, dtype or self.dtype, device=self.device
+        )
 
     def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of ``input_ids`` ([T] int64) as [T, hidden] in the model's dtype."""
@@ -329,22 +438,20 @@ class LlamaModel:
         """
         a = self.arch
         h, kv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        # The step's index tensors are built on the host; this is their one trip to the device
+        # (no-ops on a CPU).  The pool never moves: K/V are written and read where they live.
+        input_ids, positions, batch = input_ids.to(self.device), positions.to(self.device), batch.to(self.device)
+        logit_rows = None if logit_rows is None else logit_rows.to(self.device)
         cos, sin = self.rope(positions)
         x = self.embed_rows(input_ids)  # [T, hidden]
-        attn_out = torch.empty(x.shape[0], h * d, dtype=x.dtype)
+        attn_out = torch.empty(x.shape[0], h * d, dtype=x.dtype, device=x.device)
+        before, after = self._blocks
         for i, w in enumerate(self.layers):
-            y = rms_norm(x, w.input_norm, a.rms_norm_eps)
-            qkv = linear(y, w.qkv, w.qkv_bias)  # [T, (H + 2 KV) * D]
-            q, k, v = torch.split(qkv, [h * d, kv * d, kv * d], dim=-1)
-            q, k, v = q.view(-1, h, d), k.view(-1, kv, d), v.view(-1, kv, d)
-            if w.q_norm is not None and w.k_norm is not None:
-                q, k = rms_norm(q, w.q_norm, a.rms_norm_eps), rms_norm(k, w.k_norm, a.rms_norm_eps)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k, v = before(x, w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, sin, a.rms_norm_eps, h, kv, d)
             paged_attention(q, k, v, cache, i, batch, self.scale, a.windows[i], out=attn_out)
-            x = x + linear(attn_out, w.o, w.o_bias)
-            y = rms_norm(x, w.post_norm, a.rms_norm_eps)
-            gate, up = linear(y, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [T, I] each
-            x = x + linear(F.silu(gate) * up, w.down, w.down_bias)
+            x = after(
+                x, attn_out, w.o, w.o_bias, w.post_norm, w.gate_up, w.gate_up_bias, w.down, w.down_bias, a.rms_norm_eps
+            )
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
         x = rms_norm(x, self.norm, a.rms_norm_eps)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mechserve.api.config import dtype_name
+from mechserve.api.config import device_name, dtype_name
 from mechserve.model.checkpoint import (
     EMBEDDED,
     embedded_gguf,
@@ -76,4 +76,26 @@ def torch_dtype(dtype: object) -> torch.dtype:
     return found
 
 
-__all__ = ["EMBEDDED", "LoadedModel", "load_model", "torch_dtype"]
+def torch_device(device: object) -> torch.device:
+    """The ``torch.device`` of a device name (``"cpu"``, ``"cuda"``, ``"cuda:N"``) that this process can use.
+
+    Raises ``ValueError`` naming the device when its form is wrong (``device_name``) or it is not
+    available here: no CUDA (``torch.cuda.is_available()`` is false, e.g. a CPU-only torch build)
+    or no GPU ``N``.
+    """
+    name = device_name(device)
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device {name!r} is not available: torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'})"
+        )
+    found = torch.device(name)
+    count = torch.cuda.device_count()
+    if found.index is not None and found.index >= count:
+        raise ValueError(f"device {name!r} is not available: this process sees {count} CUDA device(s)")
+    return found
+
+
+__all__ = ["EMBEDDED", "LoadedModel", "load_model", "torch_device", "torch_dtype"]

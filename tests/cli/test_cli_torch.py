@@ -291,3 +291,24 @@ def test_quantization_flag(tiny_dir, capsys) -> None:
     assert "runs on one rank" in error_line(rc, err)
     rc, _, err = call(["run", "--request", "a:4:2", "--quantization", "q4_1"], capsys)
     assert "--quantization needs --backend torch" in error_line(rc, err)
+
+
+def test_device_flag_is_checked_and_an_absent_device_is_one_error_line(tiny_dir, capsys) -> None:
+    import torch
+
+    path, hf = tiny_dir
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU: absent on every machine
+    gen = ["generate", PROMPT, "--model", str(path), "--max-tokens", "3"]
+    run = ["run", "--backend", "torch", "--model", str(path), "--request", "a:6:2"]
+    for argv in (gen, run):
+        rc, _, err = call([*argv, "--device", missing], capsys)
+        assert f"device '{missing}' is not available" in error_line(rc, err)
+        rc, _, err = call([*argv, "--device", "gpu"], capsys)
+        assert "--device: device must be 'cpu', 'cuda' or 'cuda:N'" in error_line(rc, err)
+    rc, out, err = call([*gen, "--device", "cpu", "--json", "-q"], capsys)
+    assert rc == 0, err
+    assert final_json(out)["outputs"][0]["token_ids"] == hf_greedy(hf, PROMPT_IDS, 3)
+    rc, _, err = call(["run", "--request", "a:6:2", "--device", "cpu"], capsys)
+    assert "--device needs --backend torch" in error_line(rc, err)
+    rc, _, err = call(["run", "--request", "a:6:2", "--compile"], capsys)
+    assert "--compile needs --backend torch" in error_line(rc, err)

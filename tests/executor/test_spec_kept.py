@@ -99,8 +99,8 @@ def check_kept(steps: list[Any], stats: ExecutorStats, observed: list[tuple[str,
     metrics = ServingMetrics()
     for s in steps:
         metrics.observe_step(s)
-    assert metrics.counters["spec_decode_accepted_tokens"] == accepted
-    assert metrics.counters["spec_decode_draft_tokens"] == stats.slots
+    assert metrics.snapshot()["spec_decode_accepted_tokens"] == accepted
+    assert metrics.snapshot()["spec_decode_draft_tokens"] == stats.slots
 
 
 def windows_proposed(steps: list[Any]) -> list[int]:
