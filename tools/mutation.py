@@ -20,6 +20,7 @@ fresh scratch copy (``--keep`` reuses mutmut's cache in it instead).
 from __future__ import annotations
 
 import argparse
+import ast
 import fnmatch
 import json
 import os
@@ -107,7 +108,7 @@ MODULES: tuple[Module, ...] = (
     Module(
         "m13",
         "mechserve/spec/m13_output_caching.py",
-        ("tests/notes/test_m13_output_caching.py", "tests/property/test_m13_output_caching.py"),
+        ("tests/notes/test_m13_output_caching.py", "tests/property/test_m13_properties.py"),
     ),
 )
 BY_NAME = {m.name: m for m in MODULES}
@@ -176,6 +177,37 @@ def _statuses(work: Path) -> dict[str, str]:
     return found
 
 
+_DIFFS = """
+import json, sys
+from mutmut.mutation.diff_apply import get_diff_for_mutant
+path, names = sys.argv[1], json.loads(sys.stdin.read())
+print(json.dumps({n: get_diff_for_mutant(n, path=path) for n in names}))
+"""
+
+
+def _diffs(work: Path, mod: Module, names: list[str]) -> dict[str, str]:
+    """Each mutant's diff, all in one process (``mutmut show`` starts one per mutant)."""
+    if not names:
+        return {}
+    proc = subprocess.run(
+        [sys.executable, "-c", _DIFFS, mod.path],
+        cwd=work,
+        env=_env(),
+        input=json.dumps(names),
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    return dict(json.loads(proc.stdout))
+
+
+def _probe(mod: Module) -> str:
+    """One mutant's name (the first top-level function's first mutant): running it generates them all."""
+    tree = ast.parse((ROOT / mod.path).read_text())
+    first = next(n.name for n in tree.body if isinstance(n, ast.FunctionDef))
+    return f"*.x_{first}__mutmut_1"
+
+
 def _all_mutant_names(work: Path, mod: Module) -> list[str]:
     """Every mutant mutmut generates for the module (read from its .meta file after generation)."""
     meta = work / "mutants" / (mod.path + ".meta")
@@ -189,9 +221,9 @@ def run_module(mod: Module, *, sample: float, seed: int, keep: bool) -> dict[str
     started = time.monotonic()
     names: list[str] = []
     if sample < 1.0:
-        # Generate the mutants (and collect stats) against a pattern that tests one mutant only, then
+        # Generate the mutants (and collect stats) running one mutant only, then
         # draw the seeded sample from the full list and run it.
-        first = _mutmut(work, "run", "--max-children", "1", "*__mutmut_1")
+        first = _mutmut(work, "run", "--max-children", "1", _probe(mod))
         if first.returncode != 0:
             raise SystemExit(f"mutmut failed generating {mod.name}'s mutants (exit {first.returncode})")
         everyone = _all_mutant_names(work, mod)
@@ -214,7 +246,7 @@ def summarise(
     for v in statuses.values():
         counts[v] = counts.get(v, 0) + 1
     survivors = sorted(k for k, v in statuses.items() if v in SURVIVED or v == "no tests")
-    diffs = {k: _mutmut(work, "show", k, capture=True).stdout for k in survivors}
+    diffs = _diffs(work, mod, survivors)
     total_generated = len(_all_mutant_names(work, mod))
     summary: dict[str, object] = {
         "module": mod.path,

@@ -218,16 +218,16 @@ def test_nothing_is_pushed_after_the_output_ended() -> None:
     out = OutputText(byte_decoder([b"AB", b"CD"]), stops=["B"])
     assert out.push(0) == "B"
     assert out.finish() is None  # finishing after a match is allowed and finds nothing more
-    with pytest.raises(RuntimeError, match="^id pushed after the output ended$"):
+    with pytest.raises(RuntimeError, match=r"^id pushed after the output ended$"):
         out.push(1, detokenize=False)  # even an id whose text is not added
     done = OutputText(byte_decoder([b"AB", b"CD"]))
     done.push(0)
     assert done.finish() is None
-    with pytest.raises(RuntimeError, match="^id pushed after the output ended$"):
+    with pytest.raises(RuntimeError, match=r"^id pushed after the output ended$"):
         done.push(1)
     s = StopStrings(["B"])
     s.add("AB")
-    with pytest.raises(RuntimeError, match="^text added after a stop string matched$"):
+    with pytest.raises(RuntimeError, match=r"^text added after a stop string matched$"):
         s.add("C")
 
 

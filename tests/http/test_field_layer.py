@@ -26,7 +26,7 @@ from server_support import TINY_NAME
 from mechserve.api.errors import ParamError
 from mechserve.api.params import SamplingParams
 from mechserve.entrypoints.prompts import Chat, Text
-from mechserve.http.fields import CHAT, COMPLETIONS, ENDPOINT_PATHS, FIELDS, Field, fields_for
+from mechserve.http.fields import CHAT, COMPLETIONS, ENDPOINT_PATHS, Field, fields_for
 from mechserve.http.protocol import MAX_TOKENS, ChatCompletionRequest, CompletionRequest, UnsupportedField
 
 BASE: dict[str, dict[str, Any]] = {
@@ -112,7 +112,10 @@ ONLY: dict[tuple[str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = {
         ),
         ({"echo": False, "logprobs": 1}, P(logprobs=1)),
     ],
-    (COMPLETIONS, "add_special_tokens"): [({"add_special_tokens": False}, {"prompts": [Text("w1 w2", False)]})],
+    (COMPLETIONS, "add_special_tokens"): [
+        ({"add_special_tokens": False}, {"prompts": [Text("w1 w2", False)]}),
+        ({"add_special_tokens": False, "prompt": ["w3", "w4"]}, {"prompts": [Text("w3", False), Text("w4", False)]}),
+    ],
     (CHAT, "messages"): [
         (
             {
@@ -332,4 +335,202 @@ def test_the_engine_receives_the_view(
     assert all(c["fit"] == want["fit_max_tokens"] for c in captured)
     if want["request_id"] is not None:
         prefix = "cmpl-" if endpoint == COMPLETIONS else "chatcmpl-"
-        assert [c["request_id"] for c in captured][0].startswith(prefix + want["request_id"])
+        assert all(c["request_id"].startswith(prefix + want["request_id"]) for c in captured)
+
+
+# --- the table's own machinery (mutation testing, docs/mutation.md) ----------------------------------------------
+
+
+def test_a_refusal_names_the_field_why_and_what_is_accepted() -> None:
+    rows = {(e, f.name): f for e, f in refused_rows()}
+    assert rows[(CHAT, "tool_choice")].refusal() == (
+        "tool_choice is not supported yet (structured outputs and tool calling come later) "
+        '(accepted: null, "none", "auto"; no tools are accepted, so none is ever called)'
+    )
+    assert rows[(COMPLETIONS, "structured_outputs")].refusal() == (
+        "structured_outputs is not supported yet (structured outputs and tool calling come later) (accepted: null)"
+    )
+    assert rows[(COMPLETIONS, "mirostat_tau")].refusal() == (
+        "mirostat_tau is not supported: no Mirostat sampling (accepted: null; any value while mirostat is 0)"
+    )
+    assert rows[(COMPLETIONS, "length_penalty")].refusal().endswith("(accepted: null, 1, 1.0)")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [
+        (COMPLETIONS, {"use_beam_search": 0}),  # false is neutral, 0 is not: JSON keeps booleans apart
+        (COMPLETIONS, {"priority": False}),  # and the other way round
+        (CHAT, {"tools": ""}),  # an empty string is not the empty list
+        (COMPLETIONS, {"logits_processors": {}}),  # nor is an empty object
+        (CHAT, {"modalities": "t"}),
+    ],
+)
+def test_a_neutral_value_must_have_the_neutral_values_type(endpoint: str, body: dict[str, Any]) -> None:
+    with pytest.raises(UnsupportedField) as caught:
+        build(endpoint, body).check_supported()
+    assert caught.value.param == next(iter(body))
+
+
+def test_an_unset_rule_is_true_while_each_field_is_absent_null_or_neutral() -> None:
+    from mechserve.http.fields import _unset
+
+    rule = _unset("a", "b", neutral={"a": 0})
+    assert rule({}) and rule({"a": None, "b": None}) and rule({"a": 0}) and rule({"a": 0.0, "c": 5})
+    assert not rule({"a": 1}) and not rule({"b": 0}) and not rule({"a": False}) and not rule({"a": 0, "b": 1})
+    assert not _unset("a")({"a": 0}) and _unset("a")({"x": 1})
+
+
+def test_a_row_is_built_with_what_it_was_given() -> None:
+    from mechserve.http.fields import VLLM, _f
+
+    assert _f("x", (CHAT,), VLLM, why="w") == Field("x", (CHAT,), VLLM, why="w", bad={})
+    assert _f("x", (CHAT,), VLLM, why="w", bad={"x": 1}).bad == {"x": 1}
+
+
+def test_the_rendered_table_escapes_pipes_and_newlines(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mechserve.http import fields
+
+    row = Field("odd", (CHAT,), fields.VLLM, why="a | b\nc", bad={"odd": 1})
+    monkeypatch.setattr(fields, "FIELDS", (row,))
+    assert "| `odd` | chat | — | a \\| b c | `null` |" in fields.render_markdown().splitlines()
+
+
+# --- /tokenize and /detokenize bodies (vLLM's shapes) ------------------------------------------------------------
+
+
+def test_tokenize_bodies_are_told_apart_and_translated() -> None:
+    from pydantic import TypeAdapter
+
+    from mechserve.http.protocol import TokenizeChatRequest, TokenizeCompletionRequest, TokenizeRequest
+
+    adapter = TypeAdapter(TokenizeRequest)
+    text = adapter.validate_python({"prompt": "w1", "add_special_tokens": False, "return_token_strs": True})
+    assert isinstance(text, TokenizeCompletionRequest)
+    assert (text.prompt, text.add_special_tokens, text.return_token_strs) == ("w1", False, True)
+    assert TokenizeCompletionRequest(prompt="w1").add_special_tokens is True
+    conversation = [{"role": "developer", "content": "w5"}, {"role": "user", "content": "w1"}]
+    body = adapter.validate_python({"messages": conversation})
+    assert isinstance(body, TokenizeChatRequest)
+    body.check_supported()
+    assert body.chat() == Chat([{"role": "system", "content": "w5"}, {"role": "user", "content": "w1"}])
+    options = {
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "add_special_tokens": True,
+        "chat_template": "{{ messages }}",
+        "chat_template_kwargs": {"x": 1},
+    }
+    assert adapter.validate_python({"messages": USER, **options}).chat() == Chat(
+        USER,
+        add_generation_prompt=False,
+        chat_template="{{ messages }}",
+        continue_final_message=True,
+        template_kwargs={"x": 1},
+        add_special_tokens=True,
+    )
+
+
+@pytest.mark.parametrize("name", ["tools", "mm_processor_kwargs"])
+def test_tokenize_refuses_what_it_cannot_do(name: str) -> None:
+    from mechserve.http.protocol import TokenizeChatRequest
+
+    value = [{"type": "function"}] if name == "tools" else {"a": 1}
+    with pytest.raises(UnsupportedField) as caught:
+        TokenizeChatRequest.model_validate({"messages": USER, name: value}).check_supported()
+    assert caught.value.param == name and str(caught.value) == f"{name} is not supported by this server's /tokenize"
+    TokenizeChatRequest.model_validate({"messages": USER, name: None}).check_supported()
+
+
+def test_detokenize_takes_token_ids_only() -> None:
+    from mechserve.http.protocol import DetokenizeRequest
+
+    assert DetokenizeRequest.model_validate({"tokens": [0, 5]}).tokens == [0, 5]
+    for bad in ([-1], [2**31], ["w1"]):
+        with pytest.raises(ValidationError):
+            DetokenizeRequest.model_validate({"tokens": bad})
+
+
+# --- honoured fields' refused values and combinations (the table's `refused_values`) ---------------------------
+
+COMBINATIONS = [
+    (
+        COMPLETIONS,
+        {"stream_options": {"include_usage": True}},
+        "stream_options",
+        "stream_options is only allowed when stream is true",
+    ),
+    (
+        CHAT,
+        {"stream": False, "stream_options": {}},
+        "stream_options",
+        "stream_options is only allowed when stream is true",
+    ),
+    (COMPLETIONS, {"n_predict": 3}, "n_predict", "n_predict and max_tokens disagree; give one of them"),
+    (CHAT, {"n_predict": -1}, "n_predict", "n_predict and max_tokens disagree; give one of them"),
+    (
+        CHAT,
+        {"stream": True, "n": 2, "prompt_logprobs": 0},
+        "prompt_logprobs",
+        "prompt_logprobs with stream and n > 1 is not supported yet",
+    ),
+    (
+        COMPLETIONS,
+        {"echo": True, "stream": True, "n": 2, "logprobs": 0},
+        "echo",
+        "echo with logprobs, stream and n > 1 together is not supported yet",
+    ),
+    (COMPLETIONS, {"best_of": 3}, "best_of", "best_of is not supported by this server (leave it unset or equal n)"),
+    (
+        COMPLETIONS,
+        {"n": 3, "best_of": 1},
+        "best_of",
+        "best_of is not supported by this server (leave it unset or equal n)",
+    ),
+    (
+        CHAT,
+        {"response_format": {"type": "json_object"}},
+        "response_format",
+        "response_format 'json_object' is not supported yet (structured outputs and tool calling come later)",
+    ),
+    (CHAT, {"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
+    (CHAT, {"top_logprobs": 2, "logprobs": False}, "top_logprobs", "top_logprobs needs logprobs: true"),
+    (
+        COMPLETIONS,
+        {"logit_bias": {"x": 1}},
+        "logit_bias",
+        "logit_bias keys must be token ids (non-negative integers), got 'x'",
+    ),
+    (
+        CHAT,
+        {"logit_bias": {"-1": 1}},
+        "logit_bias",
+        "logit_bias keys must be token ids (non-negative integers), got '-1'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param", "message"), COMBINATIONS)
+def test_a_refused_combination_names_its_field(endpoint: str, body: dict[str, Any], param: str, message: str) -> None:
+    with pytest.raises((UnsupportedField, ParamError)) as caught:
+        engine_view(build(endpoint, body))
+    assert (caught.value.param, str(caught.value)) == (param, message)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [
+        (COMPLETIONS, {"stream": True, "stream_options": {"include_usage": True}}),
+        (CHAT, {"stream": True, "n": 1, "prompt_logprobs": 0}),
+        (CHAT, {"stream": False, "n": 2, "prompt_logprobs": 0}),
+        (CHAT, {"stream": True, "n": 2}),
+        (COMPLETIONS, {"echo": True, "stream": True, "n": 1, "logprobs": 0}),
+        (COMPLETIONS, {"echo": True, "stream": True, "n": 2}),
+        (COMPLETIONS, {"echo": True, "stream": False, "n": 2, "logprobs": 0}),
+        (COMPLETIONS, {"echo": False, "stream": True, "n": 2, "logprobs": 0}),
+        (COMPLETIONS, {"n": 3, "best_of": 3}),
+        (CHAT, {"top_logprobs": 2, "logprobs": True}),
+    ],
+)
+def test_the_combinations_next_to_a_refused_one_are_served(endpoint: str, body: dict[str, Any]) -> None:
+    engine_view(build(endpoint, body))
