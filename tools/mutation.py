@@ -298,7 +298,7 @@ def rerun_survivors(mod: Module) -> dict[str, object]:
 
 def report() -> str:
     rows = [
-        "| module | tests | killed / run (generated) | killed by the first run | score | wall |",
+        "| module | test files or ids | killed / run (generated) | killed by the first run | score | wall |",
         "|---|---|---|---|---|---|",
     ]
     for mod in MODULES:
