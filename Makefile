@@ -14,7 +14,7 @@ SHELL := /bin/bash
 PIP_NOISE := is ignored: it is neither a file nor a directory
 QUIET_PIP = 2>&1 | { grep -v "$(PIP_NOISE)" || true; }
 
-.PHONY: setup browser demo test test-fast lint clean-cache viz-readme api-fields llama-cpp
+.PHONY: setup browser demo test test-fast lint clean-cache viz-readme api-fields llama-cpp mutation
 
 setup: $(VENV)/.installed
 
@@ -56,6 +56,12 @@ lint: setup
 	$(VENV)/bin/ruff check mechserve tests
 	$(VENV)/bin/ruff format --check mechserve tests
 	$(VENV)/bin/mypy mechserve
+
+# Mutation testing of the modules whose bugs hurt most, one module and one worker at a time, each against its
+# own tests (tools/mutation.py; scratch copies and mutmut's caches in build/mutation/). The table it prints
+# heads docs/mutation.md; `python tools/mutation.py verify` runs one module.
+mutation: setup
+	$(PY) tools/mutation.py
 
 # docs/api-fields.md is the server's field table (mechserve/http/fields.py) rendered; a test checks they agree.
 api-fields: setup

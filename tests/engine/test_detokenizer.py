@@ -172,3 +172,68 @@ def test_bc_kind_stop_strings_match_the_reference_and_never_retract(
         assert consumed == next(k for k in range(len(pieces) + 1) if len(visible[k]) >= end)
         assert out.stop is not None
         assert want.endswith(out.stop) if include else True
+
+
+# Mutation testing (docs/mutation.md): each test below kills mutants the ones above let live ---------------------
+
+
+def sentencepiece_decoder(pieces: Sequence[str]):
+    """A decode function that drops the text's leading space, as SentencePiece does with its first piece: a
+    token's text then depends on the ids before it, which is what the prompt's context ids are for."""
+
+    def decode(ids: Sequence[int]) -> str:
+        return "".join(pieces[i] for i in ids).removeprefix(" ")
+
+    return decode
+
+
+PIECES = [" The", " sky", " is", " blue", " today", " and", " warm"]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "context", "first"),
+    [
+        ([0, 1], 5, " is"),  # with the prompt's last ids as context, the space after "sky" is emitted
+        ([0, 1, 2, 3, 4, 5], 5, " is"),  # a prompt longer than the context: its last ids are the context
+        ([0, 1], 1, " is"),  # one id of context is enough
+        ([0, 1], 0, "is"),  # no context: the first output id decodes as the start of a text
+        ([], 5, "is"),
+    ],
+)
+def test_the_prompts_last_ids_are_the_first_windows_context(prompt: list[int], context: int, first: str) -> None:
+    detok = IncrementalDetokenizer(sentencepiece_decoder(PIECES), prompt_ids=prompt, context=context)
+    assert [detok.push(2), detok.push(3)] == [first, " blue"]
+    out = OutputText(sentencepiece_decoder(PIECES), [0, 1])
+    out.push(2)
+    assert out.take(final=True) == " is"  # OutputText hands its prompt ids to its detokenizer
+
+
+def test_output_text_leaves_the_stop_out_unless_asked() -> None:
+    out = OutputText(byte_decoder([b"AB", b"CD"]), stops=["C"])  # include_stop left at its default
+    assert [out.push(0), out.push(1)] == [None, "C"]
+    assert out.text == "AB" and out.stop == "C"
+
+
+def test_nothing_is_pushed_after_the_output_ended() -> None:
+    out = OutputText(byte_decoder([b"AB", b"CD"]), stops=["B"])
+    assert out.push(0) == "B"
+    assert out.finish() is None  # finishing after a match is allowed and finds nothing more
+    with pytest.raises(RuntimeError, match=r"^id pushed after the output ended$"):
+        out.push(1, detokenize=False)  # even an id whose text is not added
+    done = OutputText(byte_decoder([b"AB", b"CD"]))
+    done.push(0)
+    assert done.finish() is None
+    with pytest.raises(RuntimeError, match=r"^id pushed after the output ended$"):
+        done.push(1)
+    s = StopStrings(["B"])
+    s.add("AB")
+    with pytest.raises(RuntimeError, match=r"^text added after a stop string matched$"):
+        s.add("C")
+
+
+@pytest.mark.parametrize(("min_tokens", "found"), [(1, True), (2, True), (3, False)])
+def test_the_held_back_bytes_are_searched_once_min_tokens_are_out(min_tokens: int, found: bool) -> None:
+    out = OutputText(byte_decoder([b"a", b"\xe2\x82"]), stops=["a\ufffd"], min_tokens=min_tokens)
+    assert [out.push(0), out.push(1)] == [None, None]  # two ids: the truncated character is held back
+    assert out.finish() == ("a\ufffd" if found else None)
+    assert out.stop == ("a\ufffd" if found else None)

@@ -154,6 +154,24 @@ def test_the_verdict_itself() -> None:
     assert verify_draft(pp, qq[:0], [], [])[0] == 0
 
 
+def test_the_verdict_normalises_each_row_and_falls_back_to_p() -> None:
+    """Mutation testing (docs/mutation.md): rows scaled differently give the verdict of the normalised rows;
+    no guess is the whole ``p[0]``; a rejection whose residual is empty draws from ``p`` itself."""
+    p, q = dist(0.2, 0.8, 0, 0, 0, 0), dist(0.4, 0.6, 0, 0, 0, 0)
+    bonus = dist(0, 0, 0, 0, 0, 1)
+    for p_scale, q_scale in ((1.0, 1.0), (4.0, 1.0), (1.0, 4.0), (0.25, 3.0)):
+        pp, qq = torch.stack([p * p_scale, bonus]), (q * q_scale).unsqueeze(0)
+        # guess 0: p/q = 0.5, accepted iff u < 0.5, else the residual max(0, p - q) = (0, 0.2) (normalised rows)
+        assert verify_draft(pp, qq, [0], [0.49])[0] == 1, (p_scale, q_scale)
+        a, residual = verify_draft(pp, qq, [0], [0.51])
+        assert a == 0 and residual.tolist() == pytest.approx([0, 0.2, 0, 0, 0, 0], abs=1e-6), (p_scale, q_scale)
+    a, first = verify_draft(torch.stack([p, bonus]), q[None, :0].reshape(0, 6), [], [])
+    assert a == 0 and torch.equal(first, p)  # no guess: the next id is drawn from p's first row
+    # p == q: u = 1 (the edge rounding reaches) rejects with an all-zero residual, so p's row is drawn from
+    a, fallback = verify_draft(torch.stack([p, bonus]), p.unsqueeze(0), [1], [1.0])
+    assert a == 0 and fallback.tolist() == pytest.approx(p.tolist())
+
+
 # End to end through the engine ----------------------------------------------------------------------------------
 
 SMALL_V = 5

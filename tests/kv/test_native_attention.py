@@ -160,3 +160,46 @@ def test_float16_falls_back_to_sdpa_for_short_items() -> None:
     got, _ = _attend(spans, [5], q, k, v, pool, pool.clone(), 4, 2, None, True)
     ref, _ = _attend(spans, [5], q, k, v, pool, pool.clone(), 4, 2, None, False)
     torch.testing.assert_close(got, ref)
+
+
+def _naive(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window):
+    """Attention written out per query from the definition: the pool with this step's K/V written at ``slots``,
+    each query at position p attending to its request's positions <= p (within the window)."""
+    kv, head_dim = pool_k.shape[2], pool_k.shape[3]
+    keys, values = pool_k.reshape(-1, kv, head_dim).clone(), pool_v.reshape(-1, kv, head_dim).clone()
+    keys[torch.tensor(slots)], values[torch.tensor(slots)] = k, v
+    out = torch.zeros(q.shape[0], q.shape[1] * head_dim)
+    for s in spans:
+        for i in range(s.num_tokens):
+            p = s.start + i
+            seen = [x for x in range(p + 1) if window is None or x > p - window]
+            where = torch.tensor([s.page_table[x // page_size] * page_size + x % page_size for x in seen])
+            for h in range(q.shape[1]):
+                scores = keys[where, h // group] @ q[s.row + i, h] * head_dim**-0.5
+                out[s.row + i, h * head_dim : (h + 1) * head_dim] = torch.softmax(scores, 0) @ values[where, h // group]
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_items_of_different_lengths_in_one_bucket_match_the_definition(window) -> None:
+    """Mutation testing (docs/mutation.md): two prefill chunks of 8 and 5 tokens share the 5..8 bucket, so the
+    shorter one is padded; a decode step sits in its own bucket; the shorter chunk comes last in the step.
+    The SDPA path (the kernel takes items this short; it is checked against this path above)."""
+    gen = torch.Generator().manual_seed(20)
+    page_size, kv, group, head_dim = 4, 2, 2, 8
+    spans = [Span(0, 2, 8, [3, 0, 5]), Span(8, 7, 1, [1, 6]), Span(9, 0, 5, [2, 4])]
+    slots = [
+        s.page_table[p // page_size] * page_size + p % page_size
+        for s in spans
+        for p in range(s.start, s.start + s.num_tokens)
+    ]
+    pool_k, pool_v = (
+        torch.randn(7, page_size, kv, head_dim, generator=gen),
+        torch.randn(7, page_size, kv, head_dim, generator=gen),
+    )
+    q = torch.randn(14, kv * group, head_dim, generator=gen)
+    k, v = torch.randn(14, kv, head_dim, generator=gen), torch.randn(14, kv, head_dim, generator=gen)
+    batch = build_attention_batch(spans, slots, page_size, group, (None, window), native=False)
+    assert [g.q_len for g in batch.groups] == [1, 8]  # one bucket holds both chunks
+    got, _ = _attend(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window, False)
+    torch.testing.assert_close(got, _naive(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window))
