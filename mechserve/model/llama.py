@@ -309,7 +309,7 @@ class LlamaModel:
         self.inv_freq, self.rope_scaling = rope_inv_freq(checkpoint.config, arch.head_dim)
         self.scale = arch.head_dim**-0.5
         self.distinct_windows = tuple(dict.fromkeys(arch.windows))
-        self.device = self.embed.device
+        self.device = self.norm.device  # the embedding may be quantized blocks
 
     def to(self, device: torch.device | str) -> LlamaModel:
         """This model with every tensor (weights, norms, biases, RoPE frequencies) on ``device``.

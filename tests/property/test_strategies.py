@@ -263,15 +263,17 @@ def test_unknown_knob_values_are_rejected() -> None:
 
 @CI
 @given(workload=workloads(prompts="shared", output_caching="any"))
-def test_the_output_caching_switch_reaches_m13_only(workload: dict) -> None:
-    """``output_caching`` is drawn as a JSON boolean after m12's keys; ``build`` passes it to m13 alone on
-    both paths, and drops it for every rung below (``fit_rung``; the CLI refuses it there instead)."""
+def test_the_output_caching_switch_reaches_m13_and_above_only(workload: dict) -> None:
+    """``output_caching`` is drawn as a JSON boolean after m12's keys; ``build`` passes it to m13 and the
+    rungs above on both paths, and drops it for every rung below (``fit_rung``; the CLI refuses it there)."""
     on = workload["engine"]["output_caching"]
     assert isinstance(on, bool) and list(workload["engine"])[-1] == "output_caching"
     assert engine_of(workload)["output_caching"] is on
+    first = RUNGS.index("m13_output_caching")
     for validate in (True, False):
-        assert build(MODULES[TOP], workload, validate=validate).output_caching is on
-        for rung in RUNGS[: RUNGS.index(TOP)]:
+        for rung in RUNGS[first:]:
+            assert build(MODULES[rung], workload, validate=validate).output_caching is on, rung
+        for rung in RUNGS[:first]:
             assert not hasattr(build(MODULES[rung], workload, validate=validate), "output_caching"), rung
 
 
