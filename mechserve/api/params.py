@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json as _json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -220,13 +220,13 @@ class SamplingParams:
         if self.structured_outputs is not None:
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_value(self.structured_outputs))
         # Accept a bare string / any sequence for the list fields, store tuples.
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        stop = (self.stop,) if isinstance(self.stop, str) else _sequence("stop", self.stop)
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        bad = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words or ())
+        object.__setattr__(self, "stop_token_ids", _sequence("stop_token_ids", self.stop_token_ids))
+        bad = (self.bad_words,) if isinstance(self.bad_words, str) else _sequence("bad_words", self.bad_words)
         object.__setattr__(self, "bad_words", bad)
         if self.allowed_token_ids is not None:
-            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+            object.__setattr__(self, "allowed_token_ids", _sequence("allowed_token_ids", self.allowed_token_ids))
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
@@ -329,6 +329,16 @@ def _logit_bias(value: Any) -> dict[int, float]:
         )
         out[key] = float(bias)
     return out
+
+
+def _sequence(name: str, value: Any) -> tuple[Any, ...]:
+    """``value`` (a list, tuple or other non-text sequence; None or empty: none) as a tuple; ``ParamError``
+    naming ``name`` for anything else (a number, a mapping, bytes), never a bare ``TypeError``."""
+    if value is None:
+        return ()
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence):
+        raise ParamError(name, f"{name} must be a list, got {type(value).__name__} {value!r}")
+    return tuple(value)
 
 
 def _check(ok: bool, message: str) -> None:

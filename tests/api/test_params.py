@@ -77,3 +77,13 @@ def test_structured_outputs_takes_exactly_one_kind_and_a_dict() -> None:
         with pytest.raises(ParamError) as info:
             SamplingParams(structured_outputs=value)
         assert info.value.param == "structured_outputs", value
+
+
+@pytest.mark.parametrize("name", ["stop", "stop_token_ids", "bad_words", "allowed_token_ids"])
+@pytest.mark.parametrize("value", [123, 1.5, {"a": 1}, b"w1", {3}])
+def test_a_list_field_given_something_else_is_a_param_error_naming_it(name: str, value: object) -> None:
+    """Found by a new user's trial: ``SamplingParams(stop=123)`` was a bare ``TypeError: 'int' object is not
+    iterable``; every list field refuses a non-list with a ``ParamError`` naming the field."""
+    with pytest.raises(ParamError) as caught:
+        SamplingParams(**{name: value})
+    assert caught.value.param == name and name in str(caught.value)
