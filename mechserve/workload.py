@@ -359,6 +359,14 @@ def parse_request(
         if required not in req:
             raise WorkloadError(f"{where}: missing {required}")
     script, stops, forced = req.get("accept_script"), req.get("stop_token_ids"), req.get("forced_script")
+    max_new = _integer(f"{where}{sep}max_new_tokens", req["max_new_tokens"], 0, MAX_NEW_TOKENS)
+    forced_script = None if forced is None else _forced_script(f"{where}{sep}forced_script", forced)
+    for index, _ in forced_script or ():
+        if index >= max_new:  # m14: output index i exists only below max_new_tokens
+            raise WorkloadError(
+                f"{where}{sep}forced_script: output index {index} is never reached "
+                f"(max_new_tokens is {max_new}, so indices run 0..{max_new - 1})"
+            )
     return RequestSpec(
         request_id=_request_id(f"{where}{sep}request_id", req["request_id"]),
         tokens=_prompt(where, sep, req, index, room),
@@ -367,7 +375,7 @@ def parse_request(
         eos_after=_optional_int(f"{where}{sep}eos_after", req.get("eos_after")),
         accept_script=None if script is None else _int_list(f"{where}{sep}accept_script", script, None),
         stop_token_ids=() if stops is None else _int_list(f"{where}{sep}stop_token_ids", stops, 0, TOKEN_ID_LIMIT),
-        forced_script=None if forced is None else _forced_script(f"{where}{sep}forced_script", forced),
+        forced_script=forced_script,
         synthetic=req.get("tokens") is None,
     )
 

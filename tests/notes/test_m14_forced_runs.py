@@ -337,6 +337,7 @@ def test_m14_n16_forced_script_in_the_workload_refused_below_m14() -> None:
         ('{"0": []}', "non-empty list"),
         ('{"0": [-1]}', r"forced_script\.0\[0\]"),
         ("[1]", "must be a JSON object"),
+        ('{"6": [1]}', r"output index 6 is never reached \(max_new_tokens is 6"),  # found by a user's trial
     ):
         with pytest.raises(WorkloadError, match=where):
             load_workload(text.replace('{"0": [7, 8]}', bad))
