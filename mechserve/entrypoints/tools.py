@@ -352,8 +352,9 @@ class ToolStream:
         if self.plan.mode == "required":
             deltas = self._required_items(final=True)
             rest = self._text[self._pos :].strip()
-            # what the grammar did not get to close (max_tokens cut it) is shown, not dropped
-            return ("" if rest in ("", "]") else self._text[self._pos :]), deltas
+            # what the grammar did not get to close (max_tokens cut it) is shown, not dropped; a separator
+            # alone (the "," before a call that never began) is the list's punctuation, not text
+            return ("" if rest.lstrip(",").strip() in ("", "]") else self._text[self._pos :]), deltas
         content, deltas = self._scan(final=True)
         if not self.calls:
             content += self._space

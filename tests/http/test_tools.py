@@ -258,6 +258,14 @@ def test_required_cut_short_shows_what_did_not_close() -> None:
     ] and reply.content == ', {"name": "get_weather", "arguments": {"ci'
 
 
+@pytest.mark.parametrize("tail", [",", ", ", ",\n", ", ]"])
+def test_required_cut_after_a_separator_has_no_content(tail: str) -> None:
+    """Found by a new user's trial: max_tokens cutting the forced list right after a call's "," gave content ","."""
+    text = '[{"name": "get-time", "arguments": {}}' + tail
+    reply = ToolStream(ToolPlan(TOOLS, "required")).parse(text)
+    assert [c.name for c in reply.calls] == ["get-time"] and reply.content is None
+
+
 @given(text=st.text(max_size=30), cuts=st.lists(st.integers(0, 10_000), max_size=8))
 def test_a_named_function_streams_its_arguments_as_they_come(text: str, cuts: list[int]) -> None:
     plan = ToolPlan(TOOLS, "function", "get_weather")
