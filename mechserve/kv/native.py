@@ -16,15 +16,12 @@ Which attention path a step uses is chosen by ``MECHSERVE_ATTENTION`` (``mechser
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mechserve.api.env import attention_mode
-from mechserve.api.errors import NativeKernelError
-from mechserve.native.build import Kernel
+from mechserve.native.build import Kernel, usable
 
 if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can check the mode without it
     import torch
@@ -64,17 +61,7 @@ def enabled() -> bool:
 
     Raises ``NativeKernelError`` in ``native`` mode when the kernel cannot be built.
     """
-    chosen = attention_mode()
-    if chosen == "torch":
-        return False
-    try:
-        _load()
-    except (NativeKernelError, OSError, subprocess.SubprocessError) as exc:
-        if chosen == "native":
-            raise NativeKernelError(str(exc)) from exc
-        print(f"mechserve: native paged attention unavailable, using torch's path: {exc}", file=sys.stderr)
-        return False
-    return True
+    return usable(attention_mode(), _load, "native paged attention")
 
 
 def supports(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:

@@ -22,8 +22,6 @@ kernel is tested against).
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -31,9 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from mechserve.api.env import linear_mode
-from mechserve.api.errors import NativeKernelError
 from mechserve.model.quantized import QuantizedMatrix, dequantize
-from mechserve.native.build import Kernel
+from mechserve.native.build import Kernel, usable
 
 KERNEL = Kernel(
     Path(__file__).with_name("csrc") / "linear.cpp",
@@ -71,17 +68,7 @@ def enabled() -> bool:
 
     Raises ``NativeKernelError`` in ``native`` mode when the kernel cannot be built.
     """
-    chosen = linear_mode()
-    if chosen == "torch":
-        return False
-    try:
-        _load()
-    except (NativeKernelError, OSError, subprocess.SubprocessError) as exc:
-        if chosen == "native":
-            raise NativeKernelError(str(exc)) from exc
-        print(f"mechserve: native linear kernel unavailable, using torch's: {exc}", file=sys.stderr)
-        return False
-    return True
+    return usable(linear_mode(), _load, "native linear kernel")
 
 
 def native_linear(

@@ -20,7 +20,9 @@ import platform
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,3 +162,19 @@ class Kernel:
 
 
 __all__ = ["FLAGS", "Kernel", "NativeKernelError", "compiler"]
+
+
+def usable(mode: str, load: Callable[[], object], what: str) -> bool:
+    """Whether a kernel is used under its mode setting (``MECHSERVE_ATTENTION``, ``MECHSERVE_LINEAR``):
+    ``torch`` never; ``native`` always, raising ``NativeKernelError`` if ``load()`` cannot build or open
+    it; ``auto`` when it loads, else torch's path with one line on stderr naming ``what``."""
+    if mode == "torch":
+        return False
+    try:
+        load()
+    except (NativeKernelError, OSError, subprocess.SubprocessError) as exc:
+        if mode == "native":
+            raise NativeKernelError(str(exc)) from exc
+        print(f"mechserve: {what} unavailable, using torch's path: {exc}", file=sys.stderr)
+        return False
+    return True

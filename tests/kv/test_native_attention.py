@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mechserve.api.errors import NativeKernelError
 from mechserve.kv import native
 from mechserve.kv.paged import PagedKVCache, Span, build_attention_batch, paged_attention
 from mechserve.native.build import compiler
@@ -46,7 +47,7 @@ def test_native_mode_without_a_compiler_is_a_clear_error(monkeypatch: pytest.Mon
     monkeypatch.setenv("MECHSERVE_CACHE", str(tmp_path))  # no build cached there
     monkeypatch.setenv("CXX", "")
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(native.NativeKernelError, match="no C\\+\\+ compiler found"):
+    with pytest.raises(NativeKernelError, match="no C\\+\\+ compiler found"):
         native.build()
 
 
@@ -69,10 +70,10 @@ def test_cxx_may_carry_words_but_must_name_a_program(monkeypatch: pytest.MonkeyP
     assert compiler() == ["g++", "-Wall"]
     assert native.build().exists()
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    with pytest.raises(native.NativeKernelError, match="does not name an executable"):
+    with pytest.raises(NativeKernelError, match="does not name an executable"):
         native.build()
     monkeypatch.setenv("CXX", "/bin/false")
-    with pytest.raises(native.NativeKernelError, match=r"failed to build paged_attention.cpp \(exit 1\): no message"):
+    with pytest.raises(NativeKernelError, match=r"failed to build paged_attention.cpp \(exit 1\): no message"):
         native.build()
 
 
