@@ -1,11 +1,14 @@
-"""Where a decode step's time goes, per mode: the step, its matrix products (and the GB/s at which they
-read their weights), the LM head, attention, and the rest (norms, RoPE, activation, Python).
+"""Where a decode step's time goes, per mode: the step, the layers' dense blocks (and the GB/s at which
+they read their weights), the LM head, attention, and the rest (embedding, RoPE tables, Python).
 
-    PYTHONPATH=$PWD python docs/scripts/profile_decode.py exact,fast,q4_1,q8_0 [BATCH=1] [CONTEXT=512] [THREADS]
+    PYTHONPATH=$PWD python docs/scripts/profile_decode.py exact,fast,q4_1,q8_0 [BATCH=1] [CONTEXT=512] [THREADS] [unfused]
 
 It prefills BATCH sequences of CONTEXT random ids, then times 32 decode steps (after 8 warm-up steps)
-of ``LlamaModel.forward`` with ``linear`` and ``paged_attention`` wrapped in timers.  The wrappers add
-a few microseconds per call (about 0.5 ms per step over 30 layers).  Used for docs/benchmarks.md.
+of ``LlamaModel.forward`` with the blocks, ``linear`` and ``paged_attention`` wrapped in timers.  With
+the native blocks (model/fused.py) a layer's products and its norms, RoPE, SiLU and residuals are two
+calls, timed together as "layers' blocks"; ``unfused`` runs the torch blocks instead, whose products
+alone are timed ("layers' matmuls") and whose elementwise ops fall in "rest".  The wrappers add a few
+microseconds per call (about 0.5 ms per step over 30 layers).  Used for docs/benchmarks.md.
 """
 
 import statistics
@@ -18,6 +21,7 @@ import mechserve.model.llama as llama
 from mechserve.bench.runners import MODES
 from mechserve.engine.executors import configure_threads
 from mechserve.kv.paged import Span, build_attention_batch
+from mechserve.model import fused
 from mechserve.model.loader import load_model
 from mechserve.model.quantized import QuantizedMatrix
 
@@ -27,9 +31,13 @@ ctx = int(sys.argv[3]) if len(sys.argv) > 3 else 512
 configure_threads()
 if len(sys.argv) > 4:
     torch.set_num_threads(int(sys.argv[4]))  # as bench run --threads
+if "unfused" in sys.argv[5:]:
+    fused.rows_apply = lambda x: False
+label = "layers' matmuls" if "unfused" in sys.argv[5:] else "layers' blocks"
 spent = {"linear": 0.0, "lm_head": 0.0, "attention": 0.0}
 read = {"linear": 0, "lm_head": 0}
 real_linear, real_attention = llama.linear, llama.paged_attention
+real_inputs, real_outputs = fused.attention_inputs, fused.attention_outputs
 
 
 def weight_bytes(w):
@@ -42,6 +50,22 @@ def timed_linear(x, w, b=None, out_dtype=None):
     kind = "lm_head" if w.shape[0] > 40000 else "linear"  # the 49,152-row tied embedding
     spent[kind] += time.perf_counter() - t
     read[kind] += weight_bytes(w)
+    return y
+
+
+def timed_inputs(x, w, *args):
+    t = time.perf_counter()
+    y = real_inputs(x, w, *args)
+    spent["linear"] += time.perf_counter() - t
+    read["linear"] += weight_bytes(w.qkv)
+    return y
+
+
+def timed_outputs(x, attn, w, eps):
+    t = time.perf_counter()
+    y = real_outputs(x, attn, w, eps)
+    spent["linear"] += time.perf_counter() - t
+    read["linear"] += weight_bytes(w.o) + weight_bytes(w.gate_up) + weight_bytes(w.down)
     return y
 
 
@@ -69,6 +93,7 @@ for mode in modes:
             batch = build_attention_batch(spans, [slot(b, p) for p in range(ctx)], page, g, m.distinct_windows)
             m.forward(torch.randint(100, 40000, (ctx,)), torch.arange(ctx), cache, batch, None)
         llama.linear, llama.paged_attention = timed_linear, timed_attention
+        fused.attention_inputs, fused.attention_outputs = timed_inputs, timed_outputs
         for s in range(40):
             pos = ctx + s
             spans = [Span(b, pos, 1, tables[b]) for b in range(B)]
@@ -81,11 +106,12 @@ for mode in modes:
             if s >= 8:
                 steps.append(time.perf_counter() - t)
         llama.linear, llama.paged_attention = real_linear, real_attention
+        fused.attention_inputs, fused.attention_outputs = real_inputs, real_outputs
     n, total = len(steps), sum(steps)
     lin, head, att = (spent[k] / n for k in ("linear", "lm_head", "attention"))
     print(
         f"{mode:5s} batch {B} context {ctx}: step p50 {statistics.median(steps) * 1e3:.1f} ms, "
-        f"layers' matmuls {lin * 1e3:.1f} ms ({read['linear'] / n / 1e6:.0f} MB at {read['linear'] / n / lin / 1e9:.1f} GB/s), "
+        f"{label} {lin * 1e3:.1f} ms ({read['linear'] / n / 1e6:.0f} MB at {read['linear'] / n / lin / 1e9:.1f} GB/s), "
         f"LM head {head * 1e3:.1f} ms ({read['lm_head'] / n / 1e6:.0f} MB at {read['lm_head'] / n / head / 1e9:.1f} GB/s), "
         f"attention {att * 1e3:.1f} ms, rest {(total / n - lin - head - att) * 1e3:.1f} ms",
         flush=True,

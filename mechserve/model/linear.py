@@ -35,7 +35,7 @@ from mechserve.native.build import Kernel, usable
 KERNEL = Kernel(
     Path(__file__).with_name("csrc") / "linear.cpp",
     "mechserve_linear_abi",
-    1,
+    2,
     std="c++20",
     extra=("-ffp-contract=off",),
 )
@@ -47,18 +47,28 @@ MIN_GEMM_ROWS = 4
 # A quantized matrix multiplied at many rows is dequantized this many weights at a time.
 DEQUANT_SLICE = 1 << 21
 
-_TYPES = {torch.float32: 0, torch.bfloat16: 1, "q4_1": 2, "q8_0": 3}
+TYPES = {torch.float32: 0, torch.bfloat16: 1, "q4_1": 2, "q8_0": 3}
 
 
 @cache
-def _load() -> ctypes.CDLL:
+def library() -> ctypes.CDLL:
+    """The built kernel library with its functions' argument types set (built on the first call).
+
+    Raises ``NativeKernelError`` when it cannot be built or loaded.
+    """
     KERNEL.forget()
     lib = KERNEL.load()
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.mechserve_linear.argtypes = [ptr, i32, ptr, i32, ptr, ptr, i32, i64, i64, i64, i32]
-    lib.mechserve_linear.restype = None
-    lib.mechserve_dequantize_rows.argtypes = [ptr, i32, ptr, i64, i64, ptr, i32, i32]
-    lib.mechserve_dequantize_rows.restype = None
+    # Each function's arguments, one letter each: p pointer, i int, l int64, f float (csrc/linear.cpp).
+    signatures = {
+        "mechserve_linear": "pipippillli",
+        "mechserve_dequantize_rows": "pipllpii",
+        "mechserve_attention_inputs": "pipfllpippplllpppi",
+        "mechserve_attention_outputs": "piplpippfpiplpipllpi",
+    }
+    kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_int64, "f": ctypes.c_float}
+    for name, letters in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [kinds[c] for c in letters], None
     return lib
 
 
@@ -68,7 +78,7 @@ def enabled() -> bool:
 
     Raises ``NativeKernelError`` in ``native`` mode when the kernel cannot be built.
     """
-    return usable(linear_mode(), _load, "native linear kernel")
+    return usable(linear_mode(), library, "native linear kernel")
 
 
 def native_linear(
@@ -98,14 +108,14 @@ def native_linear(
     x = x.contiguous()
     data = weight.blocks if isinstance(weight, QuantizedMatrix) else weight.contiguous()
     y = torch.empty(m, n, dtype=out_dtype)
-    _load().mechserve_linear(
+    library().mechserve_linear(
         x.data_ptr(),
-        _TYPES[x.dtype],
+        TYPES[x.dtype],
         data.data_ptr(),
-        _TYPES[w_type],
+        TYPES[w_type],
         bias.data_ptr() if bias is not None else None,
         y.data_ptr(),
-        _TYPES[out_dtype],
+        TYPES[out_dtype],
         m,
         n,
         k,
@@ -123,14 +133,14 @@ def dequantize_rows(matrix: QuantizedMatrix, ids: torch.Tensor, dtype: torch.dty
         return dequantize(matrix.rows(ids), dtype)
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), matrix.in_features, dtype=dtype)
-    _load().mechserve_dequantize_rows(
+    library().mechserve_dequantize_rows(
         matrix.blocks.data_ptr(),
-        _TYPES[matrix.kind],
+        TYPES[matrix.kind],
         ids.data_ptr(),
         ids.numel(),
         matrix.in_features,
         out.data_ptr(),
-        _TYPES[dtype],
+        TYPES[dtype],
         torch.get_num_threads(),
     )
     return out
@@ -181,4 +191,13 @@ def linear(
     return F.linear(x, weight, bias).to(out_dtype)
 
 
-__all__ = ["MIN_GEMM_ROWS", "NATIVE_MAX_ROWS", "dequantize_rows", "enabled", "linear", "native_linear"]
+__all__ = [
+    "MIN_GEMM_ROWS",
+    "NATIVE_MAX_ROWS",
+    "TYPES",
+    "dequantize_rows",
+    "enabled",
+    "library",
+    "linear",
+    "native_linear",
+]

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from mechserve.api.errors import ModelLoadError
 from mechserve.kv.paged import AttentionBatch, PagedKVCache, paged_attention
+from mechserve.model import fused
 from mechserve.model.checkpoint import Checkpoint, whole_number
 from mechserve.model.linear import dequantize_rows, linear
 from mechserve.model.quantized import QuantizedMatrix
@@ -250,6 +251,7 @@ class LlamaModel:
     """Weights plus the paged forward.  ``dtype`` is the weights' and activations' dtype."""
 
     _blocks: tuple[Any, Any] = (attention_inputs, attention_outputs)
+    native_layers: bool = False  # set per model in __init__ (a rank's shard builds its own)
     device: torch.device = torch.device("cpu")  # a subclass that builds its own tensors (a rank's shard) is on the host
 
     def __init__(self, checkpoint: Checkpoint) -> None:
@@ -310,6 +312,8 @@ class LlamaModel:
         self.scale = arch.head_dim**-0.5
         self.distinct_windows = tuple(dict.fromkeys(arch.windows))
         self.device = self.norm.device  # the embedding may be quantized blocks
+        # Whether every layer's weights suit the native blocks for few rows (model/fused.py).
+        self.native_layers = all(fused.weights_apply(w, self.dtype) for w in self.layers)
 
     def to(self, device: torch.device | str) -> LlamaModel:
         """This model with every tensor (weights, norms, biases, RoPE frequencies) on ``device``.
@@ -446,12 +450,31 @@ class LlamaModel:
         x = self.embed_rows(input_ids)  # [T, hidden]
         attn_out = torch.empty(x.shape[0], h * d, dtype=x.dtype, device=x.device)
         before, after = self._blocks
+        # A few rows (a decode step) run each layer's dense blocks as two native calls, unless compiled.
+        native = self.native_layers and self._blocks is LlamaModel._blocks and fused.rows_apply(x)
         for i, w in enumerate(self.layers):
-            q, k, v = before(x, w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, sin, a.rms_norm_eps, h, kv, d)
+            if native:
+                q, k, v = fused.attention_inputs(x, w, cos, sin, a.rms_norm_eps, h, kv, d)
+            else:
+                q, k, v = before(
+                    x, w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, sin, a.rms_norm_eps, h, kv, d
+                )
             paged_attention(q, k, v, cache, i, batch, self.scale, a.windows[i], out=attn_out)
-            x = after(
-                x, attn_out, w.o, w.o_bias, w.post_norm, w.gate_up, w.gate_up_bias, w.down, w.down_bias, a.rms_norm_eps
-            )
+            if native:
+                x = fused.attention_outputs(x, attn_out, w, a.rms_norm_eps)
+            else:
+                x = after(
+                    x,
+                    attn_out,
+                    w.o,
+                    w.o_bias,
+                    w.post_norm,
+                    w.gate_up,
+                    w.gate_up_bias,
+                    w.down,
+                    w.down_bias,
+                    a.rms_norm_eps,
+                )
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
         x = rms_norm(x, self.norm, a.rms_norm_eps)

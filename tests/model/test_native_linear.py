@@ -116,12 +116,12 @@ def test_bad_mode_and_native_without_a_compiler(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("MECHSERVE_CACHE", str(tmp_path))  # nothing built there
     monkeypatch.setenv("CXX", "")
     monkeypatch.setenv("PATH", str(tmp_path))
-    lin._load.cache_clear()
+    lin.library.cache_clear()
     try:
         with pytest.raises(NativeKernelError, match="no C\\+\\+ compiler found"):
             lin.enabled()
     finally:
-        lin._load.cache_clear()
+        lin.library.cache_clear()
 
 
 def test_rejects_what_it_cannot_handle() -> None:

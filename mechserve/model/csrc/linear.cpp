@@ -19,6 +19,7 @@
 // dot product), else portable loops the compiler vectorises.  Threads: OpenMP, on the runtime torch
 // already loaded (libgomp by soname), `n_threads` of them.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -383,19 +384,10 @@ void dequantize_row(const void* w, int wt, int64_t n, int64_t K, float* out) {
     }
 }
 
-}  // namespace
-
-extern "C" {
-
-// Returns the ABI version; the loader refuses a library that does not match.
-int mechserve_linear_abi(void) { return 1; }
-
-// y [M, N] (yt) = x [M, K] (xt: F32 or BF16) times w [N, K] (wt) transposed, plus bias [N] (xt) unless
-// null.  Quantized w needs K % 32 == 0.  All tensors contiguous.
-void mechserve_linear(const void* x, int xt, const void* w, int wt, const void* bias, void* y, int yt, int64_t M,
-                      int64_t N, int64_t K, int n_threads) {
-    std::vector<float> xf(static_cast<size_t>(M * K));
-    for (int64_t i = 0; i < M * K; ++i) xf[i] = load_value(x, xt, i);
+// The product of few rows into float32, unrounded and without bias: out[m * N + n] = x[m] . w[n].
+// `xf` is x as float32; `xb` x's bfloat16 bits when x is bfloat16 (else null).
+void product(const float* xf, const uint16_t* xb, int64_t M, int64_t K, const void* w, int wt, int64_t N,
+             float* out, int n_threads) {
     std::vector<float> xsum;
     if (wt == Q4_1) {
         const int64_t nb = K / QK;
@@ -407,8 +399,7 @@ void mechserve_linear(const void* x, int xt, const void* w, int wt, const void* 
                 xsum[m * nb + i] = s;
             }
     }
-    const bool bf16_dot = xt == BF16 && wt == BF16;
-    const Job job{xf.data(), bf16_dot ? static_cast<const uint16_t*>(x) : nullptr, xsum.data(), w, M, K};
+    const Job job{xf, xb && wt == BF16 ? xb : nullptr, xsum.data(), w, M, K};
     // Each thread owns a contiguous range of output rows, a multiple of 16 so tiles stay whole.
     const int64_t per = ((N + n_threads - 1) / n_threads + 15) / 16 * 16;
 #pragma omp parallel num_threads(n_threads)
@@ -421,13 +412,146 @@ void mechserve_linear(const void* x, int xt, const void* w, int wt, const void* 
             acc.resize(static_cast<size_t>(M * (n1 - n0)));
             rows_of(job, wt, n0, n1, acc.data());
             for (int64_t m = 0; m < M; ++m)
-                for (int64_t n = n0; n < n1; ++n) {
-                    float v = acc[m * (n1 - n0) + (n - n0)];
-                    if (bias) v += load_value(bias, xt, n);
-                    store_value(y, yt, m * N + n, v);
-                }
+                std::memcpy(out + m * N + n0, acc.data() + m * (n1 - n0), sizeof(float) * (n1 - n0));
         }
     }
+}
+
+// ---- The decoder layer's blocks for few rows (decode steps), each in one call ----------------------
+//
+// They compute what mechserve/model/llama.py's attention_inputs and attention_outputs compute with
+// torch, in the same order and with a rounding to the activations' type wherever torch's bfloat16
+// ops round (in float32 every rounding is the identity), so a bfloat16 result differs from torch's
+// only where a reduction (the RMSNorm mean, the products' sums) or exp is ordered differently.
+
+inline float rnd(int type, float v) { return type == BF16 ? bf16_to_float(float_to_bf16(v)) : v; }
+
+// Activations of one product: float32 values (already rounded to `type`) and, in bfloat16, their bits.
+struct Acts {
+    std::vector<float> f;
+    std::vector<uint16_t> b;
+    Acts(int64_t n, int type) : f(static_cast<size_t>(n)), b(type == BF16 ? static_cast<size_t>(n) : 0) {}
+    void set(int type, int64_t i, float v) {
+        f[i] = v;
+        if (type == BF16) b[i] = float_to_bf16(v);
+    }
+    const uint16_t* bits() const { return b.empty() ? nullptr : b.data(); }
+};
+
+// RMSNorm of rows x [M, H] (float32 values) as llama.py's rms_norm: in float32, x * (1 / sqrt(mean(x^2)
+// + eps)) rounded to `type`, times the weight, rounded again.
+void rms_norm_rows(const float* x, const void* weight, int type, float eps, int64_t M, int64_t H, Acts& out) {
+    for (int64_t m = 0; m < M; ++m) {
+        const float* r = x + m * H;
+        float s = 0.f;
+        for (int64_t i = 0; i < H; ++i) s += r[i] * r[i];
+        const float inv = 1.f / std::sqrt(s / static_cast<float>(H) + eps);
+        for (int64_t i = 0; i < H; ++i)
+            out.set(type, m * H + i, rnd(type, load_value(weight, type, i) * rnd(type, r[i] * inv)));
+    }
+}
+
+// y = rnd(acc + bias) for [M, N] accumulators, in place.
+void add_bias(float* acc, const void* bias, int type, int64_t M, int64_t N) {
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+            float v = acc[m * N + n];
+            if (bias) v += load_value(bias, type, n);
+            acc[m * N + n] = rnd(type, v);
+        }
+}
+
+// RoPE in the half-split layout on `heads` heads of width d from src (row stride `stride` floats),
+// as llama.py's _rotate: x * cos + cat(-x2, x1) * sin, each product and the sum rounded.
+void rotate_rows(const float* src, int64_t stride, int64_t heads, int64_t d, const void* cos, const void* sin,
+                 int type, int64_t M, void* dst) {
+    const int64_t half = d / 2;
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t hh = 0; hh < heads; ++hh) {
+            const float* x = src + m * stride + hh * d;
+            for (int64_t j = 0; j < d; ++j) {
+                const float rot = j < half ? -x[j + half] : x[j - half];
+                const float a = rnd(type, x[j] * load_value(cos, type, m * d + j));
+                const float b = rnd(type, rot * load_value(sin, type, m * d + j));
+                store_value(dst, type, (m * heads + hh) * d + j, a + b);
+            }
+        }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns the ABI version; the loader refuses a library that does not match.
+int mechserve_linear_abi(void) { return 2; }
+
+// y [M, N] (yt) = x [M, K] (xt: F32 or BF16) times w [N, K] (wt) transposed, plus bias [N] (xt) unless
+// null.  Quantized w needs K % 32 == 0.  All tensors contiguous.
+void mechserve_linear(const void* x, int xt, const void* w, int wt, const void* bias, void* y, int yt, int64_t M,
+                      int64_t N, int64_t K, int n_threads) {
+    std::vector<float> xf(static_cast<size_t>(M * K));
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = load_value(x, xt, i);
+    std::vector<float> acc(static_cast<size_t>(M * N));
+    product(xf.data(), xt == BF16 ? static_cast<const uint16_t*>(x) : nullptr, M, K, w, wt, N, acc.data(),
+            n_threads);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+            float v = acc[m * N + n];
+            if (bias) v += load_value(bias, xt, n);
+            store_value(y, yt, m * N + n, v);
+        }
+}
+
+// A decoder layer up to attention (llama.py's attention_inputs without q/k norms), for M few rows:
+// x [M, H] -> RMSNorm (norm [H], eps) -> qkv = . w [(h + 2 kv) d, H] (wt) + bias -> q [M, h, d] and
+// k [M, kv, d] rotated by cos/sin [M, d], v [M, kv, d].  x, norm, bias, cos, sin, q, k, v in type xt.
+void mechserve_attention_inputs(const void* x, int xt, const void* norm, float eps, int64_t M, int64_t H,
+                                const void* w, int wt, const void* bias, const void* cos, const void* sin,
+                                int64_t h, int64_t kv, int64_t d, void* q, void* k, void* v, int n_threads) {
+    std::vector<float> xf(static_cast<size_t>(M * H));
+    for (int64_t i = 0; i < M * H; ++i) xf[i] = load_value(x, xt, i);
+    Acts y(M * H, xt);
+    rms_norm_rows(xf.data(), norm, xt, eps, M, H, y);
+    const int64_t N = (h + 2 * kv) * d;
+    std::vector<float> qkv(static_cast<size_t>(M * N));
+    product(y.f.data(), y.bits(), M, H, w, wt, N, qkv.data(), n_threads);
+    add_bias(qkv.data(), bias, xt, M, N);
+    rotate_rows(qkv.data(), N, h, d, cos, sin, xt, M, q);
+    rotate_rows(qkv.data() + h * d, N, kv, d, cos, sin, xt, M, k);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = 0; i < kv * d; ++i) store_value(v, xt, m * kv * d + i, qkv[m * N + (h + kv) * d + i]);
+}
+
+// A decoder layer after attention (llama.py's attention_outputs), for M few rows:
+//   x1 = x + (attn [M, A] . o [H, A] + o_bias);  y = RMSNorm(x1);  gate, up = y . gate_up [2 I, H] + bias
+//   out [M, H] = x1 + (silu(gate) * up) . down [H, I] + down_bias
+// Activations and biases in type xt; each weight in its own type (ot, gt, dt).
+void mechserve_attention_outputs(const void* x, int xt, const void* attn, int64_t A, const void* o, int ot,
+                                 const void* o_bias, const void* norm, float eps, const void* gate_up, int gt,
+                                 const void* gate_up_bias, int64_t I, const void* down, int dt, const void* down_bias,
+                                 int64_t M, int64_t H, void* out, int n_threads) {
+    std::vector<float> af(static_cast<size_t>(M * A));
+    for (int64_t i = 0; i < M * A; ++i) af[i] = load_value(attn, xt, i);
+    std::vector<float> x1(static_cast<size_t>(M * H));
+    product(af.data(), xt == BF16 ? static_cast<const uint16_t*>(attn) : nullptr, M, A, o, ot, H, x1.data(),
+            n_threads);
+    add_bias(x1.data(), o_bias, xt, M, H);
+    for (int64_t i = 0; i < M * H; ++i) x1[i] = rnd(xt, load_value(x, xt, i) + x1[i]);
+    Acts y(M * H, xt);
+    rms_norm_rows(x1.data(), norm, xt, eps, M, H, y);
+    std::vector<float> gu(static_cast<size_t>(M * 2 * I));
+    product(y.f.data(), y.bits(), M, H, gate_up, gt, 2 * I, gu.data(), n_threads);
+    add_bias(gu.data(), gate_up_bias, xt, M, 2 * I);
+    Acts act(M * I, xt);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = 0; i < I; ++i) {
+            const float g = gu[m * 2 * I + i], u = gu[m * 2 * I + I + i];
+            act.set(xt, m * I + i, rnd(xt, rnd(xt, g / (1.f + std::exp(-g))) * u));
+        }
+    std::vector<float> dn(static_cast<size_t>(M * H));
+    product(act.f.data(), act.bits(), M, I, down, dt, H, dn.data(), n_threads);
+    add_bias(dn.data(), down_bias, xt, M, H);
+    for (int64_t i = 0; i < M * H; ++i) store_value(out, xt, i, x1[i] + dn[i]);
 }
 
 // out [R, K] (ot: F32 or BF16) = rows ids[0..R) of the quantized matrix w [N, K] (wt: Q4_1 or Q8_0),
