@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can check th
     import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-ABI = 1
+ABI = 2
 KERNEL = Kernel(SOURCE, "mechserve_paged_attention_abi", ABI)
 # Query runs up to this length go to the kernel; longer ones (prefill chunks) are matmul-bound and
 # go to SDPA over a gathered context, where the gather is small next to the compute.
@@ -42,7 +42,13 @@ def build() -> Path:
     return KERNEL.build()
 
 
-_ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+_ARGS = (
+    [ctypes.c_void_p] * 6
+    + [ctypes.c_int64] * 6
+    + [ctypes.c_float, ctypes.c_int]
+    + [ctypes.c_void_p] * 3
+    + [ctypes.c_int64] * 2
+)
 
 
 @cache
@@ -51,7 +57,7 @@ def _load() -> ctypes.CDLL:
     lib = KERNEL.load()
     for name in ("mechserve_paged_attention_f32", "mechserve_paged_attention_bf16"):
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = _ARGS, None
+        fn.argtypes, fn.restype = _ARGS, ctypes.c_int
     return lib
 
 
@@ -81,16 +87,20 @@ def paged_attention(
     page_size: int,
     scale: float,
     window: int | None,
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Attend the rows of ``items`` from the page pool, writing their rows of ``out``.
+    """Write the step's K/V rows into the pool, then attend the rows of ``items`` from it, writing their rows of ``out``.
 
     ``q``: [T, H, D] contiguous; ``k_pool``/``v_pool``: [P * page_size, KV, D] contiguous, the same
     dtype as ``q`` (float32 or bfloat16); ``out``: [T, H * D] contiguous, ``q``'s dtype; ``items``:
     [N, 4] int64 contiguous rows (first flat row, first position, query length, offset into
     ``tables``); ``tables``: int32, the items' page tables concatenated.  Query ``j`` of an item at
     position ``p = first position + j`` sees positions ``[0, p]`` (the last ``window`` of them
-    when ``window`` is set).  Runs on ``torch.get_num_threads()`` threads.  Raises ``ValueError``
-    on dtypes or shapes it does not handle.
+    when ``window`` is set).  ``new``: ``(k, v, slots)``, the step's rows ``k``/``v`` [T', KV, D] (the
+    pool's dtype) and their slots [T'] int64, stored before any query reads the pool (the cache write
+    of ``PagedKVCache.write``, in the same call).  Runs on ``torch.get_num_threads()`` threads.
+    Raises ``ValueError`` on dtypes or shapes it does not handle, or a slot outside the pool (then
+    nothing is written).
     """
     import torch
 
@@ -100,12 +110,19 @@ def paged_attention(
         raise ValueError(f"native paged attention needs float32 or bfloat16 throughout, got {q.dtype}/{k_pool.dtype}")
     if h % kv or k_pool.shape[2] != d or out.shape != (t, h * d) or items.dtype != torch.int64:
         raise ValueError("native paged attention: inconsistent shapes")
-    for x in (q, k_pool, v_pool, out, items, tables):
-        if not x.is_contiguous():
+    k_new = v_new = slots = None
+    if new is not None:
+        k_new, v_new, slots = new
+        if k_new.dtype != k_pool.dtype or v_new.dtype != k_pool.dtype or slots.dtype != torch.int64:
+            raise ValueError("native paged attention: new K/V rows must have the pool's dtype, slots int64")
+        if k_new.shape != v_new.shape or k_new.shape[1:] != k_pool.shape[1:] or slots.shape != (k_new.shape[0],):
+            raise ValueError("native paged attention: new K/V rows and slots have inconsistent shapes")
+    for x in (q, k_pool, v_pool, out, items, tables, k_new, v_new, slots):
+        if x is not None and not x.is_contiguous():
             raise ValueError("native paged attention needs contiguous tensors")
     lib = _load()
     fn = lib.mechserve_paged_attention_f32 if q.dtype == torch.float32 else lib.mechserve_paged_attention_bf16
-    fn(
+    status = fn(
         q.data_ptr(),
         k_pool.data_ptr(),
         v_pool.data_ptr(),
@@ -120,4 +137,13 @@ def paged_attention(
         window or 0,
         scale,
         torch.get_num_threads(),
+        None if k_new is None else k_new.data_ptr(),
+        None if v_new is None else v_new.data_ptr(),
+        None if slots is None else slots.data_ptr(),
+        0 if slots is None else slots.shape[0],
+        k_pool.shape[0],
     )
+    if status != 0:
+        raise ValueError(
+            f"native paged attention: a slot of the new K/V rows is outside the pool's {k_pool.shape[0]} rows"
+        )

@@ -277,12 +277,15 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._ws_k = torch.empty(0, dtype=dtype, device=device)
         self._ws_v = torch.empty(0, dtype=dtype, device=device)
+        # Each layer's pages as one [slots, KV, D] view, made once (a view is a few microseconds, per layer and step).
+        self._flat = [
+            (self.k[i].view(-1, num_kv_heads, head_dim), self.v[i].view(-1, num_kv_heads, head_dim))
+            for i in range(num_layers)
+        ]
 
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V as [num_pages * page_size, num_kv_heads, head_dim] views."""
-        return self.k[layer].view(-1, self.num_kv_heads, self.head_dim), self.v[layer].view(
-            -1, self.num_kv_heads, self.head_dim
-        )
+        return self._flat[layer]
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` ([T, num_kv_heads, head_dim]) at ``slot_mapping`` ([T] int64)."""
@@ -323,18 +326,19 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = cache.num_kv_heads
     g = num_heads // kv_heads
-    cache.write(layer, batch.slot_mapping, k, v)
     if out is None:
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
-    groups = batch.groups
-    if batch.native is not None:
-        if native_kernel.supports(q.dtype, cache.k.dtype):
-            k_flat, v_flat = cache.flat(layer)
-            nat = batch.native
-            native_kernel.paged_attention(
-                q.contiguous(), k_flat, v_flat, out, nat.items, nat.tables, cache.page_size, scale, window
-            )
-        else:
+    groups, nat = batch.groups, batch.native
+    if nat is not None and native_kernel.supports(q.dtype, cache.k.dtype) and k.dtype == cache.k.dtype:
+        # The kernel stores this step's K/V (every row, the SDPA groups' too) before it attends.
+        k_flat, v_flat = cache.flat(layer)
+        new = (k.contiguous(), v.contiguous(), batch.slot_mapping)
+        native_kernel.paged_attention(
+            q.contiguous(), k_flat, v_flat, out, nat.items, nat.tables, cache.page_size, scale, window, new
+        )
+    else:
+        cache.write(layer, batch.slot_mapping, k, v)
+        if nat is not None:
             groups = batch.native_fallback() + groups
     for grp in groups:
         b, ql, cl = grp.batch, grp.q_len, grp.ctx_len

@@ -99,6 +99,30 @@ def test_rejects_what_it_cannot_handle() -> None:
         native.paged_attention(q32, pool32, pool32, torch.zeros(2, 16), items, tables, 4, 1.0, None)
 
 
+def test_the_step_rows_are_written_with_their_slots_checked() -> None:
+    """The kernel stores the step's K/V before it attends; a slot outside the pool (or rows of another
+    dtype) is refused with nothing written, never a write past the pool."""
+    q, out = torch.ones(1, 2, 8), torch.zeros(1, 16)
+    pool_k, pool_v = torch.zeros(4, 1, 8), torch.zeros(4, 1, 8)
+    items, tables = torch.tensor([[0, 2, 1, 0]]), torch.tensor([0], dtype=torch.int32)
+    k_new, v_new = torch.full((1, 1, 8), 2.0), torch.full((1, 1, 8), 3.0)
+    native.paged_attention(q, pool_k, pool_v, out, items, tables, 4, 1.0, None, (k_new, v_new, torch.tensor([2])))
+    assert pool_k[2].eq(2.0).all() and pool_v[2].eq(3.0).all() and pool_k[:2].eq(0).all()
+    # position 2 sees rows 0-2; its own K (q . k = 16 against 0) carries the softmax, so out is ~its V
+    torch.testing.assert_close(out, torch.full((1, 16), 3.0), atol=1e-5, rtol=0)
+    for bad in (4, -1):
+        before = pool_k.clone()
+        with pytest.raises(ValueError, match="outside the pool's 4 rows"):
+            native.paged_attention(
+                q, pool_k, pool_v, out, items, tables, 4, 1.0, None, (k_new * 5, v_new, torch.tensor([bad]))
+            )
+        assert torch.equal(pool_k, before)
+    with pytest.raises(ValueError, match="the pool's dtype"):
+        native.paged_attention(
+            q, pool_k, pool_v, out, items, tables, 4, 1.0, None, (k_new.bfloat16(), v_new, torch.tensor([2]))
+        )
+
+
 def _attend(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window, use_native):
     cache = PagedKVCache(1, pool_k.shape[0], page_size, pool_k.shape[2], pool_k.shape[3], pool_k.dtype)
     cache.k[0].copy_(pool_k)

@@ -317,9 +317,15 @@ void attend(const Context<KT>& c, const Queries& qs, float* s) {
 }
 
 template <typename QT, typename KT>
-void run(const QT* q, const KT* k, const KT* v, QT* out, const int64_t* items, const int32_t* tables,
-         int64_t n_items, int64_t H, int64_t KV, int64_t D, int64_t page_size, int64_t window, float scale,
-         int n_threads) {
+void run(const QT* q, KT* k, KT* v, QT* out, const int64_t* items, const int32_t* tables, int64_t n_items,
+         int64_t H, int64_t KV, int64_t D, int64_t page_size, int64_t window, float scale, int n_threads,
+         const KT* k_new, const KT* v_new, const int64_t* slots, int64_t n_new) {
+    // The step's own K/V rows go into their slots first, so every query (and a later SDPA pass over
+    // the step's longer runs) sees them.  The caller checked the slots (see the entry points).
+    for (int64_t r = 0; r < n_new; ++r) {
+        std::memcpy(k + slots[r] * KV * D, k_new + r * KV * D, sizeof(KT) * KV * D);
+        std::memcpy(v + slots[r] * KV * D, v_new + r * KV * D, sizeof(KT) * KV * D);
+    }
     const int64_t G = H / KV;
     int64_t max_n = 0;
     for (int64_t i = 0; i < n_items; ++i) max_n = std::max(max_n, items[4 * i + 2]);
@@ -412,20 +418,37 @@ void run(const QT* q, const KT* k, const KT* v, QT* out, const int64_t* items, c
 extern "C" {
 
 // Returns the ABI version; the loader refuses a library that does not match.
-int mechserve_paged_attention_abi(void) { return 1; }
+int mechserve_paged_attention_abi(void) { return 2; }
 
-void mechserve_paged_attention_f32(const float* q, const float* k, const float* v, float* out,
-                                   const int64_t* items, const int32_t* tables, int64_t n_items, int64_t H,
-                                   int64_t KV, int64_t D, int64_t page_size, int64_t window, float scale,
-                                   int n_threads) {
-    run<float, float>(q, k, v, out, items, tables, n_items, H, KV, D, page_size, window, scale, n_threads);
+// Whether every slot is a row of a pool of pool_rows rows.
+bool slots_fit(const int64_t* slots, int64_t n_new, int64_t pool_rows) {
+    for (int64_t r = 0; r < n_new; ++r)
+        if (slots[r] < 0 || slots[r] >= pool_rows) return false;
+    return true;
 }
 
-void mechserve_paged_attention_bf16(const void* q, const void* k, const void* v, void* out, const int64_t* items,
-                                    const int32_t* tables, int64_t n_items, int64_t H, int64_t KV, int64_t D,
-                                    int64_t page_size, int64_t window, float scale, int n_threads) {
-    run<Bf16, Bf16>(static_cast<const Bf16*>(q), static_cast<const Bf16*>(k), static_cast<const Bf16*>(v),
-                    static_cast<Bf16*>(out), items, tables, n_items, H, KV, D, page_size, window, scale, n_threads);
+// First writes the step's n_new K/V rows (k_new, v_new: [n_new, KV, D]) at `slots` ([n_new] int64) of
+// the pools k, v ([pool_rows, KV, D]), then attends the items.  Returns 0, or -1 (writing and
+// attending nothing) when a slot is not a row of the pool.
+int mechserve_paged_attention_f32(const float* q, float* k, float* v, float* out, const int64_t* items,
+                                  const int32_t* tables, int64_t n_items, int64_t H, int64_t KV, int64_t D,
+                                  int64_t page_size, int64_t window, float scale, int n_threads, const float* k_new,
+                                  const float* v_new, const int64_t* slots, int64_t n_new, int64_t pool_rows) {
+    if (!slots_fit(slots, n_new, pool_rows)) return -1;
+    run<float, float>(q, k, v, out, items, tables, n_items, H, KV, D, page_size, window, scale, n_threads, k_new,
+                      v_new, slots, n_new);
+    return 0;
+}
+
+int mechserve_paged_attention_bf16(const void* q, void* k, void* v, void* out, const int64_t* items,
+                                   const int32_t* tables, int64_t n_items, int64_t H, int64_t KV, int64_t D,
+                                   int64_t page_size, int64_t window, float scale, int n_threads, const void* k_new,
+                                   const void* v_new, const int64_t* slots, int64_t n_new, int64_t pool_rows) {
+    if (!slots_fit(slots, n_new, pool_rows)) return -1;
+    run<Bf16, Bf16>(static_cast<const Bf16*>(q), static_cast<Bf16*>(k), static_cast<Bf16*>(v),
+                    static_cast<Bf16*>(out), items, tables, n_items, H, KV, D, page_size, window, scale, n_threads,
+                    static_cast<const Bf16*>(k_new), static_cast<const Bf16*>(v_new), slots, n_new);
+    return 0;
 }
 
 }  // extern "C"
