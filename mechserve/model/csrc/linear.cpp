@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -34,6 +35,22 @@
 #endif
 
 namespace {
+
+// Activation buffers start on a 64-byte line, so the kernels' 64-byte loads of each row (K a multiple of 16
+// floats) never straddle two lines: std::vector's default 16-byte alignment cost 25-40% at 8 rows.
+template <typename T>
+struct LineAligned {
+    using value_type = T;
+    LineAligned() = default;
+    template <typename U>
+    LineAligned(const LineAligned<U>&) {}
+    T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+    void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+    template <typename U>
+    bool operator==(const LineAligned<U>&) const { return true; }
+};
+template <typename T>
+using Buffer = std::vector<T, LineAligned<T>>;
 
 enum Type : int { F32 = 0, BF16 = 1, Q4_1 = 2, Q8_0 = 3 };
 constexpr int64_t QK = 32;  // weights per quantized block
@@ -501,8 +518,8 @@ inline float rnd(int type, float v) { return type == BF16 ? bf16_to_float(float_
 
 // Activations of one product: float32 values (already rounded to `type`) and, in bfloat16, their bits.
 struct Acts {
-    std::vector<float> f;
-    std::vector<uint16_t> b;
+    Buffer<float> f;
+    Buffer<uint16_t> b;
     Acts(int64_t n, int type) : f(static_cast<size_t>(n)), b(type == BF16 ? static_cast<size_t>(n) : 0) {}
     void set(int type, int64_t i, float v) {
         f[i] = v;
@@ -562,7 +579,7 @@ int mechserve_linear_abi(void) { return 2; }
 // null.  Quantized w needs K % 32 == 0.  All tensors contiguous.
 void mechserve_linear(const void* x, int xt, const void* w, int wt, const void* bias, void* y, int yt, int64_t M,
                       int64_t N, int64_t K, int n_threads) {
-    std::vector<float> xf(static_cast<size_t>(M * K));
+    Buffer<float> xf(static_cast<size_t>(M * K));
     for (int64_t i = 0; i < M * K; ++i) xf[i] = load_value(x, xt, i);
     std::vector<float> acc(static_cast<size_t>(M * N));
     product(xf.data(), xt == BF16 ? static_cast<const uint16_t*>(x) : nullptr, M, K, w, wt, N, acc.data(),
@@ -603,7 +620,7 @@ void mechserve_attention_outputs(const void* x, int xt, const void* attn, int64_
                                  const void* o_bias, const void* norm, float eps, const void* gate_up, int gt,
                                  const void* gate_up_bias, int64_t I, const void* down, int dt, const void* down_bias,
                                  int64_t M, int64_t H, void* out, int n_threads) {
-    std::vector<float> af(static_cast<size_t>(M * A));
+    Buffer<float> af(static_cast<size_t>(M * A));
     for (int64_t i = 0; i < M * A; ++i) af[i] = load_value(attn, xt, i);
     std::vector<float> x1(static_cast<size_t>(M * H));
     product(af.data(), xt == BF16 ? static_cast<const uint16_t*>(attn) : nullptr, M, A, o, ot, H, x1.data(),
