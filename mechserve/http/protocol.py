@@ -44,7 +44,7 @@ class UnsupportedField(ValueError):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -92,7 +92,7 @@ CONSTRAINT_FIELDS = (
 class _Request(_Body):
     """The fields both endpoints share; refused fields stay in ``model_extra`` for ``check_supported``."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     endpoint: ClassVar[str] = ""
 
     model: str | None = None

@@ -4,6 +4,7 @@ every refused row's neutral values and every field's null are accepted, and fiel
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +116,25 @@ def test_what_common_clients_send_by_default_is_accepted(tiny_server) -> None:
     chat |= {"logprobs": False, "top_logprobs": None, "tools": None, "tool_choice": "none", "parallel_tool_calls": True}
     chat |= {"response_format": {"type": "text"}, "max_completion_tokens": None, "modalities": ["text"], "store": False}
     assert post(tiny_server, CHAT, chat).status_code == 200
+
+
+def _float_fields(endpoint: str) -> list[str]:
+    scalar = lambda a: "float" in a and not any(c in a for c in ("dict", "list", "Dict", "List"))  # noqa: E731
+    return sorted(n for n, f in MODELS[endpoint].model_fields.items() if scalar(str(f.annotation)))
+
+
+FLOATS = [(e, n, v) for e in (COMPLETIONS, CHAT) for n in _float_fields(e) for v in ("NaN", "Infinity")]
+
+
+@pytest.mark.parametrize(("endpoint", "name", "value"), FLOATS, ids=[f"{e}-{n}-{v}" for e, n, v in FLOATS])
+def test_non_finite_numbers_are_a_400_naming_the_field(tiny_server, endpoint: str, name: str, value: str) -> None:
+    """JSON's NaN / Infinity (Python's json accepts them) are refused as not finite, not checked against a range
+    (``temperature: NaN`` used to be told it must be ``<= 2``)."""
+    assert len(FLOATS) >= 8  # temperature, top_p, the penalties, ... on both endpoints
+    body = json.dumps({**BASE[endpoint], name: 0.5}).replace("0.5", value)
+    response = httpx.post(
+        tiny_server.url + ENDPOINT_PATHS[endpoint], content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == name and "finite" in error["message"], error
