@@ -104,10 +104,14 @@ def _executable(path: Path) -> bool:
 
 
 def missing_message() -> str | None:
-    """None when ``llama-server`` is found, else the one line saying why the engine is skipped and how to get it."""
+    """None when ``llama-server`` is found, else the one line saying why the engine is skipped and how to get it.
+
+    Raises ``OSError`` when ``$LLAMA_SERVER`` is set but names no executable file: a binary asked for
+    explicitly is an error, not a reason to skip the engine (and exit 0 with nothing run).
+    """
     given = os.environ.get(SERVER_ENV, "").strip()
     if given and find_tool() is None:
-        return f"llama-cpp skipped: {SERVER_ENV}={given} is not an executable file"
+        raise OSError(f"{SERVER_ENV}={given} is not an executable file (unset it to skip llama-cpp)")
     if find_tool() is None:
         return (
             f"llama-cpp skipped: llama-server not found (set {SERVER_ENV}, put it on PATH, or build it with "
@@ -454,7 +458,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "where":
             found = find_tool()
-            print(found if found else missing_message())
+            try:
+                print(found if found else missing_message())
+            except OSError as exc:
+                print(exc)
             return 0 if found else 1
         print(build(args.jobs))
         if args.ggufs:

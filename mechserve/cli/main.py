@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from mechserve import __version__
-from mechserve.api.env import attention_mode
+from mechserve.api.env import attention_mode, linear_mode
 from mechserve.cli import bench, conform, demo, diff, lazy, mechs, run, serve, viz
 from mechserve.cli.errors import CliError, report
 from mechserve.cli.parser import Parser
@@ -69,7 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse(argv)
         if _runs_a_model(args, argv):
             try:
-                attention_mode()  # a bad MECHSERVE_ATTENTION is a usage error, caught before any work
+                attention_mode()  # a bad MECHSERVE_ATTENTION or MECHSERVE_LINEAR is a usage error, caught before any work
+                linear_mode()
             except ValueError as exc:
                 raise CliError(str(exc)) from None
         return int(args.handler(args) or 0)

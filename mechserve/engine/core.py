@@ -41,6 +41,7 @@ from mechserve.engine.scheduler import PageUsage, Scheduler
 from mechserve.executor.protocol import Executor, ExecutorStats
 from mechserve.executor.structured import CompiledGrammar, GrammarCompiler
 from mechserve.kv import native
+from mechserve.model import linear as linear_kernel
 from mechserve.spec import m14_forced_runs as m14
 
 __all__ = ["EngineCore", "EngineStats"]
@@ -94,9 +95,10 @@ class EngineCore:
         rank_timeout_s: float | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
-        # Settle the attention path now: a bad MECHSERVE_ATTENTION or a kernel that cannot be built
-        # in ``native`` mode fails here, at load time, not at the first step.
+        # Settle the attention and linear paths now: a bad MECHSERVE_ATTENTION / MECHSERVE_LINEAR or a
+        # kernel that cannot be built in ``native`` mode fails here, at load time, not at the first step.
         native.enabled()
+        linear_kernel.enabled()
         if executor is None:  # weights and KV pool on config.device, the one place a model is moved
             placed = place_model(loaded.model, config)
             if placed is not loaded.model:

@@ -66,8 +66,12 @@ def test_not_found_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert message is not None and message.startswith("llama-cpp skipped: llama-server not found")
     assert "LLAMA_SERVER" in message and "make llama-cpp" in message and str(tmp_path / "cache") in message
     assert LlamaCppRunner("exact").available() == message
+    # A binary asked for by name that is not there is an error, not a skip with exit 0 (a new user's trial).
     monkeypatch.setenv(llama_cpp.SERVER_ENV, str(tmp_path / "nowhere"))
-    assert "is not an executable file" in (llama_cpp.missing_message() or "")
+    with pytest.raises(OSError, match="is not an executable file"):
+        llama_cpp.missing_message()
+    with pytest.raises(OSError, match="is not an executable file"):
+        LlamaCppRunner("exact").available()
 
 
 def test_found_on_the_variable_on_path_or_in_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -99,3 +103,15 @@ def test_the_build_is_cpu_only_and_avoids_amx_only_where_the_cpu_has_it(tmp_path
     assert cmd[:5] == ["cmake", "-S", str(tmp_path / "src"), "-B", str(tmp_path / "build")]
     assert "-DGGML_CUDA=OFF" in cmd and "-DLLAMA_USE_PREBUILT_UI=OFF" in cmd  # nothing fetched while building
     assert "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in cmd
+
+
+def test_a_named_llama_server_that_is_not_there_is_one_error_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mechserve.cli.main import main
+
+    monkeypatch.setenv(llama_cpp.SERVER_ENV, str(tmp_path / "nowhere" / "llama-server"))
+    argv = ["bench", "run", "--quick", "--workload", "latency", "--engine", "llama-cpp", "--no-roofline"]
+    assert main([*argv, "--no-plots", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "LLAMA_SERVER=" in err[0] and "is not an executable file" in err[0], err

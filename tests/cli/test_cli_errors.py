@@ -450,13 +450,38 @@ def test_ordinary_request_ids_are_fine(cli, spec_file, rid: str) -> None:
     assert run_spec(cli, spec_file, {"requests": [request(request_id=rid)]}).code == 0
 
 
-def test_bad_attention_mode_is_a_usage_error(cli, monkeypatch) -> None:
-    monkeypatch.setenv("MECHSERVE_ATTENTION", "gpu")
-    assert_one_error_line(
-        cli("generate", "hi", "--max-tokens", "2"), "MECHSERVE_ATTENTION must be one of auto, native, torch", "'gpu'"
-    )
+@pytest.mark.parametrize("env", ["MECHSERVE_ATTENTION", "MECHSERVE_LINEAR"])
+def test_bad_kernel_mode_is_a_usage_error(cli, monkeypatch, env: str) -> None:
+    """Refused before any work, even when the run would never reach a kernel (``--max-tokens 0``), so a
+    server never comes up healthy and then fails every request (found by a new user's trial)."""
+    monkeypatch.setenv(env, "gpu")
+    for max_tokens in ("2", "0"):
+        assert_one_error_line(
+            cli("generate", "hi", "--max-tokens", max_tokens), f"{env} must be one of auto, native, torch", "'gpu'"
+        )
     assert cli("generate", "--help").code == 0  # help and model-free commands do not care
     assert cli("mechs").code == 0
+
+
+@pytest.mark.parametrize("env", ["MECHSERVE_ATTENTION", "MECHSERVE_LINEAR"])
+def test_bad_kernel_mode_fails_the_engine_at_construction(monkeypatch, env: str) -> None:
+    from mechserve.api.config import EngineConfig
+    from mechserve.engine.core import EngineCore
+    from mechserve.kv import native
+    from mechserve.model import linear
+    from mechserve.model.loader import load_model
+
+    loaded = load_model("smollm2", tokenizer=False)
+    monkeypatch.setenv(env, "gpu")
+    native.enabled.cache_clear()
+    linear.enabled.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=f"{env} must be one of"):
+            EngineCore(loaded, EngineConfig(num_pages=8))
+    finally:
+        monkeypatch.delenv(env)
+        native.enabled.cache_clear()
+        linear.enabled.cache_clear()
 
 
 @pytest.mark.parametrize(
