@@ -230,7 +230,7 @@ class EngineConfig:
       as ``"512MiB"``), else automatic: enough for a full context and ``AUTO_MAX_POSITIONS`` positions,
       capped at ``max_kv_bytes`` and half the available memory (``mechserve.engine.pool``).
       ``check_memory`` refuses a cache larger than the available memory.
-    * ``max_model_len``: the longest prompt + output a request may have (None: the model's
+    * ``max_model_len``: the longest prompt + output a request may have, at most the model's context (None: the model's
       ``max_position_embeddings``).
     * ``prefix_caching``: reuse and publish prompt pages (``enable_prefix_caching``);
       ``hold_shared_prefix``: with prefix caching, admit a request only once the prompt prefix it

@@ -120,7 +120,14 @@ class EngineCore:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = tuple(loaded.eos_token_ids)
         self.vocab_size: int = self.model.arch.vocab_size
-        self.max_model_len = config.max_model_len or model_context(self.model)
+        context = model_context(self.model)
+        if config.max_model_len and context is not None and config.max_model_len > context:
+            # as vLLM: positions past the model's RoPE range were never trained and its cos/sin tables end there
+            raise ValueError(
+                f"max_model_len {config.max_model_len} is more than the model's context of {context} positions "
+                "(max_position_embeddings in its config.json)"
+            )
+        self.max_model_len = config.max_model_len or context
         self.speculative = config.speculative_config()
         if config.world_size > 1 and self.speculative is not None and self.speculative.method == "draft":
             raise ValueError("a draft model with world_size > 1 is not supported (use prompt lookup or one rank)")

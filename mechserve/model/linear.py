@@ -161,6 +161,10 @@ def _quantized_gemm(
     return y
 
 
+# Under torch.compile (EngineConfig.compile) a product is a graph break: its path choice (a cached
+# kernel check, the library's ctypes call) is not traceable, and the compiled blocks gain by fusing the
+# elementwise ops between products, not the products.
+@torch.compiler.disable
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor | QuantizedMatrix,

@@ -219,3 +219,16 @@ def test_never_fits_names_the_pool(tiny) -> None:
     c = EngineCore(tiny, core(tiny, num_pages=3, page_size=2).config)
     with pytest.raises(RequestRejected, match=r"needs 5 pages of 2 positions, the pool has 3"):
         c.add_request([1] * 6, SamplingParams(max_tokens=4))
+
+
+def test_max_model_len_beyond_the_models_context_is_refused_at_construction() -> None:
+    """As vLLM: the model's cos/sin and training end at max_position_embeddings, so a longer max_model_len is
+    an error naming both, not a setting that lets requests run past it (a new user's trial)."""
+    from mechserve.api.config import EngineConfig
+    from mechserve.engine.core import EngineCore
+    from mechserve.model.loader import load_model
+
+    loaded = load_model("smollm2", tokenizer=False)
+    with pytest.raises(ValueError, match="max_model_len 8193 is more than the model's context of 8192 positions"):
+        EngineCore(loaded, EngineConfig(num_pages=8, max_model_len=8193))
+    assert EngineCore(loaded, EngineConfig(num_pages=8, max_model_len=8192)).max_model_len == 8192
