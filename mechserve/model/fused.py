@@ -18,15 +18,11 @@ in GGUF blocks, and the layer has no per-head q/k norm (Qwen3's, left to torch).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from mechserve.model.layer import LayerWeights, Matrix
 from mechserve.model.linear import NATIVE_MAX_ROWS, TYPES, enabled, library
 from mechserve.model.quantized import QuantizedMatrix
-
-if TYPE_CHECKING:
-    from mechserve.model.llama import LayerWeights, Matrix
 
 
 def _type(w: Matrix) -> int:

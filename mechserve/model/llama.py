@@ -26,11 +26,11 @@ from mechserve.api.errors import ModelLoadError
 from mechserve.kv.paged import AttentionBatch, PagedKVCache, paged_attention
 from mechserve.model import fused
 from mechserve.model.checkpoint import Checkpoint, whole_number
+from mechserve.model.layer import LayerWeights, Matrix
 from mechserve.model.linear import dequantize_rows, linear
 from mechserve.model.quantized import QuantizedMatrix
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-Matrix = torch.Tensor | QuantizedMatrix  # a weight matrix: floats of the model's dtype, or quantized blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,30 +148,6 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     ) as exc:  # transformers reads the variant's own fields; a missing or wrong one is the config's fault
         raise ModelLoadError(f"config: rope_parameters of type {rope_type!r} are malformed: {exc}") from None
     return inv.float(), float(scaling)
-
-
-@dataclass(slots=True)
-class LayerWeights:
-    """One decoder layer; q/k/v and gate/up are fused into single matrices.
-
-    ``qkv``: [(H + 2 * KV) * D, hidden]; ``o``: [hidden, H * D];
-    ``gate_up``: [2 * I, hidden]; ``down``: [hidden, I]; norms: [hidden]
-    (``q_norm``/``k_norm``: [D], Qwen3 only).  The four matrices are tensors of the model's dtype,
-    or ``QuantizedMatrix`` blocks in a quantized model.
-    """
-
-    input_norm: torch.Tensor
-    qkv: Matrix
-    qkv_bias: torch.Tensor | None
-    o: Matrix
-    o_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    post_norm: torch.Tensor
-    gate_up: Matrix
-    gate_up_bias: torch.Tensor | None
-    down: Matrix
-    down_bias: torch.Tensor | None
 
 
 def _to(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
