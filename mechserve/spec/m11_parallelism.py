@@ -406,6 +406,18 @@ class Executor(Protocol):
     def execute(self, plan: tuple[PlanItem, ...]) -> tuple[Outcome, ...]: ...
 
 
+# m10: what a step decided before the boundary, kept from schedule() until commit().
+@dataclass(frozen=True)
+class _OpenStep:
+    work: tuple[tuple[Request, int], ...]
+    plan: tuple[PlanItem, ...]
+    admitted: tuple[str, ...]
+    scheduled: tuple[str, ...]
+    preempted: tuple[str, ...]
+    reused: Mapping[str, int]
+    evicted: tuple[int, ...]
+
+
 def scripted_token(prev_id: int, position: int) -> int:
     """The scripted model's next id after ``prev_id`` at ``position`` (never EOS_TOKEN_ID)."""
     return (prev_id * 1_000_003 + position * 7_919) % 65_521 + 1
@@ -576,10 +588,25 @@ class Engine:
             eos_token_ids = () if executors else (EOS_TOKEN_ID,)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.step_counter = 0
+        self._open: _OpenStep | None = None  # m10: between schedule() and commit()
         self._why: list[str] = []
 
     def step(self) -> StepRecord:
-        """Run one tick and return its record; the counter advances afterwards."""
+        """Run one tick and return its record; the counter advances afterwards.
+
+        m10: a tick is ``commit(executor.execute(schedule()))``; a caller that runs the plan on its
+        own executor makes the three calls itself and gets the same record.
+        """
+        return self.commit(self.executor.execute(self.schedule()))
+
+    # m10: the two halves of a step, on either side of the boundary.
+    def schedule(self) -> tuple[PlanItem, ...]:
+        """Open a step: admit, reuse, draft, schedule and make the work resident; return its plan.
+
+        The step stays open until ``commit``.  ``schedule`` while a step is open abandons that step,
+        as a failed executor does: what it did to the queues and the pool stays, it has no record
+        and the counter does not move.  ``OutOfPages`` propagates.
+        """
         self._why = []
         admitted = self._admit()
         reused = self._reuse()
@@ -589,8 +616,24 @@ class Engine:
         evicted: list[int] = []
         preempted = self._ensure_residency(work, evicted)
         plan = self._plan(work)
-        outcomes = self.executor.execute(plan)
-        executed, verdicts = self._commit(work, plan, outcomes)
+        self._open = _OpenStep(
+            tuple(work), plan, tuple(admitted), scheduled, tuple(preempted), _frozen(reused), tuple(evicted)
+        )
+        return plan
+
+    def commit(self, outcomes: Sequence[Outcome]) -> StepRecord:
+        """Close the open step with the executor's ``outcomes`` (one per plan item, in plan order) and
+        return its record: validate and apply them, resolve the decode windows, publish, sample.
+
+        Raises ``RuntimeError`` when no step is open (``commit`` before ``schedule``, or twice) and
+        ``BoundaryViolation`` when an outcome breaks the contract; either way the step is closed,
+        nothing of its execution applied and the counter unchanged.
+        """
+        opened, self._open = self._open, None
+        if opened is None:
+            raise RuntimeError("commit() without an open step: call schedule() first")
+        work = list(opened.work)
+        executed, verdicts = self._apply(work, opened.plan, outcomes)
         drafted, accepted, rolled_back, sampled_ids = self._resolve(work, verdicts)
         published = self._publish(work)
         sampled: dict[str, Sample] = {}
@@ -603,15 +646,15 @@ class Engine:
                 tokens[r.request_id] = tuple(verdicts[r.request_id].token_ids[: accepted.get(r.request_id, 0) + 1])
         record = StepRecord(
             step=self.step_counter,
-            admitted=tuple(admitted),
-            scheduled=scheduled,
+            admitted=opened.admitted,
+            scheduled=opened.scheduled,
             executed=_frozen(executed),
             sampled=_frozen(sampled),
             finished=_frozen(finished),
-            preempted=tuple(preempted),
-            reused=_frozen(reused),
+            preempted=opened.preempted,
+            reused=opened.reused,
             published=_frozen(published),
-            evicted=tuple(evicted),
+            evicted=opened.evicted,
             drafted=_frozen(drafted),
             accepted=_frozen(accepted),
             rolled_back=_frozen(rolled_back),
@@ -811,10 +854,10 @@ class Engine:
             )
         return tuple(plan)
 
-    def _commit(
+    def _apply(
         self, work: list[tuple[Request, int]], plan: tuple[PlanItem, ...], outcomes: Sequence[Outcome]
     ) -> tuple[dict[str, int], dict[str, Outcome]]:
-        """Validate every outcome, then apply them all; returns (executed, verdicts).
+        """Commit's first phase: validate every outcome, then apply them all; returns (executed, verdicts).
 
         Raises ``BoundaryViolation`` (applying nothing) on a count mismatch, a
         different request or start position, a token count other than
