@@ -21,6 +21,7 @@ and its state passes m15's ``check_invariants``.  Standard library only.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -144,6 +145,7 @@ class FastRadixCache(m15.RadixCache):
 class FastEngine(m15.Engine):
     """m15's ``Engine`` over a ``FastRadixCache``; ``_reclaim`` takes its victims from the sorted leaves."""
 
+    @functools.wraps(m15.Engine.__init__)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cache = FastRadixCache()

@@ -2113,7 +2113,8 @@ def choose(request: RouteRequest, state: RouterState, views: Sequence[ReplicaVie
     """The replica ``state.config.policy`` sends ``request`` to, and why; reads, never changes, ``state``.
 
     ``views`` are the replicas' latest reports, one per replica in replica order.  Ties go to the
-    replica with the fewest outstanding requests, then the lowest index.  Raises ``ValueError`` for
+    replica with the fewest outstanding requests, then the lowest index (precise and the oracle
+    first prefer the longer prefix).  Raises ``ValueError`` for
     views that are not one per replica in order, and for an oracle request without ``oracle_blocks``.
     """
     n = state.config.replicas
@@ -2220,7 +2221,8 @@ def _scored(
         for i in range(n)
     ]
     best = max(total)
-    r = _least([i for i in range(n) if total[i] == best], state)
+    # ties: the longer prefix, so a shorter one wins only by a strictly better load score
+    r = min((i for i in range(n) if total[i] == best), key=lambda i: (-held[i], state.outstanding[i], i))
     longest, ps = max(held), cfg.page_size
     holds = "holds" if policy == "precise" else "holds or will hold"
     if held[r] == longest:
@@ -2236,11 +2238,8 @@ def _scored(
             )
         return Decision(rid, r, policy, "longest_prefix" if longest else "no_prefix", held[r] * ps, why)
     p = max((i for i in range(n) if held[i] == longest), key=lambda i: (total[i], -state.outstanding[i], -i))
-    won = [
-        name
-        for name, mine, theirs in (("queue", q[r], q[p]), ("kv_usage", -views[r].kv_usage, -views[p].kv_usage))
-        if mine > theirs
-    ]
+    scorers = (("queue", cfg.queue_weight, q[r], q[p]), ("kv_usage", cfg.kv_weight, -views[r].kv_usage, -views[p].kv_usage))
+    won = [name for name, weight, mine, theirs in scorers if weight > 0 and mine > theirs]
     why = (
         f"{rid} goes to replica {r}, which {holds} {held[r] * ps} of its prompt tokens, not to replica {p} "
         f"({held[p] * ps}): the load scorers outweigh the prefix ({' and '.join(won)}: queue {queue[r]} vs {queue[p]}, "
