@@ -21,7 +21,7 @@ and its state passes m15's ``check_invariants``.  Standard library only.
 from __future__ import annotations
 
 import bisect
-import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -145,7 +145,6 @@ class FastRadixCache(m15.RadixCache):
 class FastEngine(m15.Engine):
     """m15's ``Engine`` over a ``FastRadixCache``; ``_reclaim`` takes its victims from the sorted leaves."""
 
-    @functools.wraps(m15.Engine.__init__)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cache = FastRadixCache()
@@ -295,3 +294,7 @@ class FastEngine(m15.Engine):
         if done:
             self.cache = FastRadixCache()
         return done
+
+
+# the Engine's parameters, for callers that read them (mechserve.workload passes only what a rung takes)
+FastEngine.__signature__ = inspect.signature(m15.Engine)  # type: ignore[attr-defined]

@@ -212,4 +212,4 @@ def make(name: str, sizes: Sizes, seed: int = 0) -> Workload:
     makers = {"tenants": tenants, "multiturn": MultiTurn, "rag": rag, "uniform": uniform}
     if name not in makers:
         raise ValueError(f"unknown fleet workload {name!r}; choose from {', '.join(WORKLOADS)}")
-    return makers[name](sizes, seed)  # type: ignore[operator]
+    return makers[name](sizes, seed)

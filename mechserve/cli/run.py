@@ -159,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
     workload = with_engine(read_workload(args.spec, args.request), overrides, ENGINE_FLAGS)
     fleet = {name: getattr(args, name) for name in FLEET_FLAGS if getattr(args, name) is not None}
     if fleet and not has_routing(rung):  # m15: one line naming every fleet flag given
-        given = ", ".join(f"{FLEET_FLAGS[name]} {value}" for name, value in fleet.items())
-        raise CliError(f"{rung_label(rung)} has no routing: {given} need --mech m15 (or drop them)")
+        named = ", ".join(f"{FLEET_FLAGS[name]} {value}" for name, value in fleet.items())
+        raise CliError(f"{rung_label(rung)} has no routing: {named} need --mech m15 (or drop them)")
     workload = with_fleet(workload, fleet, FLEET_FLAGS)
     if args.backend == "torch":
         return execute_torch(

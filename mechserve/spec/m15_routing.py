@@ -2238,7 +2238,10 @@ def _scored(
             )
         return Decision(rid, r, policy, "longest_prefix" if longest else "no_prefix", held[r] * ps, why)
     p = max((i for i in range(n) if held[i] == longest), key=lambda i: (total[i], -state.outstanding[i], -i))
-    scorers = (("queue", cfg.queue_weight, q[r], q[p]), ("kv_usage", cfg.kv_weight, -views[r].kv_usage, -views[p].kv_usage))
+    scorers = (
+        ("queue", cfg.queue_weight, q[r], q[p]),
+        ("kv_usage", cfg.kv_weight, -views[r].kv_usage, -views[p].kv_usage),
+    )
     won = [name for name, weight, mine, theirs in scorers if weight > 0 and mine > theirs]
     why = (
         f"{rid} goes to replica {r}, which {holds} {held[r] * ps} of its prompt tokens, not to replica {p} "

@@ -16,7 +16,15 @@ from mechserve.cli.main import main
 from mechserve.spec import m15_routing as m15
 
 SMALL = fleet_workloads.Sizes(
-    requests=120, rate=4.0, tenants=6, system=(24, 40), message=(4, 12), output=(2, 6), documents=20, document=(16, 32), uniform=(8, 40)
+    requests=120,
+    rate=4.0,
+    tenants=6,
+    system=(24, 40),
+    message=(4, 12),
+    output=(2, 6),
+    documents=20,
+    document=(16, 32),
+    uniform=(8, 40),
 )
 ENGINE = {"max_step_tokens": 64, "page_size": 4, "num_pages": 96, "max_running": 8, "output_caching": True}
 COST = CostModel(0.036, 0.0014, "test")
@@ -44,8 +52,13 @@ def test_a_later_turn_carries_the_conversation_as_its_prefix() -> None:
     w = fleet_workloads.make("multiturn", SMALL, 0)
     (first, *_) = w.due(w._heap[0][0])
     w.finished(first.request_id, 10, [5, 6, 7])
-    later = [a for step in range(11, 200) for a in w.due(step) if a.request_id.split(".")[0] == first.request_id.split(".")[0]]
-    assert later and later[0].tokens[: len(first.tokens) + 3] == first.tokens + [5, 6, 7]
+    later = [
+        a
+        for step in range(11, 200)
+        for a in w.due(step)
+        if a.request_id.split(".")[0] == first.request_id.split(".")[0]
+    ]
+    assert later and later[0].tokens[: len(first.tokens) + 3] == [*first.tokens, 5, 6, 7]
     assert later[0].step >= 11 + SMALL.think[0]
 
 
@@ -74,7 +87,13 @@ def test_calibrate_fits_a_and_b(tmp_path: Path) -> None:
         "workloads": {
             "throughput": {
                 "runs": [
-                    {"engine": "mechserve", "engine_stats": {"tokens_per_step_series": tokens, "step_time_series_s": [0.05 + 0.002 * t for t in tokens]}},
+                    {
+                        "engine": "mechserve",
+                        "engine_stats": {
+                            "tokens_per_step_series": tokens,
+                            "step_time_series_s": [0.05 + 0.002 * t for t in tokens],
+                        },
+                    },
                     {"engine": "hf", "engine_stats": {"tokens_per_step_series": [1], "step_time_series_s": [9.0]}},
                 ]
             }
@@ -92,7 +111,13 @@ def test_calibrate_fits_a_and_b(tmp_path: Path) -> None:
 def test_targets_report_met_missed_and_not_measured() -> None:
     runs = [
         {"workload": "tenants", "replicas": 16, "policy": p, "prefill_tokens_computed": v, "imbalance": i}
-        for p, v, i in (("round_robin", 100, 1.1), ("least_loaded", 100, 1.0), ("cache_aware", 40, 1.6), ("precise", 38, 1.2), ("oracle", 37, 2.0))
+        for p, v, i in (
+            ("round_robin", 100, 1.1),
+            ("least_loaded", 100, 1.0),
+            ("cache_aware", 40, 1.6),
+            ("precise", 38, 1.2),
+            ("oracle", 37, 2.0),
+        )
     ]
     verdicts = {t["target"]: t["verdict"] for t in fleet.check_targets(runs)}
     assert verdicts["cache_aware prefill <= 0.5 x round_robin's"] == "met"
@@ -104,11 +129,25 @@ def test_targets_report_met_missed_and_not_measured() -> None:
 
 def test_bench_fleet_end_to_end_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "fleet"
-    argv = ["bench", "fleet", "--replicas", "2", "--requests", "60", "--workloads", "uniform,rag", "--policies", "round_robin,precise"]
+    argv = [
+        "bench",
+        "fleet",
+        "--replicas",
+        "2",
+        "--requests",
+        "60",
+        "--workloads",
+        "uniform,rag",
+        "--policies",
+        "round_robin,precise",
+    ]
     assert main([*argv, "--max-step-tokens", "4096", "--num-pages", "4096", "--out", str(out), "--no-plots"]) == 0
     doc = json.loads((out / "fleet.json").read_text())
     assert [(r["workload"], r["policy"]) for r in doc["runs"]] == [
-        ("uniform", "round_robin"), ("uniform", "precise"), ("rag", "round_robin"), ("rag", "precise")
+        ("uniform", "round_robin"),
+        ("uniform", "precise"),
+        ("rag", "round_robin"),
+        ("rag", "precise"),
     ]
     assert doc["cost_model"]["source"].startswith("docs/benchmarks.md") and doc["targets"] == []
     assert "uniform, 2 replicas, 60 requests" in capsys.readouterr().out

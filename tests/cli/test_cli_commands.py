@@ -141,7 +141,9 @@ def test_diff_m14_m15_shows_exactly_routing(cli) -> None:
     body = lines[lines.index('+"""m15 — Routing across replicas.') :]
     added = [line[1:] for line in body if line.startswith("+")]
     removed = [line[1:] for line in body if line.startswith("-")]
-    assert any(line.startswith("def choose(") for line in added) and any(line.startswith("class Fleet") for line in added)
+    assert any(line.startswith("def choose(") for line in added) and any(
+        line.startswith("class Fleet") for line in added
+    )
     assert sum("# m15" in line for line in added) >= 8
     code = removed[removed.index('TITLE = "Forced runs"') :]
     back = {line.strip() for line in added}

@@ -41,19 +41,36 @@ def test_bad_fleet_values_are_one_error_line(cli, spec_file, fleet: dict[str, An
 
 
 def test_fleet_section_must_be_an_object_and_null_means_none(cli, spec_file) -> None:
-    assert_one_error_line(cli("run", "--mech", "m15", "--spec", spec_file({**WORKLOAD, "fleet": [2]})), "fleet", "JSON object")
+    assert_one_error_line(
+        cli("run", "--mech", "m15", "--spec", spec_file({**WORKLOAD, "fleet": [2]})), "fleet", "JSON object"
+    )
     result = cli("run", "--mech", "m15", "--spec", spec_file({**WORKLOAD, "fleet": None}), "--json")
     assert result.code == 0 and all(len(line.get("replicas", [0])) == 1 for line in result.json_lines()[:-1])
 
 
 def test_flags_override_the_section_and_bad_flags_are_refused(cli, spec_file) -> None:
-    result = cli("run", "--mech", "m15", "--spec", spec_file(WORKLOAD), "--replicas", "3", "--routing-policy", "round_robin", "--json")
+    result = cli(
+        "run",
+        "--mech",
+        "m15",
+        "--spec",
+        spec_file(WORKLOAD),
+        "--replicas",
+        "3",
+        "--routing-policy",
+        "round_robin",
+        "--json",
+    )
     lines = result.json_lines()
     assert result.code == 0 and len(lines[0]["replicas"]) == 3
     assert [d["replica"] for line in lines[:-1] for d in line["routed"]] == [0, 1, 2]
-    assert_one_error_line(cli("run", "--mech", "m15", "--spec", spec_file(WORKLOAD), "--replicas", "0"), "--replicas", "> 0")
     assert_one_error_line(
-        cli("run", "--mech", "m15", "--spec", spec_file(WORKLOAD), "--cache-threshold", "2"), "--cache-threshold", "0 to 1"
+        cli("run", "--mech", "m15", "--spec", spec_file(WORKLOAD), "--replicas", "0"), "--replicas", "> 0"
+    )
+    assert_one_error_line(
+        cli("run", "--mech", "m15", "--spec", spec_file(WORKLOAD), "--cache-threshold", "2"),
+        "--cache-threshold",
+        "0 to 1",
     )
     assert cli("run", "--mech", "m15", "--spec", spec_file(WORKLOAD), "--routing-policy", "fastest").code == 2
 
@@ -98,9 +115,13 @@ def test_pictures_and_the_torch_backend_refuse_a_fleet(cli, spec_file, tmp_path)
         cli("run", "--mech", "m15", "--spec", spec_file(WORKLOAD), "--viz", str(tmp_path / "t.json")), "--viz", "fleet"
     )
     assert_one_error_line(cli("demo", "--mech", "m15", "--plot", str(tmp_path / "t.png")), "fleet")
-    assert_one_error_line(cli("run", "--spec", spec_file(WORKLOAD), "--mech", "m15", "--backend", "torch"), "top engine rung (m14)")
+    assert_one_error_line(
+        cli("run", "--spec", spec_file(WORKLOAD), "--mech", "m15", "--backend", "torch"), "top engine rung (m14)"
+    )
     no_fleet = {**WORKLOAD, "fleet": None}
-    assert_one_error_line(cli("run", "--spec", spec_file(no_fleet), "--replicas", "2", "--backend", "torch"), "--replicas 2", "m15")
+    assert_one_error_line(
+        cli("run", "--spec", spec_file(no_fleet), "--replicas", "2", "--backend", "torch"), "--replicas 2", "m15"
+    )
 
 
 def test_demo_on_m15_is_a_fleet(cli) -> None:

@@ -49,7 +49,9 @@ def view(i: int, running: int = 0, waiting: int = 0, kv: float = 0.0, step: int 
     return m.ReplicaView(i, step, running, waiting, kv)
 
 
-def req(rid: str, tokens: Sequence[int], step: int = 0, ps: int = 4, oracle: tuple[int, ...] | None = None) -> m.RouteRequest:
+def req(
+    rid: str, tokens: Sequence[int], step: int = 0, ps: int = 4, oracle: tuple[int, ...] | None = None
+) -> m.RouteRequest:
     return m.RouteRequest(rid, step, len(tokens), tuple(m.block_hashes(tokens, ps, m.hash_root())), oracle)
 
 
@@ -113,7 +115,12 @@ def test_m15_n1_one_replica_is_m14_fed_at_arrival(w: dict[str, Any], policy: str
 
 def test_m15_n2_routed_at_arrival_in_list_order_once() -> None:
     big = R("big", list(range(1, 80)), 5, arrival_step=1)  # needs more pages than the pool: REJECTED at its door
-    reqs = [R("late", tenant(1, 0), 2, arrival_step=2), R("a", tenant(1, 1), 2), big, R("b", tenant(2, 2), 2, arrival_step=1)]
+    reqs = [
+        R("late", tenant(1, 0), 2, arrival_step=2),
+        R("a", tenant(1, 1), 2),
+        big,
+        R("b", tenant(2, 2), 2, arrival_step=1),
+    ]
     f = fleet(reqs, replicas=2, routing_policy="round_robin")
     records = run(f)
     assert [[d.request_id for d in rec.routed] for rec in records[:3]] == [["a"], ["big", "b"], ["late"]]
@@ -149,7 +156,7 @@ def test_m15_n4_state_changes_only_by_commit_observe_finish_and_replays(policy: 
     records = run(f)
     log = json.loads(json.dumps(f.router.log))
     assert [d for rec in records for d in rec.routed] == m.replay(f.config, log)
-    assert {next(iter(e)) for e in log} == ({"route", "events", "finished"} if policy == "precise" else {"route", "events", "finished"})
+    assert {next(iter(e)) for e in log} == {"route", "events", "finished"}
     assert f.router.state.outstanding == [0, 0, 0] and f.router.state.placed == {}
     s = state(policy, 2)
     r0 = req("x", tenant(1, 0), oracle=(0, 0))
@@ -247,10 +254,21 @@ def test_m15_n11_records_carry_kv_events_not_in_json() -> None:
     e = m.Engine([R("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], 2), R("b", [1, 2, 3, 4, 5, 6, 7, 8, 9], 2)], 32, 4, 6)
     first = e.step()
     h = m.block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, e.hash_root)
-    assert first.kv_events == (m.BlockStored(tuple(h), None, (1, 2, 3, 4, 5, 6, 7, 8), 4, None, "GPU"),)  # b adopted: no event
-    assert "kv_events" not in first.to_json() and first.to_json() == m14.Engine(
-        [m14.Request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], 2), m14.Request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9], 2)], 32, 4, 6
-    ).step().to_json()
+    assert first.kv_events == (
+        m.BlockStored(tuple(h), None, (1, 2, 3, 4, 5, 6, 7, 8), 4, None, "GPU"),
+    )  # b adopted: no event
+    assert (
+        "kv_events" not in first.to_json()
+        and first.to_json()
+        == m14.Engine(
+            [m14.Request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], 2), m14.Request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9], 2)],
+            32,
+            4,
+            6,
+        )
+        .step()
+        .to_json()
+    )
     records = e.run()
     later = m.Engine([R("c", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], 1)], 32, 4, 6)
     later.cache, later._page_hash, later.pool = e.cache, e._page_hash, e.pool
@@ -259,7 +277,9 @@ def test_m15_n11_records_carry_kv_events_not_in_json() -> None:
     evicting = m.Engine([R("x", list(range(1, 10)), 1), R("y", list(range(20, 45)), 1, arrival_step=1)], 32, 4, 7)
     recs = evicting.run()
     removed = [ev for rec in recs for ev in rec.kv_events if isinstance(ev, m.BlockRemoved)]
-    assert removed and removed[0].block_hashes == tuple(reversed(m.block_hashes(list(range(1, 9)), 4, evicting.hash_root)))
+    assert removed and removed[0].block_hashes == tuple(
+        reversed(m.block_hashes(list(range(1, 9)), 4, evicting.hash_root))
+    )
     assert [rec.evicted for rec in recs if rec.evicted] and not [r for r in records if "kv_events" in r.to_json()]
 
 
@@ -269,9 +289,13 @@ def test_m15_n12_block_hash_is_sha256_cbor_64bit() -> None:
     assert m.hash_root("") == int.from_bytes(hashlib.sha256(b"\x60").digest()[-8:], "big")
     assert m.hash_root("42") == int.from_bytes(hashlib.sha256(b"\x62" + b"42").digest()[-8:], "big")
     payload = b"\x83" + b"\x1b" + (7).to_bytes(8, "big") + b"\x84\x01\x02\x03\x04\xf6"
-    assert m.block_hash(7, [1, 2, 3, 4]) == int.from_bytes(hashlib.sha256(m._cbor([7, [1, 2, 3, 4], None])).digest()[-8:], "big")
+    assert m.block_hash(7, [1, 2, 3, 4]) == int.from_bytes(
+        hashlib.sha256(m._cbor([7, [1, 2, 3, 4], None])).digest()[-8:], "big"
+    )
     assert payload != m._cbor([7, [1, 2, 3, 4], None])  # canonical: 7 takes one byte, not eight
-    assert m.block_hash(-1 & 0, [5, -3]) == int.from_bytes(hashlib.sha256(m._cbor([0, [5, -3], None])).digest()[-8:], "big")
+    assert m.block_hash(-1 & 0, [5, -3]) == int.from_bytes(
+        hashlib.sha256(m._cbor([0, [5, -3], None])).digest()[-8:], "big"
+    )
     e = m.Engine([R("a", list(range(1, 11)), 6)], 32, 4, 8, output_caching=True, hash_seed="s")
     run_all = e.run()
     a = e.requests[0]
@@ -390,7 +414,9 @@ def test_m15_n20_the_fleet_hashes_once_and_engines_keep_the_keys() -> None:
     given.prompt_keys = list(a.prompt_keys[:2]) + m.prefix_keys(tenant(1, 2), 4)[2:]
     given.block_hashes = [1]  # one hash for two blocks: recomputed
     m.Engine([given], 16, 4, 16)
-    assert given.prompt_keys[0] is a.prompt_keys[0] and given.block_hashes == m.block_hashes(given.tokens, 4, m.hash_root())
+    assert given.prompt_keys[0] is a.prompt_keys[0] and given.block_hashes == m.block_hashes(
+        given.tokens, 4, m.hash_root()
+    )
     other = R("o", tenant(1, 3), 2)
     other.prompt_keys = m.prefix_keys(other.tokens, 2)  # another page size: recomputed
     m.Engine([other], 16, 4, 16)
@@ -418,7 +444,9 @@ def test_m15_n21_bad_values_are_refused() -> None:
 
 
 def test_m15_n22_fleet_record_json_explain_summary_and_run() -> None:
-    f = fleet([R("a", tenant(1, 0), 2), R("b", tenant(1, 1), 1, arrival_step=3)], replicas=2, routing_policy="cache_aware")
+    f = fleet(
+        [R("a", tenant(1, 0), 2), R("b", tenant(1, 1), 1, arrival_step=3)], replicas=2, routing_policy="cache_aware"
+    )
     records = run(f)
     doc = records[0].to_json()
     assert list(doc) == ["step", "routed", "replicas"] and doc["routed"][0]["rule"] == "smallest_tree"
@@ -427,17 +455,26 @@ def test_m15_n22_fleet_record_json_explain_summary_and_run() -> None:
     assert doc["replicas"][0]["kv_events"][0]["type"] == "BlockStored"
     assert records[0].explain[0] == records[0].routed[0].reason
     assert any(s.startswith("replica 0: a arrived") for s in records[0].explain)
-    assert [(e["request_id"], e["replica"], e["state"]) for e in f.summary()] == [("a", 0, "FINISHED"), ("b", 0, "FINISHED")]
+    assert [(e["request_id"], e["replica"], e["state"]) for e in f.summary()] == [
+        ("a", 0, "FINISHED"),
+        ("b", 0, "FINISHED"),
+    ]
     assert not f.running and len(records) == 4  # b arrives at step 3 and finishes in it
 
 
 def test_m15_n23_fleet_keys_need_m15(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
-    workload = {"engine": ENGINE, "fleet": {"replicas": 2, "routing_policy": "oracle"}, "requests": [{"request_id": "a", "prompt_len": 5, "max_new_tokens": 2}]}
+    workload = {
+        "engine": ENGINE,
+        "fleet": {"replicas": 2, "routing_policy": "oracle"},
+        "requests": [{"request_id": "a", "prompt_len": 5, "max_new_tokens": 2}],
+    }
     spec = tmp_path / "w.json"
     spec.write_text(json.dumps(workload))
     assert main(["run", "--mech", "m14", "--spec", str(spec)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "fleet.replicas 2" in err[0] and 'fleet.routing_policy "oracle"' in err[0] and "m15" in err[0]
+    assert (
+        len(err) == 1 and "fleet.replicas 2" in err[0] and 'fleet.routing_policy "oracle"' in err[0] and "m15" in err[0]
+    )
     assert main(["run", "--request", "a:5:2", "--replicas", "2", "--cache-threshold", "0.5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--replicas 2" in err[0] and "--cache-threshold 0.5" in err[0]
