@@ -209,7 +209,8 @@ def block_hash(parent: int, tokens: Sequence[int]) -> int:
         return _low64(_cbor([parent, tuple(tokens), None]))
     encode = _UINT.get
     ids = b"".join([encode(t) or _cbor_uint(t) for t in tokens])  # the common case, without recursion
-    return _low64(b"\x83" + _cbor_uint(parent) + _cbor_head(4, len(tokens)) + ids + b"\xf6")
+    head = b"\x83\x1b" + parent.to_bytes(8, "big") if parent >= 1 << 32 else b"\x83" + _cbor_uint(parent)
+    return _low64(head + _cbor_head(4, len(tokens)) + ids + b"\xf6")
 
 
 def block_hashes(tokens: Sequence[int], page_size: int, root: int) -> list[int]:
@@ -1825,6 +1826,13 @@ class RouteRequest:
     prompt_len: int
     block_hashes: tuple[int, ...]
     oracle_blocks: tuple[int, ...] | None = None
+
+    @staticmethod
+    def from_tokens(
+        request_id: str, tokens: Sequence[int], page_size: int, step: int = 0, hash_seed: str = ""
+    ) -> RouteRequest:
+        """What a router builds from a tokenized prompt: its block hashes as the engines name them."""
+        return RouteRequest(request_id, step, len(tokens), tuple(block_hashes(tokens, page_size, hash_root(hash_seed))))
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
