@@ -52,7 +52,9 @@ def view(i: int, running: int = 0, waiting: int = 0, kv: float = 0.0, step: int 
 def req(
     rid: str, tokens: Sequence[int], step: int = 0, ps: int = 4, oracle: tuple[int, ...] | None = None
 ) -> m.RouteRequest:
-    return m.RouteRequest(rid, step, len(tokens), tuple(m.block_hashes(tokens, ps, m.hash_root())), oracle)
+    plain = m.RouteRequest.from_tokens(rid, tokens, ps, step)
+    assert plain.block_hashes == tuple(m.block_hashes(tokens, ps, m.hash_root()))
+    return m.RouteRequest(rid, step, len(tokens), plain.block_hashes, oracle)
 
 
 def stored(replica: int, tokens: Sequence[int], ps: int = 4) -> m.KVEventBatch:
