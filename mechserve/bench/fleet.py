@@ -108,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--seed", type=int, default=0, help="workload seed (default 0)")
     add(
+        "--zipf",
+        type=_bounded(float, 0.0, 10.0),
+        default=1.0,
+        help="popularity exponent of tenants and documents (default 1.0; 0: all equally popular)",
+    )
+    add(
         "--max-step-tokens",
         type=_bounded(int, 1, 1_000_000),
         default=512,
@@ -251,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     for n in args.replicas:
         for name in args.workloads:
             rate = (args.rate or DEFAULT_RATE[name]) * n
-            sizes = replace(Sizes(), requests=args.requests, rate=rate)
+            sizes = replace(Sizes(), requests=args.requests, rate=rate, zipf=args.zipf)
             print(f"{name}, {n} replicas, {args.requests} requests, {rate:g} per step:", flush=True)
             rr = None
             for policy in args.policies:
