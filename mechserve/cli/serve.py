@@ -154,6 +154,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="tensor-parallel rank processes (default 1)",
     )
+    add(
+        "--allow-additional-properties",
+        action="store_true",
+        help="structured outputs and forced tool calls follow JSON Schema's open objects: an object schema "
+        "without additionalProperties allows other properties (by default it allows none, as vLLM's default "
+        "grammar backend)",
+    )
     add_chat_template_argument(parser, "/v1/chat/completions and chat /tokenize")
     add(
         "--log-level",
@@ -256,6 +263,7 @@ def _engine(args: argparse.Namespace) -> Any:
             world_size=args.world_size,
             device=args.device or "cpu",
             compile=bool(args.compile),
+            allow_additional_properties=args.allow_additional_properties,
         )
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None

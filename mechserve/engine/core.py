@@ -483,7 +483,11 @@ class EngineCore:
             )
         with self._grammar_lock:
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+                self._grammars = GrammarCompiler(
+                    self.tokenizer,
+                    self.vocab_size,
+                    allow_additional_properties=self.config.allow_additional_properties,
+                )
             grammars = self._grammars
         return grammars.compile(so)
 
