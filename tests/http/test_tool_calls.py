@@ -195,6 +195,19 @@ def test_a_streamed_call_has_openais_chunk_shape(served: Served, choice: Any) ->
         assert read == expected[0][1]
 
 
+def test_a_schema_without_additional_properties_gets_no_invented_keys(served: Served) -> None:
+    """Issue 29: LangChain strips ``additionalProperties: false`` from tool schemas unless ``strict``; the grammar
+    then treats the object as closed (vLLM's default backend does), so a forced call has only the listed keys."""
+    open_params = {"type": "object", "properties": {"city": CITY}, "required": ["city"]}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": open_params}}
+    for seed in range(4):
+        reply = served.client().chat.completions.create(
+            model=NAME, messages=ASK, tools=[tool], tool_choice=NAMED, max_tokens=60, seed=seed
+        )
+        (call,) = reply.choices[0].message.tool_calls
+        assert set(json.loads(call.function.arguments)) == {"city"}, call.function.arguments
+
+
 def test_n_choices_each_carry_their_calls(served: Served) -> None:
     reply = served.client().chat.completions.create(
         model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", n=3, max_tokens=200, seed=7
