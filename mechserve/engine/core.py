@@ -307,6 +307,7 @@ class EngineCore:
             group = self._samples[engine_id][0] if engine_id in self._samples else None
             if group is not None and group.scheduled_time is None:
                 group.scheduled_time = now
+                group.num_cached_tokens = record.reused.get(engine_id, 0)
         touched: dict[str, None] = dict.fromkeys(self._ended)
         self._ended = []
         for engine_id, ids in record.tokens.items():
