@@ -168,6 +168,7 @@ def test_a_streamed_call_has_openais_chunk_shape(served: Served, choice: Any) ->
     whole = served.client().chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, **body)
     expected = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
     chunks, calls, finish = stream(served, **body)
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == expected
     opened: set[int] = set()
     with_calls = [k for k, c in enumerate(chunks) if c.choices and c.choices[0].delta.tool_calls]
     for chunk in chunks:
@@ -181,7 +182,9 @@ def test_a_streamed_call_has_openais_chunk_shape(served: Served, choice: Any) ->
                 assert e.id is None and e.type is None and e.function.name is None, e
     last = chunks[with_calls[-1] + 1]
     assert last.choices[0].finish_reason == "tool_calls" and not last.choices[0].delta.tool_calls
-    assert not last.choices[0].delta.content and all(not c.choices[0].finish_reason for c in chunks[: with_calls[-1] + 1])
+    assert not last.choices[0].delta.content and all(
+        not c.choices[0].finish_reason for c in chunks[: with_calls[-1] + 1]
+    )
     assert finish == "tool_calls"
     # the openai SDK's own accumulation
     with served.client().chat.completions.stream(model=NAME, messages=ASK, tools=TOOLS, **body) as events:
@@ -190,7 +193,9 @@ def test_a_streamed_call_has_openais_chunk_shape(served: Served, choice: Any) ->
     # instructor's partial mode: the arguments of delta.tool_calls[0], chunk by chunk (one call: parallel off)
     if choice == NAMED:
         read = "".join(
-            c.choices[0].delta.tool_calls[0].function.arguments or "" for c in chunks if c.choices and c.choices[0].delta.tool_calls
+            c.choices[0].delta.tool_calls[0].function.arguments or ""
+            for c in chunks
+            if c.choices and c.choices[0].delta.tool_calls
         )
         assert read == expected[0][1]
 

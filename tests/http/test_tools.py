@@ -311,7 +311,9 @@ def test_the_ordered_pieces_are_the_chat_pieces_in_the_replys_order(
     names = [p["function"]["name"] for p in pieces if isinstance(p, dict)]
     assert names == [name for name, _ in calls]
     for i in range(len(calls)):  # the prose written before call i comes before it
-        before = "".join(p for p in pieces[: [j for j, p in enumerate(pieces) if isinstance(p, dict)][i]] if isinstance(p, str))
+        before = "".join(
+            p for p in pieces[: [j for j, p in enumerate(pieces) if isinstance(p, dict)][i]] if isinstance(p, str)
+        )
         assert "".join(prose[: i + 1]).split() == before.split()
 
 

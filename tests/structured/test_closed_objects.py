@@ -26,7 +26,10 @@ CLOSED = {**OPEN, "additionalProperties": False}
     [
         (OPEN, CLOSED),
         ({"properties": {"a": {}}}, {"properties": {"a": {}}, "additionalProperties": False}),  # no type: still listed
-        ({"type": "object", "patternProperties": {"^x": {}}}, {"type": "object", "patternProperties": {"^x": {}}, "additionalProperties": False}),
+        (
+            {"type": "object", "patternProperties": {"^x": {}}},
+            {"type": "object", "patternProperties": {"^x": {}}, "additionalProperties": False},
+        ),
         ({"type": "object", "properties": {}}, {"type": "object", "properties": {}, "additionalProperties": False}),
         ({**OPEN, "additionalProperties": True}, {**OPEN, "additionalProperties": True}),  # said: kept
         ({**OPEN, "additionalProperties": {"type": "string"}}, {**OPEN, "additionalProperties": {"type": "string"}}),
@@ -80,7 +83,9 @@ def test_the_members_of_an_all_of_stay_open() -> None:
 SCHEMAS = st.recursive(
     st.sampled_from([{"type": "string"}, {"type": "integer"}, {"type": "object"}, True]),
     lambda inner: st.one_of(
-        st.builds(lambda p: {"type": "object", "properties": p}, st.dictionaries(st.sampled_from("abc"), inner, max_size=3)),
+        st.builds(
+            lambda p: {"type": "object", "properties": p}, st.dictionaries(st.sampled_from("abc"), inner, max_size=3)
+        ),
         st.builds(lambda i: {"type": "array", "items": i}, inner),
         st.builds(lambda xs: {"anyOf": xs}, st.lists(inner, min_size=1, max_size=3)),
     ),
@@ -105,7 +110,10 @@ def test_closing_is_idempotent_and_only_adds_additional_properties(schema: Any) 
 @pytest.fixture(scope="module")
 def compilers(byte_model: LoadedModel) -> dict[bool, GrammarCompiler]:
     vocab = byte_model.model.arch.vocab_size
-    return {allow: GrammarCompiler(byte_model.tokenizer, vocab, allow_additional_properties=allow) for allow in (False, True)}
+    return {
+        allow: GrammarCompiler(byte_model.tokenizer, vocab, allow_additional_properties=allow)
+        for allow in (False, True)
+    }
 
 
 def accepts(compiler: GrammarCompiler, schema: Any, text: str, tokenizer: Any) -> bool:
