@@ -81,9 +81,7 @@ class MessageState:
         self._blocks.feed(output.outputs[0].text)
         self._blocks.finish()
         reason, sequence = self.stop(output)
-        return self.message(
-            [_block(b, self._blocks) for b in self._blocks.blocks], reason, sequence, self.usage(output)
-        )
+        return self.message([_block(b) for b in self._blocks.blocks], reason, sequence, self.usage(output))
 
     def stop(self, output: RequestOutput) -> tuple[str, str | None]:
         """Anthropic's ``stop_reason`` and ``stop_sequence`` for the engine's finish."""
@@ -152,7 +150,7 @@ def _tool_use(block: Block, arguments: dict[str, Any]) -> dict[str, Any]:
     return {"type": "tool_use", "id": call_id, "name": block.name, "input": arguments}
 
 
-def _block(block: Block, blocks: ReplyBlocks) -> dict[str, Any]:
+def _block(block: Block) -> dict[str, Any]:
     if block.kind == "text":
         return {"type": "text", "text": block.text}
     return _tool_use(block, arguments_object(block.text))

@@ -328,7 +328,7 @@ def responses_routes(app: FastAPI, path: ChatPath, *, max_stored: int = MAX_STOR
         history = _history(store, body.previous_response_id)
         try:
             chat = body.to_chat(history)
-            conversation = [m for m in chat.model_dump(exclude_none=True)["messages"]]
+            conversation = chat.model_dump(exclude_none=True)["messages"]
         except UnsupportedField as exc:
             raise APIError(400, str(exc), param=exc.param, code="unsupported_parameter") from None
         except ParamError as exc:
@@ -340,12 +340,12 @@ def responses_routes(app: FastAPI, path: ChatPath, *, max_stored: int = MAX_STOR
         if body.stored:
             store.put(state)
         if body.background:
-            task = asyncio.ensure_future(_drive(state, path))
+            task = asyncio.ensure_future(_drive(state))
             store.tasks.add(task)
             task.add_done_callback(store.tasks.discard)
             return JSONResponse(state.response())
         if body.stream:
-            return NamedEventStream(_stream(state, path), run.handles)
+            return NamedEventStream(_stream(state), run.handles)
         try:
             outputs = await path.wait(request, run.handles)
         except APIError as exc:
@@ -432,7 +432,7 @@ async def _start(path: ChatPath, chat: Any, response_id: str) -> ChatRun:
         raise APIError(exc.status, message, type=exc.type, param=param, code=exc.code, headers=exc.headers) from None
 
 
-async def _stream(state: ResponseState, path: ChatPath) -> AsyncGenerator[dict[str, Any], None]:
+async def _stream(state: ResponseState) -> AsyncGenerator[dict[str, Any], None]:
     """The response's events, numbered."""
     numbers = itertools.count()
 
@@ -458,7 +458,7 @@ async def _stream(state: ResponseState, path: ChatPath) -> AsyncGenerator[dict[s
         state.gone()
 
 
-async def _drive(state: ResponseState, path: ChatPath) -> None:
+async def _drive(state: ResponseState) -> None:
     """A background response's run: its events build it, nobody reads them."""
     try:
         async for event in state.run.handles[0].coalesced():

@@ -31,7 +31,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from mechserve.api.errors import ParamError
 from mechserve.api.limits import MAX_LOGPROBS
@@ -85,7 +85,7 @@ class ResponsesRequest(_Body):
     """``POST /v1/responses``: one conversation (``input`` after ``instructions`` and the response it continues)
     answered once, through the chat path."""
 
-    model_config = _Body.model_config | {"extra": "allow"}
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     endpoint: ClassVar[str] = RESPONSES
 
     model: str | None = None
