@@ -214,3 +214,107 @@ def test_response_level_fields_are_returned(tiny_server: Any) -> None:
     reply = httpx.post(tiny_server.url + "/v1/responses", json=body, timeout=30).json()
     assert reply["id"] == "resp_my-id-1" and reply["user"] == "u1" and reply["safety_identifier"] == "s1"
     assert reply["prompt_cache_key"] == "k1" and reply["max_tool_calls"] == 3
+
+
+# Nothing a client sends is a 500 ----------------------------------------------------------------------------------------
+
+R_FIELDS = [
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "tools",
+    "tool_choice",
+    "text",
+]
+R_FIELDS += [
+    "include",
+    "top_logprobs",
+    "metadata",
+    "store",
+    "previous_response_id",
+    "background",
+    "truncation",
+    "reasoning",
+]
+M_FIELDS = ["model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k", "tools"]
+M_FIELDS += ["tool_choice", "metadata", "output_config", "output_format", "thinking", "cache_control"]
+
+
+def _weird() -> Any:
+    from hypothesis import strategies as st
+    from test_errors import WEIRD
+
+    keys = st.sampled_from(
+        [
+            "type",
+            "role",
+            "content",
+            "text",
+            "call_id",
+            "tool_use_id",
+            "name",
+            "arguments",
+            "input",
+            "output",
+            "id",
+            "parameters",
+            "input_schema",
+            "schema",
+            "format",
+            "effort",
+        ]
+    )
+    item = st.dictionaries(
+        keys,
+        st.one_of(
+            WEIRD,
+            st.sampled_from(
+                [
+                    "message",
+                    "function_call",
+                    "function_call_output",
+                    "user",
+                    "assistant",
+                    "tool_use",
+                    "tool_result",
+                    "text",
+                    "input_text",
+                    "function",
+                    "json_schema",
+                ]
+            ),
+        ),
+        max_size=5,
+    )
+    return st.one_of(WEIRD, item, st.lists(st.one_of(item, WEIRD), max_size=3))
+
+
+def test_no_responses_or_messages_body_ever_gets_a_5xx(tiny_server: Any) -> None:
+    import httpx
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(data=st.data(), anthropic=st.booleans())
+    def run(data: Any, anthropic: bool) -> None:
+        names = M_FIELDS if anthropic else R_FIELDS
+        body = data.draw(st.dictionaries(st.sampled_from(names), _weird(), max_size=5))
+        limit = "max_tokens" if anthropic else "max_output_tokens"
+        body[limit] = body.get(limit) if body.get(limit) in (None, 1, 2) else 2
+        body.setdefault("model", "tiny")
+        if anthropic:
+            body.setdefault("messages", USER)
+        path = "/v1/messages" if anthropic else "/v1/responses"
+        content = json.dumps(body)  # NaN and Infinity included
+        response = httpx.post(tiny_server.url + path, content=content, headers={"content-type": "application/json"})
+        assert response.status_code < 500, (body, response.text)
+        if response.status_code != 200:
+            error = response.json()
+            assert (
+                (error["type"] == "error" and "message" in error["error"]) if anthropic else "message" in error["error"]
+            )
+
+    run()
