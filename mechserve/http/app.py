@@ -5,7 +5,7 @@ Endpoints::
     POST /v1/completions        text or token-id prompts (one or several), n samples, SSE with stream: true
     POST /v1/chat/completions   messages through the model's chat template, SSE with stream: true
     POST /v1/responses          OpenAI's Responses API (mechserve.http.responses_api), GET/DELETE /v1/responses/{id},
-                                POST /v1/responses/{id}/cancel
+                                GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel
     POST /v1/messages           Anthropic's Messages API (mechserve.http.anthropic_api), /v1/messages/count_tokens
     GET  /v1/models, /v1/models/{id}
     POST /tokenize, /detokenize vLLM's: text or messages to ids (count, max_model_len, tokens), ids to text

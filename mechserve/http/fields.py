@@ -878,7 +878,8 @@ RESPONSES_FIELDS: tuple[Field, ...] = (
         _R,
         OPENAI,
         honoured="default true: the response is kept in memory (the newest `--max-stored-responses`, default "
-        "1024) for `GET`/`DELETE /v1/responses/{id}` and `previous_response_id`; false: not kept",
+        "1024) for `GET`/`DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` and "
+        "`previous_response_id`; false: not kept",
         bad={"store": "x"},
     ),
     _f(

@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``, ``POST .../cancel``.
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET``/``DELETE /v1/responses/{id}``, ``GET .../input_items``,
+``POST .../cancel``.
 
 A Responses body is translated into a chat request (``mechserve.http.responses_protocol``) and run by
 the chat path (``mechserve.http.chat_path``): the same template, tools, grammar, ``SamplingParams``,
@@ -79,6 +80,7 @@ class ResponseState:
         self.usage: dict[str, Any] | None = None
         self.cancelled = False
         self.items: list[dict[str, Any]] = []
+        self.input_items = input_items(body.input)
         self._history = history  # chat messages before the output (instructions left out)
         self._blocks = ReplyBlocks(run.tools)
         self._item_of: dict[int, int] = {}  # block index -> item index
@@ -285,6 +287,38 @@ class ResponseState:
         return [*self._history, message]
 
 
+def input_items(given: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """A response's ``input`` as the items ``GET /v1/responses/{id}/input_items`` lists: each with an id (its own,
+    or a new one), text content as parts, status ``completed``.  ``given`` was already checked."""
+    if given is None:
+        return []
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    out = []
+    for item in given:
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item["role"]
+            part = "output_text" if role == "assistant" else "input_text"
+            content = item["content"]
+            parts = [{"type": part, "text": content}] if isinstance(content, str) else [dict(p) for p in content]
+            if role == "assistant":
+                parts = [{"annotations": [], **p} for p in parts]
+            found = {"id": item.get("id") or "msg_" + secrets.token_hex(16), "type": "message", "role": role}
+            out.append({**found, "content": parts, "status": "completed"})
+        elif kind == "function_call":
+            fields = {k: item[k] for k in ("call_id", "name", "arguments")}
+            out.append(
+                {"id": item.get("id") or "fc_" + secrets.token_hex(16), "type": kind, **fields, "status": "completed"}
+            )
+        else:
+            fields = {k: item[k] for k in ("call_id", "output")}
+            out.append(
+                {"id": item.get("id") or "fco_" + secrets.token_hex(16), "type": kind, **fields, "status": "completed"}
+            )
+    return out
+
+
 def _at(item: dict[str, Any], n: int, kind: str, **fields: Any) -> dict[str, Any]:
     """An event about item ``n`` (its ``item_id`` and ``output_index``)."""
     return {"type": kind, "item_id": item["id"], "output_index": n, **fields}
@@ -373,6 +407,36 @@ def responses_routes(app: FastAPI, path: ChatPath, *, max_stored: int = MAX_STOR
                     code="unsupported_parameter",
                 )
         return JSONResponse(_stored(store, response_id).response())
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request) -> JSONResponse:
+        items = _stored(store, response_id).input_items
+        query = request.query_params
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order", code="invalid_value")
+        limit_text = query.get("limit", "20")
+        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+            raise APIError(400, f"limit must be 1..100, got {limit_text!r}", param="limit", code="invalid_value")
+        if query.getlist("include") or query.getlist("include[]"):
+            raise APIError(400, "include is not supported here", param="include", code="unsupported_parameter")
+        ordered = items if order == "asc" else items[::-1]
+        after = query.get("after")
+        if after is not None:
+            ids = [item["id"] for item in ordered]
+            if after not in ids:
+                raise APIError(400, f"after: no input item {after!r} in this response", param="after")
+            ordered = ordered[ids.index(after) + 1 :]
+        page = ordered[: int(limit_text)]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": copy.deepcopy(page),
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(ordered) > len(page),
+            }
+        )
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> JSONResponse:

@@ -181,3 +181,37 @@ def test_non_finite_numbers_are_a_400_naming_the_field(tiny_server, endpoint: st
     assert response.status_code == 400, response.text
     param, message, _ = refusal(endpoint, response)
     assert param == name and "finite" in message, response.text
+
+
+def _sdk_fields(kind: Any) -> set[str]:
+    import typing
+
+    return set(typing.get_type_hints(kind))
+
+
+def test_every_field_of_the_official_sdks_request_types_is_a_row() -> None:
+    """Issue 29: each field the ``openai`` SDK sends to ``/v1/responses`` and the ``anthropic`` SDK to ``/v1/messages``
+    and ``/v1/messages/count_tokens`` is in the table, honoured or refused (Anthropic's sampling fields, which this
+    SDK version leaves to ``extra_body``, and its beta fields included)."""
+    import inspect
+
+    from anthropic.resources import Messages
+    from anthropic.types import message_count_tokens_params, message_create_params
+    from openai.types.responses import response_create_params
+
+    def rows_of(endpoint: str) -> set[str]:
+        return {f.name for f in FIELDS if endpoint in f.endpoints}
+
+    openai_fields = _sdk_fields(response_create_params.ResponseCreateParamsStreaming)
+    assert openai_fields - rows_of(RESPONSES) == set()
+    create = _sdk_fields(message_create_params.MessageCreateParamsStreaming) | {"temperature", "top_p", "top_k"}
+    count = _sdk_fields(message_count_tokens_params.MessageCountTokensParams)
+    count |= set(inspect.signature(Messages.count_tokens).parameters) - {
+        "self",
+        "extra_headers",
+        "extra_query",
+        "extra_body",
+        "timeout",
+    }
+    assert create - rows_of(MESSAGES) == set()
+    assert count - rows_of(COUNT_TOKENS) == set()

@@ -194,6 +194,33 @@ def test_stored_responses_are_retrieved_and_deleted(tiny_server: Served) -> None
     assert response.status_code in (400, 404)
 
 
+def test_a_responses_input_items_are_listed(served: Served) -> None:
+    from openai.types.responses import ResponseItemList
+
+    client = served.client()
+    items = [
+        {"role": "developer", "content": "w9"},
+        {"role": "user", "content": [{"type": "input_text", "text": "w1"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}", "id": "fc_mine"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "w2"},
+        {"role": "assistant", "content": "w3"},
+    ]
+    reply = client.responses.create(model=BYTES, input=items, max_output_tokens=1)
+    raw = httpx.get(f"{served.url}/v1/responses/{reply.id}/input_items?order=asc").json()
+    ResponseItemList.model_validate(raw)
+    listed = raw["data"]
+    assert [i["type"] for i in listed] == ["message", "message", "function_call", "function_call_output", "message"]
+    assert listed[2]["id"] == "fc_mine" and listed[3]["output"] == "w2" and listed[1]["content"][0]["text"] == "w1"
+    newest = client.responses.input_items.list(reply.id)  # default order: newest first
+    assert [i.id for i in newest.data] == [i["id"] for i in listed][::-1]
+    page = client.responses.input_items.list(reply.id, order="asc", limit=2, after=listed[0]["id"])
+    assert [i.id for i in page.data] == [listed[1]["id"], listed[2]["id"]] and page.has_more
+    again = httpx.get(f"{served.url}/v1/responses/{reply.id}/input_items?order=asc").json()["data"]
+    assert [i["id"] for i in again] == [i["id"] for i in listed], "ids are stable"
+    bad = httpx.get(f"{served.url}/v1/responses/{reply.id}/input_items?limit=0")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit"
+
+
 def test_the_store_is_bounded(make_llm) -> None:
     with serving(make_llm(), max_stored_responses=2) as served:
         client = served.client()
