@@ -383,7 +383,10 @@ def responses_routes(app: FastAPI, path: ChatPath, *, max_stored: int = MAX_STOR
         try:
             outputs = await path.wait(request, run.handles)
         except APIError as exc:
-            state.fail(exc)
+            if exc.status == 499:  # the client went away: the response stops there, as a stream's does
+                state.gone()
+            else:
+                state.fail(exc)
             raise
         state.whole(outputs[0])
         return JSONResponse(state.response())

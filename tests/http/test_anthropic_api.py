@@ -499,3 +499,61 @@ def test_structured_output_through_output_config(served: Served) -> None:
         },
     ).json()
     assert beta["content"][0]["text"] == reply.content[0].text
+
+
+def test_a_shutdown_ends_every_response_in_flight_in_its_apis_shape(make_llm) -> None:
+    """The drain (Ctrl-C or SIGTERM) aborts what runs: a Responses stream ends with error and response.failed, a
+    Messages stream with an error event, a waiting Messages client gets a 503 in Anthropic's body."""
+    import asyncio
+
+    llm = slowed(make_llm(num_pages=256), 0.01)
+    with serving(llm) as served:
+        started = threading.Barrier(4)
+        results: dict[str, Any] = {}
+
+        def responses_stream() -> None:
+            body = {"model": TINY_NAME, "input": "w1", "max_output_tokens": 400, "stream": True}
+            with httpx.stream("POST", served.url + "/v1/responses", json=body, timeout=60) as response:
+                lines = response.iter_lines()
+                started.wait(30)
+                results["responses"] = [line for line in lines if line.startswith("data: ")]
+
+        def messages_stream() -> None:
+            body = {"model": TINY_NAME, "max_tokens": 400, "messages": USER, "stream": True}
+            with httpx.stream("POST", served.url + "/v1/messages", json=body, timeout=60) as response:
+                lines = response.iter_lines()
+                started.wait(30)
+                results["messages"] = [line for line in lines if line]
+
+        def messages_wait() -> None:
+            body = {"model": TINY_NAME, "max_tokens": 400, "messages": USER}
+            with httpx.Client(timeout=60) as http:
+                future = threading.Thread(
+                    target=lambda: results.setdefault("plain", http.post(served.url + "/v1/messages", json=body))
+                )
+                future.start()
+                wait_running(served, 3)
+                started.wait(30)
+                future.join(60)
+
+        threads = [threading.Thread(target=f) for f in (responses_stream, messages_stream, messages_wait)]
+        for t in threads:
+            t.start()
+        started.wait(30)
+        asyncio.run(llm.drain())
+        for t in threads:
+            t.join(60)
+    last = json.loads(results["responses"][-1][6:])
+    assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+    assert json.loads(results["responses"][-2][6:])["type"] == "error"
+    assert results["messages"][-2] == "event: error"
+    error_of(results["plain"], 503, "api_error")
+
+
+def wait_running(served: Served, n: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while served.llm.metrics.snapshot()["running"] < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)

@@ -380,6 +380,7 @@ def test_a_stream_closed_early_aborts_and_a_waiting_client_too(make_llm) -> None
             httpx.post(served.url + "/v1/responses", json=body, timeout=httpx.Timeout(30, read=0.3))
         (request_id,) = {rid for record in served.llm.trace for rid in record.admitted}
         assert_aborted_and_freed(served, request_id, 300)
+        assert served.client().responses.retrieve(request_id).status == "cancelled"
 
 
 def test_an_engine_failure_ends_the_stream_with_error_and_response_failed(make_llm) -> None:
