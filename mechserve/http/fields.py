@@ -1384,7 +1384,9 @@ def render_markdown() -> str:
         "JSON Schema's default, under which a small model invents properties until it runs out of tokens "
         "(clients such as LangChain drop `additionalProperties: false` from tool schemas unless `strict`). "
         "`mechserve serve --allow-additional-properties` (`EngineConfig.allow_additional_properties`) restores "
-        "JSON Schema's open objects.",
+        "JSON Schema's open objects. (vLLM's own switch, `--structured-outputs-config` "
+        "`disable_additional_properties`, closes objects for its llguidance backend only, to match xgrammar's "
+        "default; here closed is the default and the option opens them.)",
         "",
     ]
     return "\n".join(lines)
