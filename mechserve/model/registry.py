@@ -9,12 +9,14 @@ Every family here is Llama-shaped: one ``LlamaModel`` forward (and ``ShardedLlam
 parallelism), one weight-name map (``model/weights.py``), and a ``LlamaVariant`` saying which
 optional parts its layers have (``model/arch.py``).  Adding a Llama-shaped family is one entry of
 ``FAMILIES``; a family whose decoder differs brings its own model module (a ``model.protocol.Model``)
-and a ``ModelFamily`` subclass whose ``arch``/``build``/``shape`` make it.
+and a ``ModelFamily`` subclass whose ``arch``/``build``/``shape`` make it.  A loader of files that
+name their architecture otherwise (a GGUF file's ``general.architecture``: ``llama``, ``qwen2``,
+``qwen3``) finds the same entries by ``model_type``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ class ModelFamily:
 
     architecture: str
     model_type: str
-    variant: LlamaVariant = field(default=LLAMA)
+    variant: LlamaVariant = LLAMA
 
     def arch(self, config: Any) -> LlamaArch:
         """The shape of a transformers ``config`` of this family (``ModelLoadError`` for one it cannot run)."""

@@ -17,7 +17,7 @@ from mechserve.kv.paged import Span, build_attention_batch
 from mechserve.model import registry
 from mechserve.model.arch import LlamaVariant
 from mechserve.model.formats import SafetensorsFiles
-from mechserve.model.loader import load_model
+from mechserve.model.loader import load_model, load_shard
 from mechserve.model.protocol import Model
 from mechserve.model.registry import FAMILIES, ModelFamily, find_family
 from mechserve.model.weights import LAYER_PARTS, MODEL_PARTS, assemble, gguf_to_hf
@@ -174,6 +174,15 @@ def test_a_ranks_parts_are_its_megatron_slices_of_the_whole(tmp_path: Path) -> N
         rank.lm_head, whole.lm_head[slice(*vocab)]
     )
     assert torch.equal(rank.norm, whole.norm)
+
+
+def test_a_rank_without_the_drivers_shape_reads_it_from_the_config(tiny: Tiny) -> None:
+    m = tiny.model
+    given = load_shard(tiny.path, 1, 2, arch=m.arch, rope=(m.inv_freq, m.rope_scaling))
+    read = load_shard(tiny.path, 1, 2)
+    assert read.full_arch == given.full_arch == m.arch and read.arch == given.arch
+    assert torch.equal(read.inv_freq, given.inv_freq) and read.rope_scaling == given.rope_scaling
+    assert all(torch.equal(a.qkv, b.qkv) and torch.equal(a.down, b.down) for a, b in zip(read.layers, given.layers))
 
 
 # The Model protocol ----------------------------------------------------------------------------------------------
