@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from mechserve.api.errors import ModelLoadError
-from mechserve.model.quantized import BLOCK_BYTES, QK, QUANTIZATIONS, QuantizedMatrix, quantize
+from mechserve.model.quantized import QK, QUANTIZATIONS, QuantizedMatrix, quantize
 from mechserve.model.weights import Role, Span, gguf_to_hf
 
 # The embedding (and a tied or separate LM head) stays Q8_0 whatever the layers' format, as in the
@@ -108,7 +108,7 @@ class QuantizedSafetensors:
     """
 
     def __init__(self, files: SafetensorsFiles, kind: str, stored: Mapping[str, QuantizedMatrix] | None = None) -> None:
-        if kind not in BLOCK_BYTES:
+        if kind not in QUANTIZATIONS:
             raise ValueError(f"unknown block format {kind!r}; known: {', '.join(QUANTIZATIONS)}")
         self.files, self.kind, self.stored = files, kind, stored or {}
 

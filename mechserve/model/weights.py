@@ -161,8 +161,9 @@ class ModelWeights:
 def assemble(source: TensorSource, arch: LlamaArch, split: Mapping[Dim, Span] | None = None) -> ModelWeights:
     """The parts of a model shaped ``arch`` from ``source``, through the weight-name map.
 
-    ``split``: a tensor-parallel rank's span of each ``SPLIT_DIMS`` axis in elements (q and kv
-    spans in rows of ``head_dim``); None reads every tensor whole.  The LM head is the embedding when
+    ``split``: a tensor-parallel rank's ``[start, end)`` of each ``SPLIT_DIMS`` axis it splits, in
+    rows or columns (the q and kv spans cover whole heads: multiples of ``head_dim``); None reads
+    every tensor whole.  The LM head is the embedding when
     ``arch.tie_word_embeddings`` or the source has no ``lm_head.weight``.  Raises ``ModelLoadError``
     naming a tensor the source lacks or whose shape differs from what ``arch`` (config.json) implies.
     """
