@@ -504,7 +504,7 @@ def _two_prompts_tight() -> tuple[m.Engine, list[m.Request]]:
 
 
 def test_m08_n4_a_preempted_request_reuses_every_cached_prompt_block() -> None:
-    eng, (a, b) = _two_prompts_tight()
+    eng, (_, b) = _two_prompts_tight()
     trace = steps(eng, 7)
     assert trace[5].preempted == ("b",) and b.generated == 5  # b keeps its 5 tokens, its 2 prompt blocks stay cached
     # D7: b's target (8 + 5) runs past its prompt, so both cached prompt blocks are usable (the original
