@@ -13,7 +13,10 @@ request) and a bisection:
 * a request holds its cache pages as one chain from the root (m08, D2), so the first unreferenced
   childless node in pre-order is the first unreferenced path in the sorted leaf list.
 
-Nothing else differs: ``tests/property/test_fleet_engine.py`` checks on random workloads (eviction,
+Two more hot paths are replaced the same way: publish resumes each running request's chain match
+where its last publish ended (``_publish``), and the count of evictable pages (m08's D8) is the cache
+size minus the cache pages running requests hold, instead of a post-order walk (``_evictable``); the
+slot contents, which nothing in a simulation reads, are not written (``_apply``).  Nothing else differs: ``tests/property/test_fleet_engine.py`` checks on random workloads (eviction,
 preemption, output caching, resets) that ``FastEngine`` produces m15's records, KV events included,
 and its state passes m15's ``check_invariants``.  Standard library only.
 """
@@ -288,6 +291,14 @@ class FastEngine(m15.Engine):
     def _release(self, r: m15.Request) -> None:
         self._memo.pop(r.request_id, None)
         super()._release(r)
+
+    def _evictable(self) -> int:
+        """m15's ``_evictable`` (D8) without the post-order walk: a running request's cache pages are
+        one chain from the root, so the nodes whose subtree holds a referenced page are exactly the
+        referenced cache pages, and the rest of the cache is evictable."""
+        owner = self.pool.owner
+        held = {p for r in self.running for p in r.page_table if owner[p] is m15.CACHE}
+        return self.cache.size - len(held)
 
     def reset_prefix_cache(self) -> bool:
         done = super().reset_prefix_cache()
