@@ -97,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ENDPOINT",
         help="precise: each worker's --kv-events-endpoint, in --worker-urls order",
     )
+    add("--kv-events-topic", default="", metavar="TOPIC", help="precise: the workers' --kv-events-topic ('')")
     add("--decision-log", default=None, metavar="FILE", help="write every routing input and decision (JSON lines)")
     add("--health-check-interval-secs", type=positive, default=0.5, help="seconds between health rounds (0.5)")
     add("--health-check-timeout-secs", type=positive, default=1.0, help="a health check's timeout (1)")
@@ -123,6 +124,8 @@ def check(args: argparse.Namespace) -> None:
             raise CliError("--kv-events-endpoints: give one per --worker-urls entry, in the same order")
     elif args.policy == "precise":
         raise CliError("--policy precise needs --kv-events-endpoints (each worker's --kv-events-endpoint)")
+    if args.kv_events_topic and args.policy != "precise":
+        raise CliError("--kv-events-topic: only --policy precise reads KV events")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         health_timeout=args.health_check_timeout_secs,
         request_timeout=args.request_timeout_secs,
         worker_api_key=args.worker_api_key,
+        kv_events_topic=args.kv_events_topic,
     )
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(build_router_app(proxy), lifespan="on", log_level=args.log_level)

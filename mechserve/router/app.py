@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from mechserve.http.errors import APIError, install
+from mechserve.router.events import EventSubscriber
 from mechserve.router.fleet import TOKENIZED, NoWorker, Worker, WorkerFleet
 
 log = logging.getLogger("mechserve.router")
@@ -55,8 +56,10 @@ class Proxy:
         health_timeout: float = 1.0,
         request_timeout: float = 1800.0,
         worker_api_key: str | None = None,
+        kv_events_topic: str = "",
     ) -> None:
         self.fleet = fleet
+        self.events = EventSubscriber(fleet, kv_events_topic) if fleet.options.policy == "precise" else None
         self.health_interval = health_interval
         self.health_timeout = health_timeout
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=health_timeout))
@@ -68,6 +71,8 @@ class Proxy:
     # health ----------------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.events is not None:
+            self.events.start()
         await self.check_all()
         self._task = asyncio.create_task(self._health_loop())
 
@@ -76,6 +81,8 @@ class Proxy:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.events is not None:
+            await self.events.stop()
         await self.client.aclose()
 
     async def _health_loop(self) -> None:

@@ -51,6 +51,7 @@ def test_router_cli_errors_are_one_line_and_status_2(capsys: pytest.CaptureFixtu
             ["router", "--worker-urls", "http://h:1", "--policy", "precise", "--kv-events-endpoints", "h:5"],
             "ZeroMQ endpoint",
         ),
+        (["router", "--worker-urls", "http://h:1", "--kv-events-topic", "kv"], "--kv-events-topic"),
         (["router", "--worker-urls", "http://h:1", "--cache-threshold", "2"], "--cache-threshold"),
         (["router", "--worker-urls", "http://h:1", "--balance-rel-threshold", "0"], "--balance-rel-threshold"),
         (["router", "--worker-urls", "http://h:1", "--decision-log", str(tmp_path / "no" / "log")], "--decision-log"),
@@ -186,3 +187,35 @@ def test_replay_log_refuses_a_log_without_config() -> None:
     router.route(m15.RouteRequest("a", 1, 0, ()), views)
     logged, replayed = replay_log([{"config": config.to_json(), "workers": ["u", "v"]}, *(router.log or [])])
     assert logged == replayed and logged[0].replica == 0
+
+
+def test_precise_routes_to_the_worker_whose_kv_events_hold_the_prefix(tiny_dir: Path) -> None:
+    ports = [free_port() for _ in range(2)]
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in ports]
+    started = [WorkerProcess(tiny_dir, None, TINY_NAME, "--kv-events-endpoint", ep) for ep in endpoints]
+    try:
+        for w in started:
+            w.wait_ready()
+        urls = [w.url for w in started]
+        with RouterServer(urls, "precise", kv_events_endpoints=endpoints) as router:
+            fleet = router.fleet
+            assert fleet.router is not None and len(fleet.live) == 2
+            system = " ".join(f"w{(5 * i + 3) % 128}" for i in range(20))  # 5 blocks of 4
+            # warm worker 1 directly: only its events tell the router it holds the prefix
+            assert completion(urls[1], f"{system} w1", 2).status_code == 200
+            wait_for(lambda: len(fleet.workers[1].resident) >= 5, what="worker 1's KV events")
+            assert not fleet.workers[0].resident
+            reply = completion(router.url, f"{system} w9 w8", 2)
+            assert reply.status_code == 200
+            other = completion(router.url, "w100 w101 w102 w103 w104 w105 w106 w107 w1", 2)
+            assert other.status_code == 200
+            wait_for(lambda: not fleet.placed, what="every routed request to finish")
+            logged, replayed = replay_log(fleet.log)
+            assert any("events" in e for e in fleet.log)
+    finally:
+        for w in started:
+            w.stop()
+    assert replayed == logged
+    first = logged[0]
+    assert (first.replica, first.rule, first.matched) == (1, "longest_prefix", 20), first.reason
+    assert logged[1].rule in ("no_prefix", "longest_prefix")
