@@ -64,8 +64,8 @@ class Proxy:
         self.health_timeout = health_timeout
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=health_timeout))
         self.headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
-        self.in_flight: dict[int, set[asyncio.Task[Any]]] = {}  # id(worker) -> tasks reading from it
         self.open: dict[int, set[httpx.Response]] = {}  # id(worker) -> upstream responses being read
+        self.waiting: dict[int, set[asyncio.Future[httpx.Response]]] = {}  # id(worker) -> sends awaiting headers
         self._task: asyncio.Task[None] | None = None
 
     # health ----------------------------------------------------------------------------------------
@@ -96,6 +96,7 @@ class Proxy:
     async def check_all(self) -> None:
         """One health round over every worker, then the epoch ends (the reports become m15's views)."""
         await asyncio.gather(*(self.check(w) for w in self.fleet.workers))
+        self.fleet.apply_live()
         self.fleet.end_epoch()
 
     async def check(self, worker: Worker) -> None:
@@ -117,14 +118,14 @@ class Proxy:
                 await self.take_down(worker, f"health check failed: {describe(exc)}")
             return
         self.fleet.reported(worker, running, waiting, kv_usage)
-        if worker.state != "live":
-            self.fleet.joined(worker, model)
-        elif model != self.fleet.model:
-            self.fleet.joined(worker, model)  # it was restarted with another model: refused
+        if worker.state != "live" or model != self.fleet.model:  # joins, or was restarted with another model
+            self.fleet.joined(worker, model, apply=False)
 
     async def take_down(self, worker: Worker, reason: str) -> None:
         """Mark ``worker`` down and end every request still reading from it (each ends with its error)."""
         self.fleet.down(worker, reason)
+        for sending in list(self.waiting.get(id(worker), ())):
+            sending.cancel()
         for response in list(self.open.get(id(worker), ())):
             await response.aclose()
 
@@ -177,14 +178,34 @@ class Proxy:
             ) from None
         headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_HEADERS}
         upstream = self.client.build_request("POST", worker.url + path, content=raw, headers=headers)
+        sending = asyncio.ensure_future(self.client.send(upstream, stream=True))
+        waiting = self.waiting.setdefault(id(worker), set())
+        waiting.add(sending)
         try:
-            response = await self.client.send(upstream, stream=True)
-        except httpx.HTTPError as exc:
+            response = await sending
+        except httpx.ConnectError as exc:
             self.fleet.finish(request_id)
             await self.take_down(worker, f"a request could not reach it: {describe(exc)}")
             raise APIError(
                 503, f"worker {worker.url} is unavailable: {describe(exc)}", code="worker_unavailable"
             ) from None
+        except httpx.HTTPError as exc:
+            self.fleet.finish(request_id)
+            await self.take_down(worker, f"it failed while answering: {describe(exc)}")
+            raise APIError(
+                502, f"worker {worker.url} failed while answering: {describe(exc)}", code="worker_failed"
+            ) from None
+        except asyncio.CancelledError:
+            self.fleet.finish(request_id)
+            task = asyncio.current_task()
+            if not sending.cancelled() or (task is not None and task.cancelling()):
+                sending.cancel()
+                raise  # the client went away
+            raise APIError(  # take_down cancelled it: the worker stopped answering
+                502, f"worker {worker.url} failed while answering: {worker.reason}", code="worker_failed"
+            ) from None
+        finally:
+            waiting.discard(sending)
         self.open.setdefault(id(worker), set()).add(response)
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             return StreamingResponse(

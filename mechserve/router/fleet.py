@@ -130,8 +130,11 @@ class WorkerFleet:
 
     # membership ------------------------------------------------------------------------------------
 
-    def joined(self, worker: Worker, model: str) -> bool:
-        """``worker`` answered its checks serving ``model``: make it live, or refuse it (another model)."""
+    def joined(self, worker: Worker, model: str, apply: bool = True) -> bool:
+        """``worker`` answered its checks serving ``model``: make it live, or refuse it (another model).
+
+        With ``apply`` False the live set changes at the next ``apply_live`` (a health round joins
+        every worker that passed it at once, so m15's router is rebuilt once)."""
         if self.model is None:
             self.model = model
         worker.model = model
@@ -139,11 +142,11 @@ class WorkerFleet:
             if worker.state != "refused":
                 log.warning("refusing worker %s: it serves %r, the fleet serves %r", worker.url, model, self.model)
             worker.state, worker.reason = "refused", f"it serves model {model!r}, the fleet serves {self.model!r}"
-            self._set_live()
-            return False
-        worker.state, worker.reason = "live", ""
-        self._set_live()
-        return True
+        else:
+            worker.state, worker.reason = "live", ""
+        if apply:
+            self.apply_live()
+        return worker.state == "live"
 
     def down(self, worker: Worker, reason: str) -> None:
         """``worker`` failed (``reason``): no request goes to it until it passes its checks again."""
@@ -151,9 +154,10 @@ class WorkerFleet:
             log.warning("worker %s is down: %s", worker.url, reason)
         worker.state, worker.reason = "down", reason
         worker.resident = set()
-        self._set_live()
+        self.apply_live()
 
-    def _set_live(self) -> None:
+    def apply_live(self) -> None:
+        """Make the workers in state live the live set; a change starts a new m15 router (a log segment)."""
         live = [w for w in self.workers if w.state == "live"]
         if live == self.live and self.router is not None:
             return

@@ -36,7 +36,7 @@ def free_port() -> int:
 class WorkerProcess:
     """``mechserve serve`` on the tiny model at ``port`` (a free one unless given), in its own process."""
 
-    def __init__(self, model_dir: Path, port: int | None = None, name: str = TINY_NAME, *extra: str) -> None:
+    def __init__(self, model_dir: Path | str, port: int | None = None, name: str = TINY_NAME, *extra: str) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = ["serve", "--model", str(model_dir), "--served-model-name", name, "--port", str(self.port)]
@@ -90,10 +90,12 @@ def workers(model_dir: Path, count: int) -> Iterator[list[WorkerProcess]]:
 class RouterServer:
     """A router over ``urls`` on a free port in this process: ``fleet`` and ``proxy`` can be read."""
 
-    def __init__(self, urls: Sequence[str], policy: str = "cache_aware", **options: Any) -> None:
+    def __init__(
+        self, urls: Sequence[str], policy: str = "cache_aware", health_interval: float = 0.2, **options: Any
+    ) -> None:
         endpoints = options.pop("kv_events_endpoints", ())
         self.fleet = WorkerFleet(urls, RouterOptions(policy, PAGE_SIZE, **options), endpoints)
-        self.proxy = Proxy(self.fleet, health_interval=0.2, health_timeout=0.5, request_timeout=60)
+        self.proxy = Proxy(self.fleet, health_interval=health_interval, health_timeout=0.5, request_timeout=60)
         self.server = BackgroundServer(build_router_app(self.proxy))
         self.url = self.server.url
 
