@@ -219,3 +219,61 @@ def test_precise_routes_to_the_worker_whose_kv_events_hold_the_prefix(tiny_dir: 
     first = logged[0]
     assert (first.replica, first.rule, first.matched) == (1, "longest_prefix", 20), first.reason
     assert logged[1].rule in ("no_prefix", "longest_prefix")
+
+
+def test_router_command_serves_until_interrupted_and_its_decision_log_replays(
+    two_workers: list[WorkerProcess], tmp_path: Path
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from router_support import ROOT
+
+    port, log_path = free_port(), tmp_path / "decisions.jsonl"
+    argv = ["router", "--worker-urls", *(w.url for w in two_workers), "--port", str(port)]
+    argv += ["--block-size", "4", "--decision-log", str(log_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mechserve", *argv], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        banner = process.stderr.readline() if process.stderr else ""
+        assert f"routing on http://127.0.0.1:{port} by cache_aware over 2 worker(s)" in banner, banner
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _healthy(url), what="the router to answer")
+        system = " ".join(f"w{i}" for i in range(30, 50))
+        for turn in range(3):
+            assert completion(url, f"{system} w{turn}").status_code == 200
+        # a client that goes away mid-stream: the worker's request ends, the router forgets it
+        body = {"model": TINY_NAME, "prompt": "w7", "max_tokens": 400, "temperature": 0, "stream": True, "n": 4}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as s:
+            next(s.iter_lines())
+        for w in two_workers:
+            wait_for(lambda w=w: _idle(w.url), what=f"{w.url} to end the abandoned stream")
+    finally:
+        process.send_signal(signal.SIGINT)
+        code = process.wait(timeout=30)
+        rest = process.stderr.read() if process.stderr else ""
+    assert code == 0 and "mechserve: router stopped" in rest, rest
+    entries = [json.loads(line) for line in log_path.read_text().splitlines()]
+    logged, replayed = replay_log(entries)
+    assert replayed == logged and len(logged) == 4
+    assert [d.rule for d in logged[:3]] == ["smallest_tree", "cache_hit", "cache_hit"]
+    finished = [e["finished"] for e in entries if "finished" in e]
+    assert sorted(finished) == sorted(d.request_id for d in logged)  # the abandoned stream too
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _idle(url: str) -> bool:
+    from mechserve.router.app import load_report
+
+    running, waiting, _ = load_report(httpx.get(url + "/metrics", timeout=5).text)
+    return running == 0 and waiting == 0
