@@ -1826,6 +1826,8 @@ class RouterConfig:
         for name in ("prefix_weight", "queue_weight", "kv_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
+        if not isinstance(self.load_guard, bool):
+            raise ValueError(f"load_guard must be True or False, not {self.load_guard!r}")
 
     def to_json(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
