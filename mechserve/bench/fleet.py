@@ -128,8 +128,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.3,
         help="cache_aware's match threshold (default 0.3)",
     )
-    add("--balance-abs-threshold", type=_bounded(int, 0, 1_000_000), default=64, help="cache_aware (default 64)")
-    add("--balance-rel-threshold", type=_bounded(float, 0.0, 1e6), default=1.5, help="cache_aware (default 1.5)")
+    add(
+        "--balance-abs-threshold",
+        type=_bounded(int, 0, 1_000_000),
+        default=64,
+        help="cache_aware, and precise's load guard (default 64)",
+    )
+    add(
+        "--balance-rel-threshold",
+        type=_bounded(float, 0.0, 1e6),
+        default=1.5,
+        help="cache_aware, and precise's load guard (default 1.5)",
+    )
+    add(
+        "--no-load-guard",
+        action="store_true",
+        help="precise and oracle without the load guard (llm-d's scorers alone; m15 N24)",
+    )
     add("--calibrate", type=Path, default=None, help="fit the cost model to a `mechserve bench run` results.json")
     add("--out", type=Path, default=None, help="directory for fleet.json and fleet.png")
     add("--no-plots", action="store_true", help="write fleet.json only")
@@ -240,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
         "cache_threshold": args.cache_threshold,
         "balance_abs_threshold": args.balance_abs_threshold,
         "balance_rel_threshold": args.balance_rel_threshold,
+        "load_guard": not args.no_load_guard,
     }
     print(f"cost model: step = {a * 1000:.1f} ms + {b * 1000:.3f} ms/token ({source})", file=sys.stderr)
     report: dict[str, Any] = {

@@ -112,13 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         FLEET_FLAGS["balance_abs_threshold"],
         type=int,
         metavar="N",
-        help="cache_aware's load rule, absolute (default 64)",
+        help="cache_aware's load rule and precise's load guard, absolute (default 64)",
     )
     fleet.add_argument(
         FLEET_FLAGS["balance_rel_threshold"],
         type=float,
         metavar="F",
-        help="cache_aware's load rule, relative (default 1.5)",
+        help="cache_aware's load rule and precise's load guard, relative (default 1.5)",
     )
     parser.add_argument(
         "--backend",

@@ -1789,7 +1789,10 @@ class RouterConfig:
     replica must match), ``balance_abs_threshold`` 64 and ``balance_rel_threshold`` 1.5 (outstanding
     requests), ``max_tree_size`` 2**26 (tokens per replica's tree; sgl-router counts characters).
     ``precise`` takes llm-d's default weights: ``prefix_weight`` 3, ``queue_weight`` 2 and
-    ``kv_weight`` 2.  Raises ``ValueError`` for an unknown policy or a value out of range.
+    ``kv_weight`` 2.  With ``load_guard`` (default on) precise and the oracle first leave out every
+    replica that sgl-router's balance test, with the same two balance thresholds, calls overloaded
+    against the least loaded one (N24).  Raises ``ValueError`` for an unknown policy or a value out
+    of range.
     """
 
     policy: str = DEFAULT_POLICY
@@ -1803,6 +1806,7 @@ class RouterConfig:
     queue_weight: float = 2.0
     kv_weight: float = 2.0
     hash_seed: str = ""
+    load_guard: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -1822,6 +1826,8 @@ class RouterConfig:
         for name in ("prefix_weight", "queue_weight", "kv_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
+        if not isinstance(self.load_guard, bool):
+            raise ValueError(f"load_guard must be True or False, not {self.load_guard!r}")
 
     def to_json(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
@@ -1927,8 +1933,8 @@ RULES = {
     "round_robin": ("rotation",),
     "least_loaded": ("least_loaded",),
     "cache_aware": ("imbalanced", "cache_hit", "smallest_tree"),
-    "precise": ("longest_prefix", "no_prefix", "load:queue", "load:kv_usage", "load:queue+kv_usage"),
-    "oracle": ("longest_prefix", "no_prefix", "load:queue", "load:kv_usage", "load:queue+kv_usage"),
+    "precise": ("longest_prefix", "no_prefix", "load:queue", "load:kv_usage", "load:queue+kv_usage", "load:imbalanced"),
+    "oracle": ("longest_prefix", "no_prefix", "load:queue", "load:kv_usage", "load:queue+kv_usage", "load:imbalanced"),
 }
 """The rules each policy's decisions name."""
 
@@ -2223,7 +2229,8 @@ def _normalized(scores: Sequence[float], present: Sequence[bool]) -> list[float]
 def _precise(request: RouteRequest, state: RouterState, views: Sequence[ReplicaView]) -> Decision:
     """llm-d's precise prefix-cache scorer (llm-d-kv-cache-manager's longest-prefix scorer over the
     KV-event index) beside the queue and KV-utilization scorers of the Gateway API inference extension,
-    weighted 3/2/2 and summed; the highest total wins."""
+    weighted 3/2/2 and summed; the highest total wins.  With ``load_guard`` the replicas sgl-router's
+    balance test calls overloaded are filtered out before scoring (N24)."""
     return _scored(request, state, views, state.resident_prefix(request.block_hashes), "precise")
 
 
@@ -2236,22 +2243,40 @@ def _oracle(request: RouteRequest, state: RouterState, views: Sequence[ReplicaVi
     return _scored(request, state, views, list(known), "oracle")
 
 
+def _overloaded(state: RouterState) -> list[bool]:
+    """Per replica, whether sgl-router's balance test calls it overloaded against the least loaded
+    replica: its outstanding requests exceed the fewest by more than ``balance_abs_threshold`` and
+    are more than ``balance_rel_threshold`` times the fewest.  All False without ``load_guard``."""
+    cfg, loads = state.config, state.outstanding
+    lo = min(loads)
+    if not cfg.load_guard:
+        return [False] * len(loads)
+    return [x - lo > cfg.balance_abs_threshold and x > lo * cfg.balance_rel_threshold for x in loads]
+
+
 def _scored(
     request: RouteRequest, state: RouterState, views: Sequence[ReplicaView], held: list[int], policy: str
 ) -> Decision:
-    """The weighted sum of the prefix, queue and KV-usage scores; ``held`` is each replica's prefix in blocks."""
+    """The weighted sum of the prefix, queue and KV-usage scores; ``held`` is each replica's prefix in blocks.
+
+    The load guard is a filter before the scorers, as llm-d's scheduler runs filters then scorers:
+    an overloaded replica (``_overloaded``) is no candidate, and every score is normalized over the
+    candidates; the least loaded replica is never overloaded, so one is always left.
+    """
     cfg, rid, n = state.config, request.request_id, state.config.replicas
-    prefix = _normalized(held, [h > 0 for h in held])
+    over = _overloaded(state)
+    cand = [i for i in range(n) if not over[i]]
+    prefix = _normalized(held, [held[i] > 0 and not over[i] for i in range(n)])
     # the router adds what it sent since a replica's report, so a burst does not all go to one replica
     queue = [v.waiting + (state.recent[v.replica] if state.step > v.step else 0) for v in views]
-    q = _normalized([-x for x in queue], [True] * n)
+    q = _normalized([-x for x in queue], [not o for o in over])
     total = [
         cfg.prefix_weight * prefix[i] + cfg.queue_weight * q[i] + cfg.kv_weight * (1.0 - views[i].kv_usage)
         for i in range(n)
     ]
-    best = max(total)
+    best = max(total[i] for i in cand)
     # ties: the longer prefix, so a shorter one wins only by a strictly better load score
-    r = min((i for i in range(n) if total[i] == best), key=lambda i: (-held[i], state.outstanding[i], i))
+    r = min((i for i in cand if total[i] == best), key=lambda i: (-held[i], state.outstanding[i], i))
     longest, ps = max(held), cfg.page_size
     holds = "holds" if policy == "precise" else "holds or will hold"
     if held[r] == longest:
@@ -2266,7 +2291,18 @@ def _scored(
                 f"({views[r].kv_usage:.2f}) decide (score {total[r]:.2f})."
             )
         return Decision(rid, r, policy, "longest_prefix" if longest else "no_prefix", held[r] * ps, why)
-    p = max((i for i in range(n) if held[i] == longest), key=lambda i: (total[i], -state.outstanding[i], -i))
+    longest_cand = [i for i in cand if held[i] == longest]
+    if not longest_cand:  # every longest holder is overloaded: the guard decided
+        p = min((i for i in range(n) if held[i] == longest), key=lambda i: (state.outstanding[i], i))
+        lo = min(state.outstanding)
+        why = (
+            f"{rid} goes to replica {r}, which {holds} {held[r] * ps} of its prompt tokens, not to replica {p} "
+            f"({held[p] * ps}): replica {p} is overloaded ({state.outstanding[p]} outstanding requests against the "
+            f"fewest, {lo}: more than {cfg.balance_abs_threshold} apart and over {cfg.balance_rel_threshold}x), "
+            f"so the load guard leaves it out (score {total[r]:.2f})."
+        )
+        return Decision(rid, r, policy, "load:imbalanced", held[r] * ps, why)
+    p = max(longest_cand, key=lambda i: (total[i], -state.outstanding[i], -i))
     scorers = (
         ("queue", cfg.queue_weight, q[r], q[p]),
         ("kv_usage", cfg.kv_weight, -views[r].kv_usage, -views[p].kv_usage),
@@ -2405,6 +2441,7 @@ class Fleet:
         cache_threshold: float = 0.3,
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
+        load_guard: bool = True,
         log: bool = False,
         replica_factory: Callable[..., Engine] | None = None,
         **engine: Any,
@@ -2423,6 +2460,7 @@ class Fleet:
             balance_abs_threshold,
             balance_rel_threshold,
             hash_seed=engine.get("hash_seed", ""),
+            load_guard=load_guard,
         )
         self.router = Router(self.config, log=log)
         self.requests: list[Request] = []

@@ -151,6 +151,42 @@ def test_bench_fleet_end_to_end_writes_json(tmp_path: Path, capsys: pytest.Captu
     ]
     assert doc["cost_model"]["source"].startswith("docs/benchmarks.md") and doc["targets"] == []
     assert "uniform, 2 replicas, 60 requests" in capsys.readouterr().out
+    assert doc["router"]["load_guard"] is True
+    assert (
+        main(
+            [
+                *argv,
+                "--max-step-tokens",
+                "4096",
+                "--num-pages",
+                "4096",
+                "--out",
+                str(out),
+                "--no-plots",
+                "--no-load-guard",
+            ]
+        )
+        == 0
+    )
+    assert json.loads((out / "fleet.json").read_text())["router"]["load_guard"] is False
+
+
+def test_load_guard_is_what_spreads_a_hot_prefix() -> None:
+    """With a zero absolute threshold the guard fires on tenants; without it precise never leaves a holder."""
+    options = {"balance_abs_threshold": 0, "balance_rel_threshold": 1.0}
+    on, off = (
+        simulate(
+            fleet_workloads.make("tenants", SMALL, 0),
+            replicas=3,
+            policy="precise",
+            engine=ENGINE,
+            cost=COST,
+            fleet_options={**options, "load_guard": guard},
+        ).as_json()
+        for guard in (True, False)
+    )
+    assert on["rules"].get("load:imbalanced", 0) > 0 and "load:imbalanced" not in off["rules"]
+    assert on["imbalance"] <= off["imbalance"]
 
 
 @pytest.mark.parametrize(

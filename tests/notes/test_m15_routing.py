@@ -434,6 +434,7 @@ def test_m15_n21_bad_values_are_refused() -> None:
         ({"balance_rel_threshold": -0.5}, "balance_rel_threshold"),
         ({"max_tree_size": -1}, "max_tree_size"),
         ({"kv_weight": -1.0}, "kv_weight"),
+        ({"load_guard": "none"}, "load_guard"),
     ):
         with pytest.raises(ValueError, match=match):
             m.RouterConfig(**kw)
@@ -490,3 +491,46 @@ def test_m15_n23_fleet_keys_need_m15(capsys: pytest.CaptureFixture[str], tmp_pat
     demo = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert demo[0]["routed"][0]["policy"] == "precise" and "replica" in demo[-1]["summary"][0]
     assert isinstance(build_fleet(m, parse_workload({"requests": []})), m.Fleet)
+
+
+def place(s: m.RouterState, rid: str, replica: int) -> None:
+    """Commit a request of its own (no shared prefix) to ``replica``: one more outstanding there."""
+    s.commit(req(rid, tenant(50, len(s.placed))), m.Decision(rid, replica, s.config.policy, "no_prefix", 0, ""))
+
+
+@pytest.mark.parametrize("policy", ["precise", "oracle"])
+def test_m15_n24_load_guard_filters_overloaded_replicas(policy: str) -> None:
+    def setup(rel: float = 1.5, **kw: Any) -> m.RouterState:
+        s = state(policy, 3, balance_abs_threshold=2, balance_rel_threshold=rel, **kw)
+        s.observe(stored(0, tenant(1, 0)))  # replica 0 holds 2 blocks of tenant 1, replica 1 one block
+        s.observe(stored(1, tenant(1, 0)[:4]))
+        for k in range(4):
+            place(s, f"x{k}", 0)
+        place(s, "y", 1)
+        place(s, "z", 2)  # outstanding 4 / 1 / 1
+        return s
+
+    oracle = (2, 1, 0) if policy == "oracle" else None
+    q = req("q", tenant(1, 9), oracle=oracle)
+    views = [view(0, waiting=3, step=0), view(1, waiting=1, step=0), view(2, waiting=0, step=0)]
+    s = setup()
+    assert m._overloaded(s) == [True, False, False]  # 4 - 1 > 2 and 4 > 1.5 x 1
+    d = m.choose(q, s, views)
+    # replica 0 is left out; among the candidates replica 1 holds the longer prefix, normalized to 1
+    # over the candidates: 3 x 1 + 2 x 0 (queue 1 vs 0) + 2 = 5 against replica 2's 0 + 2 + 2 = 4
+    assert (d.replica, d.rule, d.matched) == (1, "load:imbalanced", 4)
+    assert "replica 0 is overloaded (4 outstanding requests against the fewest, 1" in d.reason
+    assert "score 5.00" in d.reason
+    off = m.choose(q, setup(load_guard=False), views)
+    assert (off.replica, off.rule, off.matched) == (0, "longest_prefix", 8)
+    s.finish("x0")  # 3 - 1 = 2 is not more than 2 apart: no longer overloaded
+    assert m._overloaded(s) == [False, False, False]
+    assert (m.choose(q, s, views).replica, m.choose(q, s, views).rule) == (0, "longest_prefix")
+    relaxed = setup(rel=4.0)
+    assert m._overloaded(relaxed) == [False, False, False]  # 4 is not more than 4 x 1
+    assert m.choose(q, relaxed, views).replica == 0
+    empty = state(policy, 2, balance_abs_threshold=0, balance_rel_threshold=1.5)
+    place(empty, "a", 0)  # 1 against 0: 1 - 0 > 0 and 1 > 0, so replica 1 (idle) must take it
+    empty.observe(stored(0, tenant(1, 0)))
+    e = m.choose(req("e", tenant(1, 8), oracle=(2, 0) if policy == "oracle" else None), empty, [view(0), view(1)])
+    assert (e.replica, e.rule, e.matched) == (1, "load:imbalanced", 0)

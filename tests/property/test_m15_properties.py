@@ -171,14 +171,36 @@ def test_precise_takes_a_shorter_prefix_only_by_a_named_load_rule(w: dict[str, A
     waiting=st.lists(st.integers(0, 9), min_size=5, max_size=5),
     usage=st.lists(st.floats(0, 1), min_size=5, max_size=5),
     weights=st.tuples(st.floats(0, 5), st.floats(0, 5), st.floats(0, 5)),
+    outstanding=st.lists(st.integers(0, 6), min_size=5, max_size=5),
+    balance=st.tuples(st.integers(0, 3), st.floats(0, 3)),
+    guard=st.booleans(),
 )
 def test_precise_rules_on_random_states(
-    holdings: list[int], waiting: list[int], usage: list[float], weights: Any
+    holdings: list[int],
+    waiting: list[int],
+    usage: list[float],
+    weights: Any,
+    outstanding: list[int],
+    balance: tuple[int, float],
+    guard: bool,
 ) -> None:
     n = len(holdings)
-    state = m15.RouterState(
-        m15.RouterConfig("precise", n, 1, prefix_weight=weights[0], queue_weight=weights[1], kv_weight=weights[2])
+    config = m15.RouterConfig(
+        "precise",
+        n,
+        1,
+        balance_abs_threshold=balance[0],
+        balance_rel_threshold=balance[1],
+        prefix_weight=weights[0],
+        queue_weight=weights[1],
+        kv_weight=weights[2],
+        load_guard=guard,
     )
+    state = m15.RouterState(config)
+    for r in range(n):  # outstanding requests of their own (one-token prompts: no block), placed on replica r
+        for k in range(outstanding[r]):
+            rid = f"o{r}.{k}"
+            state.commit(m15.RouteRequest(rid, -1, 1, ()), m15.Decision(rid, r, "precise", "no_prefix", 0, ""))
     tokens = [7, 8, 9, 10, 11]
     hashes = m15.block_hashes(tokens, 1, m15.hash_root())
     for r, k in enumerate(holdings):
@@ -190,7 +212,13 @@ def test_precise_rules_on_random_states(
     assert d == m15.choose(request, copy.deepcopy(state), views)
     held = state.resident_prefix(hashes)
     assert held == holdings
+    loads, lo = outstanding[:n], min(outstanding[:n])
+    over = [guard and x - lo > balance[0] and x > lo * balance[1] for x in loads]
+    assert not over[d.replica]  # the guard leaves overloaded replicas out, and never all of them
     if held[d.replica] < max(held):
-        assert d.rule.startswith("load:") and set(d.rule[5:].split("+")) <= {"queue", "kv_usage"}
+        if all(over[i] for i in range(n) if held[i] == max(held)):
+            assert d.rule == "load:imbalanced"
+        else:
+            assert d.rule.startswith("load:") and set(d.rule[5:].split("+")) <= {"queue", "kv_usage"}
     else:
         assert d.rule in ("longest_prefix", "no_prefix")
