@@ -80,8 +80,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     add("--port", type=integer(0, 65535), default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})")
     add("--cache-threshold", type=fraction, default=0.3, help="cache_aware: share of the prompt to match (0.3)")
-    add("--balance-abs-threshold", type=integer(0, 1 << 31), default=64, help="cache_aware: load gap (64)")
-    add("--balance-rel-threshold", type=positive, default=1.5, help="cache_aware: load ratio (1.5)")
+    add(
+        "--balance-abs-threshold",
+        type=integer(0, 1 << 31),
+        default=64,
+        help="cache_aware, and precise's load guard: load gap (64)",
+    )
+    add(
+        "--balance-rel-threshold",
+        type=positive,
+        default=1.5,
+        help="cache_aware, and precise's load guard: load ratio (1.5)",
+    )
     add("--max-tree-size", type=integer(0, 1 << 40), default=1 << 26, help="cache_aware: tokens per worker's tree")
     add(
         "--block-size",
@@ -96,6 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ENDPOINT",
         help="precise: each worker's --kv-events-endpoint, in --worker-urls order",
+    )
+    add(
+        "--no-load-guard",
+        action="store_true",
+        help="precise: score every worker, even one the balance thresholds call overloaded (m15 N24)",
     )
     add("--kv-events-topic", default="", metavar="TOPIC", help="precise: the workers' --kv-events-topic ('')")
     add("--decision-log", default=None, metavar="FILE", help="write every routing input and decision (JSON lines)")
@@ -124,6 +139,8 @@ def check(args: argparse.Namespace) -> None:
             raise CliError("--kv-events-endpoints: give one per --worker-urls entry, in the same order")
     elif args.policy == "precise":
         raise CliError("--policy precise needs --kv-events-endpoints (each worker's --kv-events-endpoint)")
+    if args.no_load_guard and args.policy != "precise":
+        raise CliError("--no-load-guard: only --policy precise has a load guard")
     if args.kv_events_topic and args.policy != "precise":
         raise CliError("--kv-events-topic: only --policy precise reads KV events")
 
@@ -146,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         args.balance_abs_threshold,
         args.balance_rel_threshold,
         args.max_tree_size,
+        not args.no_load_guard,
     )
     try:
         log_file = open(args.decision_log, "a", encoding="utf-8") if args.decision_log else None  # noqa: SIM115

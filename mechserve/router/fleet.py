@@ -75,7 +75,8 @@ class Worker:
 
 @dataclass(frozen=True)
 class RouterOptions:
-    """The router's policy parameters (m15's ``RouterConfig`` less the replica count)."""
+    """The router's policy parameters (m15's ``RouterConfig`` less the replica count; precise's weights
+    and the hash seed keep m15's defaults, llm-d's)."""
 
     policy: str = "cache_aware"
     block_size: int = 16
@@ -83,6 +84,7 @@ class RouterOptions:
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 1 << 26
+    load_guard: bool = True
 
     def config(self, replicas: int) -> m15.RouterConfig:
         """m15's config for a fleet of ``replicas`` live workers; ``ValueError`` for a bad value."""
@@ -94,6 +96,7 @@ class RouterOptions:
             self.balance_abs_threshold,
             self.balance_rel_threshold,
             self.max_tree_size,
+            load_guard=self.load_guard,
         )
 
 

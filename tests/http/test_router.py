@@ -52,6 +52,7 @@ def test_router_cli_errors_are_one_line_and_status_2(capsys: pytest.CaptureFixtu
             "ZeroMQ endpoint",
         ),
         (["router", "--worker-urls", "http://h:1", "--kv-events-topic", "kv"], "--kv-events-topic"),
+        (["router", "--worker-urls", "http://h:1", "--no-load-guard"], "--no-load-guard"),
         (["router", "--worker-urls", "http://h:1", "--cache-threshold", "2"], "--cache-threshold"),
         (["router", "--worker-urls", "http://h:1", "--balance-rel-threshold", "0"], "--balance-rel-threshold"),
         (["router", "--worker-urls", "http://h:1", "--decision-log", str(tmp_path / "no" / "log")], "--decision-log"),
