@@ -21,6 +21,8 @@ ENGINE_LIMITS: Mapping[str, int] = {
     "max_running": 1_000_000,
     "max_model_len": 1_000_000_000,
 }
+# Replicas of a spec fleet (m15's workload key and --replicas; the fleet benchmark's counts).
+MAX_REPLICAS = 256
 # The spec's page pool keeps Python bookkeeping per slot: num_pages x page_size at most this.
 MAX_SLOTS = 16_777_216
 MAX_PAGES = ENGINE_LIMITS["num_pages"]
@@ -47,6 +49,7 @@ __all__ = [
     "MAX_NEW_TOKENS",
     "MAX_PAGES",
     "MAX_PROMPT_LEN",
+    "MAX_REPLICAS",
     "MAX_REQUEST_BYTES",
     "MAX_SAMPLES",
     "MAX_SLOTS",

@@ -173,11 +173,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_chat_template_argument(parser, "/v1/chat/completions and chat /tokenize")
     add(
+        "--kv-events-endpoint",
+        type=kv_events_endpoint,
+        default=None,
+        metavar="ENDPOINT",
+        help="publish the prefix cache's changes as vLLM's KV events (KVEventBatch, msgpack) on a ZeroMQ PUB "
+        "socket bound here, e.g. tcp://*:5557 (docs/kv-events.md); default: off",
+    )
+    add("--kv-events-topic", default="", metavar="TOPIC", help="the KV events' ZeroMQ topic (vLLM's default '')")
+    add(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
         default="warning",
         help="uvicorn's log level (default warning; info logs every request)",
     )
+
+
+def kv_events_endpoint(text: str) -> str:
+    """An argparse ``type=``: a ZeroMQ endpoint to bind, ``tcp://HOST:PORT`` (``*`` for every address) or
+    ``ipc://PATH``."""
+    scheme, _, rest = text.partition("://")
+    host, _, port = rest.rpartition(":")
+    if (scheme == "tcp" and host and port.isdigit() and 0 < int(port) < 65536) or (scheme == "ipc" and rest):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a ZeroMQ endpoint such as tcp://*:5557")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -188,7 +207,33 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--num-pages x --page-size is over mechserve's limit of {MAX_SLOTS} slots; lower one")
     speculative_config(args)  # a bad combination of flags fails before anything loads
     uvicorn, server_module = _imports()
-    llm = _engine(args)
+    events = _kv_events(args)
+    try:
+        return _serve(args, uvicorn, server_module, events)
+    finally:
+        if events is not None:
+            events.publisher.close()
+
+
+def _kv_events(args: argparse.Namespace) -> Any:
+    """The ``on_step`` hook publishing KV events (``mechserve.kv_events``), or None without the flag."""
+    if args.kv_events_endpoint is None:
+        return None
+    try:
+        from mechserve.kv_events import EnginePublisher, KVEventPublisher
+    except ModuleNotFoundError as exc:
+        raise CliError(f"--kv-events-endpoint needs {exc.name!r}: pip install 'mechserve[serve]'") from None
+    try:
+        publisher = KVEventPublisher(args.kv_events_endpoint, args.kv_events_topic)
+    except ValueError as exc:
+        raise CliError(f"--kv-events-endpoint: {exc}") from None
+    return EnginePublisher(publisher)
+
+
+def _serve(args: argparse.Namespace, uvicorn: Any, server_module: Any, events: Any) -> int:
+    llm = _engine(args, events)
+    if events is not None:
+        events.attach(llm.core)
     name = args.served_model_name or args.model
     try:
         sock = server_module.bind_socket(args.host, args.port)
@@ -252,8 +297,9 @@ def _imports() -> tuple[Any, Any]:
     return uvicorn, server_module
 
 
-def _engine(args: argparse.Namespace) -> Any:
-    """The ``AsyncLLM`` the flags describe (model loaded, KV cache allocated, engine thread not started)."""
+def _engine(args: argparse.Namespace, on_step: Any = None) -> Any:
+    """The ``AsyncLLM`` the flags describe (model loaded, KV cache allocated, engine thread not started);
+    ``on_step`` sees every step on the engine thread (the KV event publisher)."""
     from mechserve.api.errors import KVMemoryError, ModelLoadError, NativeKernelError
     from mechserve.entrypoints.async_llm import AsyncLLM
 
@@ -280,6 +326,7 @@ def _engine(args: argparse.Namespace) -> Any:
             device=args.device or "cpu",
             compile=bool(args.compile),
             allow_additional_properties=args.allow_additional_properties,
+            on_step=on_step,
         )
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None

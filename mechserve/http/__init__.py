@@ -9,7 +9,21 @@ foreground (``mechserve.cli.serve``).
 
 from __future__ import annotations
 
-from mechserve.http.app import build_app
+from typing import TYPE_CHECKING, Any
+
 from mechserve.http.background import BackgroundServer, Server, bind_socket
 
+if TYPE_CHECKING:
+    from mechserve.http.app import build_app
+
 __all__ = ["BackgroundServer", "Server", "bind_socket", "build_app"]
+
+
+def __getattr__(name: str) -> Any:
+    # build_app imports the engine (torch) on first use, so that mechserve router, which needs only
+    # the error bodies and the background server, starts without it
+    if name == "build_app":
+        from mechserve.http.app import build_app
+
+        return build_app
+    raise AttributeError(f"module 'mechserve.http' has no attribute {name!r}")

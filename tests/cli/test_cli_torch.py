@@ -224,7 +224,7 @@ def test_run_torch_spec_file_with_tokens_rejections_and_stop_ids(tiny_dir, tmp_p
     ("argv", "message"),
     [
         (["--request", "a:4:2:0:1"], "eos_after: a real model ends on its own EOS"),
-        (["--request", "a:4:2", "--mech", "m05"], "--backend torch runs the top rung (m14)"),
+        (["--request", "a:4:2", "--mech", "m05"], "--backend torch runs the top engine rung (m14)"),
         (["--request", "a:4:2", "--world-size", "8"], "world size 8 exceeds the model's 4 attention heads"),
     ],
 )

@@ -226,3 +226,11 @@ def test_serve_takes_the_response_store_size_and_open_objects(capsys, tiny_dir: 
     assert closed.allow_additional_properties is False
     flag = ["serve", "--model", str(tiny_dir), "--num-pages", "16", "--allow-additional-properties"]
     assert _engine(parse(flag)).core.config.allow_additional_properties is True
+
+
+def test_serve_kv_events_endpoint_errors_are_one_line(capsys, tiny_dir: Path) -> None:
+    for bad in ("foo", "tcp://nohost", "tcp://*:99999", "udp://*:5"):
+        code, _, err = run_cli(capsys, "serve", "--model", str(tiny_dir), "--kv-events-endpoint", bad)
+        assert code == 2 and "--kv-events-endpoint" in err and err.count("\n") == 1, err
+    code, _, err = run_cli(capsys, "serve", "--model", str(tiny_dir), "--kv-events-endpoint", "tcp://256.0.0.1:5")
+    assert code == 2 and "cannot bind the KV event endpoint" in err and err.count("\n") == 1, err
