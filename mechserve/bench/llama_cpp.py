@@ -47,7 +47,7 @@ from mechserve.api.env import cache_dir
 
 SDIST_VERSION = "0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-TOOLS = ("llama-server", "llama-quantize", "llama-perplexity", "llama-bench")
+TOOLS = ("llama-server", "llama-quantize", "llama-perplexity", "llama-bench", "llama-tokenize")
 SERVER_ENV = "LLAMA_SERVER"
 # Parallel sequences the server decodes together, as the measurement ran it.
 SLOTS = 32

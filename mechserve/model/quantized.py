@@ -11,6 +11,10 @@ A ``QuantizedMatrix`` is an ``[N, K]`` matrix stored row by row as ``K / 32`` bl
 the data, the reference decoder (``dequantize``, plain torch, what the kernel is tested against),
 the quantizers (ggml's reference rounding, ``quantize_row_q4_1_ref`` / ``quantize_row_q8_0_ref``
 in ggml-quants.c) and the reader of the embedded GGUF's own blocks (``gguf_matrices``).
+
+A ``QuantizedMatrix`` may also hold a GGUF file's other formats as the file stores them (F16, Q4_0,
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, and F32/BF16 kept beside activations of the other dtype): their
+layouts, reference decoder, encoders and kernel are ``mechserve.model.kquants``'s.
 """
 
 from __future__ import annotations
@@ -22,18 +26,23 @@ from pathlib import Path
 import torch
 
 from mechserve.api.errors import ModelLoadError
+from mechserve.model import kquants
 from mechserve.model.checkpoint import Checkpoint, load_config
 
 QK = 32  # weights per block
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
-QUANTIZATIONS = tuple(BLOCK_BYTES)
+# issue 30: every block format a matrix may be kept in (Q4_1 and Q8_0 here; the rest kquants.FORMATS),
+# its weights per block and bytes per block.  ``QUANTIZATIONS``: those a float checkpoint is quantized to.
+BLOCK_WEIGHTS = {"q4_1": QK, "q8_0": QK, **{k: f.block for k, f in kquants.FORMATS.items()}}
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, **{k: f.block_bytes for k, f in kquants.FORMATS.items()}}
+QUANTIZATIONS = ("q4_1", "q8_0")
 
 
 @dataclass(frozen=True, slots=True)
 class QuantizedMatrix:
     """An ``[N, K]`` weight matrix as blocks: ``blocks`` is uint8 ``[N, K / 32 * block bytes]``.
 
-    ``kind``: ``"q4_1"`` or ``"q8_0"``.  Raises ``ValueError`` for a shape the format cannot hold.
+    ``kind``: ``"q4_1"`` or ``"q8_0"``, or a GGUF format of ``kquants.KINDS`` (blocks of
+    ``BLOCK_WEIGHTS[kind]`` weights).  Raises ``ValueError`` for a shape the format cannot hold.
     """
 
     kind: str
@@ -42,10 +51,11 @@ class QuantizedMatrix:
 
     def __post_init__(self) -> None:
         if self.kind not in BLOCK_BYTES:
-            raise ValueError(f"unknown block format {self.kind!r}; known: {', '.join(QUANTIZATIONS)}")
-        if self.in_features % QK or self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2:
-            raise ValueError(f"a {self.kind} matrix needs uint8 blocks [N, bytes] and in_features % {QK} == 0")
-        if self.blocks.shape[1] != self.in_features // QK * BLOCK_BYTES[self.kind]:
+            raise ValueError(f"unknown block format {self.kind!r}; known: {', '.join(BLOCK_BYTES)}")
+        block = BLOCK_WEIGHTS[self.kind]
+        if self.in_features % block or self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2:
+            raise ValueError(f"a {self.kind} matrix needs uint8 blocks [N, bytes] and in_features % {block} == 0")
+        if self.blocks.shape[1] != self.in_features // block * BLOCK_BYTES[self.kind]:
             raise ValueError(f"{self.blocks.shape[1]} bytes per row do not hold {self.in_features} {self.kind} weights")
         if not self.blocks.is_contiguous():
             object.__setattr__(self, "blocks", self.blocks.contiguous())
@@ -79,6 +89,8 @@ class QuantizedMatrix:
 def dequantize(matrix: QuantizedMatrix, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The matrix as ``[N, K]`` floats of ``dtype`` (computed in float32 as gguf-py does: ``d * q + m``)."""
     n, k = matrix.shape
+    if matrix.kind in kquants.FORMATS:
+        return kquants.dequantize_blocks(matrix.kind, matrix.blocks, k).to(dtype)
     raw = matrix.blocks.view(n, k // QK, BLOCK_BYTES[matrix.kind])
     d = raw[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
     if matrix.kind == "q4_1":
@@ -101,10 +113,13 @@ def quantize(weight: torch.Tensor, kind: str) -> QuantizedMatrix:
 
     Q8_0: ``d = max|w| / 127``, ``q = roundf(w / d)``.  Q4_1: ``d = (max - min) / 15``, ``m = min``,
     ``q = min(15, trunc((w - min) / d + 0.5))``.  ``d`` and ``m`` are stored as fp16; ``q`` is
-    computed from the float32 ``d`` and ``min``, as ggml does.  Raises ``ValueError`` otherwise.
+    computed from the float32 ``d`` and ``min``, as ggml does.  A GGUF format of ``kquants.KINDS``: its
+    encoder (``kquants.quantize_blocks``).  Raises ``ValueError`` otherwise.
     """
+    if kind in kquants.FORMATS:
+        return QuantizedMatrix(kind, kquants.quantize_blocks(weight, kind), int(weight.shape[-1]))
     if kind not in BLOCK_BYTES:
-        raise ValueError(f"unknown block format {kind!r}; known: {', '.join(QUANTIZATIONS)}")
+        raise ValueError(f"unknown block format {kind!r}; known: {', '.join(BLOCK_BYTES)}")
     if weight.dim() != 2 or weight.shape[1] % QK:
         raise ValueError(f"{kind} needs a matrix whose rows are a multiple of {QK} wide, got {tuple(weight.shape)}")
     n, k = weight.shape
@@ -149,7 +164,7 @@ def load_quantized(path: Path, dtype: torch.dtype, kind: str, gguf: Path | None 
     """
     from safetensors import SafetensorError, safe_open
 
-    if kind not in BLOCK_BYTES:
+    if kind not in QUANTIZATIONS:
         raise ValueError(f"unknown block format {kind!r}; known: {', '.join(QUANTIZATIONS)}")
     config = load_config(path)
     stored: dict[str, QuantizedMatrix] = {}
@@ -238,6 +253,7 @@ def gguf_matrices(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Qu
 
 __all__ = [
     "BLOCK_BYTES",
+    "BLOCK_WEIGHTS",
     "EMBEDDING_FORMAT",
     "QK",
     "QUANTIZATIONS",

@@ -1,0 +1,626 @@
+// GGUF's other weight formats, multiplied as a file stores them: F16, Q4_0, Q5_0, Q5_1 and the
+// K-quants Q4_K, Q5_K, Q6_K (ggml's block layouts, ggml-common.h).  Never expanded to a float copy
+// of the matrix: a product reads each block once and widens it in registers.
+//
+//   y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])      x: [M, K], w: [N, K] (torch's F.linear)
+//
+// Every block format is described to the kernels the same way: its weights come in groups of 16,
+// and group g of a block is  w = sc[g] * q + off[g]  with q unsigned integers (the stored nibbles, with
+// their high bits for the 5- and 6-bit formats).  So a block's dot product with x is
+//   sum_g sc[g] * (q_g . x_g) + off[g] * sum(x_g)
+// and the sums of x per 16 weights are taken once per call.  The offsets of 16 groups (one K-quant
+// block, or eight 32-weight blocks) are added with one vector FMA against those sums.
+//
+//   format  block  bytes  layout (ggml)                                         group g of a block
+//   Q4_0    32     18     fp16 d; qs[16] (weight j: low nibble of qs[j],          sc = d, off = -8 d
+//                         j >= 16: high nibble of qs[j - 16])
+//   Q5_0    32     22     fp16 d; u32 qh (bit j: weight j's 5th bit); qs[16]     sc = d, off = -16 d
+//   Q5_1    32     24     fp16 d, m; u32 qh; qs[16]                              sc = d, off = m
+//   Q4_K    256    144    fp16 d, dmin; scales[12] (8 six-bit scales and mins);  sc = d * s_j,
+//                         qs[128] (64 weights per 32 bytes: sub-block 2c in the   off = -dmin * m_j
+//                         low nibbles, 2c + 1 in the high ones)                   (j = g / 2)
+//   Q5_K    256    176    as Q4_K, plus qh[32] (bit j of qh[l]: weight l of sub-block j's 5th bit)
+//   Q6_K    256    210    ql[128], qh[64] (2 bits each), int8 scales[16], fp16 d  sc = d * s_g, off = -32 sc
+//   F16     1      2      IEEE half                                              (dense: no groups)
+//
+// `to_f32` of each format computes a block's weights exactly as gguf-py's reference decoder
+// (gguf.quants) does, in the same float32 operations (built with -ffp-contract=off), so a row
+// dequantized here equals the reference bit for bit; the products differ from (reference row) . x
+// only in summation order.
+//
+// Paths: AVX-512 (the group decoders above, in registers), else a portable loop over rows
+// dequantized with to_f32.  Threads: OpenMP on the runtime torch already loaded, as linear.cpp.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Type : int { F32 = 0, BF16 = 1, F16 = 16, Q4_0 = 17, Q5_0 = 18, Q5_1 = 19, Q4_K = 20, Q5_K = 21, Q6_K = 22 };
+constexpr int64_t G = 16;  // weights per group
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else {  // subnormal: normalise
+        int e = -1;
+        do {
+            ++e;
+            man <<= 1;
+        } while (!(man & 0x400u));
+        u = sign | ((112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+}
+
+inline float bf16_to_float(uint16_t bits) {
+    uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even, as torch does
+    return static_cast<uint16_t>(u >> 16);
+}
+
+inline float load_value(const void* p, int type, int64_t i) {
+    return type == F32 ? static_cast<const float*>(p)[i] : bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+}
+
+inline void store_value(void* p, int type, int64_t i, float v) {
+    if (type == F32)
+        static_cast<float*>(p)[i] = v;
+    else
+        static_cast<uint16_t*>(p)[i] = float_to_bf16(v);
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// ggml's get_scale_min_k4: the six-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K block.
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// The group scales and offsets of a Q4_K/Q5_K block: sub-block j's 32 weights are groups 2j and 2j + 1.
+inline void k_scales(uint16_t dh, uint16_t dminh, const uint8_t* q, float* sc, float* off) {
+    const float d = half_to_float(dh), dmin = half_to_float(dminh);
+    for (int j = 0; j < 8; ++j) {
+        int s, m;
+        scale_min_k4(j, q, s, m);
+        sc[2 * j] = sc[2 * j + 1] = d * static_cast<float>(s);
+        off[2 * j] = off[2 * j + 1] = -(dmin * static_cast<float>(m));
+    }
+}
+
+#if defined(__AVX512F__)
+inline __m512i widen(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+inline __m512 as_float(__m512i v) { return _mm512_cvtepi32_ps(v); }
+inline __m512i nib_lo(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi32(0x0f)); }
+inline __m512i nib_hi(__m512i v) { return _mm512_srli_epi32(v, 4); }
+// v with 16 added in the lanes whose bit of `bits` is set (a 5th bit).
+inline __m512i fifth_bit(__m512i v, uint32_t bits) {
+    return _mm512_mask_or_epi32(v, static_cast<__mmask16>(bits), v, _mm512_set1_epi32(16));
+}
+#endif
+
+struct Q4_0F {
+    static constexpr int64_t block = 32, groups = 2;
+    struct Block {
+        uint16_t d;
+        uint8_t qs[16];
+    };
+    static void to_f32(const Block& b, float* out) {
+        const float d = half_to_float(b.d);
+        for (int j = 0; j < 16; ++j) {
+            out[j] = d * static_cast<float>((b.qs[j] & 0x0f) - 8);
+            out[j + 16] = d * static_cast<float>((b.qs[j] >> 4) - 8);
+        }
+    }
+    static void scales(const Block& b, float* sc, float* off) {
+        const float d = half_to_float(b.d);
+        sc[0] = sc[1] = d;
+        off[0] = off[1] = -8.f * d;
+    }
+#if defined(__AVX512F__)
+    template <typename E>
+    static void values(const Block& b, E&& emit) {
+        const __m512i v = widen(b.qs);
+        emit(0, as_float(nib_lo(v)));
+        emit(1, as_float(nib_hi(v)));
+    }
+#endif
+};
+
+struct Q5_0F {
+    static constexpr int64_t block = 32, groups = 2;
+    struct Block {
+        uint16_t d;
+        uint8_t qh[4];
+        uint8_t qs[16];
+    };
+    static void to_f32(const Block& b, float* out) {
+        const float d = half_to_float(b.d);
+        const uint32_t qh = load_u32(b.qh);
+        for (int j = 0; j < 16; ++j) {
+            const int lo = (b.qs[j] & 0x0f) | (((qh >> j) & 1) << 4);
+            const int hi = (b.qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+            out[j] = d * static_cast<float>(lo - 16);
+            out[j + 16] = d * static_cast<float>(hi - 16);
+        }
+    }
+    static void scales(const Block& b, float* sc, float* off) {
+        const float d = half_to_float(b.d);
+        sc[0] = sc[1] = d;
+        off[0] = off[1] = -16.f * d;
+    }
+#if defined(__AVX512F__)
+    template <typename E>
+    static void values(const Block& b, E&& emit) {
+        const __m512i v = widen(b.qs);
+        const uint32_t qh = load_u32(b.qh);
+        emit(0, as_float(fifth_bit(nib_lo(v), qh & 0xffffu)));
+        emit(1, as_float(fifth_bit(nib_hi(v), qh >> 16)));
+    }
+#endif
+};
+
+struct Q5_1F {
+    static constexpr int64_t block = 32, groups = 2;
+    struct Block {
+        uint16_t d, m;
+        uint8_t qh[4];
+        uint8_t qs[16];
+    };
+    static void to_f32(const Block& b, float* out) {
+        const float d = half_to_float(b.d), m = half_to_float(b.m);
+        const uint32_t qh = load_u32(b.qh);
+        for (int j = 0; j < 16; ++j) {
+            const int lo = (b.qs[j] & 0x0f) | (((qh >> j) & 1) << 4);
+            const int hi = (b.qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+            out[j] = d * static_cast<float>(lo) + m;
+            out[j + 16] = d * static_cast<float>(hi) + m;
+        }
+    }
+    static void scales(const Block& b, float* sc, float* off) {
+        sc[0] = sc[1] = half_to_float(b.d);
+        off[0] = off[1] = half_to_float(b.m);
+    }
+#if defined(__AVX512F__)
+    template <typename E>
+    static void values(const Block& b, E&& emit) {
+        const __m512i v = widen(b.qs);
+        const uint32_t qh = load_u32(b.qh);
+        emit(0, as_float(fifth_bit(nib_lo(v), qh & 0xffffu)));
+        emit(1, as_float(fifth_bit(nib_hi(v), qh >> 16)));
+    }
+#endif
+};
+
+struct Q4_KF {
+    static constexpr int64_t block = 256, groups = 16;
+    struct Block {
+        uint16_t d, dmin;
+        uint8_t scales[12];
+        uint8_t qs[128];
+    };
+    static void to_f32(const Block& b, float* out) {
+        const float d = half_to_float(b.d), dmin = half_to_float(b.dmin);
+        for (int j = 0; j < 8; ++j) {
+            int s, m;
+            scale_min_k4(j, b.scales, s, m);
+            const float d1 = d * static_cast<float>(s), m1 = dmin * static_cast<float>(m);
+            const uint8_t* q = b.qs + 32 * (j / 2);
+            const int shift = 4 * (j % 2);
+            for (int l = 0; l < 32; ++l) out[32 * j + l] = d1 * static_cast<float>((q[l] >> shift) & 0x0f) - m1;
+        }
+    }
+    static void scales(const Block& b, float* sc, float* off) { k_scales(b.d, b.dmin, b.scales, sc, off); }
+#if defined(__AVX512F__)
+    template <typename E>
+    static void values(const Block& b, E&& emit) {
+        for (int c = 0; c < 4; ++c) {
+            const __m512i v0 = widen(b.qs + 32 * c), v1 = widen(b.qs + 32 * c + 16);
+            emit(4 * c + 0, as_float(nib_lo(v0)));
+            emit(4 * c + 1, as_float(nib_lo(v1)));
+            emit(4 * c + 2, as_float(nib_hi(v0)));
+            emit(4 * c + 3, as_float(nib_hi(v1)));
+        }
+    }
+#endif
+};
+
+struct Q5_KF {
+    static constexpr int64_t block = 256, groups = 16;
+    struct Block {
+        uint16_t d, dmin;
+        uint8_t scales[12];
+        uint8_t qh[32];
+        uint8_t qs[128];
+    };
+    static void to_f32(const Block& b, float* out) {
+        const float d = half_to_float(b.d), dmin = half_to_float(b.dmin);
+        for (int j = 0; j < 8; ++j) {
+            int s, m;
+            scale_min_k4(j, b.scales, s, m);
+            const float d1 = d * static_cast<float>(s), m1 = dmin * static_cast<float>(m);
+            const uint8_t* q = b.qs + 32 * (j / 2);
+            const int shift = 4 * (j % 2);
+            for (int l = 0; l < 32; ++l) {
+                const int v = ((q[l] >> shift) & 0x0f) | (((b.qh[l] >> j) & 1) << 4);
+                out[32 * j + l] = d1 * static_cast<float>(v) - m1;
+            }
+        }
+    }
+    static void scales(const Block& b, float* sc, float* off) { k_scales(b.d, b.dmin, b.scales, sc, off); }
+#if defined(__AVX512F__)
+    template <typename E>
+    static void values(const Block& b, E&& emit) {
+        const __m512i h0 = widen(b.qh), h1 = widen(b.qh + 16);
+        for (int c = 0; c < 4; ++c) {
+            const __m512i v0 = widen(b.qs + 32 * c), v1 = widen(b.qs + 32 * c + 16);
+            for (int half = 0; half < 2; ++half) {
+                const int j = 2 * c + half;  // the sub-block
+                const __m512i bit = _mm512_set1_epi32(1 << j);
+                const __m512i a = half ? nib_hi(v0) : nib_lo(v0), z = half ? nib_hi(v1) : nib_lo(v1);
+                const __m512i sixteen = _mm512_set1_epi32(16);
+                emit(2 * j, as_float(_mm512_mask_or_epi32(a, _mm512_test_epi32_mask(h0, bit), a, sixteen)));
+                emit(2 * j + 1, as_float(_mm512_mask_or_epi32(z, _mm512_test_epi32_mask(h1, bit), z, sixteen)));
+            }
+        }
+    }
+#endif
+};
+
+struct Q6_KF {
+    static constexpr int64_t block = 256, groups = 16;
+    struct Block {
+        uint8_t ql[128];
+        uint8_t qh[64];
+        int8_t scales[16];
+        uint16_t d;
+    };
+    // Weight h * 128 + 32 k + l (half h, quarter k, l < 32): low 4 bits from ql[64 h + l + 32 (k % 2)]
+    // (its high nibble for k >= 2), high 2 bits from qh[32 h + l] >> 2 k.
+    static int q_of(const Block& b, int i) {
+        const int h = i / 128, k = (i % 128) / 32, l = i % 32;
+        const int low = (b.ql[64 * h + l + 32 * (k % 2)] >> (4 * (k / 2))) & 0x0f;
+        return low | (((b.qh[32 * h + l] >> (2 * k)) & 3) << 4);
+    }
+    static void to_f32(const Block& b, float* out) {
+        const float d = half_to_float(b.d);
+        for (int g = 0; g < 16; ++g) {
+            const float dg = d * static_cast<float>(b.scales[g]);
+            for (int l = 0; l < 16; ++l) out[16 * g + l] = dg * static_cast<float>(q_of(b, 16 * g + l) - 32);
+        }
+    }
+    static void scales(const Block& b, float* sc, float* off) {
+        const float d = half_to_float(b.d);
+        for (int g = 0; g < 16; ++g) {
+            sc[g] = d * static_cast<float>(b.scales[g]);
+            off[g] = -32.f * sc[g];
+        }
+    }
+#if defined(__AVX512F__)
+    template <typename E>
+    static void values(const Block& b, E&& emit) {
+        const __m512i three = _mm512_set1_epi32(3);
+        for (int h = 0; h < 2; ++h) {
+            const uint8_t* ql = b.ql + 64 * h;
+            const uint8_t* qh = b.qh + 32 * h;
+            const __m512i a[2] = {widen(ql), widen(ql + 16)}, c[2] = {widen(ql + 32), widen(ql + 48)};
+            const __m512i hb[2] = {widen(qh), widen(qh + 16)};
+            for (int k = 0; k < 4; ++k)
+                for (int s = 0; s < 2; ++s) {  // l = 16 s .. 16 s + 15
+                    const __m512i src = k % 2 ? c[s] : a[s];
+                    const __m512i low = k / 2 ? nib_hi(src) : nib_lo(src);
+                    const __m512i high = _mm512_and_si512(_mm512_srli_epi32(hb[s], 2 * k), three);
+                    emit(8 * h + 2 * k + s, as_float(_mm512_or_si512(low, _mm512_slli_epi32(high, 4))));
+                }
+        }
+    }
+#endif
+};
+
+// ---- Products for few rows ---------------------------------------------------------------------------
+
+// One call's activations: x [M, K] float32 and its sums per 16 weights, xs [M, K / 16].
+struct Job {
+    const float* x;
+    const float* xs;
+    const void* w;
+    int64_t M, K;
+};
+
+#if defined(__AVX512F__)
+// One weight row of format F against MC activation rows starting at m0.
+template <typename F, int MC>
+void block_row(const Job& j, const typename F::Block* w, int64_t m0, float* out) {
+    const int64_t K = j.K, nb = K / F::block, ng = K / G;
+    const float* x = j.x + m0 * K;
+    const float* xs = j.xs + m0 * ng;
+    __m512 acc[MC][2], acco[MC];
+    for (int m = 0; m < MC; ++m) acc[m][0] = acc[m][1] = acco[m] = _mm512_setzero_ps();
+    alignas(64) float sc[16], off[16];
+    int filled = 0;
+    int64_t g0 = 0;  // the group of x the buffered offsets start at
+    for (int64_t i = 0; i < nb; ++i) {
+        const float* xb = x + i * F::block;
+        F::scales(w[i], sc + filled, off + filled);
+        const float* s = sc + filled;
+        if constexpr (MC == 1) {
+            F::values(w[i], [&](int g, __m512 q) {
+                const __m512 t = _mm512_mul_ps(q, _mm512_loadu_ps(xb + G * g));
+                acc[0][g & 1] = _mm512_fmadd_ps(t, _mm512_set1_ps(s[g]), acc[0][g & 1]);
+            });
+        } else {
+            F::values(w[i], [&](int g, __m512 q) {
+                const __m512 wq = _mm512_mul_ps(q, _mm512_set1_ps(s[g]));
+                for (int m = 0; m < MC; ++m)
+                    acc[m][g & 1] = _mm512_fmadd_ps(wq, _mm512_loadu_ps(xb + m * K + G * g), acc[m][g & 1]);
+            });
+        }
+        filled += static_cast<int>(F::groups);
+        if (filled == 16 || i == nb - 1) {
+            const __mmask16 k = static_cast<__mmask16>(filled == 16 ? 0xffffu : (1u << filled) - 1u);
+            const __m512 o = _mm512_maskz_load_ps(k, off);
+            for (int m = 0; m < MC; ++m)
+                acco[m] = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(k, xs + m * ng + g0), acco[m]);
+            g0 += filled;
+            filled = 0;
+        }
+    }
+    for (int m = 0; m < MC; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), acco[m]));
+}
+
+// One F16 weight row against MC activation rows (K a multiple of 16 or not: a masked tail).
+template <int MC>
+void f16_row(const Job& j, const uint16_t* w, int64_t m0, float* out) {
+    constexpr int U = MC == 1 ? 4 : MC == 2 ? 2 : 1;
+    const int64_t K = j.K;
+    const float* x = j.x + m0 * K;
+    __m512 acc[MC][U];
+    for (int m = 0; m < MC; ++m)
+        for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 * U <= K; k += 16 * U)
+        for (int u = 0; u < U; ++u) {
+            const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + k + 16 * u)));
+            for (int m = 0; m < MC; ++m)
+                acc[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k + 16 * u), acc[m][u]);
+        }
+    for (; k < K; k += 16) {
+        const __mmask16 mask = static_cast<__mmask16>(K - k >= 16 ? 0xffffu : (1u << (K - k)) - 1u);
+        const __m512 wv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w + k));
+        for (int m = 0; m < MC; ++m) acc[m][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + m * K + k), acc[m][0]);
+    }
+    for (int m = 0; m < MC; ++m) {
+        __m512 a = acc[m][0];
+        for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[m][u]);
+        out[m] = _mm512_reduce_add_ps(a);
+    }
+}
+#endif
+
+// Calls fn.template operator()<MC>(m0) for m0 = 0, 8, 16, ... with MC = min(8, M - m0) as a constant.
+template <typename Fn>
+void for_row_chunks(int64_t M, Fn&& fn) {
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        switch (std::min<int64_t>(8, M - m0)) {
+            case 1: fn.template operator()<1>(m0); break;
+            case 2: fn.template operator()<2>(m0); break;
+            case 3: fn.template operator()<3>(m0); break;
+            case 4: fn.template operator()<4>(m0); break;
+            case 5: fn.template operator()<5>(m0); break;
+            case 6: fn.template operator()<6>(m0); break;
+            case 7: fn.template operator()<7>(m0); break;
+            default: fn.template operator()<8>(m0); break;
+        }
+    }
+}
+
+// Row n of a matrix of format F (K weights per row) as float32, exactly as the reference decoder.
+template <typename F>
+void dequantize_row(const void* w, int64_t n, int64_t K, float* out) {
+    const int64_t nb = K / F::block;
+    const auto* b = static_cast<const typename F::Block*>(w) + n * nb;
+    for (int64_t i = 0; i < nb; ++i) F::to_f32(b[i], out + i * F::block);
+}
+
+void dequantize_row_f16(const void* w, int64_t n, int64_t K, float* out) {
+    const uint16_t* r = static_cast<const uint16_t*>(w) + n * K;
+    for (int64_t k = 0; k < K; ++k) out[k] = half_to_float(r[k]);
+}
+
+// Output rows [n0, n1) of format F into acc[m * ld + (n - n0)].
+template <typename F>
+void block_rows(const Job& j, int64_t n0, int64_t n1, float* acc) {
+    const int64_t ld = n1 - n0;
+#if defined(__AVX512F__)
+    const auto* w = static_cast<const typename F::Block*>(j.w);
+    const int64_t nb = j.K / F::block;
+    for (int64_t n = n0; n < n1; ++n)
+        for_row_chunks(j.M, [&]<int MC>(int64_t m0) {
+            float out[8];
+            block_row<F, MC>(j, w + n * nb, m0, out);
+            for (int m = 0; m < MC; ++m) acc[(m0 + m) * ld + (n - n0)] = out[m];
+        });
+#else
+    std::vector<float> row(static_cast<size_t>(j.K));
+    for (int64_t n = n0; n < n1; ++n) {
+        dequantize_row<F>(j.w, n, j.K, row.data());
+        for (int64_t m = 0; m < j.M; ++m) {
+            const float* x = j.x + m * j.K;
+            float s = 0.f;
+            for (int64_t k = 0; k < j.K; ++k) s += row[k] * x[k];
+            acc[m * ld + (n - n0)] = s;
+        }
+    }
+#endif
+}
+
+void f16_rows(const Job& j, int64_t n0, int64_t n1, float* acc) {
+    const int64_t ld = n1 - n0;
+    const uint16_t* w = static_cast<const uint16_t*>(j.w);
+#if defined(__AVX512F__)
+    for (int64_t n = n0; n < n1; ++n)
+        for_row_chunks(j.M, [&]<int MC>(int64_t m0) {
+            float out[8];
+            f16_row<MC>(j, w + n * j.K, m0, out);
+            for (int m = 0; m < MC; ++m) acc[(m0 + m) * ld + (n - n0)] = out[m];
+        });
+#else
+    for (int64_t n = n0; n < n1; ++n)
+        for (int64_t m = 0; m < j.M; ++m) {
+            const float* x = j.x + m * j.K;
+            float s = 0.f;
+            for (int64_t k = 0; k < j.K; ++k) s += half_to_float(w[n * j.K + k]) * x[k];
+            acc[m * ld + (n - n0)] = s;
+        }
+#endif
+}
+
+bool known(int wt) { return wt >= F16 && wt <= Q6_K; }
+
+int64_t block_of(int wt) {
+    switch (wt) {
+        case F16: return 1;
+        case Q4_0:
+        case Q5_0:
+        case Q5_1: return 32;
+        default: return 256;
+    }
+}
+
+void rows_of(const Job& j, int wt, int64_t n0, int64_t n1, float* acc) {
+    switch (wt) {
+        case F16: f16_rows(j, n0, n1, acc); break;
+        case Q4_0: block_rows<Q4_0F>(j, n0, n1, acc); break;
+        case Q5_0: block_rows<Q5_0F>(j, n0, n1, acc); break;
+        case Q5_1: block_rows<Q5_1F>(j, n0, n1, acc); break;
+        case Q4_K: block_rows<Q4_KF>(j, n0, n1, acc); break;
+        case Q5_K: block_rows<Q5_KF>(j, n0, n1, acc); break;
+        default: block_rows<Q6_KF>(j, n0, n1, acc); break;
+    }
+}
+
+void dequantize_any(const void* w, int wt, int64_t n, int64_t K, float* out) {
+    switch (wt) {
+        case F16: dequantize_row_f16(w, n, K, out); break;
+        case Q4_0: dequantize_row<Q4_0F>(w, n, K, out); break;
+        case Q5_0: dequantize_row<Q5_0F>(w, n, K, out); break;
+        case Q5_1: dequantize_row<Q5_1F>(w, n, K, out); break;
+        case Q4_K: dequantize_row<Q4_KF>(w, n, K, out); break;
+        case Q5_K: dequantize_row<Q5_KF>(w, n, K, out); break;
+        default: dequantize_row<Q6_KF>(w, n, K, out); break;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns the ABI version; the loader refuses a library that does not match.
+int mechserve_kquants_abi(void) { return 1; }
+
+// Whether this build knows the weight type `wt` and a row of K weights holds whole blocks of it.
+int mechserve_kquant_accepts(int wt, int64_t K) { return known(wt) && K > 0 && K % block_of(wt) == 0; }
+
+// out [M, N] float32 = xf [M, K] (float32) times w [N, K] (type wt) transposed: unrounded, no bias.  `xb`
+// (x's bfloat16 bits) is unused; the signature is linear.cpp's product(), so its fused blocks can call it.
+void mechserve_kquant_product(const float* xf, const uint16_t* /*xb*/, int64_t M, int64_t K, const void* w, int wt,
+                              int64_t N, float* out, int n_threads) {
+    const int64_t ng = K / G;
+    std::vector<float> xs(static_cast<size_t>(M * ng), 0.f);
+    if (wt != F16)
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t g = 0; g < ng; ++g) {
+                float s = 0.f;
+                for (int64_t e = 0; e < G; ++e) s += xf[m * K + g * G + e];
+                xs[m * ng + g] = s;
+            }
+    const Job job{xf, xs.data(), w, M, K};
+    // Each thread owns a contiguous range of output rows, a multiple of 16.
+    const int64_t per = ((N + n_threads - 1) / n_threads + 15) / 16 * 16;
+#pragma omp parallel num_threads(n_threads)
+    {
+        std::vector<float> acc;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < n_threads; ++t) {
+            const int64_t n0 = t * per, n1 = std::min(N, n0 + per);
+            if (n0 >= n1) continue;
+            acc.resize(static_cast<size_t>(M * (n1 - n0)));
+            rows_of(job, wt, n0, n1, acc.data());
+            for (int64_t m = 0; m < M; ++m)
+                std::memcpy(out + m * N + n0, acc.data() + m * (n1 - n0), sizeof(float) * (n1 - n0));
+        }
+    }
+}
+
+// y [M, N] (yt: F32 or BF16) = x [M, K] (xt: F32 or BF16) times w [N, K] (wt) transposed, plus bias [N]
+// (type xt) unless null; accumulated in float32 and rounded once.  All tensors contiguous.
+void mechserve_kquant_linear(const void* x, int xt, const void* w, int wt, const void* bias, void* y, int yt, int64_t M,
+                             int64_t N, int64_t K, int n_threads) {
+    std::vector<float> xf(static_cast<size_t>(M * K));
+    for (int64_t i = 0; i < M * K; ++i) xf[i] = load_value(x, xt, i);
+    std::vector<float> acc(static_cast<size_t>(M * N));
+    mechserve_kquant_product(xf.data(), nullptr, M, K, w, wt, N, acc.data(), n_threads);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+            float v = acc[m * N + n];
+            if (bias) v += load_value(bias, xt, n);
+            store_value(y, yt, m * N + n, v);
+        }
+}
+
+// out [R, K] (ot: F32 or BF16) = rows ids[0..R) of w [N, K] (type wt), dequantized as the reference
+// decoder does: an embedding lookup, or a slice of a matrix for a product at many rows.
+void mechserve_kquant_dequantize_rows(const void* w, int wt, const int64_t* ids, int64_t R, int64_t K, void* out,
+                                      int ot, int n_threads) {
+#pragma omp parallel num_threads(n_threads)
+    {
+        std::vector<float> row(static_cast<size_t>(K));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; ++r) {
+            dequantize_any(w, wt, ids[r], K, row.data());
+            if (ot == F32)
+                std::memcpy(static_cast<float*>(out) + r * K, row.data(), sizeof(float) * K);
+            else
+                for (int64_t k = 0; k < K; ++k) store_value(out, ot, r * K + k, row[k]);
+        }
+    }
+}
+
+}  // extern "C"
