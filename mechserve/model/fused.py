@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from mechserve.model.layer import LayerWeights, Matrix
 from mechserve.model import kquants
+from mechserve.model.layer import LayerWeights, Matrix
 from mechserve.model.linear import NATIVE_MAX_ROWS, TYPES, enabled, external_formats, library
 from mechserve.model.quantized import QuantizedMatrix
 

@@ -253,14 +253,13 @@ def gguf_tokenizer(f: GGUFFile) -> Any:
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # transformers' progress lines
             tok = AutoTokenizer.from_pretrained(f.path.parent, gguf_file=f.path.name)
-    except Exception as exc:  # noqa: BLE001 - any failure to build it is the file's
+    except Exception as exc:
         raise ModelLoadError(f"{f.path}: cannot build its tokenizer: {exc}") from None
     splits = PRE_TOKENIZERS.get(f.get("tokenizer.ggml.pre", ""))
     if splits is not None:
-        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [*(pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits)]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
+        steps = [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits]
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
     return tok
 
 
@@ -314,9 +313,14 @@ class GGUFTensors(Mapping[str, Any]):
 
     def _matrix(self, t: GGUFTensor, raw: torch.Tensor) -> torch.Tensor | QuantizedMatrix:
         kind = KINDS[t.type_name]
-        if (kind, self.dtype) in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+        if all(self._plain(s) for s in _fused_with(t.name)):
             return raw.view(self.dtype).reshape(t.shape)
         return QuantizedMatrix(kind, raw, t.shape[-1])
+
+    def _plain(self, gguf_name: str) -> bool:
+        """Whether the file's tensor ``gguf_name`` is a float matrix of the activations' dtype (absent: yes)."""
+        t = self.file.tensors.get(gguf_name)
+        return t is None or (KINDS[t.type_name], self.dtype) in (("f32", torch.float32), ("bf16", torch.bfloat16))
 
     def __contains__(self, name: object) -> bool:
         return name in self._names
@@ -326,6 +330,20 @@ class GGUFTensors(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self._names)
+
+
+_FUSED = (("attn_q.weight", "attn_k.weight", "attn_v.weight"), ("ffn_gate.weight", "ffn_up.weight"))
+
+
+def _fused_with(name: str) -> tuple[str, ...]:
+    """The GGUF tensors the forward fuses ``name`` with, itself included (q/k/v, gate/up): a float matrix
+    fused with blocks is kept as blocks of its type, so the fused matrix is one ``QuantizedMatrix``."""
+    head, _, tail = name.rpartition(".")
+    head, _, part = head.rpartition(".")
+    for group in _FUSED:
+        if f"{part}.{tail}" in group:
+            return tuple(f"{head}.{g}" for g in group)
+    return (name,)
 
 
 def unpermute_rows(rows: int, heads: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ the blocks (``native_linear``) and rows dequantized exactly as the reference doe
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -63,17 +64,75 @@ FORMATS: dict[str, Format] = {
     )
 }
 KINDS = tuple(FORMATS)
-# The kinds csrc/kquants.cpp multiplies (f32 and bf16 go to linear.cpp's dense kernels).
-NATIVE_KINDS = tuple(k for k, f in FORMATS.items() if f.native >= 16)
+MIXED = "mixed"  # a matrix whose row groups differ in format (stack)
+# Every format's number in the native kernels (linear.cpp's for f32, bf16, q4_1, q8_0), MIXED's too.
+NATIVE_TYPES = {"q4_1": 2, "q8_0": 3, **{k: f.native for k, f in FORMATS.items()}, MIXED: 63}
+_BLOCKS = {"q4_1": (32, 20), "q8_0": (32, 34), **{k: (f.block, f.block_bytes) for k, f in FORMATS.items()}}
+# The kinds csrc/kquants.cpp multiplies (f32, bf16, q4_1 and q8_0 matrices go to linear.cpp's kernels).
+NATIVE_KINDS = (*(k for k, f in FORMATS.items() if f.native >= 16), MIXED)
 QK_K = 256  # weights per K-quant block
+MIXED_MAGIC = 0x4D49584544  # "MIXED", the first int64 of a mixed matrix's bytes
+ALIGN = 64
 
 
 def row_bytes(kind: str, in_features: int) -> int:
-    """Bytes of one row of ``in_features`` weights in ``kind``; ``ValueError`` when the row is not whole blocks."""
-    f = FORMATS[kind]
-    if in_features <= 0 or in_features % f.block:
-        raise ValueError(f"a {kind} row needs a multiple of {f.block} weights, got {in_features}")
-    return in_features // f.block * f.block_bytes
+    """Bytes of one row of ``in_features`` weights in ``kind`` (any block format, q4_1 and q8_0 included);
+    ``ValueError`` when the row is not whole blocks."""
+    block, nbytes = _BLOCKS[kind]
+    if in_features <= 0 or in_features % block:
+        raise ValueError(f"a {kind} row needs a multiple of {block} weights, got {in_features}")
+    return in_features // block * nbytes
+
+
+# Mixed matrices ---------------------------------------------------------------------------------------------------
+#
+# A llama.cpp Q4_K_M file stores a layer's attn_v in Q6_K beside Q4_K attn_q/attn_k (and, for rows not a
+# multiple of 256, Q5_0 beside Q8_0), while the forward multiplies q, k and v as one fused matrix.  Such a
+# matrix keeps each part as stored, one after the other, behind a header the kernels read:
+#
+#   int64 [MIXED_MAGIC, count, (type, rows, byte offset) x count], padded to ALIGN bytes, then each part's
+#   rows of blocks at its offset (each a multiple of ALIGN from the first byte)
+
+
+def mixed_layout(segments: Sequence[tuple[str, int]], in_features: int) -> tuple[list[int], int]:
+    """Byte offsets of each ``(kind, rows)`` segment's data and the total bytes of a mixed matrix."""
+    at = -(-8 * (2 + 3 * len(segments)) // ALIGN) * ALIGN
+    offsets = []
+    for kind, rows in segments:
+        offsets.append(at)
+        at += -(-rows * row_bytes(kind, in_features) // ALIGN) * ALIGN
+    return offsets, at
+
+
+def stack(parts: Sequence[tuple[str, torch.Tensor]], in_features: int) -> torch.Tensor:
+    """The bytes (uint8, 1-D) of a mixed matrix of ``parts``: ``(kind, blocks [rows, row bytes])`` in row order."""
+    segments = [(kind, int(b.shape[0])) for kind, b in parts]
+    offsets, total = mixed_layout(segments, in_features)
+    out = torch.zeros(total, dtype=torch.uint8)
+    header = [MIXED_MAGIC, len(parts)]
+    for (kind, rows), at in zip(segments, offsets, strict=True):
+        header += [NATIVE_TYPES[kind], rows, at]
+    out[: 8 * len(header)] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
+    for (_, b), at in zip(parts, offsets, strict=True):
+        out[at : at + b.numel()] = b.reshape(-1)
+    return out
+
+
+def unstack(blocks: torch.Tensor, in_features: int) -> list[tuple[str, torch.Tensor]]:
+    """The ``(kind, blocks [rows, row bytes])`` parts of a mixed matrix's bytes (views, not copies).
+
+    Raises ``ValueError`` for bytes that do not start with a mixed matrix's header."""
+    names = {v: k for k, v in NATIVE_TYPES.items()}
+    head = blocks[:16].contiguous().view(torch.int64).tolist()
+    if len(head) != 2 or head[0] != MIXED_MAGIC:
+        raise ValueError("not a mixed matrix: its bytes do not start with the MIXED header")
+    entries = blocks[16 : 16 + 24 * head[1]].contiguous().view(torch.int64).view(-1, 3).tolist()
+    parts = []
+    for type_id, rows, at in entries:
+        kind = names[type_id]
+        n = row_bytes(kind, in_features)
+        parts.append((kind, blocks[at : at + rows * n].view(rows, n)))
+    return parts
 
 
 # Reference decoder and encoders ------------------------------------------------------------------------------------
@@ -191,7 +250,9 @@ def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(dg[..., None] != 0, groups / dg[..., None], 0.0)
     q = (np.clip(_nearest(q), -32, 31) + 32).astype(np.uint8).reshape(nb, 2, 4, 32)  # [block, half, quarter, l]
-    ql = np.concatenate([(q[:, :, 0] & 0x0F) | ((q[:, :, 2] & 0x0F) << 4), (q[:, :, 1] & 0x0F) | ((q[:, :, 3] & 0x0F) << 4)], axis=-1)
+    ql = np.concatenate(
+        [(q[:, :, 0] & 0x0F) | ((q[:, :, 2] & 0x0F) << 4), (q[:, :, 1] & 0x0F) | ((q[:, :, 3] & 0x0F) << 4)], axis=-1
+    )
     qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
     return np.concatenate(
         [ql.reshape(nb, 128), qh.reshape(nb, 64), sc.view(np.uint8), d.view(np.uint8).reshape(nb, 2)], axis=-1
@@ -201,7 +262,11 @@ def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
 # The native kernel -------------------------------------------------------------------------------------------------
 
 KERNEL = Kernel(
-    Path(__file__).with_name("csrc") / "kquants.cpp", "mechserve_kquants_abi", 1, std="c++20", extra=("-ffp-contract=off",)
+    Path(__file__).with_name("csrc") / "kquants.cpp",
+    "mechserve_kquants_abi",
+    1,
+    std="c++20",
+    extra=("-ffp-contract=off",),
 )
 _ACTIVATIONS = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -258,15 +323,17 @@ def native_linear(
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         raise ValueError("bias must be contiguous in the activations' dtype")
     m, k = x.shape
-    if blocks.shape != (out_features, row_bytes(kind, k)):
+    if kind != MIXED and blocks.shape != (out_features, row_bytes(kind, k)):
         raise ValueError(f"{kind} blocks of shape {tuple(blocks.shape)} are not {out_features} rows of {k} weights")
+    if kind == MIXED and sum(b.shape[0] for _, b in unstack(blocks, k)) != out_features:
+        raise ValueError(f"a mixed matrix of {tuple(blocks.shape)} bytes does not have {out_features} rows")
     x = x.contiguous()
     y = torch.empty(m, out_features, dtype=out_dtype)
     library().mechserve_kquant_linear(
         x.data_ptr(),
         _ACTIVATIONS[x.dtype],
         blocks.data_ptr(),
-        FORMATS[kind].native,
+        NATIVE_TYPES[kind],
         bias.data_ptr() if bias is not None else None,
         y.data_ptr(),
         _ACTIVATIONS[out_dtype],
@@ -289,12 +356,12 @@ def dequantize_rows(
         source = torch.float32 if kind == "f32" else torch.bfloat16
         return blocks.view(source).index_select(0, ids).to(dtype)
     if dtype not in _ACTIVATIONS or not enabled():
-        return dequantize_blocks(kind, blocks.index_select(0, ids), in_features).to(dtype)
+        return _reference_rows(kind, blocks, in_features, ids).to(dtype)
     ids = ids.contiguous()
     out = torch.empty(ids.numel(), in_features, dtype=dtype)
     library().mechserve_kquant_dequantize_rows(
         blocks.contiguous().data_ptr(),
-        FORMATS[kind].native,
+        NATIVE_TYPES[kind],
         ids.data_ptr(),
         ids.numel(),
         in_features,
@@ -305,19 +372,50 @@ def dequantize_rows(
     return out
 
 
+def _reference_rows(kind: str, blocks: torch.Tensor, in_features: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` by the reference decoders (a mixed matrix: each row by its part's)."""
+    if kind != MIXED:
+        return dequantize_any(kind, blocks.index_select(0, ids), in_features)
+    out = torch.empty(ids.numel(), in_features)
+    start = 0
+    for part_kind, part in unstack(blocks, in_features):
+        inside = (ids >= start) & (ids < start + part.shape[0])
+        if bool(inside.any()):
+            out[inside] = dequantize_any(part_kind, part.index_select(0, ids[inside] - start), in_features)
+        start += part.shape[0]
+    return out
+
+
+def dequantize_any(kind: str, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``dequantize_blocks`` for every block kind, q4_1 and q8_0 (``quantized.dequantize``'s) included."""
+    if kind in FORMATS:
+        return dequantize_blocks(kind, blocks, in_features)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(blocks.contiguous().numpy(), GGMLQuantizationType[kind.upper()])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(blocks.shape[0], in_features)
+
+
 __all__ = [
     "FORMATS",
     "KERNEL",
     "KINDS",
+    "MIXED",
     "NATIVE_KINDS",
+    "NATIVE_TYPES",
     "QK_K",
     "Format",
+    "dequantize_any",
     "dequantize_blocks",
     "dequantize_rows",
     "enabled",
     "library",
+    "mixed_layout",
     "native_linear",
     "product_function",
     "quantize_blocks",
     "row_bytes",
+    "stack",
+    "unstack",
 ]

@@ -52,7 +52,7 @@ TYPES = {torch.float32: 0, torch.bfloat16: 1, "q4_1": 2, "q8_0": 3}
 # issue 30 hook: GGUF's other formats (kquants.py) by their native numbers: f32/bf16 blocks are linear.cpp's
 # dense types 0/1, the rest (>= 16) are multiplied by csrc/kquants.cpp (here and, once registered with
 # ``external_formats``, inside linear.cpp's fused blocks).
-TYPES.update({k: f.native for k, f in kquants.FORMATS.items()})
+TYPES.update(kquants.NATIVE_TYPES)
 
 
 @cache
@@ -150,7 +150,7 @@ def dequantize_rows(matrix: QuantizedMatrix, ids: torch.Tensor, dtype: torch.dty
 
     The kernel when enabled, else ``quantized.dequantize`` of the selected rows (the same values).
     """
-    if matrix.kind in kquants.FORMATS:  # issue 30 hook: GGUF's other formats
+    if matrix.kind in kquants.FORMATS or matrix.segments:  # issue 30 hook: GGUF's other formats
         return kquants.dequantize_rows(matrix.kind, matrix.blocks, matrix.in_features, ids, dtype)
     if not enabled():
         return dequantize(matrix.rows(ids), dtype)

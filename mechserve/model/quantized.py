@@ -42,14 +42,26 @@ class QuantizedMatrix:
     """An ``[N, K]`` weight matrix as blocks: ``blocks`` is uint8 ``[N, K / 32 * block bytes]``.
 
     ``kind``: ``"q4_1"`` or ``"q8_0"``, or a GGUF format of ``kquants.KINDS`` (blocks of
-    ``BLOCK_WEIGHTS[kind]`` weights).  Raises ``ValueError`` for a shape the format cannot hold.
+    ``BLOCK_WEIGHTS[kind]`` weights), or ``"mixed"``: row groups of different formats stacked as
+    ``kquants.stack`` lays them out (``blocks`` uint8 1-D; ``segments``, read from its header, are the
+    groups' ``(kind, rows)``).  Raises ``ValueError`` for a shape the format cannot hold.
     """
 
     kind: str
     blocks: torch.Tensor
     in_features: int
+    segments: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.kind == kquants.MIXED:  # issue 30: a file's q/k/v (or gate/up) in different formats
+            if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 1:
+                raise ValueError("a mixed matrix needs its bytes as uint8 [total bytes]")
+            parts = kquants.unstack(self.blocks, self.in_features)
+            segments = tuple((k, int(b.shape[0])) for k, b in parts)
+            if kquants.mixed_layout(segments, self.in_features)[1] != self.blocks.numel():
+                raise ValueError(f"{self.blocks.numel()} bytes are not the mixed matrix its header describes")
+            object.__setattr__(self, "segments", segments)
+            return
         if self.kind not in BLOCK_BYTES:
             raise ValueError(f"unknown block format {self.kind!r}; known: {', '.join(BLOCK_BYTES)}")
         block = BLOCK_WEIGHTS[self.kind]
@@ -62,6 +74,8 @@ class QuantizedMatrix:
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.segments:
+            return (sum(rows for _, rows in self.segments), self.in_features)
         return (int(self.blocks.shape[0]), self.in_features)
 
     def numel(self) -> int:
@@ -73,17 +87,26 @@ class QuantizedMatrix:
         return int(self.blocks.numel())
 
     def rows(self, index: torch.Tensor | slice) -> QuantizedMatrix:
-        """The matrix of the rows ``index`` selects (a slice, or int64 row ids)."""
+        """The matrix of the rows ``index`` selects (a slice, or int64 row ids); not of a mixed matrix."""
+        if self.segments:
+            raise ValueError("rows of a mixed matrix are taken with kquants.dequantize_rows")
         picked = self.blocks[index] if isinstance(index, slice) else self.blocks.index_select(0, index)
         return QuantizedMatrix(self.kind, picked.contiguous(), self.in_features)
 
     @staticmethod
     def cat(parts: Sequence[QuantizedMatrix]) -> QuantizedMatrix:
-        """Rows of ``parts`` stacked (q, k and v into one qkv matrix); they must share format and width."""
+        """Rows of ``parts`` stacked (q, k and v into one qkv matrix); they must share their width.  Parts of
+        different formats (as a GGUF file may store q, k and v) make a ``"mixed"`` matrix."""
         kinds = {(p.kind, p.in_features) for p in parts}
-        if len(kinds) != 1:
-            raise ValueError(f"cannot stack matrices of different formats or widths: {sorted(kinds)}")
-        return QuantizedMatrix(parts[0].kind, torch.cat([p.blocks for p in parts]), parts[0].in_features)
+        if len({k for _, k in kinds}) != 1:
+            raise ValueError(f"cannot stack matrices of different widths: {sorted(kinds)}")
+        if len(kinds) == 1 and parts[0].kind != kquants.MIXED:
+            return QuantizedMatrix(parts[0].kind, torch.cat([p.blocks for p in parts]), parts[0].in_features)
+        k = parts[0].in_features
+        pieces = [
+            piece for p in parts for piece in (kquants.unstack(p.blocks, k) if p.segments else [(p.kind, p.blocks)])
+        ]
+        return QuantizedMatrix(kquants.MIXED, kquants.stack(pieces, k), k)
 
 
 def dequantize(matrix: QuantizedMatrix, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -91,6 +114,9 @@ def dequantize(matrix: QuantizedMatrix, dtype: torch.dtype = torch.float32) -> t
     n, k = matrix.shape
     if matrix.kind in kquants.FORMATS:
         return kquants.dequantize_blocks(matrix.kind, matrix.blocks, k).to(dtype)
+    if matrix.segments:
+        parts = [dequantize(QuantizedMatrix(kind, b, k), dtype) for kind, b in kquants.unstack(matrix.blocks, k)]
+        return torch.cat(parts)
     raw = matrix.blocks.view(n, k // QK, BLOCK_BYTES[matrix.kind])
     d = raw[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
     if matrix.kind == "q4_1":

@@ -42,7 +42,12 @@
 
 namespace {
 
-enum Type : int { F32 = 0, BF16 = 1, F16 = 16, Q4_0 = 17, Q5_0 = 18, Q5_1 = 19, Q4_K = 20, Q5_K = 21, Q6_K = 22 };
+// linear.cpp's numbers for F32, BF16, Q4_1 and Q8_0; MIXED: a matrix whose row groups differ in format.
+enum Type : int {
+    F32 = 0, BF16 = 1, Q4_1 = 2, Q8_0 = 3,
+    F16 = 16, Q4_0 = 17, Q5_0 = 18, Q5_1 = 19, Q4_K = 20, Q5_K = 21, Q6_K = 22,
+    MIXED = 63,
+};
 constexpr int64_t G = 16;  // weights per group
 
 inline float half_to_float(uint16_t h) {
@@ -160,6 +165,59 @@ struct Q4_0F {
         const __m512i v = widen(b.qs);
         emit(0, as_float(nib_lo(v)));
         emit(1, as_float(nib_hi(v)));
+    }
+#endif
+};
+
+struct Q4_1F {
+    static constexpr int64_t block = 32, groups = 2;
+    struct Block {
+        uint16_t d, m;
+        uint8_t qs[16];
+    };
+    static void to_f32(const Block& b, float* out) {
+        const float d = half_to_float(b.d), m = half_to_float(b.m);
+        for (int j = 0; j < 16; ++j) {
+            out[j] = d * static_cast<float>(b.qs[j] & 0x0f) + m;
+            out[j + 16] = d * static_cast<float>(b.qs[j] >> 4) + m;
+        }
+    }
+    static void scales(const Block& b, float* sc, float* off) {
+        sc[0] = sc[1] = half_to_float(b.d);
+        off[0] = off[1] = half_to_float(b.m);
+    }
+#if defined(__AVX512F__)
+    template <typename E>
+    static void values(const Block& b, E&& emit) {
+        const __m512i v = widen(b.qs);
+        emit(0, as_float(nib_lo(v)));
+        emit(1, as_float(nib_hi(v)));
+    }
+#endif
+};
+
+// Q8_0's signed values as unsigned ones: q + 128, with off = -128 d.
+struct Q8_0F {
+    static constexpr int64_t block = 32, groups = 2;
+    struct Block {
+        uint16_t d;
+        int8_t qs[32];
+    };
+    static void to_f32(const Block& b, float* out) {
+        const float d = half_to_float(b.d);
+        for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(b.qs[j]);
+    }
+    static void scales(const Block& b, float* sc, float* off) {
+        const float d = half_to_float(b.d);
+        sc[0] = sc[1] = d;
+        off[0] = off[1] = -128.f * d;
+    }
+#if defined(__AVX512F__)
+    template <typename E>
+    static void values(const Block& b, E&& emit) {
+        const __m512i bias = _mm512_set1_epi32(128);
+        emit(0, as_float(_mm512_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)b.qs)), bias)));
+        emit(1, as_float(_mm512_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b.qs + 16))), bias)));
     }
 #endif
 };
@@ -364,8 +422,38 @@ struct Job {
     int64_t M, K;
 };
 
+// The dense formats' weights as float32, 16 at a time (a masked tail for the last).
+struct DenseF32 {
+    using T = float;
+    static float one(T v) { return v; }
 #if defined(__AVX512F__)
-// One weight row of format F against MC activation rows starting at m0.
+    static __m512 load(const T* p) { return _mm512_loadu_ps(p); }
+    static __m512 load(const T* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+#endif
+};
+struct DenseBF16 {
+    using T = uint16_t;
+    static float one(T v) { return bf16_to_float(v); }
+#if defined(__AVX512F__)
+    static __m512 load(const T* p) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+    }
+    static __m512 load(const T* p, __mmask16 k) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+    }
+#endif
+};
+struct DenseF16 {
+    using T = uint16_t;
+    static float one(T v) { return half_to_float(v); }
+#if defined(__AVX512F__)
+    static __m512 load(const T* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+    static __m512 load(const T* p, __mmask16 k) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p)); }
+#endif
+};
+
+#if defined(__AVX512F__)
+// One weight row of block format F against MC activation rows starting at m0.
 template <typename F, int MC>
 void block_row(const Job& j, const typename F::Block* w, int64_t m0, float* out) {
     const int64_t K = j.K, nb = K / F::block, ng = K / G;
@@ -402,12 +490,13 @@ void block_row(const Job& j, const typename F::Block* w, int64_t m0, float* out)
             filled = 0;
         }
     }
-    for (int m = 0; m < MC; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), acco[m]));
+    for (int m = 0; m < MC; ++m)
+        out[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), acco[m]));
 }
 
-// One F16 weight row against MC activation rows (K a multiple of 16 or not: a masked tail).
-template <int MC>
-void f16_row(const Job& j, const uint16_t* w, int64_t m0, float* out) {
+// One dense weight row (F32, BF16 or F16) against MC activation rows.
+template <typename D, int MC>
+void dense_row(const Job& j, const typename D::T* w, int64_t m0, float* out) {
     constexpr int U = MC == 1 ? 4 : MC == 2 ? 2 : 1;
     const int64_t K = j.K;
     const float* x = j.x + m0 * K;
@@ -417,14 +506,15 @@ void f16_row(const Job& j, const uint16_t* w, int64_t m0, float* out) {
     int64_t k = 0;
     for (; k + 16 * U <= K; k += 16 * U)
         for (int u = 0; u < U; ++u) {
-            const __m512 wv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + k + 16 * u)));
+            const __m512 wv = D::load(w + k + 16 * u);
             for (int m = 0; m < MC; ++m)
                 acc[m][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k + 16 * u), acc[m][u]);
         }
     for (; k < K; k += 16) {
         const __mmask16 mask = static_cast<__mmask16>(K - k >= 16 ? 0xffffu : (1u << (K - k)) - 1u);
-        const __m512 wv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, w + k));
-        for (int m = 0; m < MC; ++m) acc[m][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + m * K + k), acc[m][0]);
+        const __m512 wv = D::load(w + k, mask);
+        for (int m = 0; m < MC; ++m)
+            acc[m][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + m * K + k), acc[m][0]);
     }
     for (int m = 0; m < MC; ++m) {
         __m512 a = acc[m][0];
@@ -451,7 +541,7 @@ void for_row_chunks(int64_t M, Fn&& fn) {
     }
 }
 
-// Row n of a matrix of format F (K weights per row) as float32, exactly as the reference decoder.
+// Row n of a matrix of block format F (K weights per row) as float32, exactly as the reference decoder.
 template <typename F>
 void dequantize_row(const void* w, int64_t n, int64_t K, float* out) {
     const int64_t nb = K / F::block;
@@ -459,15 +549,30 @@ void dequantize_row(const void* w, int64_t n, int64_t K, float* out) {
     for (int64_t i = 0; i < nb; ++i) F::to_f32(b[i], out + i * F::block);
 }
 
-void dequantize_row_f16(const void* w, int64_t n, int64_t K, float* out) {
-    const uint16_t* r = static_cast<const uint16_t*>(w) + n * K;
-    for (int64_t k = 0; k < K; ++k) out[k] = half_to_float(r[k]);
+template <typename D>
+void dequantize_dense_row(const void* w, int64_t n, int64_t K, float* out) {
+    const auto* r = static_cast<const typename D::T*>(w) + n * K;
+    for (int64_t k = 0; k < K; ++k) out[k] = D::one(r[k]);
 }
 
-// Output rows [n0, n1) of format F into acc[m * ld + (n - n0)].
+// The portable product of output rows [n0, n1): each weight row dequantized, then dotted.
+template <typename Dequantize>
+void rows_by_dequantizing(const Job& j, int64_t n0, int64_t n1, float* acc, int64_t ld, Dequantize&& dq) {
+    std::vector<float> row(static_cast<size_t>(j.K));
+    for (int64_t n = n0; n < n1; ++n) {
+        dq(n, row.data());
+        for (int64_t m = 0; m < j.M; ++m) {
+            const float* x = j.x + m * j.K;
+            float s = 0.f;
+            for (int64_t k = 0; k < j.K; ++k) s += row[k] * x[k];
+            acc[m * ld + (n - n0)] = s;
+        }
+    }
+}
+
+// Output rows [n0, n1) of block format F into acc[m * ld + (n - n0)].
 template <typename F>
-void block_rows(const Job& j, int64_t n0, int64_t n1, float* acc) {
-    const int64_t ld = n1 - n0;
+void block_rows(const Job& j, int64_t n0, int64_t n1, float* acc, int64_t ld) {
 #if defined(__AVX512F__)
     const auto* w = static_cast<const typename F::Block*>(j.w);
     const int64_t nb = j.K / F::block;
@@ -478,74 +583,136 @@ void block_rows(const Job& j, int64_t n0, int64_t n1, float* acc) {
             for (int m = 0; m < MC; ++m) acc[(m0 + m) * ld + (n - n0)] = out[m];
         });
 #else
-    std::vector<float> row(static_cast<size_t>(j.K));
-    for (int64_t n = n0; n < n1; ++n) {
-        dequantize_row<F>(j.w, n, j.K, row.data());
-        for (int64_t m = 0; m < j.M; ++m) {
-            const float* x = j.x + m * j.K;
-            float s = 0.f;
-            for (int64_t k = 0; k < j.K; ++k) s += row[k] * x[k];
-            acc[m * ld + (n - n0)] = s;
-        }
-    }
+    rows_by_dequantizing(j, n0, n1, acc, ld, [&](int64_t n, float* row) { dequantize_row<F>(j.w, n, j.K, row); });
 #endif
 }
 
-void f16_rows(const Job& j, int64_t n0, int64_t n1, float* acc) {
-    const int64_t ld = n1 - n0;
-    const uint16_t* w = static_cast<const uint16_t*>(j.w);
+template <typename D>
+void dense_rows(const Job& j, int64_t n0, int64_t n1, float* acc, int64_t ld) {
 #if defined(__AVX512F__)
+    const auto* w = static_cast<const typename D::T*>(j.w);
     for (int64_t n = n0; n < n1; ++n)
         for_row_chunks(j.M, [&]<int MC>(int64_t m0) {
             float out[8];
-            f16_row<MC>(j, w + n * j.K, m0, out);
+            dense_row<D, MC>(j, w + n * j.K, m0, out);
             for (int m = 0; m < MC; ++m) acc[(m0 + m) * ld + (n - n0)] = out[m];
         });
 #else
-    for (int64_t n = n0; n < n1; ++n)
-        for (int64_t m = 0; m < j.M; ++m) {
-            const float* x = j.x + m * j.K;
-            float s = 0.f;
-            for (int64_t k = 0; k < j.K; ++k) s += half_to_float(w[n * j.K + k]) * x[k];
-            acc[m * ld + (n - n0)] = s;
-        }
+    rows_by_dequantizing(j, n0, n1, acc, ld, [&](int64_t n, float* row) { dequantize_dense_row<D>(j.w, n, j.K, row); });
 #endif
 }
 
-bool known(int wt) { return wt >= F16 && wt <= Q6_K; }
+bool known(int wt) { return (wt >= F32 && wt <= Q8_0) || (wt >= F16 && wt <= Q6_K) || wt == MIXED; }
 
 int64_t block_of(int wt) {
     switch (wt) {
+        case F32:
+        case BF16:
         case F16: return 1;
-        case Q4_0:
-        case Q5_0:
-        case Q5_1: return 32;
-        default: return 256;
+        case Q4_K:
+        case Q5_K:
+        case Q6_K: return 256;
+        default: return 32;
     }
 }
 
-void rows_of(const Job& j, int wt, int64_t n0, int64_t n1, float* acc) {
+int64_t block_bytes_of(int wt) {
     switch (wt) {
-        case F16: f16_rows(j, n0, n1, acc); break;
-        case Q4_0: block_rows<Q4_0F>(j, n0, n1, acc); break;
-        case Q5_0: block_rows<Q5_0F>(j, n0, n1, acc); break;
-        case Q5_1: block_rows<Q5_1F>(j, n0, n1, acc); break;
-        case Q4_K: block_rows<Q4_KF>(j, n0, n1, acc); break;
-        case Q5_K: block_rows<Q5_KF>(j, n0, n1, acc); break;
-        default: block_rows<Q6_KF>(j, n0, n1, acc); break;
+        case F32: return 4;
+        case BF16:
+        case F16: return 2;
+        case Q4_0: return 18;
+        case Q4_1: return 20;
+        case Q5_0: return 22;
+        case Q5_1: return 24;
+        case Q8_0: return 34;
+        case Q4_K: return 144;
+        case Q5_K: return 176;
+        default: return 210;  // Q6_K
     }
 }
 
-void dequantize_any(const void* w, int wt, int64_t n, int64_t K, float* out) {
+// A MIXED matrix's bytes start with this header (int64 little-endian), then each segment's rows of
+// blocks at its offset (from the header's first byte):
+//   [MIXED_MAGIC, count, (type, rows, offset) x count]
+constexpr int64_t MIXED_MAGIC = 0x4d49584544;  // "MIXED"
+struct Segment {
+    int type;
+    int64_t row0, rows;
+    const uint8_t* data;
+};
+
+std::vector<Segment> segments_of(const void* w) {
+    const int64_t* h = static_cast<const int64_t*>(w);
+    std::vector<Segment> out;
+    if (h[0] != MIXED_MAGIC) return out;
+    int64_t row0 = 0;
+    for (int64_t s = 0; s < h[1]; ++s) {
+        const int64_t* e = h + 2 + 3 * s;
+        out.push_back({static_cast<int>(e[0]), row0, e[1], static_cast<const uint8_t*>(w) + e[2]});
+        row0 += e[1];
+    }
+    return out;
+}
+
+void single_rows_of(const Job& j, int wt, int64_t n0, int64_t n1, float* acc, int64_t ld) {
     switch (wt) {
-        case F16: dequantize_row_f16(w, n, K, out); break;
+        case F32: dense_rows<DenseF32>(j, n0, n1, acc, ld); break;
+        case BF16: dense_rows<DenseBF16>(j, n0, n1, acc, ld); break;
+        case F16: dense_rows<DenseF16>(j, n0, n1, acc, ld); break;
+        case Q4_0: block_rows<Q4_0F>(j, n0, n1, acc, ld); break;
+        case Q4_1: block_rows<Q4_1F>(j, n0, n1, acc, ld); break;
+        case Q5_0: block_rows<Q5_0F>(j, n0, n1, acc, ld); break;
+        case Q5_1: block_rows<Q5_1F>(j, n0, n1, acc, ld); break;
+        case Q8_0: block_rows<Q8_0F>(j, n0, n1, acc, ld); break;
+        case Q4_K: block_rows<Q4_KF>(j, n0, n1, acc, ld); break;
+        case Q5_K: block_rows<Q5_KF>(j, n0, n1, acc, ld); break;
+        default: block_rows<Q6_KF>(j, n0, n1, acc, ld); break;
+    }
+}
+
+// Output rows [n0, n1) of w (type wt, MIXED included) into acc[m * ld + (n - n0)].
+void rows_of(const Job& j, int wt, const std::vector<Segment>& segments, int64_t n0, int64_t n1, float* acc,
+             int64_t ld) {
+    if (wt != MIXED) {
+        single_rows_of(j, wt, n0, n1, acc, ld);
+        return;
+    }
+    for (const Segment& s : segments) {
+        const int64_t a = std::max(n0, s.row0), b = std::min(n1, s.row0 + s.rows);
+        if (a >= b) continue;
+        Job part = j;
+        part.w = s.data;
+        single_rows_of(part, s.type, a - s.row0, b - s.row0, acc + (a - n0), ld);
+    }
+}
+
+void dequantize_single(const void* w, int wt, int64_t n, int64_t K, float* out) {
+    switch (wt) {
+        case F32: dequantize_dense_row<DenseF32>(w, n, K, out); break;
+        case BF16: dequantize_dense_row<DenseBF16>(w, n, K, out); break;
+        case F16: dequantize_dense_row<DenseF16>(w, n, K, out); break;
         case Q4_0: dequantize_row<Q4_0F>(w, n, K, out); break;
+        case Q4_1: dequantize_row<Q4_1F>(w, n, K, out); break;
         case Q5_0: dequantize_row<Q5_0F>(w, n, K, out); break;
         case Q5_1: dequantize_row<Q5_1F>(w, n, K, out); break;
+        case Q8_0: dequantize_row<Q8_0F>(w, n, K, out); break;
         case Q4_K: dequantize_row<Q4_KF>(w, n, K, out); break;
         case Q5_K: dequantize_row<Q5_KF>(w, n, K, out); break;
         default: dequantize_row<Q6_KF>(w, n, K, out); break;
     }
+}
+
+void dequantize_any(const void* w, int wt, const std::vector<Segment>& segments, int64_t n, int64_t K, float* out) {
+    if (wt != MIXED) {
+        dequantize_single(w, wt, n, K, out);
+        return;
+    }
+    for (const Segment& s : segments)
+        if (n >= s.row0 && n < s.row0 + s.rows) {
+            dequantize_single(s.data, s.type, n - s.row0, K, out);
+            return;
+        }
 }
 
 }  // namespace
@@ -555,8 +722,12 @@ extern "C" {
 // Returns the ABI version; the loader refuses a library that does not match.
 int mechserve_kquants_abi(void) { return 1; }
 
-// Whether this build knows the weight type `wt` and a row of K weights holds whole blocks of it.
+// Whether this build knows weight type `wt` and a row of K weights is whole blocks of it (MIXED: checked
+// per segment by the caller).
 int mechserve_kquant_accepts(int wt, int64_t K) { return known(wt) && K > 0 && K % block_of(wt) == 0; }
+
+// Bytes of one row of K weights of type `wt` (not MIXED).
+int64_t mechserve_kquant_row_bytes(int wt, int64_t K) { return K / block_of(wt) * block_bytes_of(wt); }
 
 // out [M, N] float32 = xf [M, K] (float32) times w [N, K] (type wt) transposed: unrounded, no bias.  `xb`
 // (x's bfloat16 bits) is unused; the signature is linear.cpp's product(), so its fused blocks can call it.
@@ -564,14 +735,14 @@ void mechserve_kquant_product(const float* xf, const uint16_t* /*xb*/, int64_t M
                               int64_t N, float* out, int n_threads) {
     const int64_t ng = K / G;
     std::vector<float> xs(static_cast<size_t>(M * ng), 0.f);
-    if (wt != F16)
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t g = 0; g < ng; ++g) {
-                float s = 0.f;
-                for (int64_t e = 0; e < G; ++e) s += xf[m * K + g * G + e];
-                xs[m * ng + g] = s;
-            }
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < ng; ++g) {
+            float s = 0.f;
+            for (int64_t e = 0; e < G; ++e) s += xf[m * K + g * G + e];
+            xs[m * ng + g] = s;
+        }
     const Job job{xf, xs.data(), w, M, K};
+    const std::vector<Segment> segments = wt == MIXED ? segments_of(w) : std::vector<Segment>{};
     // Each thread owns a contiguous range of output rows, a multiple of 16.
     const int64_t per = ((N + n_threads - 1) / n_threads + 15) / 16 * 16;
 #pragma omp parallel num_threads(n_threads)
@@ -582,7 +753,7 @@ void mechserve_kquant_product(const float* xf, const uint16_t* /*xb*/, int64_t M
             const int64_t n0 = t * per, n1 = std::min(N, n0 + per);
             if (n0 >= n1) continue;
             acc.resize(static_cast<size_t>(M * (n1 - n0)));
-            rows_of(job, wt, n0, n1, acc.data());
+            rows_of(job, wt, segments, n0, n1, acc.data(), n1 - n0);
             for (int64_t m = 0; m < M; ++m)
                 std::memcpy(out + m * N + n0, acc.data() + m * (n1 - n0), sizeof(float) * (n1 - n0));
         }
@@ -609,12 +780,13 @@ void mechserve_kquant_linear(const void* x, int xt, const void* w, int wt, const
 // decoder does: an embedding lookup, or a slice of a matrix for a product at many rows.
 void mechserve_kquant_dequantize_rows(const void* w, int wt, const int64_t* ids, int64_t R, int64_t K, void* out,
                                       int ot, int n_threads) {
+    const std::vector<Segment> segments = wt == MIXED ? segments_of(w) : std::vector<Segment>{};
 #pragma omp parallel num_threads(n_threads)
     {
         std::vector<float> row(static_cast<size_t>(K));
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; ++r) {
-            dequantize_any(w, wt, ids[r], K, row.data());
+            dequantize_any(w, wt, segments, ids[r], K, row.data());
             if (ot == F32)
                 std::memcpy(static_cast<float*>(out) + r * K, row.data(), sizeof(float) * K);
             else
