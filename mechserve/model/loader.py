@@ -29,6 +29,7 @@ from mechserve.model.checkpoint import (
 )
 from mechserve.model.gguf_file import is_gguf
 from mechserve.model.llama import LlamaModel
+from mechserve.model.memory import release_freed
 from mechserve.model.sharded import ModelShape
 
 
@@ -61,7 +62,9 @@ def load_model(
     """
     path = resolve_model(model)
     if is_gguf(path):  # issue 30
-        return _load_gguf(path, dtype, tokenizer, weights, quantization)
+        loaded = _load_gguf(path, dtype, tokenizer, weights, quantization)
+        release_freed()
+        return loaded
     if not weights:
         config = load_config(path)
         tok = load_tokenizer(path) if tokenizer else None
@@ -74,6 +77,7 @@ def load_model(
         checkpoint = load_checkpoint(path, dtype)
     forward = LlamaModel(checkpoint)
     tok = load_tokenizer(path) if tokenizer else None
+    release_freed()  # issue 30: the load's freed buffers out of the resident set
     return LoadedModel(path, forward, tok, eos_token_ids(path, checkpoint.config, tok))
 
 
