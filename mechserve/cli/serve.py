@@ -56,7 +56,7 @@ GRACEFUL_SHUTDOWN_SECONDS = 5  # for connections still open after the drain (a c
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's flags; sizes are checked by their ``type=`` before anything is loaded."""
     add = parser.add_argument
-    add_model_argument(parser, "'smollm2' (embedded, default) or a local Hugging Face model directory")
+    add_model_argument(parser, "'smollm2' (embedded, default), a local Hugging Face model directory or a GGUF file")
     add("--served-model-name", default=None, metavar="NAME", help="the name clients use (default: --model)")
     add_dtype_argument(parser)
     add_device_arguments(parser)

@@ -367,3 +367,31 @@ def test_eos_ids_are_llama_cpps(tmp_path, bpe) -> None:
     write_gguf(path, hf, "llama", "q8_0", bpe, metadata={"tokenizer.ggml.eot_token_id": 5})
     f = GGUFFile.open(path)
     assert gguf_model.gguf_eos_ids(f) == (0, 5)  # EOS, then EOT (and any <|im_end|>-like token text)
+
+
+@pytest.mark.parametrize(
+    ("pre", "want"),
+    [
+        # llama-tokenize's ids for "a 12 x123 1212" with these files (llama.cpp 0.3.36's sdist, checked once):
+        # "smollm" splits digits one by one before the byte-level regex, so no digit merge applies
+        ("smollm", [65, 221, 17, 18, 221, 88, 17, 18, 19, 221, 17, 18, 17, 18]),
+        ("gpt-2", [65, 221, 265, 221, 88, 265, 19, 221, 265, 265]),
+    ],
+)
+def test_llama_cpps_pre_tokenizer_is_honoured(tmp_path, pre, want) -> None:
+    """transformers' GGUF tokenizer has no ``smollm`` split; without ours, SmolLM-style files would merge digits
+    that llama.cpp keeps apart."""
+    import dataclasses
+
+    vocab = bpe_vocab(tmp_path)
+    vocab = dataclasses.replace(
+        vocab,
+        tokens=[*vocab.tokens, "12", "Ġ1"],
+        types=[*vocab.types, 1, 1],
+        merges=[*vocab.merges, "1 2", "Ġ 1"],
+        pre=pre,
+    )
+    path = tmp_path / "m.gguf"
+    write_gguf(path, tiny_hf("llama", vocab_size=len(vocab.tokens)), "llama", "q8_0", vocab)
+    tok = load_model(str(path)).tokenizer
+    assert tok("a 12 x123 1212").input_ids == want

@@ -1,39 +1,43 @@
-// GGUF's other weight formats, multiplied as a file stores them: F16, Q4_0, Q5_0, Q5_1 and the
-// K-quants Q4_K, Q5_K, Q6_K (ggml's block layouts, ggml-common.h).  Never expanded to a float copy
-// of the matrix: a product reads each block once and widens it in registers.
+// GGUF's weight formats, multiplied as a file stores them: F16, Q4_0, Q5_0, Q5_1, the K-quants Q4_K, Q5_K,
+// Q6_K (ggml's block layouts, ggml-common.h), and Q4_1, Q8_0, F32, BF16 inside a MIXED matrix (row groups of
+// different formats: a file's q/k/v or gate/up fused).  Never expanded to a float copy of the matrix: a
+// product reads each block once and widens it in registers.
 //
 //   y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])      x: [M, K], w: [N, K] (torch's F.linear)
 //
-// Every block format is described to the kernels the same way: its weights come in groups of 16,
-// and group g of a block is  w = sc[g] * q + off[g]  with q unsigned integers (the stored nibbles, with
-// their high bits for the 5- and 6-bit formats).  So a block's dot product with x is
-//   sum_g sc[g] * (q_g . x_g) + off[g] * sum(x_g)
-// and the sums of x per 16 weights are taken once per call.  The offsets of 16 groups (one K-quant
-// block, or eight 32-weight blocks) are added with one vector FMA against those sums.
+// Every block format is described to the kernels the same way: its weights come in groups of 16, and
+// group g of a block is  w = sc[g] * q + off  with q the stored integers less the format's zero point
+// (signed: Q4_0 -8, Q5_0 -16, Q8_0 none, Q6_K -32) and off the min of the formats that have one (Q4_1,
+// Q5_1: m; Q4_K, Q5_K: -dmin * m_j), shared by each 32 weights.  So a block's dot product with x is
+//   sum_g sc[g] * (q_g . x_g) + sum over 32-weight pairs of off_p * sum(x_p)
+// with the sums of x per 32 weights taken once per call and 16 pairs' mins added with one vector FMA.
 //
-//   format  block  bytes  layout (ggml)                                         group g of a block
-//   Q4_0    32     18     fp16 d; qs[16] (weight j: low nibble of qs[j],          sc = d, off = -8 d
+//   format  block  bytes  layout (ggml)                                         group scale, min
+//   Q4_0    32     18     fp16 d; qs[16] (weight j: low nibble of qs[j],          d, none
 //                         j >= 16: high nibble of qs[j - 16])
-//   Q5_0    32     22     fp16 d; u32 qh (bit j: weight j's 5th bit); qs[16]     sc = d, off = -16 d
-//   Q5_1    32     24     fp16 d, m; u32 qh; qs[16]                              sc = d, off = m
-//   Q4_K    256    144    fp16 d, dmin; scales[12] (8 six-bit scales and mins);  sc = d * s_j,
-//                         qs[128] (64 weights per 32 bytes: sub-block 2c in the   off = -dmin * m_j
-//                         low nibbles, 2c + 1 in the high ones)                   (j = g / 2)
+//   Q4_1    32     20     fp16 d, m; qs[16]                                      d, m
+//   Q5_0    32     22     fp16 d; u32 qh (bit j: weight j's 5th bit); qs[16]     d, none
+//   Q5_1    32     24     fp16 d, m; u32 qh; qs[16]                              d, m
+//   Q8_0    32     34     fp16 d; int8 qs[32]                                    d, none
+//   Q4_K    256    144    fp16 d, dmin; scales[12] (8 six-bit scales and mins);  d * s_j, -dmin * m_j
+//                         qs[128] (64 weights per 32 bytes: sub-block 2c in the   (j = g / 2)
+//                         low nibbles, 2c + 1 in the high ones)
 //   Q5_K    256    176    as Q4_K, plus qh[32] (bit j of qh[l]: weight l of sub-block j's 5th bit)
-//   Q6_K    256    210    ql[128], qh[64] (2 bits each), int8 scales[16], fp16 d  sc = d * s_g, off = -32 sc
-//   F16     1      2      IEEE half                                              (dense: no groups)
+//   Q6_K    256    210    ql[128], qh[64] (2 bits each), int8 scales[16], fp16 d  d * s_g, none
+//   F16, BF16, F32        one value each                                         (dense: no groups)
 //
 // `to_f32` of each format computes a block's weights exactly as gguf-py's reference decoder
 // (gguf.quants) does, in the same float32 operations (built with -ffp-contract=off), so a row
 // dequantized here equals the reference bit for bit; the products differ from (reference row) . x
 // only in summation order.
 //
-// Paths: AVX-512 (the group decoders above, in registers), else a portable loop over rows
-// dequantized with to_f32.  Threads: OpenMP on the runtime torch already loaded, as linear.cpp.
+// Paths: AVX-512 (the pair decoders, in registers), else a portable loop over rows dequantized with
+// to_f32.  Threads: OpenMP on the runtime torch already loaded, as linear.cpp.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -41,6 +45,10 @@
 #endif
 
 namespace {
+
+// The block decoders and the kernels' steps are inlined whatever GCC's size heuristics say: a step left as a
+// call keeps the accumulators in memory (Q5_1 at two activation rows ran 3x slower than Q4_1 that way).
+#define KQ_INLINE __attribute__((always_inline)) inline
 
 // linear.cpp's numbers for F32, BF16, Q4_1 and Q8_0; MIXED: a matrix whose row groups differ in format.
 enum Type : int {
@@ -102,7 +110,7 @@ inline void store_value(void* p, int type, int64_t i, float v) {
         static_cast<uint16_t*>(p)[i] = float_to_bf16(v);
 }
 
-inline uint32_t load_u32(const uint8_t* p) {
+KQ_INLINE uint32_t load_u32(const uint8_t* p) {
     uint32_t v;
     std::memcpy(&v, p, sizeof v);
     return v;
@@ -119,24 +127,42 @@ inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
     }
 }
 
-// The group scales and offsets of a Q4_K/Q5_K block: sub-block j's 32 weights are groups 2j and 2j + 1.
-inline void k_scales(uint16_t dh, uint16_t dminh, const uint8_t* q, float* sc, float* off) {
+// A Q4_K/Q5_K block's scales per sub-block j of 32 weights (sc[j]) and what each weight of it adds
+// (off[j] = -dmin * m_j).
+KQ_INLINE void k_scales(uint16_t dh, uint16_t dminh, const uint8_t* q, float* sc, float* off) {
     const float d = half_to_float(dh), dmin = half_to_float(dminh);
+#if defined(__AVX512F__)
+    // scale_min_k4 for all eight at once, a byte per value in four 32-bit words: with u0..u2 the
+    // scales' words, s0-3 = u0 & 63, m0-3 = u1 & 63, s4-7 = low nibbles of u2 | (u0's top two bits) << 4,
+    // m4-7 = high nibbles of u2 | (u1's top two bits) << 4.
+    uint32_t u[3];
+    std::memcpy(u, q, sizeof u);
+    const uint32_t six = 0x3f3f3f3fu, low = 0x0f0f0f0fu, top = 0x03030303u;
+    const uint32_t words[4] = {u[0] & six, (u[2] & low) | (((u[0] >> 6) & top) << 4), u[1] & six,
+                               ((u[2] >> 4) & low) | (((u[1] >> 6) & top) << 4)};
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)words)));
+    const __m512 mul = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d), _mm512_set1_ps(-dmin));
+    alignas(64) float both[16];
+    _mm512_store_ps(both, _mm512_mul_ps(v, mul));  // -(dmin * m) == (-dmin) * m exactly
+    std::memcpy(sc, both, 8 * sizeof(float));
+    std::memcpy(off, both + 8, 8 * sizeof(float));
+    return;
+#endif
     for (int j = 0; j < 8; ++j) {
         int s, m;
         scale_min_k4(j, q, s, m);
-        sc[2 * j] = sc[2 * j + 1] = d * static_cast<float>(s);
-        off[2 * j] = off[2 * j + 1] = -(dmin * static_cast<float>(m));
+        sc[j] = d * static_cast<float>(s);
+        off[j] = -(dmin * static_cast<float>(m));
     }
 }
 
 #if defined(__AVX512F__)
-inline __m512i widen(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
-inline __m512 as_float(__m512i v) { return _mm512_cvtepi32_ps(v); }
-inline __m512i nib_lo(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi32(0x0f)); }
-inline __m512i nib_hi(__m512i v) { return _mm512_srli_epi32(v, 4); }
+KQ_INLINE __m512i widen(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+KQ_INLINE __m512 as_float(__m512i v) { return _mm512_cvtepi32_ps(v); }
+KQ_INLINE __m512i nib_lo(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi32(0x0f)); }
+KQ_INLINE __m512i nib_hi(__m512i v) { return _mm512_srli_epi32(v, 4); }
 // v with 16 added in the lanes whose bit of `bits` is set (a 5th bit).
-inline __m512i fifth_bit(__m512i v, uint32_t bits) {
+KQ_INLINE __m512i fifth_bit(__m512i v, uint32_t bits) {
     return _mm512_mask_or_epi32(v, static_cast<__mmask16>(bits), v, _mm512_set1_epi32(16));
 }
 #endif
@@ -154,17 +180,13 @@ struct Q4_0F {
             out[j + 16] = d * static_cast<float>((b.qs[j] >> 4) - 8);
         }
     }
-    static void scales(const Block& b, float* sc, float* off) {
-        const float d = half_to_float(b.d);
-        sc[0] = sc[1] = d;
-        off[0] = off[1] = -8.f * d;
-    }
+    static constexpr bool has_min = false;
+    static constexpr bool shared = true;  // one scale per 32 weights
 #if defined(__AVX512F__)
-    template <typename E>
-    static void values(const Block& b, E&& emit) {
-        const __m512i v = widen(b.qs);
-        emit(0, as_float(nib_lo(v)));
-        emit(1, as_float(nib_hi(v)));
+    template <int P>
+    KQ_INLINE static void pair(const Block& b, __m512& q0, __m512& q1) {
+        const __m512i v = widen(b.qs), eight = _mm512_set1_epi32(8);
+        q0 = as_float(_mm512_sub_epi32(nib_lo(v), eight)), q1 = as_float(_mm512_sub_epi32(nib_hi(v), eight));
     }
 #endif
 };
@@ -182,21 +204,17 @@ struct Q4_1F {
             out[j + 16] = d * static_cast<float>(b.qs[j] >> 4) + m;
         }
     }
-    static void scales(const Block& b, float* sc, float* off) {
-        sc[0] = sc[1] = half_to_float(b.d);
-        off[0] = off[1] = half_to_float(b.m);
-    }
+    static constexpr bool has_min = true;
+    static constexpr bool shared = true;  // one scale per 32 weights
 #if defined(__AVX512F__)
-    template <typename E>
-    static void values(const Block& b, E&& emit) {
+    template <int P>
+    KQ_INLINE static void pair(const Block& b, __m512& q0, __m512& q1) {
         const __m512i v = widen(b.qs);
-        emit(0, as_float(nib_lo(v)));
-        emit(1, as_float(nib_hi(v)));
+        q0 = as_float(nib_lo(v)), q1 = as_float(nib_hi(v));
     }
 #endif
 };
 
-// Q8_0's signed values as unsigned ones: q + 128, with off = -128 d.
 struct Q8_0F {
     static constexpr int64_t block = 32, groups = 2;
     struct Block {
@@ -207,17 +225,13 @@ struct Q8_0F {
         const float d = half_to_float(b.d);
         for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(b.qs[j]);
     }
-    static void scales(const Block& b, float* sc, float* off) {
-        const float d = half_to_float(b.d);
-        sc[0] = sc[1] = d;
-        off[0] = off[1] = -128.f * d;
-    }
+    static constexpr bool has_min = false;
+    static constexpr bool shared = true;  // one scale per 32 weights
 #if defined(__AVX512F__)
-    template <typename E>
-    static void values(const Block& b, E&& emit) {
-        const __m512i bias = _mm512_set1_epi32(128);
-        emit(0, as_float(_mm512_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)b.qs)), bias)));
-        emit(1, as_float(_mm512_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b.qs + 16))), bias)));
+    template <int P>
+    KQ_INLINE static void pair(const Block& b, __m512& q0, __m512& q1) {
+        q0 = as_float(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)b.qs)));
+        q1 = as_float(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b.qs + 16))));
     }
 #endif
 };
@@ -239,18 +253,17 @@ struct Q5_0F {
             out[j + 16] = d * static_cast<float>(hi - 16);
         }
     }
-    static void scales(const Block& b, float* sc, float* off) {
-        const float d = half_to_float(b.d);
-        sc[0] = sc[1] = d;
-        off[0] = off[1] = -16.f * d;
-    }
+    static constexpr bool has_min = false;
+    static constexpr bool shared = true;  // one scale per 32 weights
 #if defined(__AVX512F__)
-    template <typename E>
-    static void values(const Block& b, E&& emit) {
-        const __m512i v = widen(b.qs);
+    template <int P>
+    KQ_INLINE static void pair(const Block& b, __m512& q0, __m512& q1) {
+        // q - 16 with q = nibble | fifth bit << 4: the nibble where the bit is set, nibble - 16 where not
+        const __m512i v = widen(b.qs), sixteen = _mm512_set1_epi32(16);
         const uint32_t qh = load_u32(b.qh);
-        emit(0, as_float(fifth_bit(nib_lo(v), qh & 0xffffu)));
-        emit(1, as_float(fifth_bit(nib_hi(v), qh >> 16)));
+        const __m512i lo = nib_lo(v), hi = nib_hi(v);
+        q0 = as_float(_mm512_mask_sub_epi32(lo, static_cast<__mmask16>(~qh), lo, sixteen));
+        q1 = as_float(_mm512_mask_sub_epi32(hi, static_cast<__mmask16>(~qh >> 16), hi, sixteen));
     }
 #endif
 };
@@ -272,17 +285,20 @@ struct Q5_1F {
             out[j + 16] = d * static_cast<float>(hi) + m;
         }
     }
-    static void scales(const Block& b, float* sc, float* off) {
-        sc[0] = sc[1] = half_to_float(b.d);
-        off[0] = off[1] = half_to_float(b.m);
-    }
+    static constexpr bool has_min = true;
+    static constexpr bool shared = true;  // one scale per 32 weights
 #if defined(__AVX512F__)
-    template <typename E>
-    static void values(const Block& b, E&& emit) {
-        const __m512i v = widen(b.qs);
-        const uint32_t qh = load_u32(b.qh);
-        emit(0, as_float(fifth_bit(nib_lo(v), qh & 0xffffu)));
-        emit(1, as_float(fifth_bit(nib_hi(v), qh >> 16)));
+    template <int P>
+    KQ_INLINE static void pair(const Block& b, __m512& q0, __m512& q1) {
+        // the fifth bits as a vector (lane l of the low half: bit l of qh), not as a mask register: with
+        // the min's bookkeeping beside it the mask form ran 2-3x slower from two activation rows on
+        const __m512i v = widen(b.qs), one = _mm512_set1_epi32(1);
+        const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i qh = _mm512_set1_epi32(static_cast<int>(load_u32(b.qh)));
+        const __m512i h0 = _mm512_and_si512(_mm512_srlv_epi32(qh, lanes), one);
+        const __m512i h1 = _mm512_and_si512(_mm512_srlv_epi32(qh, _mm512_add_epi32(lanes, _mm512_set1_epi32(16))), one);
+        q0 = as_float(_mm512_or_si512(nib_lo(v), _mm512_slli_epi32(h0, 4)));
+        q1 = as_float(_mm512_or_si512(nib_hi(v), _mm512_slli_epi32(h1, 4)));
     }
 #endif
 };
@@ -305,16 +321,17 @@ struct Q4_KF {
             for (int l = 0; l < 32; ++l) out[32 * j + l] = d1 * static_cast<float>((q[l] >> shift) & 0x0f) - m1;
         }
     }
-    static void scales(const Block& b, float* sc, float* off) { k_scales(b.d, b.dmin, b.scales, sc, off); }
+    static constexpr bool has_min = true;
+    static constexpr bool shared = true;  // pair P is sub-block P: one scale
+    KQ_INLINE static void scales(const Block& b, float* sc, float* off) { k_scales(b.d, b.dmin, b.scales, sc, off); }
 #if defined(__AVX512F__)
-    template <typename E>
-    static void values(const Block& b, E&& emit) {
-        for (int c = 0; c < 4; ++c) {
-            const __m512i v0 = widen(b.qs + 32 * c), v1 = widen(b.qs + 32 * c + 16);
-            emit(4 * c + 0, as_float(nib_lo(v0)));
-            emit(4 * c + 1, as_float(nib_lo(v1)));
-            emit(4 * c + 2, as_float(nib_hi(v0)));
-            emit(4 * c + 3, as_float(nib_hi(v1)));
+    template <int P>
+    KQ_INLINE static void pair(const Block& b, __m512& q0, __m512& q1) {
+        const __m512i v0 = widen(b.qs + 32 * (P / 2)), v1 = widen(b.qs + 32 * (P / 2) + 16);
+        if constexpr (P % 2) {
+            q0 = as_float(nib_hi(v0)), q1 = as_float(nib_hi(v1));
+        } else {
+            q0 = as_float(nib_lo(v0)), q1 = as_float(nib_lo(v1));
         }
     }
 #endif
@@ -342,22 +359,17 @@ struct Q5_KF {
             }
         }
     }
-    static void scales(const Block& b, float* sc, float* off) { k_scales(b.d, b.dmin, b.scales, sc, off); }
+    static constexpr bool has_min = true;
+    static constexpr bool shared = true;  // pair P is sub-block P: one scale
+    KQ_INLINE static void scales(const Block& b, float* sc, float* off) { k_scales(b.d, b.dmin, b.scales, sc, off); }
 #if defined(__AVX512F__)
-    template <typename E>
-    static void values(const Block& b, E&& emit) {
-        const __m512i h0 = widen(b.qh), h1 = widen(b.qh + 16);
-        for (int c = 0; c < 4; ++c) {
-            const __m512i v0 = widen(b.qs + 32 * c), v1 = widen(b.qs + 32 * c + 16);
-            for (int half = 0; half < 2; ++half) {
-                const int j = 2 * c + half;  // the sub-block
-                const __m512i bit = _mm512_set1_epi32(1 << j);
-                const __m512i a = half ? nib_hi(v0) : nib_lo(v0), z = half ? nib_hi(v1) : nib_lo(v1);
-                const __m512i sixteen = _mm512_set1_epi32(16);
-                emit(2 * j, as_float(_mm512_mask_or_epi32(a, _mm512_test_epi32_mask(h0, bit), a, sixteen)));
-                emit(2 * j + 1, as_float(_mm512_mask_or_epi32(z, _mm512_test_epi32_mask(h1, bit), z, sixteen)));
-            }
-        }
+    template <int P>
+    KQ_INLINE static void pair(const Block& b, __m512& q0, __m512& q1) {
+        const __m512i v0 = widen(b.qs + 32 * (P / 2)), v1 = widen(b.qs + 32 * (P / 2) + 16);
+        const __m512i a = P % 2 ? nib_hi(v0) : nib_lo(v0), z = P % 2 ? nib_hi(v1) : nib_lo(v1);
+        const __m512i bit = _mm512_set1_epi32(1 << P), sixteen = _mm512_set1_epi32(16);
+        q0 = as_float(_mm512_mask_or_epi32(a, _mm512_test_epi32_mask(widen(b.qh), bit), a, sixteen));
+        q1 = as_float(_mm512_mask_or_epi32(z, _mm512_test_epi32_mask(widen(b.qh + 16), bit), z, sixteen));
     }
 #endif
 };
@@ -384,37 +396,39 @@ struct Q6_KF {
             for (int l = 0; l < 16; ++l) out[16 * g + l] = dg * static_cast<float>(q_of(b, 16 * g + l) - 32);
         }
     }
-    static void scales(const Block& b, float* sc, float* off) {
+    static constexpr bool has_min = false;
+    static constexpr bool shared = false;  // every group of 16 has its own scale
+    KQ_INLINE static void scales(const Block& b, float* sc, float*) {
         const float d = half_to_float(b.d);
-        for (int g = 0; g < 16; ++g) {
-            sc[g] = d * static_cast<float>(b.scales[g]);
-            off[g] = -32.f * sc[g];
-        }
+#if defined(__AVX512F__)
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)b.scales)));
+        _mm512_storeu_ps(sc, _mm512_mul_ps(v, _mm512_set1_ps(d)));
+#else
+        for (int g = 0; g < 16; ++g) sc[g] = d * static_cast<float>(b.scales[g]);
+#endif
     }
 #if defined(__AVX512F__)
-    template <typename E>
-    static void values(const Block& b, E&& emit) {
+    // Pair P = 4 h + k: weights h * 128 + 32 k + (0..15, 16..31), groups 2 P and 2 P + 1.
+    template <int P>
+    KQ_INLINE static void pair(const Block& b, __m512& q0, __m512& q1) {
+        constexpr int h = P / 4, k = P % 4;
+        const uint8_t* ql = b.ql + 64 * h + 32 * (k % 2);
+        const uint8_t* qh = b.qh + 32 * h;
         const __m512i three = _mm512_set1_epi32(3);
-        for (int h = 0; h < 2; ++h) {
-            const uint8_t* ql = b.ql + 64 * h;
-            const uint8_t* qh = b.qh + 32 * h;
-            const __m512i a[2] = {widen(ql), widen(ql + 16)}, c[2] = {widen(ql + 32), widen(ql + 48)};
-            const __m512i hb[2] = {widen(qh), widen(qh + 16)};
-            for (int k = 0; k < 4; ++k)
-                for (int s = 0; s < 2; ++s) {  // l = 16 s .. 16 s + 15
-                    const __m512i src = k % 2 ? c[s] : a[s];
-                    const __m512i low = k / 2 ? nib_hi(src) : nib_lo(src);
-                    const __m512i high = _mm512_and_si512(_mm512_srli_epi32(hb[s], 2 * k), three);
-                    emit(8 * h + 2 * k + s, as_float(_mm512_or_si512(low, _mm512_slli_epi32(high, 4))));
-                }
-        }
+        const __m512i l0 = k / 2 ? nib_hi(widen(ql)) : nib_lo(widen(ql));
+        const __m512i l1 = k / 2 ? nib_hi(widen(ql + 16)) : nib_lo(widen(ql + 16));
+        const __m512i h0 = _mm512_and_si512(_mm512_srli_epi32(widen(qh), 2 * k), three);
+        const __m512i h1 = _mm512_and_si512(_mm512_srli_epi32(widen(qh + 16), 2 * k), three);
+        const __m512i bias = _mm512_set1_epi32(32);
+        q0 = as_float(_mm512_sub_epi32(_mm512_or_si512(l0, _mm512_slli_epi32(h0, 4)), bias));
+        q1 = as_float(_mm512_sub_epi32(_mm512_or_si512(l1, _mm512_slli_epi32(h1, 4)), bias));
     }
 #endif
 };
 
 // ---- Products for few rows ---------------------------------------------------------------------------
 
-// One call's activations: x [M, K] float32 and its sums per 16 weights, xs [M, K / 16].
+// One call's activations: x [M, K] float32 and its sums per 32 weights, xs [M, K / 32].
 struct Job {
     const float* x;
     const float* xs;
@@ -453,45 +467,103 @@ struct DenseF16 {
 };
 
 #if defined(__AVX512F__)
-// One weight row of block format F against MC activation rows starting at m0.
+// A 32-weight block's head widened: lane 0 its scale d, lane 1 its min m (Q4_1, Q5_1: the next fp16).
+// Only those 4 bytes are converted: the bytes after them (Q5's high bits) read as fp16 are often denormals
+// or NaNs, which made the conversion take a slow path (Q5_1 at 2 rows ran 3x slower than Q4_1).
+template <typename BT>
+KQ_INLINE __m128 head32(const BT& b) {
+    uint32_t dm;
+    std::memcpy(&dm, &b, sizeof dm);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));
+}
+
+// One weight row of block format F against MC activation rows starting at m0.  A block is read a pair of
+// 16-weight groups (32 weights) at a time, its pairs unrolled (the pair index a template constant), values
+// signed (the formats' zero points taken off) so only the formats with a min (Q4_1, Q5_1, Q4_K, Q5_K) add
+// min * sum(x) per 32 weights, 16 at a time against the sums of x.  One activation row: the pair's two
+// q . x are summed before their shared scale is applied, into four accumulators in turn (one chain would
+// be bound by the FMA's latency); more rows: the scaled values are shared by every row.
 template <typename F, int MC>
 void block_row(const Job& j, const typename F::Block* w, int64_t m0, float* out) {
-    const int64_t K = j.K, nb = K / F::block, ng = K / G;
+    constexpr int NP = static_cast<int>(F::groups / 2);  // pairs per block
+    constexpr int A = MC == 1 ? 4 : 2;                   // accumulators per activation row
+    const int64_t K = j.K, nb = K / F::block, np = K / 32;
     const float* x = j.x + m0 * K;
-    const float* xs = j.xs + m0 * ng;
-    __m512 acc[MC][2], acco[MC];
-    for (int m = 0; m < MC; ++m) acc[m][0] = acc[m][1] = acco[m] = _mm512_setzero_ps();
-    alignas(64) float sc[16], off[16];
+    const float* xs = j.xs + m0 * np;
+    __m512 acc[MC][A], acco[MC];
+    for (int m = 0; m < MC; ++m) {
+        for (int a = 0; a < A; ++a) acc[m][a] = _mm512_setzero_ps();
+        acco[m] = _mm512_setzero_ps();
+    }
+    alignas(64) float mins[16];
     int filled = 0;
-    int64_t g0 = 0;  // the group of x the buffered offsets start at
-    for (int64_t i = 0; i < nb; ++i) {
-        const float* xb = x + i * F::block;
-        F::scales(w[i], sc + filled, off + filled);
-        const float* s = sc + filled;
+    int64_t p0 = 0;  // the pair of x the buffered mins start at
+    const auto flush = [&](bool last) __attribute__((always_inline)) {
+        if (!F::has_min || (filled < 16 && !last) || filled == 0) return;
+        const __mmask16 k = static_cast<__mmask16>(filled == 16 ? 0xffffu : (1u << filled) - 1u);
+        const __m512 o = _mm512_maskz_load_ps(k, mins);
+        for (int m = 0; m < MC; ++m) acco[m] = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(k, xs + m * np + p0), acco[m]);
+        p0 += filled;
+        filled = 0;
+    };
+    // Pair P of block i scaled by s0 (its first 16 weights) and s1, into accumulator AC for one row.
+    const auto step = [&]<int P, int AC>(int64_t i, __m512 s0, __m512 s1) __attribute__((always_inline)) {
+        __m512 q0, q1;
+        F::template pair<P>(w[i], q0, q1);
+        const float* xp = x + i * F::block + 32 * P;
         if constexpr (MC == 1) {
-            F::values(w[i], [&](int g, __m512 q) {
-                const __m512 t = _mm512_mul_ps(q, _mm512_loadu_ps(xb + G * g));
-                acc[0][g & 1] = _mm512_fmadd_ps(t, _mm512_set1_ps(s[g]), acc[0][g & 1]);
-            });
+            if constexpr (F::shared) {
+                const __m512 t = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xp + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xp)));
+                acc[0][AC] = _mm512_fmadd_ps(t, s0, acc[0][AC]);
+            } else {
+                acc[0][AC] = _mm512_fmadd_ps(_mm512_mul_ps(q0, _mm512_loadu_ps(xp)), s0, acc[0][AC]);
+                acc[0][AC ^ 1] = _mm512_fmadd_ps(_mm512_mul_ps(q1, _mm512_loadu_ps(xp + 16)), s1, acc[0][AC ^ 1]);
+            }
         } else {
-            F::values(w[i], [&](int g, __m512 q) {
-                const __m512 wq = _mm512_mul_ps(q, _mm512_set1_ps(s[g]));
-                for (int m = 0; m < MC; ++m)
-                    acc[m][g & 1] = _mm512_fmadd_ps(wq, _mm512_loadu_ps(xb + m * K + G * g), acc[m][g & 1]);
-            });
+            const __m512 w0 = _mm512_mul_ps(q0, s0), w1 = _mm512_mul_ps(q1, s1);
+            for (int m = 0; m < MC; ++m) {
+                acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + m * K), acc[m][0]);
+                acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + m * K + 16), acc[m][1]);
+            }
         }
-        filled += static_cast<int>(F::groups);
-        if (filled == 16 || i == nb - 1) {
-            const __mmask16 k = static_cast<__mmask16>(filled == 16 ? 0xffffu : (1u << filled) - 1u);
-            const __m512 o = _mm512_maskz_load_ps(k, off);
-            for (int m = 0; m < MC; ++m)
-                acco[m] = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(k, xs + m * ng + g0), acco[m]);
-            g0 += filled;
-            filled = 0;
+    };
+    if constexpr (NP == 1) {  // 32-weight blocks: the head in one conversion; blocks take accumulators in turn
+        const auto block = [&]<int AC>(int64_t i) __attribute__((always_inline)) {
+            const __m128 h = head32(w[i]);
+            if constexpr (F::has_min) mins[filled++] = _mm_cvtss_f32(_mm_movehdup_ps(h));
+            const __m512 d = _mm512_broadcastss_ps(h);
+            step.template operator()<0, AC>(i, d, d);
+            flush(false);
+        };
+        int64_t i = 0;
+        for (; i + 4 <= nb; i += 4) {
+            block.template operator()<0>(i);
+            block.template operator()<1 % A>(i + 1);
+            block.template operator()<2 % A>(i + 2);
+            block.template operator()<3 % A>(i + 3);
+        }
+        for (; i < nb; ++i) block.template operator()<0>(i);
+    } else {  // K-quants: the block's scales, then its eight pairs unrolled
+        alignas(64) float sc[16];
+        for (int64_t i = 0; i < nb; ++i) {
+            F::scales(w[i], sc, mins + filled);
+            [&]<int... P>(std::integer_sequence<int, P...>) __attribute__((always_inline)) {
+                if constexpr (F::shared)
+                    (step.template operator()<P, P % A>(i, _mm512_set1_ps(sc[P]), _mm512_set1_ps(sc[P])), ...);
+                else
+                    (step.template operator()<P, (2 * P) % A>(i, _mm512_set1_ps(sc[2 * P]), _mm512_set1_ps(sc[2 * P + 1])),
+                     ...);
+            }(std::make_integer_sequence<int, NP>());
+            if constexpr (F::has_min) filled += NP;
+            flush(false);
         }
     }
-    for (int m = 0; m < MC; ++m)
-        out[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), acco[m]));
+    flush(true);
+    for (int m = 0; m < MC; ++m) {
+        __m512 total = acco[m];
+        for (int a = 0; a < A; ++a) total = _mm512_add_ps(total, acc[m][a]);
+        out[m] = _mm512_reduce_add_ps(total);
+    }
 }
 
 // One dense weight row (F32, BF16 or F16) against MC activation rows.
@@ -733,13 +805,13 @@ int64_t mechserve_kquant_row_bytes(int wt, int64_t K) { return K / block_of(wt) 
 // (x's bfloat16 bits) is unused; the signature is linear.cpp's product(), so its fused blocks can call it.
 void mechserve_kquant_product(const float* xf, const uint16_t* /*xb*/, int64_t M, int64_t K, const void* w, int wt,
                               int64_t N, float* out, int n_threads) {
-    const int64_t ng = K / G;
-    std::vector<float> xs(static_cast<size_t>(M * ng), 0.f);
+    const int64_t np = K / 32;  // the sums of x per 32 weights (formats with a min)
+    std::vector<float> xs(static_cast<size_t>(M * np), 0.f);
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t g = 0; g < ng; ++g) {
+        for (int64_t p = 0; p < np; ++p) {
             float s = 0.f;
-            for (int64_t e = 0; e < G; ++e) s += xf[m * K + g * G + e];
-            xs[m * ng + g] = s;
+            for (int64_t e = 0; e < 32; ++e) s += xf[m * K + p * 32 + e];
+            xs[m * np + p] = s;
         }
     const Job job{xf, xs.data(), w, M, K};
     const std::vector<Segment> segments = wt == MIXED ? segments_of(w) : std::vector<Segment>{};
