@@ -31,7 +31,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mechserve.model.protocol import Model
 
 DEFAULT_TEXT = Path(__file__).with_name("data") / "declaration-of-independence.txt"
 ENGINES = ("mechserve", "llama-cpp")
@@ -86,9 +89,9 @@ def chunk_pieces(ctx: int, rows: int | None) -> list[tuple[int, int]]:
 
 
 def mechserve_perplexity(
-    model: Any, ids: list[int], ctx: int, rows: int | None = None, bos: int | None = None
+    model: Model, ids: list[int], ctx: int, rows: int | None = None, bos: int | None = None
 ) -> dict[str, Any]:
-    """Perplexity of ``ids`` under ``model`` (a ``LlamaModel``) in chunks of ``ctx`` (module docstring).
+    """Perplexity of ``ids`` under ``model`` (a ``model.protocol.Model``) in chunks of ``ctx`` (module docstring).
 
     ``rows``: tokens per forward, continuing the chunk's paged KV (None: the chunk in one forward).
     ``bos``: each chunk's first token is this id (llama-perplexity's rule when the vocabulary adds a BOS).

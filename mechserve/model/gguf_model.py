@@ -7,7 +7,7 @@ refuses, before any weight is read, a file whose
   Mistral and Mixtral-free Mistral derivatives, SmolLM, TinyLlama, all written as ``llama`` by
   llama.cpp's converter --, ``qwen2``, ``qwen3``),
 * tensors include one the weight map does not know (a fused ``attn_qkv``, experts, ...),
-* tensors have a type mechserve does not run (``KINDS``: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
+* tensors have a type mechserve does not run (``formats.GGUF_KINDS``: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
   Q8_0, Q4_K, Q5_K, Q6_K; not Q2_K, Q3_K, the IQ types, ...),
 * settings this forward cannot honour (partial rotary embeddings, per-layer KV head counts, a RoPE
   scaling type other than none/linear/yarn).
@@ -31,73 +31,31 @@ gguf_file=name)``: BPE ``gpt2`` and SentencePiece ``llama`` vocabularies, contro
 tokens, ``tokenizer.chat_template``), with the pre-tokenizer of llama.cpp's ``tokenizer.ggml.pre``
 where transformers has none for it (``PRE_TOKENIZERS``), so the ids are llama.cpp's.
 
-**Weights** (``GGUFTensors``): under Hugging Face names, read from the file when asked for (one
-matrix at a time, so loading holds one layer's parts beside the model, never a second model).  A
-matrix is kept as the file stores it (``QuantizedMatrix`` of its kind) unless its type is the
-activations' dtype (F32 with float32, BF16 with bfloat16: a plain tensor); the q and k rows of a
-``llama`` file are put back in Hugging Face's order (llama.cpp's converter interleaves each head's
-RoPE halves).  Norms and biases are floats of the activations' dtype.
+**Weights**: ``formats.GGUFTensors``, a ``weights.TensorSource`` over the file, through the one weight-name
+map (``weights.gguf_to_hf``); the family is the registry's entry for the architecture's model type
+(``family``), which builds the model as from any other format (``ModelFamily.build``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mechserve.api.errors import ModelLoadError
-from mechserve.model.gguf_file import GGUFFile, GGUFTensor
-from mechserve.model.quantized import QuantizedMatrix, dequantize
+from mechserve.model.formats import GGUF_KINDS
+from mechserve.model.gguf_file import GGUFFile
+from mechserve.model.registry import ModelFamily, find_family
+from mechserve.model.weights import gguf_to_hf
 
 # GGUF architecture -> (Hugging Face model_type, class name): the families the forward runs.
 ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-}
-# ggml type name -> the kind a matrix of it is kept as.
-KINDS = {
-    "F32": "f32",
-    "F16": "f16",
-    "BF16": "bf16",
-    "Q4_0": "q4_0",
-    "Q4_1": "q4_1",
-    "Q5_0": "q5_0",
-    "Q5_1": "q5_1",
-    "Q8_0": "q8_0",
-    "Q4_K": "q4_k",
-    "Q5_K": "q5_k",
-    "Q6_K": "q6_k",
-}
-# The weight map (llama.cpp's tensor names, gguf-py's TensorNameMap): model-wide and per layer.
-GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "ffn_gate.bias": "mlp.gate_proj.bias",
-    "ffn_up.bias": "mlp.up_proj.bias",
-    "ffn_down.bias": "mlp.down_proj.bias",
 }
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3's per-frequency factors
 # llama.cpp's pre-tokenizers that transformers' GGUF tokenizer does not set: their split (before the
@@ -126,17 +84,6 @@ def supported() -> str:
     return ", ".join(ARCHITECTURES)
 
 
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of GGUF tensor ``name`` (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``); None for one the map does not know."""
-    if name in GLOBAL_NAMES:
-        return GLOBAL_NAMES[name]
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{LAYER_NAMES[parts[2]]}"
-    return None
-
-
 def check_model(f: GGUFFile) -> None:
     """Raise ``ModelLoadError`` unless ``f`` is a model this forward runs (module docstring): its
     architecture, every tensor's name and type, and its layers' count."""
@@ -152,16 +99,17 @@ def check_model(f: GGUFFile) -> None:
     for t in f.tensors.values():
         if t.name == ROPE_FREQS:
             continue
-        name = hf_name(t.name)
+        known = gguf_to_hf(t.name)
+        name = known[0] if known is not None else None
         if name is None or (name.startswith("model.layers.") and int(name.split(".")[2]) >= layers):
             raise ModelLoadError(
                 f"{f.path}: tensor {t.name!r} is not part of a {arch} model as mechserve runs it "
                 f"(its layers are blk.0..blk.{layers - 1}: attention, norms and a SwiGLU MLP)"
             )
-        if t.type_name not in KINDS:
+        if t.type_name not in GGUF_KINDS:
             raise ModelLoadError(
                 f"{f.path}: tensor {t.name!r} is {t.type_name}, a type mechserve does not run; "
-                f"supported: {', '.join(KINDS)}"
+                f"supported: {', '.join(GGUF_KINDS)}"
             )
 
 
@@ -278,80 +226,6 @@ def gguf_eos_ids(f: GGUFFile) -> tuple[int, ...]:
     return tuple(ids)
 
 
-class GGUFTensors(Mapping[str, Any]):
-    """The tensors of a checked GGUF file under Hugging Face names, read from the file when looked up
-    (nothing is cached): matrices as the file stores them, vectors as floats of ``dtype`` (module
-    docstring).  Raises ``ModelLoadError`` when a read fails."""
-
-    def __init__(self, f: GGUFFile, config: Any, dtype: torch.dtype) -> None:
-        self.file, self.config, self.dtype = f, config, dtype
-        self._names = {hf: t for t in f.tensors.values() if (hf := hf_name(t.name)) is not None}
-        self._permute = f.architecture == "llama"  # llama.cpp's converter permuted q/k for its NORM RoPE
-
-    def __getitem__(self, name: str) -> Any:
-        t = self._names[name]
-        raw = self.file.read(t.name)
-        if len(t.shape) == 1:
-            return self._vector(t, raw)
-        value = self._matrix(t, raw)
-        if self._permute and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = self.config.num_attention_heads if "q_proj" in name else self.config.num_key_value_heads
-            order = unpermute_rows(t.shape[0], heads)
-            if isinstance(value, QuantizedMatrix):
-                value = QuantizedMatrix(value.kind, value.blocks.index_select(0, order), value.in_features)
-            else:
-                value = value.index_select(0, order)
-        return value
-
-    def _vector(self, t: GGUFTensor, raw: torch.Tensor) -> torch.Tensor:
-        kind = KINDS[t.type_name]
-        flat = raw.reshape(1, -1)
-        if kind in ("f32", "f16", "bf16"):
-            source = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[kind]
-            return flat.view(source).reshape(t.shape).to(self.dtype).contiguous()
-        return dequantize(QuantizedMatrix(kind, flat, t.shape[0]), self.dtype).reshape(t.shape)
-
-    def _matrix(self, t: GGUFTensor, raw: torch.Tensor) -> torch.Tensor | QuantizedMatrix:
-        kind = KINDS[t.type_name]
-        if all(self._plain(s) for s in _fused_with(t.name)):
-            return raw.view(self.dtype).reshape(t.shape)
-        return QuantizedMatrix(kind, raw, t.shape[-1])
-
-    def _plain(self, gguf_name: str) -> bool:
-        """Whether the file's tensor ``gguf_name`` is a float matrix of the activations' dtype (absent: yes)."""
-        t = self.file.tensors.get(gguf_name)
-        return t is None or (KINDS[t.type_name], self.dtype) in (("f32", torch.float32), ("bf16", torch.bfloat16))
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-
-_FUSED = (("attn_q.weight", "attn_k.weight", "attn_v.weight"), ("ffn_gate.weight", "ffn_up.weight"))
-
-
-def _fused_with(name: str) -> tuple[str, ...]:
-    """The GGUF tensors the forward fuses ``name`` with, itself included (q/k/v, gate/up): a float matrix
-    fused with blocks is kept as blocks of its type, so the fused matrix is one ``QuantizedMatrix``."""
-    head, _, tail = name.rpartition(".")
-    head, _, part = head.rpartition(".")
-    for group in _FUSED:
-        if f"{part}.{tail}" in group:
-            return tuple(f"{head}.{g}" for g in group)
-    return (name,)
-
-
-def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
-    """Row order that undoes llama.cpp's q/k permutation (its converter interleaves each head's two RoPE
-    halves: HF row ``h*D + j*D/2 + i`` is GGUF row ``h*D + 2*i + j``), as transformers' GGUF loader does."""
-    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
-
-
 def rope_freqs(f: GGUFFile) -> torch.Tensor | None:
     """Llama 3's RoPE frequency factors ([head_dim // 2] float32) when the file has them, else None."""
     t = f.tensors.get(ROPE_FREQS)
@@ -374,9 +248,10 @@ def apply_rope_freqs(model: Any, factors: torch.Tensor | None) -> None:
     model.inv_freq = model.inv_freq / factors.to(model.inv_freq.device)
 
 
-def gguf_weights_bytes(f: GGUFFile) -> int:
-    """Bytes of every tensor the model keeps, as the file stores them."""
-    return sum(t.nbytes for t in f.tensors.values())
+def family(f: GGUFFile) -> ModelFamily:
+    """The registry's family of ``f``'s architecture (GGUF names it by model type; ``check_model`` first)."""
+    model_type, cls_name = ARCHITECTURES[f.architecture]
+    return find_family([cls_name], model_type, f.path)
 
 
 def open_model(path: Path) -> GGUFFile:
@@ -389,16 +264,13 @@ def open_model(path: Path) -> GGUFFile:
 __all__ = [
     "ARCHITECTURES",
     "EOG_TEXTS",
-    "KINDS",
     "PRE_TOKENIZERS",
-    "GGUFTensors",
     "apply_rope_freqs",
     "check_model",
+    "family",
     "gguf_config",
     "gguf_eos_ids",
     "gguf_tokenizer",
-    "hf_name",
     "open_model",
     "rope_freqs",
-    "unpermute_rows",
 ]
