@@ -79,7 +79,7 @@ def _child() -> int:
     torch.set_num_threads(spec.threads)
     dtype, quantization = MODES[spec.mode]
     loaded = load_model(spec.model, dtype=dtype, tokenizer=False, quantization=quantization)
-    sizes = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.sizes.items()}
+    sizes: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.sizes.items()}
     workload = make_workload(spec.workload, loaded.model.arch.vocab_size, quick=spec.quick, seed=spec.seed, **sizes)
     loading_peak = peak_rss()  # before the run resets the peak
     result = MechserveRunner(loaded, spec.mode, **spec.runner).run(workload, spec.variant)

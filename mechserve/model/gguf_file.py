@@ -206,7 +206,7 @@ class GGUFFile:
         """
         t = self.tensors[name]
         out = torch.empty(t.nbytes, dtype=torch.uint8)
-        view = memoryview(out.numpy())
+        view = memoryview(out.numpy())  # type: ignore[arg-type]
         try:
             with open(self.path, "rb", buffering=0) as f:
                 got = 0

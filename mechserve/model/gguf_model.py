@@ -205,7 +205,7 @@ def gguf_tokenizer(f: GGUFFile) -> Any:
         raise ModelLoadError(f"{f.path}: cannot build its tokenizer: {exc}") from None
     splits = PRE_TOKENIZERS.get(f.get("tokenizer.ggml.pre", ""))
     if splits is not None:
-        steps = [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits]
+        steps: list[Any] = [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits]
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
         tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
     return tok
