@@ -34,6 +34,22 @@ def test_the_embedded_gguf_file_runs_as_the_q4_1_mode_does() -> None:
     assert "Paris" in answer.text and answer.finish_reason == "stop"  # <|im_end|> ends it, from the file's EOS
 
 
+def test_token_ids_are_llama_tokenizes_on_a_few_hundred_strings() -> None:
+    """The shipped file's tokenizer against ``llama-tokenize``'s ids on the same file, pinned in
+    ``tests/data/llama-tokenize-smollm2.json`` (written by ``tests/data/llama_tokenize_cases.py``): whitespace
+    runs, contractions, digits, code, many scripts, emoji, special tokens, the shipped text cut anywhere, and
+    random character mixes."""
+    import json
+
+    from mechserve.model.gguf_model import gguf_tokenizer
+
+    doc = json.loads((Path(__file__).parents[1] / "data" / "llama-tokenize-smollm2.json").read_text("utf-8"))
+    assert doc["gguf"] == embedded_gguf().name and len(doc["cases"]) >= 250
+    tok = gguf_tokenizer(GGUFFile.open(embedded_gguf()))
+    differ = [c["text"] for c in doc["cases"] if tok(c["text"]).input_ids != c["ids"]]
+    assert differ == []
+
+
 def smollm2_vocab() -> Vocab:
     f = GGUFFile.open(embedded_gguf())
     m = f.metadata
