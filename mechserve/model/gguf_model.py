@@ -129,6 +129,26 @@ def _float(f: GGUFFile, key: str, default: float | None = None) -> float:
     return float(value)
 
 
+# The special-token ids of the metadata; llama.cpp's "no token" (-1, or its uint32 form) is allowed.
+TOKEN_ID_KEYS = tuple(
+    f"tokenizer.ggml.{name}_token_id" for name in ("bos", "eos", "eot", "eom", "padding", "unknown", "sep")
+)
+NO_TOKEN = (-1, 0xFFFFFFFF)
+
+
+def _check_token_ids(f: GGUFFile, vocab: Any) -> None:
+    """Raise ``ModelLoadError`` unless the vocabulary size is a whole number >= 1 and every special-token id
+    of ``TOKEN_ID_KEYS`` present is an id of it (a damaged file's EOS would otherwise never end a request)."""
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ModelLoadError(f"{f.path}: its vocabulary size must be a whole number >= 1, got {vocab!r}")
+    for key in TOKEN_ID_KEYS:
+        value = f.get(key)
+        if value is None or value in NO_TOKEN:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
+            raise ModelLoadError(f"{f.path}: metadata {key} is {value!r}, not an id of its {vocab}-token vocabulary")
+
+
 def gguf_config(f: GGUFFile) -> Any:
     """The transformers config of ``f``'s model (module docstring's table).  Raises ``ModelLoadError``."""
     from transformers import AutoConfig
@@ -152,6 +172,7 @@ def gguf_config(f: GGUFFile) -> Any:
         )
     tokens = f.get("tokenizer.ggml.tokens")
     vocab = f.get("{arch}.vocab_size", len(tokens) if isinstance(tokens, list) else None)
+    _check_token_ids(f, vocab)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _float(f, "{arch}.rope.freq_base", 10000.0)}
     scaling = f.get("{arch}.rope.scaling.type", "none")
     if scaling in ("linear", "yarn"):

@@ -313,6 +313,41 @@ def test_not_a_gguf_and_the_options_a_gguf_refuses(tmp_path, bpe) -> None:
         load_model(str(tmp_path / "v7.gguf"))
 
 
+def test_a_special_token_id_outside_the_vocabulary_is_named(tmp_path, bpe, no_work) -> None:
+    hf = tiny_hf("llama", vocab_size=len(bpe.tokens))
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf, "llama", "q8_0", bpe, metadata={"tokenizer.ggml.eot_token_id": 31232})
+    with pytest.raises(ModelLoadError, match=r"tokenizer.ggml.eot_token_id is 31232, not an id of its \d+-token"):
+        load_model(str(path))
+
+
+def test_damaged_header_bytes_are_one_model_load_error_or_a_valid_file(tmp_path, bpe) -> None:
+    """Random bytes of the header and metadata overwritten, 300 seeded times: opening, checking and reading the
+    config either succeed or raise ``ModelLoadError`` (never a struct, numpy, Unicode or transformers error)."""
+    import random
+
+    hf = tiny_hf("llama", vocab_size=len(bpe.tokens))
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf, "llama", "q4_k", bpe)
+    whole = path.read_bytes()
+    header = min(t.offset for t in GGUFFile.open(path).tensors.values())
+    rng = random.Random(30)
+    refused = 0
+    for _ in range(300):
+        raw = bytearray(whole)
+        for _ in range(rng.choice([1, 2, 4])):
+            raw[rng.randrange(header)] = rng.randrange(256)
+        bad = tmp_path / "bad.gguf"
+        bad.write_bytes(bytes(raw))
+        try:
+            f = GGUFFile.open(bad)
+            gguf_model.gguf_config(f)
+        except ModelLoadError as exc:
+            assert str(bad) in str(exc) or "GGUF" in str(exc)
+            refused += 1
+    assert refused > 100  # most damage is seen
+
+
 def test_the_cli_refuses_a_bad_file_in_one_line(tmp_path, bpe) -> None:
     import subprocess
     import sys
