@@ -51,7 +51,7 @@ EDGE = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
     "for (int i = 0; i < n; ++i) { sum += a[i] * b[i]; }",
     '{"name": "Ada", "age": 36, "tags": ["math", "code"]}',
-    "<html><body><p class=\"x\">Hi &amp; bye</p></body></html>",
+    '<html><body><p class="x">Hi &amp; bye</p></body></html>',
     "SELECT * FROM users WHERE id = 42;",
     "https://example.com/path?query=1&b=two#frag",
     "user.name+tag@example.co.uk",
