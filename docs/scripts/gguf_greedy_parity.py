@@ -11,8 +11,6 @@ first difference.  mechserve runs in float32 activations (``--dtype float32``) o
 from __future__ import annotations
 
 import argparse
-import json
-import urllib.request
 
 PROMPTS = [
     "The Declaration of Independence was signed in",
@@ -35,7 +33,7 @@ def main() -> int:
     parser.add_argument("--kinds", default="f32,q8_0,q4_k_m,q5_k_m,q6_k")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="llama-server threads (default 1)")
     args = parser.parse_args()
 
     from mechserve import LLM, SamplingParams
@@ -48,14 +46,9 @@ def main() -> int:
         params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
         ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
         del llm
-        theirs = []
         server = llama_cpp.LlamaServer(gguf, threads=args.threads, slots=1, context=512)
         try:
-            for p in prompts:
-                body = json.dumps(llama_cpp.completion_body(p, args.tokens, stream=False)).encode()
-                req = urllib.request.Request(server.url + "/completion", body, {"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=300) as r:
-                    theirs.append([int(t) for t in json.loads(r.read())["tokens"]])
+            theirs = [server.complete(p, args.tokens).tokens for p in prompts]
         finally:
             server.close()
         same = sum(a == b for a, b in zip(ours, theirs))
