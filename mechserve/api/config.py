@@ -30,8 +30,9 @@ DEFAULT_PAGE_SIZE = 16
 # At most this many requests run at once (vLLM's max_num_seqs); on a CPU a step of 64 decodes
 # already takes a third of a second, so more would only lengthen every request's steps.
 DEFAULT_MAX_RUNNING = 64
-# Cap on the KV cache when the pool is sized automatically (no num_pages, no kv_memory).
-DEFAULT_KV_BYTES = 2 << 30
+# Cap on the KV cache when the pool is sized automatically (no num_pages, no kv_memory): sensible beside a
+# quantized model on a 16 GiB laptop (engine/pool.py, AUTO_MAX_POSITIONS).
+DEFAULT_KV_BYTES = 1 << 30
 
 # dtype names -> the canonical name ("auto" is float32 on a CPU, the mode checked against transformers).
 DTYPES: Mapping[str, str] = {
@@ -227,8 +228,8 @@ class EngineConfig:
     * ``max_step_tokens``: the per-step token budget (vLLM's ``max_num_batched_tokens``), which is
       also the prefill chunk; ``page_size``: positions per KV page (``block_size``).
     * The pool: ``num_pages`` pages, else as many as ``kv_memory`` bytes hold (an int or a size such
-      as ``"512MiB"``), else automatic: enough for a full context and ``AUTO_MAX_POSITIONS`` positions,
-      capped at ``max_kv_bytes`` and half the available memory (``mechserve.engine.pool``).
+      as ``"512MiB"``), else automatic: ``AUTO_MAX_POSITIONS`` positions (8,192) or one full context if
+      longer, capped at ``max_kv_bytes`` (1 GiB) and half the available memory (``mechserve.engine.pool``).
       ``check_memory`` refuses a cache larger than the available memory.
     * ``max_model_len``: the longest prompt + output a request may have, at most the model's context (None: the model's
       ``max_position_embeddings``).

@@ -9,8 +9,12 @@ Modes: ``exact`` (float32 weights and KV, the mode checked token for token again
 ``fast`` (bfloat16 weights and KV), and ``q4_1`` / ``q8_0`` (the weight matrices in GGUF blocks,
 multiplied as they are, bfloat16 activations and KV; q4_1 is the embedded model's own file).  Each
 run in a mode other than exact reports how far its greedy output stays equal to the same engine's
-exact run.  transformers has no quantized mode; llama.cpp runs F32, BF16, Q4_1 and Q8_0 GGUFs.  Every engine runs each workload of ``workloads`` (see there),
-after a warm-up, in this process; ``--engine`` names an optional engine that is not installed:
+exact run.  transformers has no quantized mode; llama.cpp runs F32, BF16, Q4_1 and Q8_0 GGUFs.
+``--model FILE.gguf`` runs a GGUF file as it stores its weights, in mode exact (float32 activations and
+KV) or fast (bfloat16), beside llama.cpp on the same file (transformers skipped).  Every engine runs
+each workload of ``workloads`` (see there) after a warm-up; mechserve's runs each in a fresh process
+(``fresh.run_fresh``: its peak RSS is that run's alone; ``--in-process`` runs them here, where every
+mode's model is loaded at once); ``--engine`` names an optional engine that is not installed:
 it is skipped with a line on stderr saying why.  The ``multiturn`` workload runs mechserve alone, in four
 configurations stepped in turn (output caching on and off, each with and without prompt lookup;
 ``_multiturn``).  Besides the runs, the machine's roofline
@@ -117,8 +121,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["exact"],
         help="comma-separated: exact (fp32), fast (bf16), q4_1, q8_0 (GGUF blocks, bf16 activations); default exact",
     )
-    add("--model", default="smollm2", help="'smollm2' (embedded, default) or a local Hugging Face model directory")
+    add(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (embedded, default), a local Hugging Face model directory or a GGUF file (modes exact, fast)",
+    )
     add("--quick", action="store_true", help="small sizes: about a minute for everything on 2 CPU cores")
+    add(
+        "--in-process",
+        action="store_true",
+        help="run mechserve here instead of one fresh process per run (its peak RSS then counts every mode's model)",
+    )
     add(
         "--size",
         type=_size,
@@ -257,11 +270,13 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run everything ``args`` asks for; write ``results.json`` (and plots) into ``args.out``; return the document."""
     from mechserve.bench import runners as eng
+    from mechserve.bench.fresh import FreshRun, run_fresh
     from mechserve.bench.roofline import linear_params, roofline
     from mechserve.bench.timings import latency_summary, useful_flops
     from mechserve.bench.workloads import SIZES, make_workload
     from mechserve.engine.executors import configure_threads
     from mechserve.model.checkpoint import resolve_model
+    from mechserve.model.gguf_file import is_gguf
     from mechserve.model.loader import load_model, torch_device
 
     if not args.no_plots:
@@ -286,6 +301,14 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         threads = torch.get_num_threads()
     args.out.mkdir(parents=True, exist_ok=True)
     path = resolve_model(args.model)
+    gguf = is_gguf(path)
+    if gguf:
+        stored = [m for m in args.mode if eng.MODES[m][1] is not None]
+        if stored:
+            raise ValueError(
+                f"--mode {','.join(stored)}: a GGUF file runs its weights as it stores them; choose exact "
+                "(float32 activations and KV) or fast (bfloat16)"
+            )
     results: dict[str, Any] = {
         "machine": {**machine(), "torch_threads": threads},
         "versions": versions(),
@@ -354,6 +377,13 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             for ename in args.engine:
                 if ename in optional:
                     continue
+                if ename == "hf" and gguf:
+                    if "gguf" not in hf_skipped:
+                        hf_skipped.add("gguf")
+                        reason = "hf skipped: a GGUF file runs in mechserve and llama.cpp here"
+                        print(reason, file=sys.stderr)
+                        results["skipped"].append({"engine": "hf", "reason": reason})
+                    continue
                 if ename == "hf" and eng.MODES[mode][1] is not None:
                     if mode not in hf_skipped:
                         hf_skipped.add(mode)
@@ -377,7 +407,26 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         compile=args.compile,
                     )
                 for variant in runner.variants(workload):
-                    res = runner.run(workload, variant)
+                    if ename == "mechserve" and not args.in_process:
+                        spec = FreshRun(
+                            model=str(args.model),
+                            mode=mode,
+                            workload=wname,
+                            variant=variant,
+                            threads=threads,
+                            quick=args.quick,
+                            seed=args.seed,
+                            sizes=sizes,
+                            runner={
+                                "max_step_tokens": args.max_step_tokens,
+                                "spec_len": args.spec_len,
+                                "device": args.device,
+                                "compile": args.compile,
+                            },
+                        )
+                        res = run_fresh(spec)
+                    else:
+                        res = runner.run(workload, variant)
                     metrics = latency_summary(res.timings, res.duration)
                     flops = sum(useful_flops(len(r.prompt_ids), r.max_tokens, *flops_args) for r in workload.requests)
                     record = {
@@ -387,6 +436,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         "settings": res.settings,
                         "metrics": metrics,
                         "peak_rss_bytes": res.peak_rss_bytes,
+                        "process_peak_rss_bytes": res.process_peak_rss_bytes,
                         "useful_gflops_per_s": flops / res.duration / 1e9,
                         "mfu": (flops / res.duration / 1e9 / peaks[mode]) if mode in peaks else None,
                         "engine_stats": res.engine_stats,
@@ -621,8 +671,11 @@ def _serve(args: argparse.Namespace, workload: Any, entry: dict[str, Any]) -> No
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    from mechserve.bench.runners import MODES
+
     for mode in args.mode:
         dtype = "float32" if mode == "exact" else "bfloat16"
+        quantization = MODES[mode][1]  # issue 30: q4_1/q8_0 served as those modes, not as fast
         cmd = [
             sys.executable,
             "-m",
@@ -634,6 +687,7 @@ def _serve(args: argparse.Namespace, workload: Any, entry: dict[str, Any]) -> No
             str(port),
             "--dtype",
             dtype,
+            *(["--quantization", quantization] if quantization else []),
             "--device",
             args.device,
             *(["--compile"] if args.compile else []),

@@ -14,7 +14,8 @@ engine-side figures where the engine has them.
   the batch's longest request is done; a request's tokens are its first ``max_tokens`` of its batch
   (the rest is waste, as in static batching).  Its per-token times come from a streamer.
 * ``llama-cpp``: ``llama-server`` (``mechserve.bench.llama_cpp``) on the mode's GGUF (F32 for exact,
-  BF16 for fast, the shipped Q4_1 or a Q8_0 for the quantized modes), 32 parallel slots, the same
+  BF16 for fast, the shipped Q4_1 or a Q8_0 for the quantized modes; ``--model FILE.gguf``: that file in
+  every mode), 32 parallel slots, the same
   token-id prompts with ``n_predict``/``ignore_eos``/greedy/no prompt cache; per-token times are taken
   at the client from the streamed events.  Optional: ``available()`` says why it is skipped.
 * ``vllm``: optional; ``available()`` says why it is skipped.
@@ -36,6 +37,7 @@ from mechserve.bench import llama_cpp
 from mechserve.bench.llama_cpp import SLOTS
 from mechserve.bench.timings import RequestTiming, trace_stats
 from mechserve.bench.workloads import Workload
+from mechserve.model.gguf_file import is_gguf
 
 ENGINES = ("mechserve", "hf", "llama-cpp", "vllm")
 # mode -> (activation dtype, weight quantization): exact and fast are float32 and bfloat16 throughout;
@@ -50,7 +52,9 @@ MODES: dict[str, tuple[torch.dtype, str | None]] = {
 
 @dataclass(slots=True)
 class RunResult:
-    """One engine's run of one workload (times in seconds, memory in bytes)."""
+    """One engine's run of one workload (times in seconds, memory in bytes).  ``peak_rss_bytes``: the peak
+    resident set during the run (after the warm-up) of the process that ran it; ``process_peak_rss_bytes``:
+    that process's peak over its life, loading included, when it ran alone (``fresh.run_fresh``)."""
 
     engine: str
     variant: str
@@ -61,6 +65,7 @@ class RunResult:
     peak_rss_bytes: int | None
     engine_stats: dict[str, Any] | None = None
     settings: dict[str, Any] = field(default_factory=dict)
+    process_peak_rss_bytes: int | None = None
 
 
 def reset_peak_rss() -> bool:
@@ -342,12 +347,16 @@ class LlamaCppRunner(Runner):
         self.slots = slots
 
     def available(self) -> str | None:
-        if self.model != "smollm2":
-            return f"llama-cpp skipped: it runs the embedded model's GGUFs only (--model smollm2), not {self.model}"
+        if self.model != "smollm2" and not is_gguf(self.model):
+            return (
+                f"llama-cpp skipped: it runs the embedded model's GGUFs (--model smollm2) or a GGUF file, "
+                f"not {self.model}"
+            )
         return llama_cpp.missing_message()
 
     def run(self, workload: Workload, variant: str) -> RunResult:
-        gguf = llama_cpp.ensure_gguf(llama_cpp.MODE_GGUF[self.mode])
+        # a GGUF file is run as it is in every mode (mechserve's mode chooses only its own activations)
+        gguf = Path(self.model) if is_gguf(self.model) else llama_cpp.ensure_gguf(llama_cpp.MODE_GGUF[self.mode])
         longest = max(len(r.prompt_ids) + r.max_tokens for r in workload.requests)
         context = -(-(longest + 8) // 256) * 256  # per slot, rounded up
         server = llama_cpp.LlamaServer(gguf, threads=self.threads, slots=self.slots, context=context)

@@ -289,7 +289,7 @@ def _count(low: int, high: int) -> Any:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags (``mechserve bench spec-decode --help``)."""
     add = parser.add_argument
-    add("--model", default="smollm2", help="'smollm2' (default) or a local model directory")
+    add("--model", default="smollm2", help="'smollm2' (default), a local model directory or a GGUF file")
     add("--sets", nargs="+", choices=sorted(SETS), default=["copy", "novel"], help="prompt sets (both)")
     add("--batches", nargs="+", type=_count(1, 64), default=[1, 8], help="batch sizes (1 8)")
     add(

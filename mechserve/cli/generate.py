@@ -79,7 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prompt", type=prompt_text, help="raw text to continue (with --chat: the user's message to answer)"
     )
     parser.add_argument(
-        "--model", default="smollm2", help="'smollm2' (embedded, default) or a local Hugging Face model directory"
+        "--model",
+        default="smollm2",
+        help="'smollm2' (embedded, default), a local Hugging Face model directory or a GGUF file",
     )
     add_dtype_argument(parser)
     add_device_arguments(parser)

@@ -130,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         metavar="M",
-        help="with --backend torch: 'smollm2' (the embedded model, default) or a local Hugging Face directory",
+        help="with --backend torch: 'smollm2' (the embedded model, default), a local Hugging Face directory or a GGUF file",
     )
     parser.add_argument(
         "--dtype",

@@ -58,7 +58,7 @@ MAX_STORED_RESPONSES_LIMIT = 1_000_000
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's flags; sizes are checked by their ``type=`` before anything is loaded."""
     add = parser.add_argument
-    add_model_argument(parser, "'smollm2' (embedded, default) or a local Hugging Face model directory")
+    add_model_argument(parser, "'smollm2' (embedded, default), a local Hugging Face model directory or a GGUF file")
     add("--served-model-name", default=None, metavar="NAME", help="the name clients use (default: --model)")
     add_dtype_argument(parser)
     add_device_arguments(parser)
@@ -252,8 +252,8 @@ def _serve(args: argparse.Namespace, uvicorn: Any, server_module: Any, events: A
     )
     core = llm.core
     print(
-        f"mechserve: serving {name!r} on http://{host}:{port} (OpenAI API under /v1; {core.num_pages} KV pages of "
-        f"{core.config.page_size} positions, max_running {args.max_running}, max_waiting {args.max_waiting}"
+        f"mechserve: serving {name!r} on http://{host}:{port} (OpenAI API under /v1; {_memory(core)}, "
+        f"max_running {args.max_running}, max_waiting {args.max_waiting}"
         f"{_speculation(core)}{', API key required' if args.api_key else ''}); Ctrl-C stops",
         file=sys.stderr,
         flush=True,
@@ -273,6 +273,24 @@ def _serve(args: argparse.Namespace, uvicorn: Any, server_module: Any, events: A
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
+
+
+def _memory(core: Any) -> str:
+    """issue 30: what the engine holds, for the startup line: ``weights 92.3 MiB (q4_1 64.0 MiB, ...), KV pool
+    180.0 MiB: 720 pages of 16 positions (auto)`` (weights held by rank processes are not counted here)."""
+    from mechserve.api.config import format_bytes
+    from mechserve.model.memory import formats
+
+    by_format = formats(core.model) if core.world_size == 1 else {}
+    if by_format:
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(by_format.items(), key=lambda kv: -kv[1]))
+        weights = f"weights {format_bytes(sum(by_format.values()))} ({parts})"
+    else:
+        weights = f"weights on {core.world_size} ranks"
+    return (
+        f"{weights}, KV pool {format_bytes(core.kv_bytes)}: {core.num_pages} pages of {core.config.page_size} "
+        f"positions ({core.sized_by})"
+    )
 
 
 def _speculation(core: Any) -> str:

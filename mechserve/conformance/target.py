@@ -302,9 +302,10 @@ def tiny_target(seed: int = 0, **executor_kwargs: Any) -> Target:
 
 
 def load_target(model: str = "smollm2", **executor_kwargs: Any) -> Target:
-    """``"tiny"``, ``"smollm2"`` (the embedded model) or a local Hugging Face directory, as a ``Target``.
+    """``"tiny"``, ``"smollm2"`` (the embedded model), a local Hugging Face directory or a GGUF file, as a ``Target``.
 
-    References come from transformers loading the same (converted) checkpoint in float32.  Raises
+    References come from transformers loading the same (converted) checkpoint in float32 (a GGUF file's
+    weights decoded to float32).  Raises
     ``ModelLoadError`` (``mechserve.model.checkpoint``) when the model cannot be loaded.
     """
     if model == TINY:
@@ -315,9 +316,13 @@ def load_target(model: str = "smollm2", **executor_kwargs: Any) -> Target:
     from mechserve.model.loader import load_model
 
     loaded = load_model(model, tokenizer=False)
+    # issue 30: a GGUF file's reference is transformers on its weights decoded to float32 (its GGUF loader)
+    where = {"gguf_file": loaded.path.name} if loaded.path.is_file() else {}
     try:
         with _quiet_transformers():
-            hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
+            hf = AutoModelForCausalLM.from_pretrained(
+                loaded.path.parent if where else loaded.path, dtype=torch.float32, **where
+            ).eval()
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"transformers cannot load {loaded.path} as a reference: {exc}") from None
     return torch_target(

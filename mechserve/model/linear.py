@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from mechserve.api.env import linear_mode
+from mechserve.model import kquants
 from mechserve.model.quantized import QuantizedMatrix, dequantize
 from mechserve.native.build import Kernel, usable
 
@@ -48,6 +49,10 @@ MIN_GEMM_ROWS = 4
 DEQUANT_SLICE = 1 << 21
 
 TYPES = {torch.float32: 0, torch.bfloat16: 1, "q4_1": 2, "q8_0": 3}
+# issue 30 hook: GGUF's other formats (kquants.py) by their native numbers: f32/bf16 blocks are linear.cpp's
+# dense types 0/1, the rest (>= 16) are multiplied by csrc/kquants.cpp (here and, once registered with
+# ``external_formats``, inside linear.cpp's fused blocks).
+TYPES.update(kquants.NATIVE_TYPES)
 
 
 @cache
@@ -64,12 +69,24 @@ def library() -> ctypes.CDLL:
         "mechserve_dequantize_rows": "pipllpii",
         "mechserve_attention_inputs": "pipfllpippplllpppi",
         "mechserve_attention_outputs": "piplpippfpiplpipllpi",
+        "mechserve_set_external_product": "p",  # issue 30 hook
     }
     kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_int64, "f": ctypes.c_float}
     for name, letters in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [kinds[c] for c in letters], None
     return lib
+
+
+@cache
+def external_formats() -> bool:
+    """issue 30 hook: whether ``linear.cpp``'s products (its fused blocks included) take the formats of
+    ``kquants.NATIVE_KINDS``: registers ``csrc/kquants.cpp``'s product with it, once, when both kernels are
+    enabled."""
+    if not (enabled() and kquants.enabled()):
+        return False
+    library().mechserve_set_external_product(kquants.product_function())
+    return True
 
 
 @cache
@@ -105,6 +122,10 @@ def native_linear(
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"x has {k} features but the weight expects {weight.shape[1]}")
+    if isinstance(weight, QuantizedMatrix) and weight.kind in kquants.NATIVE_KINDS:  # issue 30 hook
+        if not kquants.enabled():
+            return F.linear(x, dequantize(weight, x.dtype), bias).to(out_dtype)
+        return kquants.native_linear(x, weight.kind, weight.blocks, n, bias, out_dtype)
     x = x.contiguous()
     data = weight.blocks if isinstance(weight, QuantizedMatrix) else weight.contiguous()
     y = torch.empty(m, n, dtype=out_dtype)
@@ -129,6 +150,8 @@ def dequantize_rows(matrix: QuantizedMatrix, ids: torch.Tensor, dtype: torch.dty
 
     The kernel when enabled, else ``quantized.dequantize`` of the selected rows (the same values).
     """
+    if matrix.kind in kquants.FORMATS or matrix.segments:  # issue 30 hook: GGUF's other formats
+        return kquants.dequantize_rows(matrix.kind, matrix.blocks, matrix.in_features, ids, dtype)
     if not enabled():
         return dequantize(matrix.rows(ids), dtype)
     ids = ids.to(torch.int64).contiguous()
@@ -201,6 +224,7 @@ __all__ = [
     "TYPES",
     "dequantize_rows",
     "enabled",
+    "external_formats",
     "library",
     "linear",
     "native_linear",

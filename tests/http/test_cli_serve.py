@@ -46,6 +46,9 @@ def test_serve_runs_as_a_command_until_interrupted(tiny_dir: Path) -> None:
     try:
         banner = process.stderr.readline() if process.stderr else ""
         assert f"serving '{TINY_NAME}' on http://127.0.0.1:{port}" in banner, banner
+        # what it holds: the weights by format, the KV pool's bytes and how they were sized (issue 30)
+        assert "weights " in banner and "(float32 " in banner, banner
+        assert "KV pool 128.0 KiB: 64 pages of 4 positions (num_pages)" in banner, banner
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:

@@ -22,7 +22,7 @@ def test_missing_directory(tmp_path: Path) -> None:
 
 def test_a_file_is_not_a_model_directory(tmp_path: Path) -> None:
     (tmp_path / "weights.bin").write_bytes(b"")
-    with pytest.raises(ModelLoadError, match="not a directory"):
+    with pytest.raises(ModelLoadError, match="neither a directory nor a GGUF file"):
         resolve_model(str(tmp_path / "weights.bin"))
 
 

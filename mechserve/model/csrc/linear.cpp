@@ -474,10 +474,21 @@ void dequantize_row(const void* w, int wt, int64_t n, int64_t K, float* out) {
     }
 }
 
+// issue 30 hook: weight types >= 16 are GGUF's other formats (model/kquants.py), multiplied by
+// csrc/kquants.cpp's mechserve_kquant_product, which model/linear.py registers here (external_formats).
+using ProductFn = void (*)(const float*, const uint16_t*, int64_t, int64_t, const void*, int, int64_t, float*, int);
+ProductFn external_product = nullptr;
+constexpr int EXTERNAL_TYPES = 16;
+
 // The product of few rows into float32, unrounded and without bias: out[m * N + n] = x[m] . w[n].
 // `xf` is x as float32; `xb` x's bfloat16 bits when x is bfloat16 (else null).
 void product(const float* xf, const uint16_t* xb, int64_t M, int64_t K, const void* w, int wt, int64_t N,
              float* out, int n_threads) {
+    if (wt >= EXTERNAL_TYPES) {  // issue 30 hook
+        if (external_product) external_product(xf, xb, M, K, w, wt, N, out, n_threads);
+        else std::fill(out, out + M * N, std::nanf(""));  // never reached: linear.py registers it first
+        return;
+    }
     std::vector<float> xsum;
     if (wt == Q4_1) {
         const int64_t nb = K / QK;
@@ -574,6 +585,9 @@ extern "C" {
 
 // Returns the ABI version; the loader refuses a library that does not match.
 int mechserve_linear_abi(void) { return 2; }
+
+// issue 30 hook: the product for weight types >= 16 (csrc/kquants.cpp's mechserve_kquant_product).
+void mechserve_set_external_product(void* fn) { external_product = reinterpret_cast<ProductFn>(fn); }
 
 // y [M, N] (yt) = x [M, K] (xt: F32 or BF16) times w [N, K] (wt) transposed, plus bias [N] (xt) unless
 // null.  Quantized w needs K % 32 == 0.  All tensors contiguous.
