@@ -938,8 +938,35 @@ def test_m12_n27_first_come_first_served_whatever_the_list_order() -> None:
     eng = m.Engine(tight(m), 8, 4, 3)
     recs = run(eng)
     assert [t.preempted for t in recs] == [(), (), ("late",), ("late",), ("late",), ("late",), (), (), ()]
+    assert any(line.endswith("late (the eligible request admitted last) was preempted.") for line in recs[2].explain)
     assert [t.step for t in recs if "early" in t.executed] == [0, 1, 2, 3, 4, 5]  # early is never held up
     assert [dict(t.executed) for t in recs[5:7]] == [{"early": 1}, {"late": 5}]  # late recomputes 4 + 1
     assert [r.output_ids for r in eng.requests] == [chain(r.tokens, r.max_new_tokens) for r in eng.requests]
     old = run(m11.Engine(tight(m11), 8, 4, 3))
     assert [t.preempted for t in old[:5]] == [(), (), ("early",), ("early",), ("early",)]  # m11: the list's last
+
+
+def issue_31_workload() -> dict[str, Any]:
+    """Issue 31's reproducer exactly: r0 … r49 (4-token prompts, 60 tokens each) arrive one per step from
+    step 1 and early, listed last, arrives at step 0; budget 8, pages of 4, 2000 pages."""
+    late = [
+        {"request_id": f"r{i}", "prompt_len": 4, "max_new_tokens": 60, "arrival_step": i + 1} for i in range(50)
+    ]
+    return {
+        "engine": {"max_step_tokens": 8, "page_size": 4, "num_pages": 2000},
+        "requests": [*late, {"request_id": "early", "prompt_len": 4, "max_new_tokens": 60, "arrival_step": 0}],
+    }
+
+
+def test_m12_n27_issue_31_early_arrival_listed_last_runs_every_step() -> None:
+    """The request that arrived first is scheduled at every step from its arrival until it finishes; m11,
+    in list order, leaves it out of most of them (m13 and m14 are checked through the CLI, in
+    tests/cli/test_cli_workload.py)."""
+    eng = build(m, issue_31_workload())
+    recs = run(eng, limit=5000)
+    early = [t.step for t in recs if "early" in t.scheduled]
+    assert early == list(range(60)) and recs[59].finished == {"early": LENGTH}
+    assert all(t.scheduled[0] == "early" for t in recs[:60])  # the anchor
+    old = run(build(m11, issue_31_workload()), limit=5000)
+    old_early = [t.step for t in old if "early" in t.scheduled]
+    assert len(old_early) == 60 and old_early[-1] > 400  # m11: starved behind every later-listed arrival
