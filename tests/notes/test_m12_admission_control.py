@@ -949,9 +949,7 @@ def test_m12_n27_first_come_first_served_whatever_the_list_order() -> None:
 def issue_31_workload() -> dict[str, Any]:
     """Issue 31's reproducer exactly: r0 … r49 (4-token prompts, 60 tokens each) arrive one per step from
     step 1 and early, listed last, arrives at step 0; budget 8, pages of 4, 2000 pages."""
-    late = [
-        {"request_id": f"r{i}", "prompt_len": 4, "max_new_tokens": 60, "arrival_step": i + 1} for i in range(50)
-    ]
+    late = [{"request_id": f"r{i}", "prompt_len": 4, "max_new_tokens": 60, "arrival_step": i + 1} for i in range(50)]
     return {
         "engine": {"max_step_tokens": 8, "page_size": 4, "num_pages": 2000},
         "requests": [*late, {"request_id": "early", "prompt_len": 4, "max_new_tokens": 60, "arrival_step": 0}],
