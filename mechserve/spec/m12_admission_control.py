@@ -969,8 +969,7 @@ class Engine:
         return self._position[id(r)]
 
     def _reuse(self) -> dict[str, int]:
-        """Cold requests, in admission order (D9), adopt their longest cached prompt prefix; returns tokens
-        reused."""
+        """Cold requests, in admission order (D9), adopt their longest cached prompt prefix; returns tokens reused."""
         # m08: at most (target-1)//page_size blocks, so one position is always computed; a preempted
         # request, whose target runs past its prompt, reuses every cached prompt block (D7).
         reused: dict[str, int] = {}
