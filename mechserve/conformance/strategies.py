@@ -19,9 +19,10 @@ test ask for the situation it needs:
 * ``prompts``: ``"length"`` (``prompt_len`` only, so the synthetic prompts of 4.2 never share a
   block), ``"shared"`` (explicit ``tokens`` drawn from a few shared stems over a tiny alphabet, so
   prefix reuse, eviction and D2 adoption happen), ``"mixed"`` (either, per request);
-* ``spec_len`` (a range), ``scripts`` (``True``: accept scripts, on about half the requests, with
-  entries from -2 to ``spec_len + 2``, i.e. negatives and values above the draft; ``"rollback"``: a
-  script on every request with entries from -1 to ``spec_len - 1``, so nearly every decode window
+* ``spec_len`` (a range), ``scripts`` (none when ``spec_len`` is 0, which the loader refuses with a script
+  from m09 on, issue 31; ``True``: accept scripts, on about half the requests, with
+  entries from -2 to ``spec_len + 2``, i.e. negatives and values above the draft; ``"rollback"``: ``spec_len``
+  at least 1 and a script on every request with entries from -1 to ``spec_len - 1``, so nearly every decode window
   that drafts rolls guesses back, and with pages no larger than the window, back across a page
   boundary, freeing tail pages; a request drafts only with ``max_new_tokens >= 3``, which ``min_new``
   can ask for), ``eos``, ``world_size`` (a range), ``negatives`` (negative
@@ -243,7 +244,14 @@ def workloads(
     if admission and budget == "covering":
         raise ValueError("a covering budget is measured on m01, which cannot build an admission workload")
     n = draw(st.integers(min_requests, max_requests))
-    k = draw(st.integers(*spec_len))
+    # A rollback script needs guesses to judge: spec_len at least 1 (issue 31: the loader refuses a script
+    # with spec_len 0 from m09 on).
+    k = draw(
+        st.integers(
+            max(spec_len[0], 1) if scripts == "rollback" else spec_len[0],
+            max(spec_len[1], 1) if scripts == "rollback" else spec_len[1],
+        )
+    )
     low = -2 if negatives else 0
     requests: list[dict[str, Any]] = []
     for i, prompt in enumerate(draw(_prompts(n, prompts, max_prompt))):
@@ -258,7 +266,10 @@ def workloads(
             req["arrival_step"] = draw(st.integers(low, max_arrival))
         if eos and draw(st.integers(0, 2)) == 0:
             req["eos_after"] = draw(st.integers(low, max_new + 1))
-        if scripts == "rollback":
+        # An accept_script needs guesses to judge: with spec_len 0 the loader refuses it from m09 on (issue 31).
+        if k == 0:
+            pass
+        elif scripts == "rollback":
             req["accept_script"] = draw(st.lists(st.integers(-1, max(0, k - 1)), min_size=1, max_size=8))
         elif scripts and draw(st.booleans()):
             req["accept_script"] = draw(st.lists(st.integers(-2, k + 2), max_size=6))
