@@ -13,11 +13,12 @@ before it says anything.
 
 The validated ``Workload`` is rung-independent; ``build_engine`` turns it into
 the ``Engine`` of any rung of the ladder, passing only what that rung takes,
-and ``check_rung`` reports what a lower rung cannot take (speculation before
-m09, ranks before m11, admission settings before m12, output caching before
-m13, forced scripts before m14, a fleet before m15).  ``build_fleet`` turns it
-into m15's ``Fleet``: the ``fleet`` section (``replicas``, ``routing_policy``
-and the router's thresholds) beside the engine section every replica gets.
+and ``check_rung`` reports what a lower rung cannot take (prefix caching
+before m08, speculation before m09, ranks before m11, admission settings and
+the shared-prefix hold before m12, output caching before m13, forced scripts
+before m14, a fleet before m15).  ``build_fleet`` turns it into m15's
+``Fleet``: the ``fleet`` section (``replicas``, ``routing_policy`` and the
+router's thresholds) beside the engine section every replica gets.
 Standard library only.
 """
 
@@ -59,8 +60,11 @@ ENGINE_DEFAULTS: Mapping[str, int] = {
 # m12's admission settings: absent (no limit) unless given.
 ENGINE_OPTIONAL = ("max_waiting", "max_running", "max_model_len")
 ENGINE_KEYS = (*ENGINE_DEFAULTS, *ENGINE_OPTIONAL)
-# m13's switch, a JSON boolean: absent (the rung's default, off) unless given.
-ENGINE_SWITCHES = ("output_caching",)
+# The engine switches, JSON booleans, absent (the rung's default) unless given: m08's prefix cache
+# (default on), m12's shared-prefix hold (default off), m13's output caching (default off).
+ENGINE_SWITCHES = ("prefix_caching", "hold_shared_prefix", "output_caching")
+# Switches that act only with prefix caching on: given true beside prefix_caching false they are refused.
+_NEEDS_PREFIX_CACHING = ("hold_shared_prefix", "output_caching")
 # spec_len may be 0; every other engine value is a size and must be > 0.
 _ENGINE_MINIMUM = {"spec_len": 0}
 # m15's fleet: how many replicas, the routing policy and its thresholds; absent unless given.
@@ -212,6 +216,19 @@ def switch_value(name: str, value: object, where: str | None = None) -> bool:
     return value
 
 
+def _check_switches(engine: Mapping[str, int], labels: Mapping[str, str]) -> None:
+    """Raises ``WorkloadError`` if a switch that acts only with prefix caching is true while
+    ``prefix_caching`` is false (it would be accepted and do nothing)."""
+    if engine.get("prefix_caching", True):
+        return
+    for name in _NEEDS_PREFIX_CACHING:
+        if engine.get(name):
+            raise WorkloadError(
+                f"{labels[name]}: true needs prefix caching, but {labels['prefix_caching']} is false "
+                f"(set {labels[name]} false or turn prefix caching on)"
+            )
+
+
 def _check_slots(engine: Mapping[str, int], labels: Mapping[str, str]) -> None:
     """Raises ``WorkloadError`` if the pool's ``num_pages x page_size`` slots exceed ``MAX_SLOTS``."""
     pages, size = engine["num_pages"], engine["page_size"]
@@ -228,7 +245,8 @@ def parse_engine(section: object) -> dict[str, int]:
     The optional admission settings (``ENGINE_OPTIONAL``) and switches
     (``ENGINE_SWITCHES``, JSON booleans) appear only when given and not null.
     Raises ``WorkloadError`` for a non-object, an unknown key, an invalid
-    value or a pool over ``MAX_SLOTS`` slots.
+    value, a pool over ``MAX_SLOTS`` slots, or ``hold_shared_prefix`` or
+    ``output_caching`` true with ``prefix_caching`` false.
     """
     if section is None:
         section = {}
@@ -239,7 +257,9 @@ def parse_engine(section: object) -> dict[str, int]:
         if name in (*ENGINE_OPTIONAL, *ENGINE_SWITCHES) and value is None:
             continue
         engine[name] = switch_value(name, value) if name in ENGINE_SWITCHES else engine_value(name, value)
-    _check_slots(engine, {name: f"engine.{name}" for name in ENGINE_KEYS})
+    labels = {name: f"engine.{name}" for name in (*ENGINE_KEYS, *ENGINE_SWITCHES)}
+    _check_slots(engine, labels)
+    _check_switches(engine, labels)
     return engine
 
 
@@ -297,8 +317,9 @@ def with_engine(
     """``workload`` with the given engine values replaced (flags override the spec, even when 0).
 
     ``labels`` names each value in errors (e.g. ``--num-pages``).  Raises
-    ``WorkloadError`` for an unknown name, an invalid value or a pool over
-    ``MAX_SLOTS`` slots.
+    ``WorkloadError`` for an unknown name, an invalid value, a pool over
+    ``MAX_SLOTS`` slots, or a switch that needs prefix caching turned on
+    while it is off.
     """
     engine = dict(workload.engine)
     names = {name: f"engine.{name}" for name in (*ENGINE_KEYS, *ENGINE_SWITCHES)}
@@ -309,6 +330,7 @@ def with_engine(
         check = switch_value if name in ENGINE_SWITCHES else engine_value
         engine[name] = check(name, value, names[name])
     _check_slots(engine, names)
+    _check_switches(engine, names)
     return dataclasses.replace(workload, engine=engine)
 
 
@@ -595,8 +617,12 @@ def _request_fields(rung: ModuleType) -> set[str]:
 _LATER_FEATURES = (("spec_len", 0, "speculative decoding", "m09"), ("world_size", 1, "parallelism", "m11"))
 _ADMISSION = "admission control"
 _ADMISSION_RUNG = "m12"
-# engine switch, the mechanism that uses it, the first rung that has it
-_LATER_SWITCHES = (("output_caching", "output caching", "m13"),)
+# engine switch, the mechanism that uses it, the first rung that has it (each is off below that rung)
+_LATER_SWITCHES = (
+    ("prefix_caching", "prefix caching", "m08"),
+    ("hold_shared_prefix", "shared-prefix hold", "m12"),
+    ("output_caching", "output caching", "m13"),
+)
 
 
 def has_routing(rung: ModuleType) -> bool:
@@ -616,11 +642,14 @@ def check_rung(rung: ModuleType, workload: Workload) -> None:
     (speculative decoding), ``world_size > 1`` before m11 (parallelism), and
     before m12 (admission control) any of ``max_waiting``, ``max_running``,
     ``max_model_len``, a non-empty ``stop_token_ids``, ``max_new_tokens`` 0
-    or an empty ``tokens`` list, ``output_caching`` true before m13, a
-    non-empty ``forced_script`` before m14 (forced runs), and any fleet value
-    before m15 (routing).  An empty
-    ``accept_script``, ``stop_token_ids`` or ``forced_script``, and a switch
-    set to false, behave like absent ones and are allowed.
+    or an empty ``tokens`` list, ``prefix_caching`` true before m08,
+    ``hold_shared_prefix`` true before m12, ``output_caching`` true before m13,
+    a non-empty ``forced_script`` before m14 (forced runs), and any fleet value
+    before m15 (routing).  From m09 on a non-empty ``accept_script`` with
+    ``spec_len`` 0 is refused too: with no guesses there is no verdict to
+    script.  An empty ``accept_script``, ``stop_token_ids`` or
+    ``forced_script``, and a switch set to false (what a rung without the
+    mechanism does), behave like absent ones and are allowed.
     """
     label, params = rung_label(rung), engine_params(rung)
     for name, neutral, what, first in _LATER_FEATURES:
@@ -637,6 +666,13 @@ def check_rung(rung: ModuleType, workload: Workload) -> None:
                 raise WorkloadError(
                     f"{label} has no speculative decoding: request {_show(req.request_id)} has an accept_script "
                     "(it needs m09 or later)"
+                )
+    elif workload.engine["spec_len"] == 0:
+        for req in workload.requests:
+            if req.accept_script:
+                raise WorkloadError(
+                    f"{label}: request {_show(req.request_id)} has an accept_script but engine.spec_len is 0, "
+                    "so no window drafts a guess to accept (set spec_len > 0 or remove accept_script)"
                 )
     if not has_admission_control(rung):
         _check_no_admission(label, workload)
@@ -694,8 +730,9 @@ def build_engine(rung: ModuleType, workload: Workload) -> Any:
 
     Only the engine values that rung's constructor takes are passed: m00 and
     m01 take none, m02 the budget, m03+ the page pool, m09+ ``spec_len``,
-    m11+ ``world_size``, m12+ the admission settings given and m13 the
-    output-caching switch given.  Rungs before
+    m11+ ``world_size``, m12+ the admission settings given, m08+ the
+    ``prefix_caching`` switch given, m12+ the ``hold_shared_prefix`` switch
+    given and m13+ the ``output_caching`` switch given.  Rungs before
     m08 know prompts only by length, so explicit ``tokens`` are reduced to
     their length there (the token ids themselves matter only to the prefix
     cache, which arrives in m08).  Raises ``WorkloadError`` if the workload
@@ -729,9 +766,11 @@ def build_fleet(rung: ModuleType, workload: Workload) -> Any:
 def fit_rung(rung: ModuleType, workload: Workload) -> tuple[Workload, tuple[str, ...]]:
     """``workload`` without what ``rung`` lacks, and one note per mechanism left out.
 
-    Before m09 ``spec_len`` becomes 0 and accept scripts are dropped; before
+    Before m09 ``spec_len`` becomes 0 and accept scripts are dropped (from
+    m09 on they are dropped too when ``spec_len`` is 0); before
     m11 ``world_size`` becomes 1; before m12 the admission settings and stop
-    ids are dropped; before m13 the output-caching switch is; before m14 the forced scripts are;
+    ids are dropped; the prefix-caching switch before m08, the shared-prefix
+    hold before m12 and the output-caching switch before m13; before m14 the forced scripts are;
     before m15 the fleet section is.  ``mechserve demo --mech`` uses this so the fixed demo
     runs on every rung; ``run`` reports the same things as errors
     (``check_rung``).  Zero-token requests and empty prompts are not dropped:
@@ -743,6 +782,9 @@ def fit_rung(rung: ModuleType, workload: Workload) -> tuple[Workload, tuple[str,
     if ("spec_len" not in params and engine["spec_len"] != 0) or scripted:
         notes.append(f"{label} has no speculative decoding: running with spec_len 0 and no accept scripts")
         engine["spec_len"] = 0
+        requests = tuple(dataclasses.replace(r, accept_script=None) for r in requests)
+    elif engine["spec_len"] == 0 and any(r.accept_script for r in requests):
+        notes.append("spec_len is 0: running without accept scripts (no window drafts a guess to accept)")
         requests = tuple(dataclasses.replace(r, accept_script=None) for r in requests)
     if "world_size" not in params and engine["world_size"] != 1:
         notes.append(f"{label} has no parallelism: running with world_size 1")

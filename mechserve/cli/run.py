@@ -95,6 +95,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             text = f"set the engine's {name} (m12 or later; default: no limit"
         parser.add_argument(flag, type=int, metavar="N", help=f"{text}; at most {ENGINE_LIMITS[name]})")
     parser.add_argument(
+        ENGINE_FLAGS["prefix_caching"],
+        action=argparse.BooleanOptionalAction,
+        help="reuse and publish prompt pages through the prefix cache (m08 or later; default: the workload's "
+        "prefix_caching, else on)",
+    )
+    parser.add_argument(
+        ENGINE_FLAGS["hold_shared_prefix"],
+        action=argparse.BooleanOptionalAction,
+        help="admit a request only once the prompt prefix it shares with a running request is cached (m12 or "
+        "later, needs prefix caching; default: the workload's hold_shared_prefix, else off on the spec backend "
+        "and on with --backend torch)",
+    )
+    parser.add_argument(
         ENGINE_FLAGS["output_caching"],
         action=argparse.BooleanOptionalAction,
         help="publish generated blocks into the prefix cache too (m13 or later; default: the workload's "
@@ -377,6 +390,7 @@ def execute_torch(
         vocab = loaded.model.arch.vocab_size
         ordinary = ordinary_ids(vocab, loaded.tokenizer, loaded.eos_token_ids)
         prompts = [real_prompt(req, vocab, ordinary) for req in workload.requests]
+        prefix_caching = bool(e.get("prefix_caching", EngineConfig().prefix_caching))
         config = EngineConfig(
             dtype=dtype or "float32",
             quantization=quantization,
@@ -388,6 +402,8 @@ def execute_torch(
             max_running=e.get("max_running"),
             max_waiting=e.get("max_waiting"),
             world_size=e["world_size"],
+            prefix_caching=prefix_caching,
+            hold_shared_prefix=bool(e.get("hold_shared_prefix", prefix_caching and EngineConfig().hold_shared_prefix)),
             output_caching=bool(e.get("output_caching", EngineConfig().output_caching)),
             device=device,
             compile=compile,

@@ -64,6 +64,12 @@ def test_diff_m11_m12_shows_admission_control(cli) -> None:
     added = [line for line in cli("diff", "m11", "m12").lines if line.startswith("+")]
     assert any("def add_request" in line for line in added)
     assert any("def abort" in line for line in added)
+    # ... plus departure D9 (first come, first served): m11's list-order insertion gives way to arrival
+    # and admission order
+    removed = [line for line in cli("diff", "m11", "m12").lines if line.startswith("-")]
+    assert any("bisect.insort(self.running, r, key=self._list_position)" in line for line in removed)
+    assert any("self.running.append(r)  # m12 (D9): running requests in admission order" in line for line in added)
+    assert any("self.due += sorted(arrived, key=self._list_position)" in line for line in added)
 
 
 def test_diff_m12_m13_shows_exactly_output_caching(cli) -> None:
@@ -87,7 +93,7 @@ def test_diff_m12_m13_shows_exactly_output_caching(cli) -> None:
         'NOTE = "12-admission-control.md"',
         "scripted ``eos_after`` trigger still applies).",
         '"""The complete engine as of m12.',
-        '"""Cold requests adopt their longest cached prompt prefix; returns tokens reused."""',
+        '"""Cold requests, in admission order (D9), adopt their longest cached prompt prefix; returns tokens reused."""',
         'f"{r.request_id} found {len(hit)} cached block(s) of its prompt and reused {usable} "',
         "A block whose key is already resident with another page is adopted:",
         "the request's table points at the resident page and its own copy is",
