@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mechserve import __version__
-from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError
+from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError, RequestFailed
 from mechserve.api.limits import MAX_REQUEST_BYTES
 from mechserve.api.outputs import ABORT, RequestOutput
 from mechserve.api.params import SamplingParams
@@ -130,8 +130,8 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         shown = [_prompt(h, params, render) for h in handles]
         stream = CompletionStream(handles, response_id, model_name, params, body.include_usage, render, prompts=shown)
         if body.stream:
-            return EventStream(stream.chunks(), handles)
-        outputs = await _unless_disconnected(request, _drain(llm, handles), handles)
+            return EventStream(stream.chunks(), handles, body.constraint_field)
+        outputs = await _unless_disconnected(request, _drain(llm, handles, body.constraint_field), handles)
         shown = [dataclasses.replace(p, logprobs=o.prompt_logprobs) for p, o in zip(shown, outputs)]
         choices = r.completion_choices(outputs, shown, params.n, render)
         result = r.envelope("text_completion", response_id, stream.created, model_name, choices)
@@ -159,9 +159,10 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
             raise
         render = _render(body, params, llm)
         stream = ChatStream(handles, response_id, model_name, params, body.include_usage, render, tools=tools)
+        constraint = "tools" if tools.forced else body.constraint_field
         if body.stream:
-            return EventStream(stream.chunks(), handles)
-        outputs = await _unless_disconnected(request, _drain(llm, handles), handles)
+            return EventStream(stream.chunks(), handles, constraint)
+        outputs = await _unless_disconnected(request, _drain(llm, handles, constraint), handles)
         choices = r.chat_choices(outputs[0], render, tools)
         result = r.envelope("chat.completion", response_id, stream.created, model_name, choices)
         if render.prompt_logprobs:
@@ -327,13 +328,16 @@ async def _submit(
     raise engine_error(failure, param="messages" if isinstance(prompts[0], Chat) else "prompt")
 
 
-async def _drain(llm: AsyncLLM, handles: Sequence[RequestStream]) -> list[RequestOutput]:
+async def _drain(llm: AsyncLLM, handles: Sequence[RequestStream], constraint: str | None = None) -> list[RequestOutput]:
     """Every request's final output; a 503 if the server aborted them because it is shutting down (a
-    stream says so with its ``"abort"`` chunk)."""
+    stream says so with its ``"abort"`` chunk); a 400 naming ``constraint`` (the body's field) when one
+    failed alone inside a step on its grammar (the others are aborted: the response is one)."""
     try:
         outputs = [await handle.result() for handle in handles]
-    except (EngineStepError, EngineDeadError) as exc:
-        raise engine_error(exc) from None
+    except (EngineStepError, EngineDeadError, RequestFailed) as exc:
+        for handle in handles:
+            handle.abort()
+        raise engine_error(exc, constraint=constraint) from None
     if not llm.running and any(c.finish_reason == ABORT for o in outputs for c in o.outputs):
         raise APIError(
             503, "the server is shutting down; the request was aborted before it finished", code="shutting_down"

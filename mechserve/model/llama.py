@@ -37,8 +37,8 @@ _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 class LlamaArch:
     """The shape of a Llama-family model, read from a transformers config.
 
-    ``windows`` holds one entry per layer: None for full causal attention or
-    the sliding-window length.
+    ``sliding_windows`` holds one entry per layer: None for full causal attention or
+    the sliding-window length (a decode window is speculation's term, not this).
     """
 
     num_layers: int
@@ -50,7 +50,7 @@ class LlamaArch:
     vocab_size: int
     rms_norm_eps: float
     tie_word_embeddings: bool
-    windows: tuple[int | None, ...]
+    sliding_windows: tuple[int | None, ...]
 
     @classmethod
     def from_config(cls, config: Any) -> LlamaArch:
@@ -90,7 +90,7 @@ class LlamaArch:
             vocab_size=_positive(config, "vocab_size"),
             rms_norm_eps=float(eps),
             tie_word_embeddings=tie,
-            windows=_windows(config, layers),
+            sliding_windows=_sliding_windows(config, layers),
         )
 
 
@@ -102,7 +102,7 @@ def _positive(config: Any, name: str, *, optional: bool = False) -> Any:
     return whole_number(name, value)
 
 
-def _windows(config: Any, layers: int) -> tuple[int | None, ...]:
+def _sliding_windows(config: Any, layers: int) -> tuple[int | None, ...]:
     """Per-layer sliding windows: ``layer_types`` when given (Qwen2/3), else Mistral's global window."""
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
@@ -286,7 +286,7 @@ class LlamaModel:
         self._check_shapes(checkpoint.path)
         self.inv_freq, self.rope_scaling = rope_inv_freq(checkpoint.config, arch.head_dim)
         self.scale = arch.head_dim**-0.5
-        self.distinct_windows = tuple(dict.fromkeys(arch.windows))
+        self.distinct_sliding_windows = tuple(dict.fromkeys(arch.sliding_windows))
         self.device = self.norm.device  # the embedding may be quantized blocks
         # Whether every layer's weights suit the native blocks for few rows (model/fused.py).
         self.native_layers = all(fused.weights_apply(w, self.dtype) for w in self.layers)
@@ -361,9 +361,9 @@ class LlamaModel:
         if not 1 <= num_layers <= self.arch.num_layers:
             raise ValueError(f"num_layers must be in [1, {self.arch.num_layers}], got {num_layers}")
         draft = copy.copy(self)
-        draft.arch = replace(self.arch, num_layers=num_layers, windows=self.arch.windows[:num_layers])
+        draft.arch = replace(self.arch, num_layers=num_layers, sliding_windows=self.arch.sliding_windows[:num_layers])
         draft.layers = self.layers[:num_layers]
-        draft.distinct_windows = tuple(dict.fromkeys(draft.arch.windows))
+        draft.distinct_sliding_windows = tuple(dict.fromkeys(draft.arch.sliding_windows))
         return draft
 
     def compiled(self) -> LlamaModel:
@@ -435,7 +435,7 @@ class LlamaModel:
                 q, k, v = before(
                     x, w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, sin, a.rms_norm_eps, h, kv, d
                 )
-            paged_attention(q, k, v, cache, i, batch, self.scale, a.windows[i], out=attn_out)
+            paged_attention(q, k, v, cache, i, batch, self.scale, a.sliding_windows[i], out=attn_out)
             if native:
                 x = fused.attention_outputs(x, attn_out, w, a.rms_norm_eps)
             else:
