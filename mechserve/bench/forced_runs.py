@@ -42,7 +42,7 @@ def run(
     ex = TorchExecutor(loaded.model, 256, 16)
     reqs = []
     for i, p in enumerate(prompts):
-        ex.add_request(ExecutorRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=new)))
+        ex.add_request(ExecutorRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0, max_tokens=new)))
         if forcers:
             ex.set_forcer(f"r{i}", forcers[i])
         reqs.append(m14.Request(f"r{i}", list(p), new))

@@ -76,7 +76,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -454,10 +454,11 @@ class TorchExecutor:
         recorded = self._record_logprobs(step, sampling, targets) if step.num_logprobs else None
         return self._verdicts(plan, step.guesses, targets, recorded)
 
-    def _isolated(self, rows: list[Row] | list[Window], call: Callable[[], T]) -> T:
+    def _isolated(self, rows: list[Any], call: Callable[[], T]) -> T:
         """``call()``, with a request whose row processing raises (``RowError``) failed alone: its rows among
-        ``rows`` (sampling rows, or proposer windows' first rows) become plain greedy rows and the call runs
-        again.  Processing happens before any random draw, so the other rows draw what they would have."""
+        ``rows`` (sampling ``Row``s, or proposer ``Window``s and their first rows) become plain greedy rows and
+        the call runs again.  Processing happens before any random draw, so the other rows draw what they
+        would have."""
         while True:
             try:
                 return call()
@@ -467,10 +468,10 @@ class TorchExecutor:
                     raise e.cause from e
                 self._fail(request.request_id, None, e.cause)
                 for j, x in enumerate(rows):
-                    row = x.row if isinstance(x, Window) else x
+                    row: Row = x.row if isinstance(x, Window) else x
                     if row.request is not None and row.request.request_id == request.request_id:
                         plain = Row(GREEDY, row.token_index, request=row.request)
-                        rows[j] = dataclasses.replace(x, row=plain) if isinstance(x, Window) else plain  # type: ignore[call-overload]
+                        rows[j] = dataclasses.replace(x, row=plain) if isinstance(x, Window) else plain
 
     def _recompute_prompt_logprobs(self, plan: tuple[PlanItem, ...]) -> None:
         """Record the prompt logprobs a request needs at positions this step does not compute for it
