@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from mechserve.api.config import setting_range
 from mechserve.api.limits import (
-    ENGINE_LIMITS,
     MAX_ARRIVAL_STEP,
     MAX_NEW_TOKENS,
     MAX_PROMPT_LEN,
@@ -57,7 +57,6 @@ ENGINE_KEYS = (*ENGINE_DEFAULTS, *ENGINE_OPTIONAL)
 # m13's switch, a JSON boolean: absent (the rung's default, off) unless given.
 ENGINE_SWITCHES = ("output_caching",)
 # spec_len may be 0; every other engine value is a size and must be > 0.
-_ENGINE_MINIMUM = {"spec_len": 0}
 TOP_KEYS = ("engine", "requests")
 REQUEST_KEYS = (
     "request_id",
@@ -190,7 +189,8 @@ def engine_value(name: str, value: object, where: str | None = None) -> int:
 
     Raises ``WorkloadError`` (naming ``where``, default ``engine.<name>``).
     """
-    return _integer(where or f"engine.{name}", value, _ENGINE_MINIMUM.get(name, 1), ENGINE_LIMITS[name])
+    least, most = setting_range(name)  # the range EngineConfig checks (api/config.py), in the workload's words
+    return _integer(where or f"engine.{name}", value, least, most)
 
 
 def switch_value(name: str, value: object, where: str | None = None) -> bool:
