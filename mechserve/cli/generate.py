@@ -395,9 +395,12 @@ def run(args: argparse.Namespace) -> int:
     console = Console(highlight=False, soft_wrap=True)
     show = (lambda record: None) if args.quiet else _print_json if args.json else _print_trace(console)
 
+    failed: dict[str, Exception] = {}
+
     def seen(out: Any) -> None:
         clock.step(out.record)
         show(out.record)
+        failed.update(out.failed)
         if recorder is not None:
             recorder(out.record)
 
@@ -407,6 +410,9 @@ def run(args: argparse.Namespace) -> int:
         core.close()
         raise CliError(step_failure(exc, core.step_counter)) from exc
     clock.stop()
+    if request_id in failed:  # it failed alone inside a step (its logits processing): one line, no traceback
+        core.close()
+        raise CliError(first_line(failed[request_id]))
     (done,) = [o for o in finished if o.request_id == request_id]
     try:
         print_result(args, console, core, done, clock, prompt)

@@ -164,3 +164,26 @@ def test_a_failed_request_with_several_samples_ends_every_sample(
         done |= {o.request_id for o in out.finished}
     assert list(failed) == ["many"] and done == {"other"}
     assert_idle(core)
+
+
+def test_llm_generate_returns_the_others_and_names_the_failed_prompt(
+    byte_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mechserve.entrypoints.llm import LLM, RequestsRejected
+
+    original = GrammarMatcher.window_masks
+
+    def fails(self: GrammarMatcher, *args: Any) -> int:
+        if self.grammar.key == ("regex", FAILING):
+            raise ValueError("planted")
+        return original(self, *args)
+
+    monkeypatch.setattr(GrammarMatcher, "window_masks", fails)
+    llm = LLM(byte_model, page_size=4, num_pages=128)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    with pytest.raises(RequestsRejected, match=r"1 of 3 prompt.* failed") as caught:
+        llm.generate(prompts, [params_of("plain"), params_of("bad"), params_of("good")], use_tqdm=False)
+    err = caught.value
+    assert list(err.errors) == [1] and isinstance(err.errors[1], RequestFailed)
+    assert err.outputs[1] is None and err.outputs[0] is not None and err.outputs[2] is not None
+    llm.core.check_pages()
