@@ -11,17 +11,21 @@
                                          and the new tokens m14 runs (a prompt-logprobs request with
                                          max_tokens 0 runs one, which it keeps none of)
     reject_detail(reason, ...)           the limit behind a door refusal, in words
+    Grammars(...).compile(so)            a constraint compiled for the model's tokenizer (any thread; cached)
 
 Every check raises ``ParamError`` (a ``ValueError`` naming the field) before anything is admitted.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from mechserve.api.errors import ParamError
-from mechserve.api.params import SamplingParams
+from mechserve.api.params import SamplingParams, StructuredOutputsParams
+from mechserve.executor.structured import CompiledGrammar, GrammarCompiler
 from mechserve.spec import m14_forced_runs as m14
 
 
@@ -144,8 +148,43 @@ def reject_detail(
     return str(reason.value)
 
 
+class Grammars:
+    """The engine's grammar compiler (``GrammarCompiler``), built on first use, safe from any thread:
+    ``tokenizer`` (a Hugging Face tokenizer, or None), the model's ``vocab_size`` and ``world_size``."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, world_size: int = 1) -> None:
+        self.tokenizer, self.vocab_size, self.world_size = tokenizer, vocab_size, world_size
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def compile(self, so: StructuredOutputsParams) -> CompiledGrammar:
+        """``so`` compiled (cached by ``so.key``).  Raises ``ParamError("structured_outputs", ...)`` naming
+        the problem (a schema keyword llguidance does not implement, a bad regex or grammar), or when this
+        engine cannot constrain (no tokenizer, ``world_size > 1``)."""
+        if self.world_size > 1:
+            raise ParamError("structured_outputs", "structured outputs are not supported with world_size > 1 yet")
+        if self.tokenizer is None or not hasattr(self.tokenizer, "backend_tokenizer"):
+            raise ParamError(
+                "structured_outputs", "structured outputs need the model's Hugging Face tokenizer; this one has none"
+            )
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+            compiler = self._compiler
+        return compiler.compile(so)
+
+
 def _vocabulary(vocab_size: int) -> str:
     return f"vocabulary of {vocab_size}: 0..{vocab_size - 1}"
 
 
-__all__ = ["SampleSpec", "check_ids", "check_samples", "checked_params", "prompt_ids", "reject_detail", "samples"]
+__all__ = [
+    "Grammars",
+    "SampleSpec",
+    "check_ids",
+    "check_samples",
+    "checked_params",
+    "prompt_ids",
+    "reject_detail",
+    "samples",
+]

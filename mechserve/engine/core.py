@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -44,7 +43,7 @@ from mechserve.engine.requests import RequestGroup, Sample
 from mechserve.engine.scheduler import PageUsage, Scheduler, Step
 from mechserve.executor.protocol import Executor, ExecutorStats, RequestFailure
 from mechserve.executor.request import ExecutorRequest
-from mechserve.executor.structured import CompiledGrammar, GrammarCompiler
+from mechserve.executor.structured import CompiledGrammar
 from mechserve.spec import m14_forced_runs as m14
 
 __all__ = ["EngineCore", "EngineStats"]
@@ -107,7 +106,6 @@ class EngineCore:
         self.max_model_len = parts.max_model_len
         self.speculative = parts.speculative
         self.num_pages, self.sized_by, self.kv_bytes = parts.num_pages, parts.sized_by, parts.kv_bytes
-        self.world_size = config.world_size
         self.executor: Executor = parts.executor
         self.scheduler = Scheduler(
             config,
@@ -124,8 +122,7 @@ class EngineCore:
         self._unrecorded = False  # a door refusal or abort the next step record will show
         self._ids = itertools.count()
         self._token_text: dict[int, str] = {}  # decoded_token of each id a logprob has named
-        self._grammars: GrammarCompiler | None = None
-        self._grammar_lock = threading.Lock()
+        self.grammars = admission.Grammars(self.tokenizer, self.vocab_size, config.world_size)
 
     @classmethod
     def open(cls, model: Any, config: EngineConfig | None = None, **kwargs: Any) -> EngineCore:
@@ -424,23 +421,9 @@ class EngineCore:
         """``so`` compiled for this model's tokenizer (cached by ``so.key``); safe from any thread.
 
         ``AsyncLLM`` calls it in a worker thread before it hands a request to the engine thread, so a
-        schema is compiled before admission and never on the step loop; ``add_request`` then finds
-        it in the cache.  Raises ``ParamError("structured_outputs", ...)`` naming the problem (a
-        schema keyword llguidance does not implement, a bad regex or grammar), or when this engine
-        cannot constrain (no tokenizer, ``world_size > 1``)."""
-        from mechserve.api.errors import ParamError
-
-        if self.world_size > 1:
-            raise ParamError("structured_outputs", "structured outputs are not supported with world_size > 1 yet")
-        if self.tokenizer is None or not hasattr(self.tokenizer, "backend_tokenizer"):
-            raise ParamError(
-                "structured_outputs", "structured outputs need the model's Hugging Face tokenizer; this one has none"
-            )
-        with self._grammar_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
-            grammars = self._grammars
-        return grammars.compile(so)
+        schema is compiled before admission and never on the step loop; ``add_request`` then finds it
+        in the cache.  Raises what ``admission.Grammars.compile`` raises (``ParamError``)."""
+        return self.grammars.compile(so)
 
     def _reject_detail(self, reason: m14.RejectReason, spec: admission.SampleSpec, prompt_len: int) -> str:
         return admission.reject_detail(
