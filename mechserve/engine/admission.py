@@ -150,10 +150,15 @@ def reject_detail(
 
 class Grammars:
     """The engine's grammar compiler (``GrammarCompiler``), built on first use, safe from any thread:
-    ``tokenizer`` (a Hugging Face tokenizer, or None), the model's ``vocab_size`` and ``world_size``."""
+    ``tokenizer`` (a Hugging Face tokenizer, or None), the model's ``vocab_size`` and ``world_size``;
+    ``allow_additional_properties`` (``EngineConfig``'s) keeps JSON Schema's open objects (else an object
+    that lists properties and says nothing of others is closed, as vLLM's default backend reads it)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, world_size: int = 1) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, world_size: int = 1, *, allow_additional_properties: bool = False
+    ) -> None:
         self.tokenizer, self.vocab_size, self.world_size = tokenizer, vocab_size, world_size
+        self.allow_additional_properties = allow_additional_properties
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
 
@@ -169,7 +174,9 @@ class Grammars:
             )
         with self._lock:
             if self._compiler is None:
-                self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+                self._compiler = GrammarCompiler(
+                    self.tokenizer, self.vocab_size, allow_additional_properties=self.allow_additional_properties
+                )
             compiler = self._compiler
         return compiler.compile(so)
 

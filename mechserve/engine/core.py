@@ -122,7 +122,12 @@ class EngineCore:
         self._unrecorded = False  # a door refusal or abort the next step record will show
         self._ids = itertools.count()
         self._token_text: dict[int, str] = {}  # decoded_token of each id a logprob has named
-        self.grammars = admission.Grammars(self.tokenizer, self.vocab_size, config.world_size)
+        self.grammars = admission.Grammars(
+            self.tokenizer,
+            self.vocab_size,
+            config.world_size,
+            allow_additional_properties=config.allow_additional_properties,
+        )
 
     @classmethod
     def open(cls, model: Any, config: EngineConfig | None = None, **kwargs: Any) -> EngineCore:
@@ -307,6 +312,7 @@ class EngineCore:
             entry = self._samples.get(engine_id)
             if entry is not None and entry[0].scheduled_time is None:
                 entry[0].scheduled_time = now
+                entry[0].num_cached_tokens = record.reused.get(engine_id, 0)
         touched: dict[str, None] = dict.fromkeys([*self._ended, *record.tokens, *record.finished, *failures])
         self._ended = []
         for engine_id, reason in record.finished.items():

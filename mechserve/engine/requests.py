@@ -169,6 +169,7 @@ class RequestGroup:
     its queue time); ``first_token_time``: when the step that produced its first token returned.
     ``prompt_logprobs``: vLLM's shape, once sample 0 has computed its prompt (with
     ``params.prompt_logprobs``); ``prompt_logprobs_sent``: whether a delta has carried them;
+    ``num_cached_tokens``: the prompt tokens the prefix cache served at its first admission;
     ``error``: why it failed inside a step (it then ends with no output, only this error).
     """
 
@@ -181,6 +182,7 @@ class RequestGroup:
     first_token_time: float | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False
+    num_cached_tokens: int = 0
     error: RequestFailed | None = None
 
     @property
@@ -206,7 +208,14 @@ class RequestGroup:
         )
         completions = [s.completion() for s in self.samples]
         return RequestOutput(
-            self.request_id, self.prompt, list(self.prompt_ids), completions, finished, metrics, self.prompt_logprobs
+            self.request_id,
+            self.prompt,
+            list(self.prompt_ids),
+            completions,
+            finished,
+            metrics,
+            self.prompt_logprobs,
+            self.num_cached_tokens,
         )
 
 

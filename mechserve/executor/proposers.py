@@ -49,7 +49,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from mechserve.executor.sampling import STREAM_DRAFT, Row, Sampler, sampling_logits
 from mechserve.kv.paged import Span, build_attention_batch
-from mechserve.model.llama import LlamaModel
+from mechserve.model.protocol import Model
 from mechserve.spec.m14_forced_runs import PlanItem
 
 if TYPE_CHECKING:
@@ -138,8 +138,9 @@ class Proposer(Protocol):
     stop string cut after the step may leave a few past the kept end).
 
     A proposer with a model fed the target's hidden states (EAGLE, Medusa) is not built yet; it would get
-    them so: the target forward (``LlamaModel.forward``) would also return the final hidden states
-    ([rows, hidden] float32, after the last norm, before the LM head) at each sampling row when the
+    them so: the target forward (``Model.forward``, ``mechserve.model.protocol``) would also return the
+    final hidden states ([rows, hidden] float32, after the last norm, before the LM head) at each sampling
+    row when the
     registry entry asks for them, and after the verdicts the executor would hand each request's rows of
     the ids it kept to the proposer (a ``observe(request, hidden)`` hook), whose next ``propose`` starts
     from them; the head's KV would live in the pool's pages like the draft model's (``page_bytes``).
@@ -240,7 +241,7 @@ class DraftModelProposer:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: Model,
         num_pages: int,
         page_size: int,
         sampler: Sampler,

@@ -94,7 +94,7 @@ from mechserve.executor.sampling import Row, RowError, Sampler, sampling_logits,
 from mechserve.executor.structured import GrammarMatcher, allowed_rows, new_bitmask
 from mechserve.executor.verify import verify_draft
 from mechserve.kv.paged import AttentionBatch, Span, build_attention_batch
-from mechserve.model.llama import LlamaModel
+from mechserve.model.protocol import Model
 from mechserve.spec.m14_forced_runs import Outcome, PlanItem
 
 # (history, num) -> up to num point-mass guesses; the executor pads a short proposal with the last known id.
@@ -206,7 +206,7 @@ class TorchExecutor:
     ids`` function; tests rig drafts with it), else from the method of ``speculative`` (default:
     prompt lookup with ``SpeculativeConfig``'s n-gram bounds), built by its entry in the registry of
     proposers (``mechserve.api.proposers``) with ``draft_model`` when the method has a model (a
-    ``LlamaModel`` with the target's vocabulary, its KV in its own pages of the same geometry).
+    ``Model`` with the target's vocabulary, its KV in its own pages of the same geometry).
     ``governor`` prices guesses for ``advise`` (default: the method's, e.g. the draft model's own
     rounds).  Raises ``ValueError`` for a draft model with another vocabulary, a model given to a
     model-free method, or a method that needs a model without one.
@@ -214,7 +214,7 @@ class TorchExecutor:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: Model,
         num_pages: int,
         page_size: int,
         *,
@@ -222,7 +222,7 @@ class TorchExecutor:
         sampler: Sampler | None = None,
         proposer: ProposerFn | None = None,
         speculative: SpeculativeConfig | None = None,
-        draft_model: LlamaModel | None = None,
+        draft_model: Model | None = None,
         governor: Governor | None = None,
     ) -> None:
         self.model = model
@@ -258,7 +258,7 @@ class TorchExecutor:
         spec: SpeculativeConfig,
         num_pages: int,
         fn: ProposerFn | None,
-        draft: LlamaModel | None,
+        draft: Model | None,
     ) -> Proposer:
         if draft is not None:
             if not method.needs_model:

@@ -107,7 +107,7 @@ def test_m10_n1_one_plan_item_per_post_preemption_work_item_in_work_order() -> N
     # 09-d1-recompute-not-speculative: at step 2, a is scheduled, then preempted
     reqs = [R("b", [0], 4), R("a", [1000], 3)]
     rec = Recorder(reqs)
-    eng = m.Engine(reqs, 2, 1, 5, executor=rec)
+    eng = m.Engine(reqs, 2, 1, 5, executor=rec, prefix_caching=False)
     trace = run(eng)
     assert trace[2].scheduled == ("b", "a") and trace[2].preempted == ("a",)
     plan, _ = rec.log[2]
@@ -129,7 +129,7 @@ def test_m10_n1_one_plan_item_per_post_preemption_work_item_in_work_order() -> N
 def test_m10_n2_decode_marks_exactly_the_decode_windows() -> None:
     reqs = [R("b", [0], 4), R("a", [1000], 3)]
     rec = Recorder(reqs)
-    run(m.Engine(reqs, 2, 1, 5, executor=rec))
+    run(m.Engine(reqs, 2, 1, 5, executor=rec, prefix_caching=False))
     flags = [[(i.request_id, i.start_position, i.decode) for i in plan] for plan, _ in rec.log]
     assert flags == [
         [("b", 0, False), ("a", 0, False)],  # prompt chunks
@@ -155,7 +155,7 @@ def test_m10_n3_placements_translate_every_position() -> None:
 def test_m10_n4_known_token_ids_sample_and_generated_travel_in_the_plan() -> None:
     reqs = [R("b", [0], 4), R("a", [1000], 3)]
     rec = Recorder(reqs)
-    eng = m.Engine(reqs, 2, 1, 5, executor=rec)
+    eng = m.Engine(reqs, 2, 1, 5, executor=rec, prefix_caching=False)
     run(eng)
     a_ids = reqs[1].output_ids
     items = [(i.token_ids, i.sample, i.generated) for plan, _ in rec.log for i in plan if i.request_id == "a"]
