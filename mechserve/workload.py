@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from mechserve.api.config import setting_range
 from mechserve.api.limits import (
-    ENGINE_LIMITS,
     MAX_ARRIVAL_STEP,
     MAX_NEW_TOKENS,
     MAX_PROMPT_LEN,
@@ -65,8 +65,6 @@ ENGINE_KEYS = (*ENGINE_DEFAULTS, *ENGINE_OPTIONAL)
 ENGINE_SWITCHES = ("prefix_caching", "hold_shared_prefix", "output_caching")
 # Switches that act only with prefix caching on: given true beside prefix_caching false they are refused.
 _NEEDS_PREFIX_CACHING = ("hold_shared_prefix", "output_caching")
-# spec_len may be 0; every other engine value is a size and must be > 0.
-_ENGINE_MINIMUM = {"spec_len": 0}
 # m15's fleet: how many replicas, the routing policy and its thresholds; absent unless given.
 FLEET_KEYS = ("replicas", "routing_policy", "cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
 MAX_BALANCE = 1_000_000
@@ -203,7 +201,8 @@ def engine_value(name: str, value: object, where: str | None = None) -> int:
 
     Raises ``WorkloadError`` (naming ``where``, default ``engine.<name>``).
     """
-    return _integer(where or f"engine.{name}", value, _ENGINE_MINIMUM.get(name, 1), ENGINE_LIMITS[name])
+    least, most = setting_range(name)  # the range EngineConfig checks (api/config.py), in the workload's words
+    return _integer(where or f"engine.{name}", value, least, most)
 
 
 def switch_value(name: str, value: object, where: str | None = None) -> bool:

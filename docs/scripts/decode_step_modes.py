@@ -21,7 +21,7 @@ def setup(model, batch, context, ps=16):
         spans.append(Span(b, context, 1, t))
         slots.append(t[context // ps] * ps + context % ps)
     g = model.arch.num_heads // model.arch.num_kv_heads
-    attn = build_attention_batch(spans, slots, ps, g, model.distinct_windows)
+    attn = build_attention_batch(spans, slots, ps, g, model.distinct_sliding_windows)
     ids = torch.randint(100, model.arch.vocab_size, (batch,))
     pos = torch.full((batch,), context, dtype=torch.int64)
     return lambda: model.forward(ids, pos, cache, attn, torch.arange(batch))

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from mechserve.api.limits import ENGINE_LIMITS, MAX_KV_MEMORY, MAX_SLOTS, MAX_SPEC_LEN
+from mechserve.api.proposers import ALIASES as METHOD_ALIASES
+from mechserve.api.proposers import DEFAULT_METHOD, DEFAULT_MODEL_METHOD, METHODS, proposer_method
 
 # vLLM's chunked-prefill default; a smaller budget splits a long prompt into many slower steps.
 DEFAULT_MAX_STEP_TOKENS = 2048
@@ -51,7 +53,6 @@ DTYPES: Mapping[str, str] = {
 # as they are (``mechserve.model.quantized``, ``mechserve.model.linear``).
 QUANTIZATIONS = ("q4_1", "q8_0")
 
-METHODS = ("ngram", "draft")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)b?|(b)?)\s*", re.IGNORECASE)
 
@@ -145,9 +146,11 @@ def parse_draft_model(spec: str) -> tuple[str, int | None]:
 class SpeculativeConfig:
     """What speculates and how far (vLLM's ``speculative_config``).
 
-    ``method``: ``"ngram"`` (prompt lookup: the longest suffix n-gram, ``ngram_min`` <= n <=
-    ``ngram_max``, found earlier in the request's own tokens) or ``"draft"`` (``draft_model``, a
-    ``MODEL[:layers=N]`` spec, e.g. ``"smollm2:layers=4"``).  ``num_speculative_tokens`` is the
+    ``method``: a name of the registry of proposers (``mechserve.api.proposers``): ``"ngram"``
+    (prompt lookup: the longest suffix n-gram, ``ngram_min`` <= n <= ``ngram_max``, found earlier in
+    the request's own tokens) or ``"draft"`` (``draft_model``, a ``MODEL[:layers=N]`` spec, e.g.
+    ``"smollm2:layers=4"``); a method with a model of its own needs ``draft_model``, one without
+    refuses it.  ``num_speculative_tokens`` is the
     engine's ``spec_len``: the most guesses per decode window.  ``adaptive``: before each step the
     control side lowers ``spec_len`` (down to 0) to what the acceptance so far and the proposals at
     hand pay for (``mechserve.executor.governor.Governor``); off, every window carries
@@ -155,7 +158,7 @@ class SpeculativeConfig:
     value.
     """
 
-    method: str = "ngram"
+    method: str = DEFAULT_METHOD
     num_speculative_tokens: int = 3
     ngram_min: int = 1
     ngram_max: int = 3
@@ -163,8 +166,7 @@ class SpeculativeConfig:
     adaptive: bool = True
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        method = proposer_method(self.method)  # ValueError naming the registered methods
         if not _is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= MAX_SPEC_LEN:
             raise ValueError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPEC_LEN}], got {self.num_speculative_tokens!r}"
@@ -177,10 +179,13 @@ class SpeculativeConfig:
             )
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}")
-        if self.method == "draft" and not self.draft_model:
-            raise ValueError('method "draft" needs a draft_model, e.g. "smollm2:layers=4"')
-        if self.method == "ngram" and self.draft_model:
-            raise ValueError(f'draft_model {self.draft_model!r} is given but method is "ngram"; use method="draft"')
+        if method.needs_model and not self.draft_model:
+            raise ValueError(f'method "{method.name}" needs a draft_model, e.g. "smollm2:layers=4"')
+        if not method.needs_model and self.draft_model:
+            raise ValueError(
+                f'draft_model {self.draft_model!r} is given but method "{method.name}" ({method.summary}) uses no '
+                f'model; use method="{DEFAULT_MODEL_METHOD}"'
+            )
         if self.draft_model is not None:
             parse_draft_model(self.draft_model)
 
@@ -194,7 +199,8 @@ class SpeculativeConfig:
     @classmethod
     def of(cls, config: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig | None:
         """A ``SpeculativeConfig`` from itself or a dict of its fields (vLLM's names too; a dict with a draft
-        model and no method means ``"draft"``, vLLM's method ``"draft_model"`` is ours ``"draft"``).
+        model and no method means the registry's model-based default, ``"draft"``; vLLM's method names are
+        read as ours, ``"draft_model"`` as ``"draft"``).
 
         Raises ``ValueError`` for another type, an unknown field or a bad value.
         """
@@ -206,10 +212,10 @@ class SpeculativeConfig:
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}")
-        if fields.get("method") == "draft_model":
-            fields["method"] = "draft"
+        if isinstance(fields.get("method"), str):
+            fields["method"] = METHOD_ALIASES.get(fields["method"], fields["method"])
         if fields.get("draft_model") and "method" not in fields:
-            fields["method"] = "draft"
+            fields["method"] = DEFAULT_MODEL_METHOD
         return cls(**fields)
 
 
@@ -306,13 +312,13 @@ class EngineConfig:
                 raise ValueError(
                     f"quantization {self.quantization} runs with dtype float32 or bfloat16, not {self.dtype}"
                 )
-        _size("max_step_tokens", self.max_step_tokens, 1)
-        _size("page_size", self.page_size, 1)
-        _size("num_pages", self.num_pages, 1, optional=True)
+        _size("max_step_tokens", self.max_step_tokens)
+        _size("page_size", self.page_size)
+        _size("num_pages", self.num_pages, optional=True)
         if self.num_pages is not None and self.num_pages * self.page_size > MAX_SLOTS:
             raise ValueError(
                 f"num_pages {self.num_pages} x page_size {self.page_size} = {self.num_pages * self.page_size} slots, "
-                f"over mechserve's limit of {MAX_SLOTS}"
+                f"over mechserve's limit of {MAX_SLOTS} slots; lower one of them"
             )
         if isinstance(self.kv_memory, str):
             try:
@@ -326,11 +332,11 @@ class EngineConfig:
             )
         if not _is_int(self.max_kv_bytes) or self.max_kv_bytes <= 0:
             raise ValueError(f"max_kv_bytes must be an integer > 0, got {self.max_kv_bytes!r}")
-        _size("max_model_len", self.max_model_len, 1, optional=True)
-        _size("max_running", self.max_running, 1, optional=True)
-        _size("max_waiting", self.max_waiting, 1, optional=True)
-        _size("spec_len", self.spec_len, 0)
-        _size("world_size", self.world_size, 1)
+        _size("max_model_len", self.max_model_len, optional=True)
+        _size("max_running", self.max_running, optional=True)
+        _size("max_waiting", self.max_waiting, optional=True)
+        _size("spec_len", self.spec_len)
+        _size("world_size", self.world_size)
         object.__setattr__(self, "device", device_name(self.device))
         if self.device != "cpu" and self.world_size > 1:
             raise ValueError(
@@ -400,21 +406,48 @@ class EngineConfig:
         """``speculative``, or prompt lookup with ``spec_len`` guesses when only ``spec_len`` is set (None: off)."""
         if self.speculative is not None or self.spec_len == 0:
             return self.speculative
-        return SpeculativeConfig(method="ngram", num_speculative_tokens=self.spec_len)
+        return SpeculativeConfig(method=DEFAULT_METHOD, num_speculative_tokens=self.spec_len)
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _size(name: str, value: object, minimum: int, *, optional: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is an integer in ``[minimum, ENGINE_LIMITS[name]]`` (or None)."""
+# The least value of an engine size (ENGINE_LIMITS bounds it above); every other size is at least 1.
+SETTING_MINIMUM: Mapping[str, int] = {"spec_len": 0}
+
+
+def setting_range(name: str) -> tuple[int, int]:
+    """``(least, most)`` values of the engine size ``name`` (a key of ``ENGINE_LIMITS``)."""
+    return SETTING_MINIMUM.get(name, 1), ENGINE_LIMITS[name]
+
+
+def check_setting(name: str, value: object) -> int:
+    """``value`` if it is an integer in ``setting_range(name)``: the one range check of an engine size, used by
+    ``EngineConfig``, the CLI's flags (``mechserve.cli.engine_args``) and the spec workloads' engine section.
+
+    Raises ``ValueError`` with a message that names no field (its caller prefixes the field or flag):
+    ``must be an integer > 0, got 'x'``, ``must be > 0, got 0`` or ``must be at most 65536 (mechserve's
+    limit), got 70000``."""
+    least, most = setting_range(name)
+    bound = "> 0" if least == 1 else f">= {least}"
+    if not _is_int(value):
+        raise ValueError(f"must be an integer {bound}, got {value!r}")
+    if value < least:  # type: ignore[operator]
+        raise ValueError(f"must be {bound}, got {value!r}")
+    if value > most:  # type: ignore[operator]
+        raise ValueError(f"must be at most {most} (mechserve's limit), got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def _size(name: str, value: object, *, optional: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is in its range (``check_setting``), or None."""
     if value is None and optional:
         return
-    limit = ENGINE_LIMITS[name]
-    if not _is_int(value) or not minimum <= value <= limit:  # type: ignore[operator]
-        bound = "> 0" if minimum == 1 else f">= {minimum}"
-        raise ValueError(f"{name} must be an integer {bound} and at most {limit}, got {value!r}")
+    try:
+        check_setting(name, value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 __all__ = [
@@ -425,11 +458,14 @@ __all__ = [
     "DTYPES",
     "METHODS",
     "QUANTIZATIONS",
+    "SETTING_MINIMUM",
     "EngineConfig",
     "SpeculativeConfig",
+    "check_setting",
     "device_name",
     "dtype_name",
     "format_bytes",
     "parse_draft_model",
     "parse_size",
+    "setting_range",
 ]

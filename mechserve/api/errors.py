@@ -6,6 +6,7 @@ HTTP server turns it into an OpenAI-style 4xx/5xx body::
     ValueError
       ParamError          a request field (a SamplingParams field, a prompt) is invalid; param names it
       RequestRejected     m12's door refused a request (reason: the spec's RejectReason)
+      RequestFailed       a request failed inside a step on its own account (its grammar); it alone ended
       KVMemoryError       the KV cache does not fit (the budget, the available memory, or allocation)
     ModelLoadError        a model could not be resolved or loaded
     RuntimeError
@@ -39,6 +40,22 @@ class RequestRejected(ValueError):
         self.request_id = request_id
         self.reason = reason
         self.detail = detail
+
+
+class RequestFailed(ValueError):
+    """A request failed inside an engine step on its own account (its grammar's matcher raised, its logits
+    processing raised): it alone ended, returning its pages, and every other request goes on.
+
+    ``param`` names the request field behind it (``"structured_outputs"``) or is None; the HTTP server
+    answers a 400 naming that field (a 500 without one), a stream ends with an error event.
+    """
+
+    def __init__(self, request_id: str, param: str | None, message: str) -> None:
+        what = f"its {param} " if param else ""
+        super().__init__(f"request {request_id!r} failed: {what}failed inside an engine step: {message}")
+        self.request_id = request_id
+        self.param = param
+        self.detail = message
 
 
 class KVMemoryError(ValueError):
@@ -95,6 +112,7 @@ __all__ = [
     "NativeKernelError",
     "ParamError",
     "RankError",
+    "RequestFailed",
     "RequestRejected",
     "first_line",
     "is_allocation_failure",

@@ -16,16 +16,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mechserve.api.errors import ParamError
+from mechserve.api.limits import MAX_BAD_WORDS, MAX_CHOICES, MAX_FILTER_IDS, MAX_GRAMMAR_CHARS, MAX_LOGPROBS
 
-MAX_LOGPROBS = 20
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy.
 SAMPLING_EPS = 1e-5
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_PENALTY = 2.0  # OpenAI's (and vLLM's) range for presence/frequency penalties: [-2, 2]
-MAX_FILTER_IDS = 65_536  # ids in logit_bias / allowed_token_ids; bad words
-MAX_BAD_WORDS = 128  # vLLM's MAX_NUM_BAD_WORDS
-MAX_CHOICES = 1024  # strings in a structured_outputs choice
-MAX_GRAMMAR_CHARS = 1_000_000  # a schema's JSON text, a regex or a grammar
 
 
 @dataclass(frozen=True, slots=True)

@@ -111,7 +111,13 @@ def mechserve_perplexity(
     g = model.arch.num_heads // model.arch.num_kv_heads
     table = list(range(pages))  # identity page table: slot == position
     pieces = [
-        (s, n, build_attention_batch([Span(0, s, n, table)], list(range(s, s + n)), page, g, model.distinct_windows))
+        (
+            s,
+            n,
+            build_attention_batch(
+                [Span(0, s, n, table)], list(range(s, s + n)), page, g, model.distinct_sliding_windows
+            ),
+        )
         for s, n in chunk_pieces(ctx, rows)
     ]
     total, count = 0.0, 0

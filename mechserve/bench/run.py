@@ -72,10 +72,20 @@ def _positive_int(text: str, limit: int | None = None) -> int:
 
 
 def _engine_int(name: str) -> Any:
-    """A positive integer no larger than the engine's limit for ``name`` (``ENGINE_LIMITS``)."""
-    from mechserve.api.limits import ENGINE_LIMITS
+    """An engine size ``name`` (``mechserve.cli.engine_args.setting``: the range ``EngineConfig`` checks); the
+    bench's ``--spec-len`` is a variant's guesses, at least 1."""
+    from mechserve.cli.engine_args import setting
 
-    return lambda text: _positive_int(text, ENGINE_LIMITS[name])
+    check = setting(name)
+    return lambda text: check(text) if name != "spec_len" else _positive_int(str(check(text)))
+
+
+def _engine_settings(args: argparse.Namespace) -> Any:
+    """mechserve's ``EngineConfig`` from the bench's flags (``engine_config``; ``--seed`` seeds the workload and
+    ``--spec-len`` names a variant, so the engine's seed is 0 and each run sets its own sizes)."""
+    from mechserve.cli.engine_args import engine_config
+
+    return engine_config(args, ignore=("seed", "spec_len"), seed=0)
 
 
 def _device(text: str) -> str:
@@ -398,14 +408,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         hf_runners[mode] = eng.HFRunner(path, mode, batch_size=args.hf_batch_size, device=args.device)
                     runner = hf_runners[mode]
                 else:
-                    runner = eng.MechserveRunner(
-                        loaded[mode],
-                        mode,
-                        max_step_tokens=args.max_step_tokens,
-                        spec_len=args.spec_len,
-                        device=args.device,
-                        compile=args.compile,
-                    )
+                    runner = eng.MechserveRunner(loaded[mode], mode, _engine_settings(args), spec_len=args.spec_len)
                 for variant in runner.variants(workload):
                     if ename == "mechserve" and not args.in_process:
                         spec = FreshRun(
@@ -540,7 +543,7 @@ def _multiturn(args: argparse.Namespace, loaded: dict[str, Any], path: Path, siz
     (``runners.run_conversations``); per turn: prompt, new and computed prefill tokens, TTFT p50/p99."""
     import dataclasses
 
-    from mechserve.api.config import EngineConfig, SpeculativeConfig, dtype_name
+    from mechserve.api.config import SpeculativeConfig, dtype_name
     from mechserve.bench.runners import run_conversations
     from mechserve.bench.timings import turn_summary
     from mechserve.bench.workloads import make_conversations
@@ -562,17 +565,13 @@ def _multiturn(args: argparse.Namespace, loaded: dict[str, Any], path: Path, siz
     longest = 96 + turns * (conversations.max_tokens + 64)  # system prompt, then each turn's message and answer
     for mode in args.mode:
         model = dataclasses.replace(loaded[mode], tokenizer=tokenizer)
-        base = EngineConfig(
+        base = _engine_settings(args).replace(
             dtype=dtype_name(model.model.dtype),
-            max_step_tokens=args.max_step_tokens,
             page_size=page_size,
             num_pages=len(conversations.messages) * -(-longest // page_size) + 8,
             max_running=None,
-            seed=0,
-            device=args.device,
-            compile=args.compile,
         )
-        ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+        ngram = SpeculativeConfig(num_speculative_tokens=k)  # the default method: prompt lookup
         configs = {
             "output-caching": base,
             "no-output-caching": base.replace(output_caching=False),

@@ -129,26 +129,16 @@ class MechserveRunner(Runner):
 
     name = "mechserve"
 
-    def __init__(
-        self,
-        loaded: Any,
-        mode: str,
-        *,
-        max_step_tokens: int = 512,
-        page_size: int = 16,
-        spec_len: int | None = None,
-        device: str = "cpu",
-        compile: bool = False,
-    ) -> None:
-        """``spec_len``: also run the throughput and latency workloads with prompt-lookup speculation
-        (variant ``ngram-<spec_len>``); ``device`` and ``compile``: ``EngineConfig``'s."""
+    def __init__(self, loaded: Any, mode: str, config: Any, *, spec_len: int | None = None) -> None:
+        """``config``: the ``EngineConfig`` the bench's flags give (``mechserve.cli.engine_args.engine_config``);
+        each run replaces its sizes (dtype, pool, spec_len, prefix caching).  ``spec_len``: also run the
+        throughput and latency workloads with prompt-lookup speculation (variant ``ngram-<spec_len>``)."""
         self.loaded = loaded
-        self.device = device
-        self.compile = compile
         self.mode = mode
         self.spec_len = spec_len
-        self.max_step_tokens = max_step_tokens
-        self.page_size = page_size
+        self.config = config
+        self.max_step_tokens = config.max_step_tokens
+        self.page_size = config.page_size
 
     def variants(self, workload: Workload) -> list[str]:
         if workload.name == "prefix":
@@ -158,25 +148,20 @@ class MechserveRunner(Runner):
         return ["default"] + ([f"ngram-{self.spec_len}"] if self.spec_len else [])
 
     def _core(self, workload: Workload, variant: str) -> Any:
-        from mechserve.api.config import EngineConfig, dtype_name
+        from mechserve.api.config import dtype_name
         from mechserve.engine.core import EngineCore
 
         spec_len = int(variant.split("-")[1]) if variant.startswith("ngram-") else 0
         longest = max(len(r.prompt_ids) + r.max_tokens for r in workload.requests)
         batch = 1 if workload.sequential else len(workload.requests)
         pages = batch * -(-longest // self.page_size) + 8
-        config = EngineConfig(
+        config = self.config.replace(
             dtype=dtype_name(self.loaded.model.dtype),
             quantization=getattr(self.loaded.model, "quantization", None),
-            max_step_tokens=self.max_step_tokens,
-            page_size=self.page_size,
             num_pages=pages,
             spec_len=spec_len,
             prefix_caching=variant != "no-prefix-cache",
             max_running=None,  # every request of the workload may run at once, as in the static batches it is compared with
-            seed=0,
-            device=self.device,
-            compile=self.compile,
         )
         return EngineCore(self.loaded, config)
 

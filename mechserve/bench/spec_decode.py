@@ -255,7 +255,7 @@ def costs(args: argparse.Namespace) -> dict[str, Any]:
                 ids.append(100 + j)
                 pos.append(ctx + j)
         a = model.arch
-        batch = build_attention_batch(spans, slots, ps, a.num_heads // a.num_kv_heads, model.distinct_windows)
+        batch = build_attention_batch(spans, slots, ps, a.num_heads // a.num_kv_heads, model.distinct_sliding_windows)
         prepared[(b, m)] = (torch.tensor(ids), torch.tensor(pos), cache, batch, torch.arange(len(ids)))
     times: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
     for _ in range(args.repeats * 4):

@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from mechserve.api.limits import ENGINE_LIMITS
+from mechserve.cli.engine_args import engine_config
 from mechserve.cli.errors import CliError, engine_failure
 from mechserve.cli.lazy import GENERATE_MODULE
 from mechserve.cli.parser import add_device_arguments
@@ -375,7 +376,6 @@ def execute_torch(
     """
     check_torch_workload(rung, workload)
     try:
-        from mechserve.api.config import EngineConfig
         from mechserve.api.errors import KVMemoryError, ModelLoadError, RankError, RequestRejected, first_line
         from mechserve.api.params import SamplingParams
         from mechserve.engine.core import EngineCore
@@ -385,29 +385,34 @@ def execute_torch(
     generate = importlib.import_module(GENERATE_MODULE)  # its error wording and model loading are shared
     e = workload.engine
     try:
+        flags = argparse.Namespace(dtype=dtype, quantization=quantization, device=device, compile=compile)
+        names = (
+            "max_step_tokens",
+            "page_size",
+            "num_pages",
+            "spec_len",
+            "world_size",
+            "prefix_caching",
+            "hold_shared_prefix",
+            "output_caching",
+        )
+        sizes: dict[str, Any] = {name: e[name] for name in names if name in e}
+        if (
+            sizes.get("prefix_caching") is False
+        ):  # the hold acts only through the prefix cache (D9's loader refuses true)
+            sizes.setdefault("hold_shared_prefix", False)
+        config = engine_config(
+            flags,
+            **sizes,
+            max_model_len=e.get("max_model_len"),
+            max_running=e.get("max_running"),  # a workload without max_running runs every request at once
+            max_waiting=e.get("max_waiting"),
+        )
         configure_threads()
         loaded = generate.load(model, dtype, e["world_size"], quantization)
         vocab = loaded.model.arch.vocab_size
         ordinary = ordinary_ids(vocab, loaded.tokenizer, loaded.eos_token_ids)
         prompts = [real_prompt(req, vocab, ordinary) for req in workload.requests]
-        prefix_caching = bool(e.get("prefix_caching", EngineConfig().prefix_caching))
-        config = EngineConfig(
-            dtype=dtype or "float32",
-            quantization=quantization,
-            max_step_tokens=e["max_step_tokens"],
-            page_size=e["page_size"],
-            num_pages=e["num_pages"],
-            spec_len=e["spec_len"],
-            max_model_len=e.get("max_model_len"),
-            max_running=e.get("max_running"),
-            max_waiting=e.get("max_waiting"),
-            world_size=e["world_size"],
-            prefix_caching=prefix_caching,
-            hold_shared_prefix=bool(e.get("hold_shared_prefix", prefix_caching and EngineConfig().hold_shared_prefix)),
-            output_caching=bool(e.get("output_caching", EngineConfig().output_caching)),
-            device=device,
-            compile=compile,
-        )
         core = EngineCore(loaded, config, keep_finished=True)
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None

@@ -25,16 +25,11 @@ import sys
 from typing import Any
 
 from mechserve.api.config import DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS, DEFAULT_PAGE_SIZE
-from mechserve.api.limits import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_REQUEST_BYTES, MAX_SLOTS
+from mechserve.api.limits import MAX_REQUEST_BYTES
+from mechserve.api.proposers import proposer_method
+from mechserve.cli.engine_args import engine_config, setting
 from mechserve.cli.errors import CliError
-from mechserve.cli.generate import (
-    add_dtype_argument,
-    add_speculative_arguments,
-    integer,
-    kv_message,
-    parse_size,
-    speculative_config,
-)
+from mechserve.cli.generate import add_dtype_argument, add_speculative_arguments, integer, kv_message, parse_size
 from mechserve.cli.parser import add_device_arguments
 from mechserve.cli.vllm_names import (
     add_aliased,
@@ -91,13 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--max-num-seqs",),
         dest="max_running",
         default=DEFAULT_MAX_RUNNING,
-        type=integer(1, ENGINE_LIMITS["max_running"]),
+        type=setting("max_running"),
         metavar="N",
         help=f"requests running at once (default {DEFAULT_MAX_RUNNING}); the rest wait",
     )
     add(
         "--max-waiting",
-        type=integer(1, ENGINE_LIMITS["max_waiting"]),
+        type=setting("max_waiting"),
         default=DEFAULT_MAX_WAITING,
         metavar="N",
         help=f"requests that may wait (default {DEFAULT_MAX_WAITING}); beyond it requests get 429 and Retry-After",
@@ -108,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--max-num-batched-tokens",),
         dest="max_step_tokens",
         default=SERVE_MAX_STEP_TOKENS,
-        type=integer(1, ENGINE_LIMITS["max_step_tokens"]),
+        type=setting("max_step_tokens"),
         metavar="N",
         help=f"per-step token budget, the prefill chunk (default {SERVE_MAX_STEP_TOKENS}; generate's is "
         f"{DEFAULT_MAX_STEP_TOKENS})",
@@ -119,11 +114,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--block-size",),
         dest="page_size",
         default=DEFAULT_PAGE_SIZE,
-        type=integer(1, ENGINE_LIMITS["page_size"]),
+        type=setting("page_size"),
         metavar="N",
         help=f"KV positions per page (default {DEFAULT_PAGE_SIZE})",
     )
-    add("--num-pages", type=integer(1, ENGINE_LIMITS["num_pages"]), default=None, metavar="N", help="KV pages")
+    add("--num-pages", type=setting("num_pages"), default=None, metavar="N", help="KV pages")
     add(
         "--kv-memory",
         type=parse_size,
@@ -133,13 +128,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--spec-len",
-        type=integer(0, ENGINE_LIMITS["spec_len"]),
+        type=setting("spec_len"),
         default=None,
         metavar="K",
         help="speculative decoding: at most K guesses per decode step (default 0: off; 3 with --spec-method)",
     )
     add_speculative_arguments(parser)
-    add("--max-model-len", type=integer(1, MAX_NEW_TOKENS), default=None, metavar="N", help="longest prompt + output")
+    add("--max-model-len", type=setting("max_model_len"), default=None, metavar="N", help="longest prompt + output")
     add_prefix_caching_arguments(parser)
     add(
         "--no-output-caching",
@@ -160,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--tensor-parallel-size", "-tp"),
         dest="world_size",
         default=1,
-        type=integer(1, ENGINE_LIMITS["world_size"]),
+        type=setting("world_size"),
         metavar="N",
         help="tensor-parallel rank processes (default 1)",
     )
@@ -203,9 +198,7 @@ def run(args: argparse.Namespace) -> int:
     """Load the model, bind, serve until stopped; returns 0.  Raises ``CliError`` for anything that stops it
     from starting (missing extra, bad model or size, a KV cache that does not fit, an address in use)."""
     resolve(args)
-    if args.num_pages is not None and args.num_pages * args.page_size > MAX_SLOTS:
-        raise CliError(f"--num-pages x --page-size is over mechserve's limit of {MAX_SLOTS} slots; lower one")
-    speculative_config(args)  # a bad combination of flags fails before anything loads
+    engine_config(args)  # a bad value or combination of flags fails before anything loads
     uvicorn, server_module = _imports()
     events = _kv_events(args)
     try:
@@ -298,7 +291,8 @@ def _speculation(core: Any) -> str:
     spec = core.speculative
     if spec is None:
         return ""
-    how = f"draft model {spec.draft_model}" if spec.method == "draft" else "prompt lookup"
+    method = proposer_method(spec.method)
+    how = f"{method.summary} {spec.draft_model}" if method.needs_model else method.summary
     fixed = "" if spec.adaptive else ", fixed"
     return f", speculative decoding: {how}, up to {spec.num_speculative_tokens} guesses{fixed}"
 
@@ -324,27 +318,7 @@ def _engine(args: argparse.Namespace, on_step: Any = None) -> Any:
     resolve(args)
     try:
         llm = AsyncLLM(
-            args.model,
-            dtype=args.dtype or "float32",
-            quantization=args.quantization,
-            max_step_tokens=args.max_step_tokens,
-            page_size=args.page_size,
-            num_pages=args.num_pages,
-            kv_memory=args.kv_memory,
-            prefix_caching=args.prefix_caching,
-            hold_shared_prefix=not args.no_hold_shared_prefix,
-            output_caching=not args.no_output_caching,
-            speculative_config=speculative_config(args),
-            max_running=args.max_running,
-            max_waiting=args.max_waiting,
-            max_model_len=args.max_model_len,
-            seed=args.seed,
-            model_name=args.served_model_name or args.model,
-            world_size=args.world_size,
-            device=args.device or "cpu",
-            compile=bool(args.compile),
-            allow_additional_properties=args.allow_additional_properties,
-            on_step=on_step,
+            args.model, config=engine_config(args), model_name=args.served_model_name or args.model, on_step=on_step
         )
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None

@@ -203,7 +203,7 @@ def own_dense_kv(model: Model) -> Callable[[Sequence[int]], KV]:
         cache = model.new_cache(1, n)
         a = model.arch
         batch = build_attention_batch(
-            [Span(0, 0, n, [0])], list(range(n)), n, a.num_heads // a.num_kv_heads, model.distinct_windows
+            [Span(0, 0, n, [0])], list(range(n)), n, a.num_heads // a.num_kv_heads, model.distinct_sliding_windows
         )
         positions = torch.arange(n, dtype=torch.int64)
         model.forward(torch.tensor(list(ids), dtype=torch.int64), positions, cache, batch, positions[-1:])
@@ -222,7 +222,7 @@ def own_greedy(model: Model, eos_token_ids: Sequence[int] = ()) -> Callable[[Seq
         for _ in range(n):
             m = len(seq)
             batch = build_attention_batch(
-                [Span(0, 0, m, [0])], list(range(m)), m, a.num_heads // a.num_kv_heads, model.distinct_windows
+                [Span(0, 0, m, [0])], list(range(m)), m, a.num_heads // a.num_kv_heads, model.distinct_sliding_windows
             )
             positions = torch.arange(m, dtype=torch.int64)
             logits = model.forward(

@@ -42,11 +42,6 @@ def page_bytes(model: ModelShape, page_size: int, dtype: Any | None = None) -> i
     return 2 * a.num_layers * page_size * a.num_kv_heads * a.head_dim * itemsize
 
 
-def draft_page_bytes(draft: ModelShape | None, page_size: int, dtype: Any | None = None) -> int:
-    """Bytes a draft model's KV adds to one page (0 without a draft model): its pages mirror the target's."""
-    return 0 if draft is None else page_bytes(draft, page_size, dtype)
-
-
 def available_memory(meminfo: str | None = None) -> int | None:
     """``MemAvailable`` in bytes from ``meminfo`` (default ``MEMINFO``); None where it cannot be read (not Linux)."""
     try:
@@ -157,7 +152,6 @@ __all__ = [
     "available_memory",
     "check_kv_memory",
     "device_memory",
-    "draft_page_bytes",
     "max_pages",
     "model_context",
     "page_bytes",

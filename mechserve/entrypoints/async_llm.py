@@ -63,7 +63,8 @@ class RequestStream:
 
     ``prompt``, ``prompt_token_ids`` and ``params`` (with ``max_tokens``
     as fitted) are set on acceptance; ``output`` once the last event has
-    been read.  Iterating raises ``EngineStepError`` / ``EngineDeadError`` if
+    been read.  Iterating raises ``RequestFailed`` if the request failed alone
+    inside a step (its grammar), ``EngineStepError`` / ``EngineDeadError`` if
     the engine failed or shut down under the request.
     """
 

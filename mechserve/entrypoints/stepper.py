@@ -16,9 +16,11 @@ A command answers through a ``concurrent.futures.Future`` (``asyncio.wrap_future
 makes it awaitable, ``.result()`` waits for it from any other thread).  An
 accepted request's events go to the ``deliver`` callback it came with, on the
 event loop it came from, in step order; its last event carries its
-``RequestOutput``.  A step that raises ends every request in flight with an
-``EngineStepError``; if the engine cannot then be brought back to a
-consistent, empty state it is dead (``error``) and refuses everything after.
+``RequestOutput``.  A request that fails inside a step on its own account
+(its grammar) ends alone with its ``RequestFailed``; a step that raises ends
+every request in flight with an ``EngineStepError``; if the engine cannot then
+be brought back to a consistent, empty state it is dead (``error``) and
+refuses everything after.
 """
 
 from __future__ import annotations
@@ -244,13 +246,19 @@ class Stepper:
         self._gauges()
         self._deliver(events)  # last: whoever reads an event sees the metrics of its step
 
-    def _events(self, out: StepOutput, now: float) -> list[tuple[_Live, StreamEvent]]:
-        """One event per request the step touched; timings to the metrics; ended requests forgotten."""
+    def _events(self, out: StepOutput, now: float) -> list[tuple[_Live, StreamEvent | BaseException]]:
+        """One event per request the step touched (its error for a request that failed alone); timings to the
+        metrics; ended requests forgotten."""
+        events: list[tuple[_Live, StreamEvent | BaseException]] = []
+        for request_id, error in out.failed.items():
+            failed = self._live.get(request_id)
+            if failed is not None:
+                self._forget(request_id)
+                events.append((failed, error))
         deltas: dict[str, list[SampleDelta]] = {}
         for d in out.deltas:
             deltas.setdefault(d.request_id, []).append(d)
         finished = {o.request_id: o for o in out.finished}
-        events = []
         for request_id in dict.fromkeys([*deltas, *finished]):
             live = self._live.get(request_id)
             if live is None:

@@ -48,9 +48,9 @@ import torch.distributed as dist
 from mechserve.api.env import rank_timeout
 from mechserve.api.errors import RankError, first_line
 from mechserve.api.outputs import TokenLogprobs
-from mechserve.api.params import GREEDY, SamplingParams
-from mechserve.executor.protocol import ExecutorStats
+from mechserve.executor.protocol import ExecutorStats, RequestFailure
 from mechserve.executor.rank import FAULTS, RankServer, RankSpec, _DistChannel, _spawned_rank, serve_rank
+from mechserve.executor.request import ExecutorRequest
 from mechserve.spec import m14_forced_runs as m14
 
 # Seconds the ranks may take to start (load their shards).
@@ -71,10 +71,11 @@ class _RankProxy:
 class RankGroup:
     """The driver's handle on ``world_size`` ranks; the executor API ``EngineCore`` uses, once for all.
 
-    ``rank_executors()`` are the m14 rank executors; ``add_request``/``release``/``settle`` reach every rank
-    (queued until the next round trip); ``take_logprobs``, ``take_prompt_logprobs``, ``advise`` and ``stats``
-    ask rank 0 (every rank
-    holds the same).  Any failure raises ``RankError`` and shuts the group down.
+    ``rank_executors()`` are the m14 rank executors and ``execute`` joins their reports as m11 does;
+    ``add_request`` (the request's record), ``release`` and ``settle`` reach every rank (queued until the
+    next round trip); ``take_logprobs``, ``take_prompt_logprobs``, ``advise`` and ``stats`` ask rank 0
+    (every rank holds the same); ``take_failures`` gives what rank 0 reported with its last outcomes
+    (rank 0 samples for all).  Any failure of a rank raises ``RankError`` and shuts the group down.
     """
 
     world_size: int
@@ -83,6 +84,7 @@ class RankGroup:
         self._queues: list[list[tuple[Any, ...]]] = [[] for _ in range(self.world_size)]
         self._plan: tuple[m14.PlanItem, ...] | None = None
         self._reports: dict[int, tuple[m14.Outcome, ...]] = {}
+        self._failures: list[RequestFailure] = []
         self.closed = False
 
     # m14's side
@@ -100,7 +102,9 @@ class RankGroup:
             return ()
         if plan is not self._plan:
             self._plan = plan
-            self._reports = dict(enumerate(self._round(("execute", plan))))
+            answers = self._round(("execute", plan))
+            self._reports = {rank: outcomes for rank, (outcomes, _) in enumerate(answers)}
+            self._failures += answers[0][1]
         report = self._reports.pop(rank, None)
         if report is None:
             raise RankError(f"rank {rank}'s report for this plan was asked for twice")
@@ -109,19 +113,13 @@ class RankGroup:
         return tuple(report)
 
     # the executor API EngineCore uses
-    def add_request(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int] | None = None,
-        params: SamplingParams = GREEDY,
-        *,
-        eos_token_ids: Sequence[int] = (),
-        stop_token_ids: Sequence[int] = (),
-        bad_words_ids: Sequence[Sequence[int]] = (),
-    ) -> None:
-        ids = None if prompt_ids is None else list(prompt_ids)
-        bad = tuple(tuple(w) for w in bad_words_ids)
-        self._queue(("add", request_id, ids, params, tuple(eos_token_ids), tuple(stop_token_ids), bad))
+    def add_request(self, request: ExecutorRequest) -> None:
+        self._queue(("add", request))
+
+    def take_failures(self) -> list[RequestFailure]:
+        """The failures rank 0 reported with the last plan's outcomes (no round trip)."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def release(self, request_id: str) -> None:
         if not self.closed:

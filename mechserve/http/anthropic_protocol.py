@@ -33,9 +33,10 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import ConfigDict, Field, ValidationError
 
 from mechserve.api.errors import ParamError
+from mechserve.api.limits import MAX_NEW_TOKENS
 from mechserve.entrypoints.tools import MAX_TOOLS
 from mechserve.http.fields import COUNT_TOKENS, MESSAGES, refused_field
-from mechserve.http.protocol import MAX_STOP, MAX_TOKENS, ChatCompletionRequest, UnsupportedField, _Body
+from mechserve.http.protocol import MAX_STOP, ChatCompletionRequest, UnsupportedField, _Body
 
 MEDIA_BLOCKS = ("image", "document", "search_result")
 THINKING_BLOCKS = ("thinking", "redacted_thinking")
@@ -210,7 +211,7 @@ class MessagesRequest(_AnthropicBody):
 
     endpoint: ClassVar[str] = MESSAGES
 
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)]
     stop_sequences: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
     stream: bool | None = None
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None

@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mechserve import __version__
-from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError
+from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError, RequestFailed
 from mechserve.api.limits import MAX_REQUEST_BYTES
 from mechserve.api.outputs import ABORT, RequestOutput
 from mechserve.api.params import SamplingParams
@@ -143,8 +143,8 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         shown = [_prompt(h, params, render) for h in handles]
         stream = CompletionStream(handles, response_id, model_name, params, body.include_usage, render, prompts=shown)
         if body.stream:
-            return EventStream(stream.chunks(), handles)
-        outputs = await _unless_disconnected(request, _drain(llm, handles), handles)
+            return EventStream(stream.chunks(), handles, body.constraint_field)
+        outputs = await _unless_disconnected(request, _drain(llm, handles, body.constraint_field), handles)
         shown = [dataclasses.replace(p, logprobs=o.prompt_logprobs) for p, o in zip(shown, outputs)]
         choices = r.completion_choices(outputs, shown, params.n, render)
         result = r.envelope("text_completion", response_id, stream.created, model_name, choices)
@@ -158,8 +158,8 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         handles, params, tools, render = run.handles, run.params, run.tools, run.render
         stream = ChatStream(handles, response_id, run.model, params, body.include_usage, render, tools=tools)
         if body.stream:
-            return EventStream(stream.chunks(), handles)
-        outputs = await _unless_disconnected(request, _drain(llm, handles), handles)
+            return EventStream(stream.chunks(), handles, run.constraint)
+        outputs = await _unless_disconnected(request, _drain(llm, handles, run.constraint), handles)
         choices = r.chat_choices(outputs[0], render, tools)
         result = r.envelope("chat.completion", response_id, stream.created, run.model, choices)
         if render.prompt_logprobs:
@@ -189,7 +189,8 @@ async def _start_chat(llm: AsyncLLM, name: str, body: ChatCompletionRequest, res
                 code="invalid_value",
             ) from None
         raise
-    return ChatRun(handles, params, tools, model_name, _render(body, params, llm))
+    constraint = "tools" if tools.forced else body.constraint_field
+    return ChatRun(handles, params, tools, model_name, _render(body, params, llm), constraint)
 
 
 def _chat_path(llm: AsyncLLM, name: str) -> ChatPath:
@@ -198,8 +199,8 @@ def _chat_path(llm: AsyncLLM, name: str) -> ChatPath:
     async def start(body: ChatCompletionRequest, response_id: str) -> ChatRun:
         return await _start_chat(llm, name, body, response_id)
 
-    async def wait(request: Request, handles: Sequence[RequestStream]) -> list[RequestOutput]:
-        return await _unless_disconnected(request, _drain(llm, handles), handles)
+    async def wait(request: Request, run: ChatRun) -> list[RequestOutput]:
+        return await _unless_disconnected(request, _drain(llm, run.handles, run.constraint), run.handles)
 
     return ChatPath(llm, start, wait, lambda requested: _check_model(requested, name))
 
@@ -359,13 +360,16 @@ async def _submit(
     raise engine_error(failure, param="messages" if isinstance(prompts[0], Chat) else "prompt")
 
 
-async def _drain(llm: AsyncLLM, handles: Sequence[RequestStream]) -> list[RequestOutput]:
+async def _drain(llm: AsyncLLM, handles: Sequence[RequestStream], constraint: str | None = None) -> list[RequestOutput]:
     """Every request's final output; a 503 if the server aborted them because it is shutting down (a
-    stream says so with its ``"abort"`` chunk)."""
+    stream says so with its ``"abort"`` chunk); a 400 naming ``constraint`` (the body's field) when one
+    failed alone inside a step on its grammar (the others are aborted: the response is one)."""
     try:
         outputs = [await handle.result() for handle in handles]
-    except (EngineStepError, EngineDeadError) as exc:
-        raise engine_error(exc) from None
+    except (EngineStepError, EngineDeadError, RequestFailed) as exc:
+        for handle in handles:
+            handle.abort()
+        raise engine_error(exc, constraint=constraint) from None
     if not llm.running and any(c.finish_reason == ABORT for o in outputs for c in o.outputs):
         raise APIError(
             503, "the server is shutting down; the request was aborted before it finished", code="shutting_down"

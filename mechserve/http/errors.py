@@ -11,6 +11,8 @@ Status codes, so that bad input never reads as a server fault::
     404 invalid_request_error   an unknown model (code model_not_found) or path
     405, 413                    wrong method, body over --max-request-bytes (before anything reads it)
     429 overloaded_error        max_waiting requests already wait (m12's OVERLOADED); Retry-After is set
+    400 invalid_value           a request whose own constraint failed inside an engine step (it alone ended;
+                                param: the body's constraint field)
     500 server_error            an engine step failed under the request (a bug or out of memory)
     503 server_error            the engine is not running (shutting down, or dead after a failure), or a
                                 non-streaming request was aborted because the server is shutting down
@@ -34,7 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError, RequestRejected
+from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError, RequestFailed, RequestRejected
 from mechserve.spec.m14_forced_runs import RejectReason
 
 log = logging.getLogger("mechserve.http")
@@ -110,8 +112,14 @@ def is_anthropic(path: str) -> bool:
     return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
-def engine_error(exc: Exception, param: str | None = "prompt") -> APIError:
-    """What ``AsyncLLM.add_request`` (or a stream) raised, as an ``APIError``."""
+def engine_error(exc: Exception, param: str | None = "prompt", constraint: str | None = None) -> APIError:
+    """What ``AsyncLLM.add_request`` (or a stream) raised, as an ``APIError``; ``constraint``: the body field
+    that gave the request its ``structured_outputs`` (``response_format``, ``guided_json``, ``tools``, ...)."""
+    if isinstance(exc, RequestFailed):
+        if exc.param is None:
+            return APIError(500, str(exc))
+        named = constraint if exc.param == "structured_outputs" and constraint else exc.param
+        return APIError(400, str(exc).replace(exc.param, named, 1), param=named, code="invalid_value")
     if isinstance(exc, RequestRejected):
         status, code = _REJECT.get(exc.reason, (400, None))
         if exc.reason is RejectReason.OVERLOADED:

@@ -34,10 +34,10 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from mechserve.api.errors import ParamError
-from mechserve.api.limits import MAX_LOGPROBS
+from mechserve.api.limits import MAX_LOGPROBS, MAX_NEW_TOKENS
 from mechserve.entrypoints.tools import MAX_TOOLS
 from mechserve.http.fields import RESPONSES, refused_field
-from mechserve.http.protocol import INT64, MAX_STOP, MAX_TOKENS, ChatCompletionRequest, UnsupportedField, _Body
+from mechserve.http.protocol import INT64, MAX_STOP, ChatCompletionRequest, UnsupportedField, _Body
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512
@@ -96,7 +96,7 @@ class ResponsesRequest(_Body):
     background: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    max_output_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None

@@ -18,6 +18,7 @@ from mechserve.api.config import SpeculativeConfig
 from mechserve.api.errors import ParamError
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
+from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.sampling import Row, process_logits
 
 # A prompt that repeats itself, so that a model that copies has something to repeat.
@@ -31,7 +32,8 @@ def reference_greedy(hf: Any, prompt: Sequence[int], params: SamplingParams, bad
     for k in range(params.max_tokens):
         with torch.no_grad():
             logits = hf(torch.tensor([ids])).logits[0, -1:].float()
-        row = Row(params, k, (), tuple(ids), len(prompt), tuple(tuple(w) for w in bad_words))
+        record = ExecutorRequest("r", tuple(prompt), params, bad_words_ids=tuple(tuple(w) for w in bad_words))
+        row = Row(params, k, (), tuple(ids), len(prompt), request=record)
         out.append(int(process_logits(logits, [row]).argmax()))
         ids.append(out[-1])
     return out

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mechserve.cli.generate import add_arguments, speculative_config
+from mechserve.cli.engine_args import speculative_config
+from mechserve.cli.generate import add_arguments
 from mechserve.cli.parser import Parser
 
 ROOT = Path(__file__).resolve().parents[2]

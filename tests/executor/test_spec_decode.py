@@ -30,6 +30,7 @@ from mechserve.cli.main import main
 from mechserve.engine.core import EngineCore
 from mechserve.executor.governor import Candidate, Governor
 from mechserve.executor.proposers import DraftModelProposer, Window, lookup_ngram
+from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.model.llama import LlamaModel
 from mechserve.model.loader import LoadedModel, load_model
@@ -81,7 +82,7 @@ def run(
     arrivals = arrivals or [0] * len(prompts)
     requests = []
     for i, (p, n, a) in enumerate(zip(prompts, news, arrivals)):
-        ex.add_request(f"r{i}", p, params or SamplingParams(temperature=0.0, max_tokens=n), eos_token_ids=eos)
+        ex.add_request(ExecutorRequest(f"r{i}", p, params or SamplingParams(temperature=0.0, max_tokens=n), eos))
         requests.append(m14.Request(f"r{i}", list(p), n, arrival_step=a, stop_token_ids=stop_token_ids))
     spec_len = spec.num_speculative_tokens if spec else 0
     engine = m14.Engine(requests, budget, page_size, num_pages, spec_len=spec_len, executors=[ex], eos_token_ids=eos)
@@ -293,7 +294,7 @@ def test_a_draft_reads_valid_kv_from_another_requests_generated_blocks(tiny: Tin
     def submit(rid: str, prompt: list[int], n: int) -> m14.Request:
         r = m14.Request(rid, list(prompt), n)
         assert engine.add_request(r) is None
-        ex.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n))
+        ex.add_request(ExecutorRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n)))
         return r
 
     def step_done(record: m14.StepRecord) -> None:

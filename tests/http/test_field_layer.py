@@ -24,12 +24,13 @@ from pydantic import ValidationError
 from server_support import TINY_NAME
 
 from mechserve.api.errors import ParamError
+from mechserve.api.limits import MAX_NEW_TOKENS
 from mechserve.api.params import SamplingParams
 from mechserve.api.params import StructuredOutputsParams as SO
 from mechserve.entrypoints.prompts import Chat, Text
 from mechserve.entrypoints.tools import FunctionTool, ToolPlan
 from mechserve.http.fields import CHAT, COMPLETIONS, ENDPOINT_PATHS, Field, fields_for
-from mechserve.http.protocol import MAX_TOKENS, ChatCompletionRequest, CompletionRequest, UnsupportedField
+from mechserve.http.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
 
 BASE: dict[str, dict[str, Any]] = {
     COMPLETIONS: {"model": TINY_NAME, "prompt": "w1 w2", "max_tokens": 2},
@@ -125,7 +126,7 @@ SHARED: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {
     ],
     "n_predict": [
         ({"max_tokens": None, "n_predict": 3}, P(max_tokens=3)),
-        ({"max_tokens": None, "n_predict": -1}, {**P(max_tokens=MAX_TOKENS), "fit_max_tokens": True}),
+        ({"max_tokens": None, "n_predict": -1}, {**P(max_tokens=MAX_NEW_TOKENS), "fit_max_tokens": True}),
         ({"n_predict": 2}, {}),
     ],
 }
@@ -177,7 +178,7 @@ ONLY: dict[tuple[str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = {
             },
         )
     ],
-    (CHAT, "max_tokens"): [({"max_tokens": None}, {**P(max_tokens=MAX_TOKENS), "fit_max_tokens": True})],
+    (CHAT, "max_tokens"): [({"max_tokens": None}, {**P(max_tokens=MAX_NEW_TOKENS), "fit_max_tokens": True})],
     (CHAT, "max_completion_tokens"): [
         ({"max_completion_tokens": 3}, P(max_tokens=3)),
         ({"max_tokens": None, "max_completion_tokens": 0}, P(max_tokens=0)),

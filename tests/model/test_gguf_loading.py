@@ -53,7 +53,7 @@ def forward_logits(model: Any, ids: list[int]) -> torch.Tensor:
         list(range(len(ids))),
         page,
         a.num_heads // a.num_kv_heads,
-        model.distinct_windows,
+        model.distinct_sliding_windows,
     )
     return model.forward(torch.tensor(ids), torch.arange(len(ids)), cache, batch, None)
 
@@ -67,7 +67,7 @@ def decode_logits(model: Any, ids: list[int]) -> torch.Tensor:
     rows = []
     for p, t in enumerate(ids):
         batch = build_attention_batch(
-            [Span(0, p, 1, table)], [p], page, a.num_heads // a.num_kv_heads, model.distinct_windows
+            [Span(0, p, 1, table)], [p], page, a.num_heads // a.num_kv_heads, model.distinct_sliding_windows
         )
         rows.append(model.forward(torch.tensor([t]), torch.tensor([p]), cache, batch, None))
     return torch.cat(rows)

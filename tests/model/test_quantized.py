@@ -87,7 +87,7 @@ def test_a_quantized_tiny_model_computes_what_its_dequantized_weights_compute(ti
     spans = [Span(0, 0, 5, [0, 1])]
     for model in (quantized, plain):
         cache = model.new_cache(2, 4)
-        batch = build_attention_batch(spans, list(range(5)), 4, 2, model.distinct_windows)
+        batch = build_attention_batch(spans, list(range(5)), 4, 2, model.distinct_sliding_windows)
         out = model.forward(ids, pos, cache, batch, torch.arange(5))
         if model is quantized:
             first = out

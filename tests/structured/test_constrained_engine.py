@@ -266,7 +266,7 @@ def test_compiled_grammars_are_cached_by_key(byte_model: LoadedModel) -> None:
     )
     c = core.compile_grammar(StructuredOutputsParams(regex="a+"))
     assert a is b and c is not a
-    assert core._grammars is not None and core._grammars.compiled == 2
+    assert core.grammars._compiler is not None and core.grammars._compiler.compiled == 2
 
 
 def test_the_word_tokenizer_cannot_be_constrained_and_says_so(tiny_word: LoadedModel) -> None:
