@@ -26,6 +26,10 @@ MAX_SLOTS = 16_777_216
 MAX_PAGES = ENGINE_LIMITS["num_pages"]
 # Guesses per decode window (spec_len, num_speculative_tokens).
 MAX_SPEC_LEN = ENGINE_LIMITS["spec_len"]
+# Suffix decoding: the longest substring its trees hold (each id adds up to this many nodes) and how many
+# requests' outputs the global tree holds.
+MAX_SUFFIX_TREE_DEPTH = 256
+MAX_SUFFIX_CACHED_REQUESTS = 1_000_000
 # Requests.
 MAX_PROMPT_LEN = 1_000_000
 MAX_TOTAL_PROMPT_TOKENS = 4_000_000  # all prompts of one workload together
@@ -47,6 +51,8 @@ __all__ = [
     "ENGINE_LIMITS",
     "MAX_ARRIVAL_STEP",
     "MAX_BAD_WORDS",
+    "MAX_SUFFIX_CACHED_REQUESTS",
+    "MAX_SUFFIX_TREE_DEPTH",
     "MAX_CHOICES",
     "MAX_FILTER_IDS",
     "MAX_GRAMMAR_CHARS",

@@ -94,6 +94,11 @@ PROPOSERS: Mapping[str, ProposerMethod] = {
     for m in (
         ProposerMethod("ngram", "prompt lookup", "mechserve.executor.proposers:NgramProposer.build"),
         ProposerMethod(
+            "suffix",
+            "suffix decoding over this request and past outputs",
+            "mechserve.executor.proposers_suffix:SuffixProposer.build",
+        ),
+        ProposerMethod(
             "draft",
             "draft model",
             "mechserve.executor.proposers:DraftModelProposer.build",

@@ -94,14 +94,35 @@ def speculative_config(args: argparse.Namespace) -> Any:
         raise CliError(f"--spec-method {method} needs --spec-len >= 1 (or leave --spec-len out for 3)")
     if args.ngram_min > args.ngram_max:
         raise CliError(f"--ngram-min {args.ngram_min} is more than --ngram-max {args.ngram_max}")
-    return SpeculativeConfig(
-        method=method or DEFAULT_METHOD,
-        num_speculative_tokens=args.spec_len or 3,
-        ngram_min=args.ngram_min,
-        ngram_max=args.ngram_max,
-        draft_model=args.draft_model,
-        adaptive=not args.spec_fixed,
-    )
+    suffix = {name: getattr(args, name, None) for name in SUFFIX_OPTIONS}
+    suffix = {name: value for name, value in suffix.items() if value is not None}
+    if suffix and (method or DEFAULT_METHOD) != "suffix":
+        flags = ", ".join("--" + name.replace("_", "-") for name in suffix)
+        raise CliError(f"{flags} tune suffix decoding: add --spec-method suffix")
+    try:
+        return SpeculativeConfig(
+            method=method or DEFAULT_METHOD,
+            num_speculative_tokens=args.spec_len or 3,
+            ngram_min=args.ngram_min,
+            ngram_max=args.ngram_max,
+            draft_model=args.draft_model,
+            adaptive=not args.spec_fixed,
+            **suffix,
+        )
+    except ValueError as exc:  # a suffix option out of range: name its flag
+        message = str(exc)
+        for name in SUFFIX_OPTIONS:
+            message = message.replace(name, "--" + name.replace("_", "-"))
+        raise CliError(message) from None
+
+
+# SpeculativeConfig's suffix decoding options, each a flag of the same name (--suffix-decoding-...).
+SUFFIX_OPTIONS = (
+    "suffix_decoding_max_tree_depth",
+    "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor",
+    "suffix_decoding_min_token_prob",
+)
 
 
 def _flag_message(message: str) -> str:

@@ -1,0 +1,340 @@
+"""Suffix decoding: guesses from suffix trees over this request's ids and over past requests' outputs.
+
+The method of SuffixDecoding (Oliaro et al., arXiv 2411.04975; vLLM's ``method: "suffix"``, which
+calls Snowflake's arctic-inference ``SuffixDecodingCache``), written here from the paper::
+
+    per-request tree   every substring of at most ``max_tree_depth`` ids of the request's prompt and
+                       output so far, with how often each occurred (a depth-bounded suffix trie, grown
+                       by one id per step: O(max_tree_depth) per id)
+    global tree        the same over the outputs of the last ``max_cached_requests`` requests (running
+                       ones included, grown as they generate); the oldest request's substrings are
+                       taken out again when one more would pass the bound (eviction by request, FIFO)
+
+    pattern            the request's last ids: every suffix of length m = 1 .. max_tree_depth - 1 that
+                       is a path of a tree is a match
+    draft              from the match's node, follow the most frequent child (ties: the smaller id):
+                       p_j = count(child) / count(ids that followed the node), prob_j = p_1 * ... * p_j,
+                       stop when prob_j < min_token_prob or after floor(max_spec_factor * m) ids (the
+                       adaptive length: a longer match earns a longer draft) or the window's slots
+    score              sum of prob_j (the expected number of accepted guesses); the best-scoring
+                       draft over both trees and every match length wins (ties: the longer match,
+                       then the request's own tree)
+
+The guesses are point masses, verified exactly like prompt lookup's (``torch_executor``); nothing here
+can change an output, only how many steps it takes.  Why our own trees and not arctic-inference's:
+its only distribution on PyPI is a source archive whose build pulls a CUDA toolchain and vLLM's
+plugin machinery (docs/speculative.md has the measurement); these trees are plain dicts, a few
+microseconds per id appended and tens of microseconds per proposal.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mechserve.executor.proposers import NO_DRAFT, Draft, Window
+
+if TYPE_CHECKING:
+    from mechserve.api.proposers import ProposerContext
+    from mechserve.executor.request import ExecutorRequest
+
+
+class Node:
+    """One node of a ``SuffixTree``: the substring spelled by the path from the root.
+
+    ``count``: how often the substring occurred; ``out``: how often an id followed it (the sum of the
+    children's counts); ``children``: next id -> node (None until it has one).
+    """
+
+    __slots__ = ("children", "count", "out")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.out = 0
+        self.children: dict[int, Node] | None = None
+
+    def child(self, token: int) -> Node | None:
+        return None if self.children is None else self.children.get(token)
+
+
+class SuffixTree:
+    """Every substring of at most ``max_depth`` ids of the sequences added, with counts (module docstring).
+
+    Sequences are added whole (``add``) or one id at a time (``Cursor.append``) and taken out whole
+    (``remove``, the ids ``add`` or the cursor put in).  ``nodes`` counts the nodes held (the memory:
+    at most ``max_depth`` new nodes per id added).
+    """
+
+    def __init__(self, max_depth: int) -> None:
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {max_depth}")
+        self.max_depth = max_depth
+        self.root = Node()
+        self.nodes = 1
+
+    def cursor(self) -> Cursor:
+        """An empty sequence in this tree, to be grown id by id."""
+        return Cursor(self)
+
+    def add(self, ids: Sequence[int]) -> None:
+        """Add every substring of ``ids`` of at most ``max_depth`` ids."""
+        cur = self.cursor()
+        for t in ids:
+            cur.append(t)
+
+    def remove(self, ids: Sequence[int]) -> None:
+        """Take out what ``add(ids)`` put in (ids < 0 break the sequence, as in ``Cursor.append``); nodes
+        left with a zero count are dropped."""
+        n = len(ids)
+        for i in range(n):
+            node = self.root
+            for j in range(i, min(i + self.max_depth, n)):
+                t = ids[j]
+                if t < 0:
+                    break
+                child = node.child(t)
+                assert child is not None and node.children is not None, "remove() of ids never added"
+                node.out -= 1
+                child.count -= 1
+                if child.count == 0:
+                    del node.children[t]
+                    self.nodes -= _size(child)
+                    break
+                node = child
+
+    def speculate(self, context: Sequence[int], num: int, max_spec_factor: float, min_token_prob: float) -> Match:
+        """The best draft of at most ``num`` ids continuing ``context`` (module docstring); an empty
+        ``Match`` when no suffix of ``context`` is in the tree or ``num <= 0``."""
+        best = NO_MATCH
+        if num <= 0:
+            return best
+        n = len(context)
+        longest = min(n, self.max_depth - 1)
+        root = self.root
+        for m in range(1, longest + 1):
+            node: Node | None = root
+            for t in context[n - m :]:
+                node = node.child(t)  # type: ignore[union-attr]
+                if node is None:
+                    break
+            if node is None:
+                break  # a longer suffix contains this one: it cannot match either
+            if node.out == 0:
+                continue
+            budget = min(num, int(max_spec_factor * m))
+            ids: list[int] = []
+            prob, score = 1.0, 0.0
+            while len(ids) < budget and node.children:
+                token, child = max(node.children.items(), key=_by_count)
+                prob *= child.count / node.out
+                if prob < min_token_prob:
+                    break
+                ids.append(token)
+                score += prob
+                node = child
+            if ids and score >= best.score:
+                best = Match(tuple(ids), score, m)
+        return best
+
+
+def _by_count(item: tuple[int, Node]) -> tuple[int, int]:
+    return item[1].count, -item[0]
+
+
+def _size(node: Node) -> int:
+    """Nodes in the subtree under (and including) ``node``."""
+    total, stack = 0, [node]
+    while stack:
+        n = stack.pop()
+        total += 1
+        if n.children:
+            stack.extend(n.children.values())
+    return total
+
+
+class Cursor:
+    """The end of a sequence being added to ``tree`` id by id: the nodes of its last ``max_depth - 1`` suffixes."""
+
+    __slots__ = ("ids", "tree", "_active")
+
+    def __init__(self, tree: SuffixTree) -> None:
+        self.tree = tree
+        self.ids: list[int] = []
+        self._active: list[Node] = [tree.root]
+
+    def append(self, token: int) -> None:
+        """Add ``token`` to the sequence: every suffix ending at it (of at most ``max_depth`` ids) gains one
+        occurrence.  An unknown id (< 0) is kept in ``ids`` but breaks the sequence: no substring spans it."""
+        self.ids.append(token)
+        if token < 0:
+            self._active = [self.tree.root]
+            return
+        tree = self.tree
+        active = [tree.root]
+        for node in self._active:
+            if node.children is None:
+                node.children = {}
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = Node()
+                tree.nodes += 1
+            node.out += 1
+            child.count += 1
+            active.append(child)
+        if len(active) > tree.max_depth:  # the root plus suffixes of 1 .. max_depth - 1 ids may still grow
+            del active[tree.max_depth]
+        self._active = active
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """A draft: ``ids``, its ``score`` (expected accepted guesses) and the match length it came from."""
+
+    ids: tuple[int, ...] = ()
+    score: float = 0.0
+    length: int = 0
+
+
+NO_MATCH = Match()
+
+
+@dataclass(slots=True)
+class _Local:
+    """One request's own tree (prompt and output so far) and how much of its output the global tree has."""
+
+    tree: SuffixTree
+    cursor: Cursor
+    prompt_len: int
+    in_global: bool = False  # its output went into the global tree (and stays out once evicted)
+    memo: tuple[int, int, Match] | None = field(default=None)  # (len(history), num, match): the last answer
+
+
+class SuffixProposer:
+    """Suffix decoding (module docstring); a ``Proposer`` (``mechserve.executor.proposers``).
+
+    ``max_tree_depth``: the longest substring either tree holds (and so the longest match, one less);
+    ``max_cached_requests``: how many requests' outputs the global tree holds (0: no global tree);
+    ``max_spec_factor``: a match of m ids drafts at most ``floor(max_spec_factor * m)`` ids;
+    ``min_token_prob``: a guess whose path probability falls below it ends the draft.  vLLM's
+    ``suffix_decoding_*`` options of the same names.
+    """
+
+    def __init__(
+        self,
+        max_tree_depth: int = 24,
+        max_cached_requests: int = 10000,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+    ) -> None:
+        self.max_tree_depth = max_tree_depth
+        self.max_cached_requests = max_cached_requests
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.global_tree = SuffixTree(max_tree_depth)
+        # request id -> its cursor in the global tree, oldest first (running and finished requests)
+        self._cached: OrderedDict[str, Cursor] = OrderedDict()
+        self._local: dict[str, _Local] = {}
+
+    @classmethod
+    def build(cls, ctx: ProposerContext) -> SuffixProposer:
+        """The registry's factory: the ``suffix_decoding_*`` options of ``ctx.speculative``."""
+        spec = ctx.speculative
+        return cls(
+            spec.suffix_decoding_max_tree_depth,
+            spec.suffix_decoding_max_cached_requests,
+            spec.suffix_decoding_max_spec_factor,
+            spec.suffix_decoding_min_token_prob,
+        )
+
+    # The Proposer protocol ------------------------------------------------------------------------------------------
+
+    def propose(self, windows: Sequence[Window]) -> list[Draft]:
+        drafts = []
+        for w in windows:
+            found = self._match(w.request, w.history, w.slots).ids if w.slots > 0 else ()
+            drafts.append(Draft(found) if found else NO_DRAFT)
+        return drafts
+
+    def available(self, request: ExecutorRequest, history: Sequence[int], cap: int) -> int:
+        return len(self._match(request, history, cap).ids)
+
+    def release(self, request: ExecutorRequest, output_ids: Sequence[int]) -> None:
+        local = self._local.pop(request.request_id, None)
+        if local is not None and self.max_cached_requests > 0:
+            self._sync_global(request.request_id, local, output_ids)
+
+    # Trees -------------------------------------------------------------------------------------------------------------
+
+    @property
+    def cached_requests(self) -> int:
+        """Requests whose outputs the global tree holds now."""
+        return len(self._cached)
+
+    def score(self, request: ExecutorRequest, history: Sequence[int], num: int) -> Match:
+        """The draft (with its score) the proposer has for ``request`` after ``history``, at most ``num`` ids."""
+        return self._match(request, history, num)
+
+    def _match(self, request: ExecutorRequest, history: Sequence[int], num: int) -> Match:
+        rid = request.request_id
+        local = self._sync(rid, request.prompt_len, history)
+        if local.memo is not None and local.memo[0] == len(history) and local.memo[1] == num:
+            return local.memo[2]
+        tail = _known_tail(history, self.max_tree_depth - 1)
+        args = (num, self.max_spec_factor, self.min_token_prob)
+        found = local.tree.speculate(tail, *args)
+        if self.max_cached_requests > 0:
+            other = self.global_tree.speculate(tail, *args)
+            if other.score > found.score or (other.score == found.score and other.length > found.length):
+                found = other
+        local.memo = (len(history), num, found)
+        return found
+
+    def _sync(self, rid: str, prompt_len: int, history: Sequence[int]) -> _Local:
+        """``rid``'s tree holding ``history`` (grown by the ids since the last call; rebuilt when the history
+        is not an extension of what it holds), and its output so far added to the global tree."""
+        local = self._local.get(rid)
+        if local is not None:
+            held = local.cursor.ids
+            if len(history) < len(held) or list(history[: len(held)]) != held:
+                local = None
+        if local is None:
+            tree = SuffixTree(self.max_tree_depth)
+            local = self._local[rid] = _Local(tree, tree.cursor(), prompt_len)
+        cursor = local.cursor
+        for t in history[len(cursor.ids) :]:
+            cursor.append(int(t))
+        if self.max_cached_requests > 0:
+            self._sync_global(rid, local, history[prompt_len:])
+        return local
+
+    def _sync_global(self, rid: str, local: _Local, output: Sequence[int]) -> None:
+        """Add ``rid``'s output ids the global tree lacks (re-adding them all if ``output`` is not an extension
+        of what it holds); evict the oldest cached requests beyond ``max_cached_requests``."""
+        cursor = self._cached.get(rid)
+        if cursor is None and local.in_global:
+            return  # evicted while running: its output stays out
+        if cursor is not None and (len(output) < len(cursor.ids) or list(output[: len(cursor.ids)]) != cursor.ids):
+            self.global_tree.remove(cursor.ids)
+            cursor = self._cached[rid] = self.global_tree.cursor()
+        if cursor is None:
+            cursor = self._cached[rid] = self.global_tree.cursor()
+            while len(self._cached) > self.max_cached_requests:
+                _, oldest = self._cached.popitem(last=False)
+                self.global_tree.remove(oldest.ids)
+        for t in output[len(cursor.ids) :]:
+            cursor.append(int(t))
+        local.in_global = True
+
+
+def _known_tail(history: Sequence[int], num: int) -> list[int]:
+    """The last ``num`` ids of ``history`` after its last unknown (negative) id."""
+    tail = list(history[-num:]) if num > 0 else []
+    for j in range(len(tail) - 1, -1, -1):
+        if tail[j] < 0:
+            return tail[j + 1 :]
+    return tail
+
+
+__all__ = ["Cursor", "Match", "Node", "SuffixProposer", "SuffixTree"]
