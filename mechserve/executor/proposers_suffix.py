@@ -157,7 +157,7 @@ def _size(node: Node) -> int:
 class Cursor:
     """The end of a sequence being added to ``tree`` id by id: the nodes of its last ``max_depth - 1`` suffixes."""
 
-    __slots__ = ("ids", "tree", "_active")
+    __slots__ = ("_active", "ids", "tree")
 
     def __init__(self, tree: SuffixTree) -> None:
         self.tree = tree
