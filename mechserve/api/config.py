@@ -31,7 +31,7 @@ from mechserve.api.limits import (
     MAX_SUFFIX_TREE_DEPTH,
 )
 from mechserve.api.proposers import ALIASES as METHOD_ALIASES
-from mechserve.api.proposers import DEFAULT_METHOD, DEFAULT_MODEL_METHOD, METHODS, proposer_method
+from mechserve.api.proposers import DEFAULT_METHOD, DEFAULT_MODEL_METHOD, METHOD_OPTIONS, METHODS, proposer_method
 
 # vLLM's chunked-prefill default; a smaller budget splits a long prompt into many slower steps.
 DEFAULT_MAX_STEP_TOKENS = 2048
@@ -204,10 +204,11 @@ class SpeculativeConfig:
             )
         if self.draft_model is not None:
             parse_draft_model(self.draft_model)
-        self._check_suffix(method.name)
+        self._check_options(method.name)
 
-    def _check_suffix(self, method: str) -> None:
-        """The ``suffix_decoding_*`` options: in range, and left at their defaults by any other method."""
+    def _check_options(self, method: str) -> None:
+        """Suffix decoding's options in range, and every method's own options (``ProposerMethod.options``) left at
+        their defaults by another method."""
         depth, cached = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
         factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
         if not _is_int(depth) or not 2 <= depth <= MAX_SUFFIX_TREE_DEPTH:
@@ -223,14 +224,10 @@ class SpeculativeConfig:
             raise ValueError(f"suffix_decoding_max_spec_factor must be a number in (0, {MAX_SPEC_LEN}], got {factor!r}")
         if not _is_number(prob) or not 0 <= prob <= 1:
             raise ValueError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
-        if method != "suffix":
-            changed = [
-                f.name
-                for f in dataclasses.fields(self)
-                if f.name.startswith("suffix_decoding_") and getattr(self, f.name) != f.default
-            ]
-            if changed:
-                raise ValueError(f'{", ".join(changed)} set, but method is "{method}": use method="suffix"')
+        for f in dataclasses.fields(self):
+            owner = METHOD_OPTIONS.get(f.name, method)
+            if owner != method and getattr(self, f.name) != f.default:
+                raise ValueError(f'{f.name} is an option of method "{owner}", but method is "{method}"')
 
     # vLLM's names for our fields.
     ALIASES: ClassVar[Mapping[str, str]] = {

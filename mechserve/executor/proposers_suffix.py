@@ -45,15 +45,30 @@ class Node:
     """One node of a ``SuffixTree``: the substring spelled by the path from the root.
 
     ``count``: how often the substring occurred; ``out``: how often an id followed it (the sum of the
-    children's counts); ``children``: next id -> node (None until it has one).
+    children's counts); ``children``: next id -> node (None until it has one); ``best``: the id of the most
+    frequent child (ties: the smaller id; -1 without children), kept as counts change.
     """
 
-    __slots__ = ("children", "count", "out")
+    __slots__ = ("best", "children", "count", "out")
 
     def __init__(self) -> None:
         self.count = 0
         self.out = 0
+        self.best = -1
         self.children: dict[int, Node] | None = None
+
+    def _rank(self, token: int, child: Node) -> None:
+        """``child`` (under ``token``) gained a count: it may now be the most frequent."""
+        best = self.best
+        if best != token:
+            top = self.children[best].count if best >= 0 else 0  # type: ignore[index]
+            if child.count > top or (child.count == top and token < best):
+                self.best = token
+
+    def _rerank(self) -> None:
+        """A child lost a count or left: find the most frequent again."""
+        kids = self.children
+        self.best = max(kids.items(), key=_by_count)[0] if kids else -1
 
     def child(self, token: int) -> Node | None:
         return None if self.children is None else self.children.get(token)
@@ -73,6 +88,7 @@ class SuffixTree:
         self.max_depth = max_depth
         self.root = Node()
         self.nodes = 1
+        self.version = 0  # bumped by every remove(): nodes held elsewhere (a Matcher's) may be gone
 
     def cursor(self) -> Cursor:
         """An empty sequence in this tree, to be grown id by id."""
@@ -87,6 +103,7 @@ class SuffixTree:
     def remove(self, ids: Sequence[int]) -> None:
         """Take out what ``add(ids)`` put in (ids < 0 break the sequence, as in ``Cursor.append``); nodes
         left with a zero count are dropped."""
+        self.version += 1
         n = len(ids)
         for i in range(n):
             node = self.root
@@ -101,42 +118,57 @@ class SuffixTree:
                 if child.count == 0:
                     del node.children[t]
                     self.nodes -= _size(child)
+                if t == node.best:
+                    node._rerank()
+                if child.count == 0:
                     break
                 node = child
+
+    def matches(self, context: Sequence[int]) -> list[Node]:
+        """The nodes of the suffixes of ``context`` the tree holds, by length (``[m - 1]``: the last ``m`` ids), at
+        most ``max_depth - 1`` of them; every shorter suffix of a held one is held, so they stop at the first
+        miss.  O(max_depth ** 2) dict lookups (``Matcher`` keeps them up to date in O(max_depth) per id)."""
+        n = len(context)
+        found: list[Node] = []
+        for m in range(1, min(n, self.max_depth - 1) + 1):
+            node: Node | None = self.root
+            for t in context[n - m :]:
+                node = node.child(t)  # type: ignore[union-attr]
+                if node is None:
+                    return found
+            found.append(node)  # type: ignore[arg-type]
+        return found
 
     def speculate(self, context: Sequence[int], num: int, max_spec_factor: float, min_token_prob: float) -> Match:
         """The best draft of at most ``num`` ids continuing ``context`` (module docstring); an empty
         ``Match`` when no suffix of ``context`` is in the tree or ``num <= 0``."""
-        best = NO_MATCH
-        if num <= 0:
-            return best
-        n = len(context)
-        longest = min(n, self.max_depth - 1)
-        root = self.root
-        for m in range(1, longest + 1):
-            node: Node | None = root
-            for t in context[n - m :]:
-                node = node.child(t)  # type: ignore[union-attr]
-                if node is None:
-                    break
-            if node is None:
-                break  # a longer suffix contains this one: it cannot match either
-            if node.out == 0:
-                continue
-            budget = min(num, int(max_spec_factor * m))
-            ids: list[int] = []
-            prob, score = 1.0, 0.0
-            while len(ids) < budget and node.children:
-                token, child = max(node.children.items(), key=_by_count)
-                prob *= child.count / node.out
-                if prob < min_token_prob:
-                    break
-                ids.append(token)
-                score += prob
-                node = child
-            if ids and score >= best.score:
-                best = Match(tuple(ids), score, m)
+        return best_draft(self.matches(context), num, max_spec_factor, min_token_prob)
+
+
+def best_draft(matched: Sequence[Node], num: int, max_spec_factor: float, min_token_prob: float) -> Match:
+    """The best-scoring draft of at most ``num`` ids from the nodes of the matched suffixes (``matched[m - 1]``:
+    the suffix of ``m`` ids), each followed greedily by its most frequent child (module docstring)."""
+    best = NO_MATCH
+    if num <= 0:
         return best
+    for m, node in enumerate(matched, 1):
+        if node.out == 0:
+            continue
+        budget = min(num, int(max_spec_factor * m))
+        ids: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(ids) < budget and node.best >= 0:
+            token = node.best
+            child = node.children[token]  # type: ignore[index]
+            prob *= child.count / node.out
+            if prob < min_token_prob:
+                break
+            ids.append(token)
+            score += prob
+            node = child
+        if ids and score >= best.score:
+            best = Match(tuple(ids), score, m)
+    return best
 
 
 def _by_count(item: tuple[int, Node]) -> tuple[int, int]:
@@ -173,19 +205,75 @@ class Cursor:
             return
         tree = self.tree
         active = [tree.root]
+        grown = active.append
+        created = 0
         for node in self._active:
-            if node.children is None:
-                node.children = {}
-            child = node.children.get(token)
+            kids = node.children
+            if kids is None:
+                kids = node.children = {}
+            child = kids.get(token)
             if child is None:
-                child = node.children[token] = Node()
-                tree.nodes += 1
+                child = kids[token] = Node()
+                created += 1
             node.out += 1
-            child.count += 1
-            active.append(child)
+            count = child.count = child.count + 1
+            best = node.best
+            if best != token:  # Node._rank, inlined: this loop is the proposer's hot path
+                top = kids[best].count if best >= 0 else 0
+                if count > top or (count == top and token < best):
+                    node.best = token
+            grown(child)
+        tree.nodes += created
         if len(active) > tree.max_depth:  # the root plus suffixes of 1 .. max_depth - 1 ids may still grow
             del active[tree.max_depth]
         self._active = active
+
+    @property
+    def matched(self) -> list[Node]:
+        """The nodes of the sequence's suffixes of 1 .. ``max_depth - 1`` ids (its own tree holds them all), as
+        ``SuffixTree.matches`` would find them, at no cost."""
+        return self._active[1:]
+
+
+class Matcher:
+    """A sequence's suffixes matched in a tree it is not added to (the global tree for a running request): its
+    ``matched`` nodes, kept up to date in O(max_depth) per id appended.
+
+    Ids other sequences add later can make a longer suffix match; the nodes are found afresh every
+    ``REFRESH`` ids and after every ``SuffixTree.remove`` (which may drop a node held here).
+    """
+
+    REFRESH = 16
+    __slots__ = ("_fresh", "_nodes", "_version", "tree")
+
+    def __init__(self, tree: SuffixTree) -> None:
+        self.tree = tree
+        self._nodes: list[Node] = []
+        self._version = -1
+        self._fresh = 0
+
+    def matched(self, ids: Sequence[int], appended: int) -> list[Node]:
+        """The nodes of the suffixes of ``ids`` (known ids only), ``appended`` of them new since the last call."""
+        tree = self.tree
+        if self._version != tree.version or self._fresh + appended > self.REFRESH or appended > tree.max_depth:
+            self._nodes = tree.matches(_known_tail(ids, tree.max_depth - 1))
+            self._version, self._fresh = tree.version, 0
+            return self._nodes
+        nodes = self._nodes
+        for t in ids[len(ids) - appended :] if appended else ():
+            if t < 0:
+                nodes = []
+                continue
+            grown = []
+            for node in (tree.root, *nodes[: tree.max_depth - 2]):
+                node = node.child(t)  # type: ignore[assignment]
+                if node is None:
+                    break
+                grown.append(node)
+            nodes = grown
+        self._nodes = nodes
+        self._fresh += appended
+        return nodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +295,7 @@ class _Local:
     tree: SuffixTree
     cursor: Cursor
     prompt_len: int
+    matcher: Matcher  # its suffixes in the global tree
     in_global: bool = False  # its output went into the global tree (and stays out once evicted)
     memo: tuple[int, int, Match] | None = field(default=None)  # (len(history), num, match): the last answer
 
@@ -262,8 +351,8 @@ class SuffixProposer:
 
     def release(self, request: ExecutorRequest, output_ids: Sequence[int]) -> None:
         local = self._local.pop(request.request_id, None)
-        if local is not None and self.max_cached_requests > 0:
-            self._sync_global(request.request_id, local, output_ids)
+        if self.max_cached_requests > 0:
+            self._sync_global(request.request_id, local is not None and local.in_global, output_ids)
 
     # Trees -------------------------------------------------------------------------------------------------------------
 
@@ -278,42 +367,46 @@ class SuffixProposer:
 
     def _match(self, request: ExecutorRequest, history: Sequence[int], num: int) -> Match:
         rid = request.request_id
-        local = self._sync(rid, request.prompt_len, history)
-        if local.memo is not None and local.memo[0] == len(history) and local.memo[1] == num:
+        local, appended = self._sync(rid, request.prompt_len, history)
+        if appended == 0 and local.memo is not None and local.memo[0] == len(history) and local.memo[1] == num:
             return local.memo[2]
-        tail = _known_tail(history, self.max_tree_depth - 1)
         args = (num, self.max_spec_factor, self.min_token_prob)
-        found = local.tree.speculate(tail, *args)
+        found = best_draft(local.cursor.matched, *args)
         if self.max_cached_requests > 0:
-            other = self.global_tree.speculate(tail, *args)
+            other = best_draft(local.matcher.matched(history, appended), *args)
             if other.score > found.score or (other.score == found.score and other.length > found.length):
                 found = other
         local.memo = (len(history), num, found)
         return found
 
-    def _sync(self, rid: str, prompt_len: int, history: Sequence[int]) -> _Local:
+    def _sync(self, rid: str, prompt_len: int, history: Sequence[int]) -> tuple[_Local, int]:
         """``rid``'s tree holding ``history`` (grown by the ids since the last call; rebuilt when the history
-        is not an extension of what it holds), and its output so far added to the global tree."""
+        is not an extension of what it holds, judged by its last ``max_tree_depth`` ids), its output so far
+        added to the global tree, and how many ids were appended."""
         local = self._local.get(rid)
         if local is not None:
             held = local.cursor.ids
-            if len(history) < len(held) or list(history[: len(held)]) != held:
+            k = min(len(held), self.max_tree_depth)
+            if len(history) < len(held) or list(history[len(held) - k : len(held)]) != held[len(held) - k :]:
                 local = None
         if local is None:
             tree = SuffixTree(self.max_tree_depth)
-            local = self._local[rid] = _Local(tree, tree.cursor(), prompt_len)
+            local = self._local[rid] = _Local(tree, tree.cursor(), prompt_len, Matcher(self.global_tree))
         cursor = local.cursor
+        appended = len(history) - len(cursor.ids)
         for t in history[len(cursor.ids) :]:
             cursor.append(int(t))
         if self.max_cached_requests > 0:
-            self._sync_global(rid, local, history[prompt_len:])
-        return local
+            self._sync_global(rid, local.in_global, history[prompt_len:])
+            local.in_global = True
+        return local, appended
 
-    def _sync_global(self, rid: str, local: _Local, output: Sequence[int]) -> None:
+    def _sync_global(self, rid: str, added: bool, output: Sequence[int]) -> None:
         """Add ``rid``'s output ids the global tree lacks (re-adding them all if ``output`` is not an extension
-        of what it holds); evict the oldest cached requests beyond ``max_cached_requests``."""
+        of what it holds; nothing if it was ``added`` before and evicted since); evict the oldest cached
+        requests beyond ``max_cached_requests``."""
         cursor = self._cached.get(rid)
-        if cursor is None and local.in_global:
+        if cursor is None and added:
             return  # evicted while running: its output stays out
         if cursor is not None and (len(output) < len(cursor.ids) or list(output[: len(cursor.ids)]) != cursor.ids):
             self.global_tree.remove(cursor.ids)
@@ -325,7 +418,6 @@ class SuffixProposer:
                 self.global_tree.remove(oldest.ids)
         for t in output[len(cursor.ids) :]:
             cursor.append(int(t))
-        local.in_global = True
 
 
 def _known_tail(history: Sequence[int], num: int) -> list[int]:
@@ -337,4 +429,4 @@ def _known_tail(history: Sequence[int], num: int) -> list[int]:
     return tail
 
 
-__all__ = ["Cursor", "Match", "Node", "SuffixProposer", "SuffixTree"]
+__all__ = ["Cursor", "Match", "Matcher", "Node", "SuffixProposer", "SuffixTree", "best_draft"]

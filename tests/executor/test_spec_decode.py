@@ -700,6 +700,7 @@ def test_generate_cli_speculates_with_either_proposer(
         ["--spec-method", "ngram", "--spec-len", "4", "--ngram-max", "2", "--spec-fixed"],
         ["--draft-model", f"{path}:layers=1", "--spec-fixed"],
         ["--spec-method", "draft", "--draft-model", f"{path}:layers=2", "--spec-len", "2"],
+        ["--spec-method", "suffix", "--spec-len", "4", "--suffix-decoding-max-tree-depth", "12", "--spec-fixed"],
     ):
         rc, out, err = cli([prompt, *base, *extra], capsys)
         assert rc == 0, (extra, err)
@@ -716,6 +717,10 @@ def test_generate_cli_speculates_with_either_proposer(
         (["--spec-method", "ngram", "--spec-len", "0"], "needs --spec-len >= 1"),
         (["--spec-len", "2", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min 3 is more than --ngram-max 2"),
         (["--draft-model", "smollm2:layers=0"], "layers must be >= 1"),
+        (["--suffix-decoding-max-tree-depth", "8"], "--suffix-decoding-max-tree-depth is an option of --spec-method"),
+        (["--spec-method", "suffix", "--suffix-decoding-max-tree-depth", "1"], "must be >= 2, got 1"),
+        (["--spec-method", "suffix", "--suffix-decoding-min-token-prob", "2"], "--suffix-decoding-min-token-prob"),
+        (["--spec-method", "suffix", "--suffix-decoding-max-spec-factor", "x"], "must be a number"),
     ],
 )
 def test_generate_cli_speculation_errors(flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
