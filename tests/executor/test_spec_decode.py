@@ -734,3 +734,59 @@ def test_model_checkpoint_truncation_is_a_view(tiny: Tiny) -> None:
     assert draft.embed is tiny.model.embed and draft.lm_head is tiny.model.lm_head
     with pytest.raises(ValueError, match="num_layers"):
         tiny.model.truncated(3)
+
+
+class NeverRightProposer:
+    """Guesses that are never accepted on the cycle model: the id two places ahead of the true successor."""
+
+    @classmethod
+    def build(cls, ctx: Any) -> NeverRightProposer:
+        return cls()
+
+    def propose(self, windows: Sequence[Window]) -> list[Any]:
+        from mechserve.executor.proposers import NO_DRAFT, Draft
+
+        return [Draft(self._ids(w.history, w.slots)) if w.slots else NO_DRAFT for w in windows]
+
+    def available(self, request: Any, history: Sequence[int], cap: int) -> int:
+        return cap
+
+    def release(self, request: Any, output_ids: Sequence[int]) -> None:
+        pass
+
+    def _ids(self, history: Sequence[int], num: int) -> tuple[int, ...]:
+        wrong = SUCCESSOR[SUCCESSOR[SUCCESSOR[history[-1]]]]
+        return (wrong,) * num
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_governor_backs_off_a_request_whose_guesses_never_pay(
+    cycle_model: LlamaModel, monkeypatch: pytest.MonkeyPatch, batch: int
+) -> None:
+    """Issue 27 item 4: a proposer whose every guess is rejected is probed ever more rarely (exponential
+    back-off per request), so it costs a few windows over a long answer, not one every ~11 steps at batch 1
+    and every step at batch 3 (where a guess row looks almost free to the cost model)."""
+    from mechserve.api.proposers import PROPOSERS, ProposerMethod
+    from mechserve.executor.governor import Acceptance
+
+    monkeypatch.setitem(  # type: ignore[call-overload]
+        PROPOSERS, "never", ProposerMethod("never", "always wrong", f"{__name__}:NeverRightProposer.build")
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    prompts = [[CYCLE[(i + j) % len(CYCLE)] for j in range(9)] for i in range(batch)]
+
+    def probes(config: EngineConfig) -> tuple[int, Any]:
+        core = EngineCore(loaded(cycle_model, Path("/nonexistent")), config)
+        for p in prompts:
+            core.add_request(p, params)
+        records = [o.record for o in drain(core)]
+        outs = [list(r.output_ids) for r in core.scheduler.spec_engine.requests]
+        return sum(1 for rec in records if any(rec.drafted.values())), outs
+
+    spec = SpeculativeConfig(method="never", num_speculative_tokens=4)
+    config = EngineConfig(page_size=4, num_pages=256, speculative=spec)
+    backed_off, outs = probes(config)
+    assert outs == probes(EngineConfig(page_size=4, num_pages=256))[1]
+    monkeypatch.setattr(Acceptance, "GRACE", 10**9)  # the governor before the back-off
+    every_so_often, _ = probes(config)
+    assert backed_off <= 12 < 20 < every_so_often
