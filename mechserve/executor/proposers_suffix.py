@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mechserve.executor.proposers import NO_DRAFT, Draft, Window
@@ -245,18 +245,25 @@ class Matcher:
     """
 
     REFRESH = 16
-    __slots__ = ("_fresh", "_nodes", "_version", "tree")
+    __slots__ = ("_fresh", "_nodes", "_seen", "_version", "tree")
 
     def __init__(self, tree: SuffixTree) -> None:
         self.tree = tree
         self._nodes: list[Node] = []
         self._version = -1
         self._fresh = 0
+        self._seen = 0
 
-    def matched(self, ids: Sequence[int], appended: int) -> list[Node]:
-        """The nodes of the suffixes of ``ids`` (known ids only), ``appended`` of them new since the last call."""
+    def matched(self, ids: Sequence[int]) -> list[Node]:
+        """The nodes of the suffixes of ``ids`` (known ids only; ``ids`` extends the sequence of the last call)."""
         tree = self.tree
-        if self._version != tree.version or self._fresh + appended > self.REFRESH or appended > tree.max_depth:
+        appended, self._seen = len(ids) - self._seen, len(ids)
+        if (
+            appended < 0
+            or self._version != tree.version
+            or self._fresh + appended > self.REFRESH
+            or appended > tree.max_depth
+        ):
             self._nodes = tree.matches(_known_tail(ids, tree.max_depth - 1))
             self._version, self._fresh = tree.version, 0
             return self._nodes
@@ -298,7 +305,6 @@ class _Local:
     prompt_len: int
     matcher: Matcher  # its suffixes in the global tree
     in_global: bool = False  # its output went into the global tree (and stays out once evicted)
-    memo: tuple[int, int, Match] | None = field(default=None)  # (len(history), num, match): the last answer
 
 
 class SuffixProposer:
@@ -341,14 +347,21 @@ class SuffixProposer:
     # The Proposer protocol ------------------------------------------------------------------------------------------
 
     def propose(self, windows: Sequence[Window]) -> list[Draft]:
+        """Every window's request synced first (its tree, its output into the global tree, in plan order), then
+        the drafts: what a window gets depends on the plan and the releases only, never on which requests
+        ``available`` was asked about (rank 0 alone answers it; every rank proposes)."""
+        states = [self._sync(w.request, w.history, own=False) for w in windows]
         drafts = []
-        for w in windows:
-            found = self._match(w.request, w.history, w.slots).ids if w.slots > 0 else ()
+        for w, local in zip(windows, states):
+            found = self._draft(local, w.history, w.slots, local.matcher.matched(w.history)).ids if w.slots else ()
             drafts.append(Draft(found) if found else NO_DRAFT)
         return drafts
 
     def available(self, request: ExecutorRequest, history: Sequence[int], cap: int) -> int:
-        return len(self._match(request, history, cap).ids)
+        """The draft's length now; grows only the request's own tree and reads the global tree as it is (its
+        matches found afresh), so asking changes no proposal."""
+        local = self._sync(request, history, own=True)
+        return len(self._draft(local, history, cap, self.global_tree.matches(self._tail(history))).ids)
 
     def release(self, request: ExecutorRequest, output_ids: Sequence[int]) -> None:
         local = self._local.pop(request.request_id, None)
@@ -363,27 +376,29 @@ class SuffixProposer:
         return len(self._cached)
 
     def score(self, request: ExecutorRequest, history: Sequence[int], num: int) -> Match:
-        """The draft (with its score) the proposer has for ``request`` after ``history``, at most ``num`` ids."""
-        return self._match(request, history, num)
+        """What ``propose`` drafts for one window of ``request`` after ``history`` (at most ``num`` ids), with its
+        score and match length."""
+        local = self._sync(request, history, own=False)
+        return self._draft(local, history, num, local.matcher.matched(history))
 
-    def _match(self, request: ExecutorRequest, history: Sequence[int], num: int) -> Match:
-        rid = request.request_id
-        local, appended = self._sync(rid, request.prompt_len, history)
-        if appended == 0 and local.memo is not None and local.memo[0] == len(history) and local.memo[1] == num:
-            return local.memo[2]
+    def _tail(self, history: Sequence[int]) -> list[int]:
+        return _known_tail(history, self.max_tree_depth - 1)
+
+    def _draft(self, local: _Local, history: Sequence[int], num: int, in_global: Sequence[Node]) -> Match:
+        """The better of the request tree's draft and the global tree's (``in_global``: the matched nodes there)."""
         args = (num, self.max_spec_factor, self.min_token_prob)
         found = best_draft(local.cursor.matched, *args)
         if self.max_cached_requests > 0:
-            other = best_draft(local.matcher.matched(history, appended), *args)
+            other = best_draft(in_global, *args)
             if other.score > found.score or (other.score == found.score and other.length > found.length):
                 found = other
-        local.memo = (len(history), num, found)
         return found
 
-    def _sync(self, rid: str, prompt_len: int, history: Sequence[int]) -> tuple[_Local, int]:
-        """``rid``'s tree holding ``history`` (grown by the ids since the last call; rebuilt when the history
-        is not an extension of what it holds, judged by its last ``max_tree_depth`` ids), its output so far
-        added to the global tree, and how many ids were appended."""
+    def _sync(self, request: ExecutorRequest, history: Sequence[int], *, own: bool) -> _Local:
+        """The request's tree holding ``history`` (grown by the ids since the last call; rebuilt when the history
+        is not an extension of what it holds, judged by its last ``max_tree_depth`` ids) and, unless ``own``,
+        its output so far added to the global tree."""
+        rid = request.request_id
         local = self._local.get(rid)
         if local is not None:
             held = local.cursor.ids
@@ -392,15 +407,16 @@ class SuffixProposer:
                 local = None
         if local is None:
             tree = SuffixTree(self.max_tree_depth)
-            local = self._local[rid] = _Local(tree, tree.cursor(), prompt_len, Matcher(self.global_tree))
+            local = _Local(tree, tree.cursor(), request.prompt_len, Matcher(self.global_tree))
+            local.in_global = self._local.pop(rid, None) is not None and rid not in self._cached
+            self._local[rid] = local
         cursor = local.cursor
-        appended = len(history) - len(cursor.ids)
         for t in history[len(cursor.ids) :]:
             cursor.append(int(t))
-        if self.max_cached_requests > 0:
-            self._sync_global(rid, local.in_global, history[prompt_len:])
+        if not own and self.max_cached_requests > 0:
+            self._sync_global(rid, local.in_global, history[local.prompt_len :])
             local.in_global = True
-        return local, appended
+        return local
 
     def _sync_global(self, rid: str, added: bool, output: Sequence[int]) -> None:
         """Add ``rid``'s output ids the global tree lacks (re-adding them all if ``output`` is not an extension

@@ -219,3 +219,25 @@ def test_multi_turn_with_prefix_and_output_caching_keeps_greedy_output(tiny: Tin
     assert again == plain[:1]
     assert fast.executor.stats().accepted - before >= 6
     fast.check_pages()
+
+
+def test_proposals_do_not_depend_on_which_requests_available_was_asked_about() -> None:
+    """Rank 0 alone answers ``available`` (the governor's question) while every rank proposes: two proposers
+    given the same plans and releases must draft the same, whatever else one of them was asked."""
+    asked, silent = SuffixProposer(max_tree_depth=6), SuffixProposer(max_tree_depth=6)
+    outputs = random_prompts([30] * 6, seed=8)
+    prompts = random_prompts([5] * 6, seed=9)
+    base = [*outputs[0][:10], *outputs[0][:10]]  # a repeat, so the trees have something to say
+    for step in range(1, 30):
+        windows = []
+        for i in range(3):
+            r = req(f"r{i}", [*prompts[i], *base])
+            history = [*prompts[i], *base, *outputs[i][:step]]
+            asked.available(r, history, 4)  # rank 0 only, and about a request not in the plan too
+            asked.available(req("x", [1]), [1, *outputs[5][: step * 2]], 4)
+            windows.append((r, history))
+        for r, history in windows:
+            assert asked.score(r, history, 4) == silent.score(r, history, 4), step
+        if step == 15:
+            for p in (asked, silent):
+                p.release(req("r0", [*prompts[0], *base]), outputs[0][:15])
