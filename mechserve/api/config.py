@@ -22,9 +22,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from mechserve.api.limits import ENGINE_LIMITS, MAX_KV_MEMORY, MAX_SLOTS, MAX_SPEC_LEN
+from mechserve.api.limits import (
+    ENGINE_LIMITS,
+    MAX_KV_MEMORY,
+    MAX_SLOTS,
+    MAX_SPEC_LEN,
+    MAX_SUFFIX_CACHED_REQUESTS,
+    MAX_SUFFIX_TREE_DEPTH,
+)
 from mechserve.api.proposers import ALIASES as METHOD_ALIASES
-from mechserve.api.proposers import DEFAULT_METHOD, DEFAULT_MODEL_METHOD, METHODS, proposer_method
+from mechserve.api.proposers import DEFAULT_METHOD, DEFAULT_MODEL_METHOD, METHOD_OPTIONS, METHODS, proposer_method
 
 # vLLM's chunked-prefill default; a smaller budget splits a long prompt into many slower steps.
 DEFAULT_MAX_STEP_TOKENS = 2048
@@ -148,7 +155,13 @@ class SpeculativeConfig:
 
     ``method``: a name of the registry of proposers (``mechserve.api.proposers``): ``"ngram"``
     (prompt lookup: the longest suffix n-gram, ``ngram_min`` <= n <= ``ngram_max``, found earlier in
-    the request's own tokens) or ``"draft"`` (``draft_model``, a ``MODEL[:layers=N]`` spec, e.g.
+    the request's own tokens), ``"suffix"`` (suffix decoding: suffix trees over the request's ids and
+    over past requests' outputs, ``mechserve.executor.proposers_suffix``, tuned by vLLM's
+    ``suffix_decoding_max_tree_depth`` (24: the longest substring the trees hold),
+    ``suffix_decoding_max_cached_requests`` (10000 requests' outputs in the global tree, oldest evicted
+    first; 0: none), ``suffix_decoding_max_spec_factor`` (1.0: a match of m ids drafts at most
+    m ids) and ``suffix_decoding_min_token_prob`` (0.1: a guess less likely than that ends the draft);
+    another method refuses them set) or ``"draft"`` (``draft_model``, a ``MODEL[:layers=N]`` spec, e.g.
     ``"smollm2:layers=4"``); a method with a model of its own needs ``draft_model``, one without
     refuses it.  ``num_speculative_tokens`` is the
     engine's ``spec_len``: the most guesses per decode window.  ``adaptive``: before each step the
@@ -164,6 +177,10 @@ class SpeculativeConfig:
     ngram_max: int = 3
     draft_model: str | None = None
     adaptive: bool = True
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         method = proposer_method(self.method)  # ValueError naming the registered methods
@@ -188,6 +205,30 @@ class SpeculativeConfig:
             )
         if self.draft_model is not None:
             parse_draft_model(self.draft_model)
+        self._check_options(method.name)
+
+    def _check_options(self, method: str) -> None:
+        """Suffix decoding's options in range, and every method's own options (``ProposerMethod.options``) left at
+        their defaults by another method."""
+        depth, cached = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if not _is_int(depth) or not 2 <= depth <= MAX_SUFFIX_TREE_DEPTH:
+            raise ValueError(
+                f"suffix_decoding_max_tree_depth must be an integer in [2, {MAX_SUFFIX_TREE_DEPTH}], got {depth!r}"
+            )
+        if not _is_int(cached) or not 0 <= cached <= MAX_SUFFIX_CACHED_REQUESTS:
+            raise ValueError(
+                f"suffix_decoding_max_cached_requests must be an integer in [0, {MAX_SUFFIX_CACHED_REQUESTS}], "
+                f"got {cached!r}"
+            )
+        if not _is_number(factor) or not 0 < factor <= MAX_SPEC_LEN:
+            raise ValueError(f"suffix_decoding_max_spec_factor must be a number in (0, {MAX_SPEC_LEN}], got {factor!r}")
+        if not _is_number(prob) or not 0 <= prob <= 1:
+            raise ValueError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
+        for f in dataclasses.fields(self):
+            owner = METHOD_OPTIONS.get(f.name, method)
+            if owner != method and getattr(self, f.name) != f.default:
+                raise ValueError(f'{f.name} is an option of method "{owner}", but method is "{method}"')
 
     # vLLM's names for our fields.
     ALIASES: ClassVar[Mapping[str, str]] = {
@@ -407,6 +448,11 @@ class EngineConfig:
         if self.speculative is not None or self.spec_len == 0:
             return self.speculative
         return SpeculativeConfig(method=DEFAULT_METHOD, num_speculative_tokens=self.spec_len)
+
+
+def _is_number(x: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _is_int(x: object) -> bool:

@@ -28,6 +28,10 @@ MAX_SLOTS = 16_777_216
 MAX_PAGES = ENGINE_LIMITS["num_pages"]
 # Guesses per decode window (spec_len, num_speculative_tokens).
 MAX_SPEC_LEN = ENGINE_LIMITS["spec_len"]
+# Suffix decoding: the longest substring its trees hold (each id adds up to this many nodes) and how many
+# requests' outputs the global tree holds.
+MAX_SUFFIX_TREE_DEPTH = 256
+MAX_SUFFIX_CACHED_REQUESTS = 1_000_000
 # Requests.
 MAX_PROMPT_LEN = 1_000_000
 MAX_TOTAL_PROMPT_TOKENS = 4_000_000  # all prompts of one workload together
@@ -62,6 +66,8 @@ __all__ = [
     "MAX_SAMPLES",
     "MAX_SLOTS",
     "MAX_SPEC_LEN",
+    "MAX_SUFFIX_CACHED_REQUESTS",
+    "MAX_SUFFIX_TREE_DEPTH",
     "MAX_TOTAL_PROMPT_TOKENS",
     "TOKEN_ID_LIMIT",
 ]

@@ -13,6 +13,8 @@ looked up here and nowhere else compared as a string::
         governor(model, target, max_k)         the adaptive governor that prices its guesses (None: the
                                                model-free default, executor.governor.Governor())
         ranks                                  whether it runs on tensor-parallel ranks (world_size > 1)
+        options                                the SpeculativeConfig fields only it reads (a --flag each, the
+                                               field's name in dashes); another method refuses them set
 
 Read by: ``api/config.py`` (``SpeculativeConfig`` checks the method and its model), the CLI
 (``--spec-method``'s choices, ``serve``'s startup line), the engine (loading the method's model, its
@@ -68,6 +70,7 @@ class ProposerMethod:
     ranks: bool = True
     page_bytes: str | None = None
     governor: str | None = None
+    options: tuple[str, ...] = ()
 
     def builder(self) -> Callable[[ProposerContext], Any]:
         """``build`` imported: ``(ProposerContext) -> Proposer``."""
@@ -94,6 +97,17 @@ PROPOSERS: Mapping[str, ProposerMethod] = {
     for m in (
         ProposerMethod("ngram", "prompt lookup", "mechserve.executor.proposers:NgramProposer.build"),
         ProposerMethod(
+            "suffix",
+            "suffix decoding over this request and past outputs",
+            "mechserve.executor.proposers_suffix:SuffixProposer.build",
+            options=(
+                "suffix_decoding_max_tree_depth",
+                "suffix_decoding_max_cached_requests",
+                "suffix_decoding_max_spec_factor",
+                "suffix_decoding_min_token_prob",
+            ),
+        ),
+        ProposerMethod(
             "draft",
             "draft model",
             "mechserve.executor.proposers:DraftModelProposer.build",
@@ -105,6 +119,8 @@ PROPOSERS: Mapping[str, ProposerMethod] = {
     )
 }
 METHODS = tuple(PROPOSERS)
+# Every method's own options (ProposerMethod.options).
+METHOD_OPTIONS: Mapping[str, str] = {option: m.name for m in PROPOSERS.values() for option in m.options}
 # The method of a speculative_config that names no method: prompt lookup, or with a model the model-based one.
 DEFAULT_METHOD = "ngram"
 DEFAULT_MODEL_METHOD = "draft"
@@ -136,6 +152,7 @@ __all__ = [
     "DEFAULT_METHOD",
     "DEFAULT_MODEL_METHOD",
     "METHODS",
+    "METHOD_OPTIONS",
     "PROPOSERS",
     "ProposerContext",
     "ProposerMethod",

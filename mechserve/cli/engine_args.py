@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mechserve.api.config import EngineConfig, SpeculativeConfig, check_setting
-from mechserve.api.proposers import DEFAULT_METHOD, DEFAULT_MODEL_METHOD, proposer_method
+from mechserve.api.proposers import DEFAULT_METHOD, DEFAULT_MODEL_METHOD, METHOD_OPTIONS, proposer_method
 from mechserve.cli.errors import CliError
 
 # EngineConfig fields whose flag is not "--" + the field's name with dashes.
@@ -81,6 +81,10 @@ def engine_config(args: argparse.Namespace, ignore: tuple[str, ...] = (), **over
 def speculative_config(args: argparse.Namespace) -> Any:
     """The ``SpeculativeConfig`` the flags ask for (None: no speculation); raises ``CliError`` naming the flag."""
     method = args.spec_method or (DEFAULT_MODEL_METHOD if args.draft_model else None)
+    options = {name: getattr(args, name) for name in METHOD_OPTIONS if getattr(args, name, None) is not None}
+    for name in options:
+        if METHOD_OPTIONS[name] != (method or DEFAULT_METHOD) or (method is None and not args.spec_len):
+            raise CliError(f"{_flag(name)} is an option of --spec-method {METHOD_OPTIONS[name]}: add it")
     if method is None and not args.spec_len:
         return None
     needs_model = proposer_method(method or DEFAULT_METHOD).needs_model
@@ -94,14 +98,26 @@ def speculative_config(args: argparse.Namespace) -> Any:
         raise CliError(f"--spec-method {method} needs --spec-len >= 1 (or leave --spec-len out for 3)")
     if args.ngram_min > args.ngram_max:
         raise CliError(f"--ngram-min {args.ngram_min} is more than --ngram-max {args.ngram_max}")
-    return SpeculativeConfig(
-        method=method or DEFAULT_METHOD,
-        num_speculative_tokens=args.spec_len or 3,
-        ngram_min=args.ngram_min,
-        ngram_max=args.ngram_max,
-        draft_model=args.draft_model,
-        adaptive=not args.spec_fixed,
-    )
+    try:
+        return SpeculativeConfig(
+            method=method or DEFAULT_METHOD,
+            num_speculative_tokens=args.spec_len or 3,
+            ngram_min=args.ngram_min,
+            ngram_max=args.ngram_max,
+            draft_model=args.draft_model,
+            adaptive=not args.spec_fixed,
+            **options,
+        )
+    except ValueError as exc:  # a method's option out of range: name its flag
+        message = str(exc)
+        for name in options:
+            message = message.replace(name, _flag(name))
+        raise CliError(message) from None
+
+
+def _flag(option: str) -> str:
+    """The flag of a method's option (``ProposerMethod.options``): its name in dashes."""
+    return "--" + option.replace("_", "-")
 
 
 def _flag_message(message: str) -> str:

@@ -31,7 +31,14 @@ from rich.text import Text
 
 from mechserve.api import config as engine_settings
 from mechserve.api.config import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PAGE_SIZE
-from mechserve.api.limits import MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SAMPLES, MAX_SPEC_LEN
+from mechserve.api.limits import (
+    MAX_LOGPROBS,
+    MAX_NEW_TOKENS,
+    MAX_SAMPLES,
+    MAX_SPEC_LEN,
+    MAX_SUFFIX_CACHED_REQUESTS,
+    MAX_SUFFIX_TREE_DEPTH,
+)
 from mechserve.api.proposers import DEFAULT_METHOD, DEFAULT_MODEL_METHOD, METHODS, PROPOSERS
 from mechserve.cli.engine_args import engine_config, setting
 from mechserve.cli.errors import CliError, engine_failure
@@ -152,7 +159,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--spec-method``, ``--draft-model``, the n-gram bounds and ``--spec-fixed`` (with ``--spec-len``)."""
+    """``--spec-method``, ``--draft-model``, the n-gram bounds, suffix decoding's options and ``--spec-fixed``
+    (with ``--spec-len``)."""
     add = parser.add_argument
     methods = ", ".join(
         f"{m.name} ({m.summary}{', with --draft-model' if m.needs_model else ''})" for m in PROPOSERS.values()
@@ -184,6 +192,35 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         metavar="N",
         help="longest n-gram prompt lookup matches (3)",
+    )
+    suffix = "suffix decoding (--spec-method suffix, vLLM's speculative_config field of the same name): "
+    add(
+        "--suffix-decoding-max-tree-depth",
+        type=integer(2, MAX_SUFFIX_TREE_DEPTH),
+        default=None,
+        metavar="N",
+        help=suffix + "the longest substring its suffix trees hold; a match is at most N - 1 ids (24)",
+    )
+    add(
+        "--suffix-decoding-max-cached-requests",
+        type=integer(0, MAX_SUFFIX_CACHED_REQUESTS),
+        default=None,
+        metavar="N",
+        help=suffix + "how many requests' outputs the global tree holds, oldest evicted first; 0: none (10000)",
+    )
+    add(
+        "--suffix-decoding-max-spec-factor",
+        type=number,
+        default=None,
+        metavar="X",
+        help=suffix + "a match of m ids drafts at most X * m ids (1.0)",
+    )
+    add(
+        "--suffix-decoding-min-token-prob",
+        type=number,
+        default=None,
+        metavar="P",
+        help=suffix + "a guess whose estimated probability falls below P ends the draft (0.1)",
     )
     add(
         "--spec-fixed",

@@ -421,13 +421,14 @@ class TorchExecutor:
         ``caps``: ``(request_id, cap)`` per caught-up request, ``cap`` the guesses the spec allows it
         (``min(max_k, max_new_tokens - generated - 1)``).  Asks the proposer how many guesses it has
         for each (from the ids this executor knows) and weighs them with each request's acceptance so
-        far (``Governor.choose``).
+        far (``Governor.choose``); a request backing off (``Acceptance.waiting``) counts as having none.
         """
         candidates = []
         for rid, cap in caps:
             state = self._requests.get(rid)
             if cap > 0 and state is not None and state.history:
-                found = self.proposer.available(state.record, state.history, cap)
+                waiting = self.acceptance.waiting(rid)  # its guesses kept failing: it sits this one out
+                found = 0 if waiting else self.proposer.available(state.record, state.history, cap)
                 candidates.append(Candidate(cap, found, self.acceptance.rate(rid)))
         return self.governor.choose(candidates, max_k)
 

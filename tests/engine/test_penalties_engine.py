@@ -150,6 +150,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "chunked-tight-pool": {"max_step_tokens": 3, "num_pages": 9},  # preemption
     "prefix-cache": {"prefix_caching": True},
     "prompt-lookup": {"speculative": SpeculativeConfig(num_speculative_tokens=3, adaptive=False)},
+    "suffix-decoding": {
+        "speculative": SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False),
+        "prefix_caching": True,
+    },
 }
 
 
@@ -168,7 +172,7 @@ def test_penalized_requests_give_the_same_tokens_in_every_configuration(tiny, co
         assert any(r.preempted for r in records)
     if config == "prefix-cache":
         assert any(r.reused for r in records)
-    if config == "prompt-lookup":
+    if config in ("prompt-lookup", "suffix-decoding"):
         assert sum(sum(r.drafted.values()) for r in records) > 0
 
 

@@ -38,8 +38,8 @@ def test_every_entry_resolves() -> None:
             assert callable(registry.resolve(method.governor))
         assert method.needs_model == bool(method.page_bytes)  # a model of its own keeps its KV in the pool
     assert proposer_method("draft_model") is PROPOSERS["draft"]  # vLLM's name
-    with pytest.raises(ValueError, match="method must be one of ngram, draft"):
-        proposer_method("suffix")
+    with pytest.raises(ValueError, match="method must be one of ngram, suffix, draft"):
+        proposer_method("medusa")
 
 
 def test_the_registry_and_the_config_import_no_torch() -> None:

@@ -294,3 +294,32 @@ def test_seeded_draft_sampling_is_reproducible(small: tuple[LlamaModel, object, 
     assert once() == first
     assert seeded_runs(model, draft, [4, 2, 3])()[1:] == first[1:]  # batchmates' seeds do not matter here
     assert len({tuple(x) for x in first}) > 1
+
+
+def test_engine_with_suffix_decoding_samples_the_target_distribution(
+    small: tuple[LlamaModel, object, LlamaModel],
+) -> None:
+    """Suffix decoding's guesses are point masses from the other requests' outputs (the global tree, grown as
+    they generate): verified exactly, the joint of the first three ids and the marginal of the fourth are the
+    target's own, and some guesses really were accepted and some rejected."""
+    model, hf, _ = small
+    n = 3000
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=2, adaptive=False)
+    ex = TorchExecutor(model, n + 1, 8, sampler=Sampler(3), speculative=spec)
+    requests = []
+    for i in range(n):
+        ex.add_request(ExecutorRequest(f"r{i}", PROMPT, PARAMS))
+        requests.append(m14.Request(f"r{i}", list(PROMPT), PARAMS.max_tokens))
+    m14.Engine(requests, 1 << 20, 8, n + 1, spec_len=2, executors=[ex], eos_token_ids=()).run(
+        lambda record: ex.settle(record.accepted)
+    )
+    runs = [list(r.output_ids) for r in requests]
+    joint = target_joint(hf, PARAMS, 4)
+    first3: dict[object, float] = Counter()
+    last: dict[object, float] = Counter()
+    for seq, w in joint.items():
+        first3[seq[:3]] += w
+        last[seq[3]] += w
+    assert chi_square_p(Counter(tuple(r[:3]) for r in runs), dict(first3)) > 1e-3
+    assert chi_square_p(Counter(r[3] for r in runs), dict(last)) > 1e-3
+    assert 0 < ex.stats().accepted < ex.stats().proposed
