@@ -38,19 +38,42 @@ MAX_SAMPLES = 64  # n, independent samples of one prompt
 MAX_KV_MEMORY = 1 << 50
 # An HTTP request body (the server's --max-request-bytes default): larger is a 413 before any parsing.
 MAX_REQUEST_BYTES = 4 << 20
+# Request input that the engine's loop would otherwise pay for at every step, or a worker at submission.
+MAX_STOP_CHARS = 256  # characters in one stop string (held-back suffixes are searched every step)
+MAX_LOGIT_BIAS_IDS = 1_024  # ids in one logit_bias (applied to every sampled row)
+MAX_GRAMMAR_CHARS = 262_144  # a constraint's text: a schema's JSON, a regex, a grammar, a choice list's JSON
+MAX_CHOICES = 1_024  # strings in a structured_outputs choice
+# A prompt's text (or a rendered conversation) is refused before tokenization past max_model_len x the
+# longest vocabulary entry's characters (no longer text can fit the context), and never below this.
+MIN_PROMPT_CHARS = 65_536
+# A chat template sent with a request (only with --trust-request-chat-template), rendered in a child process.
+RENDER_TIMEOUT_S = 2.0  # one render's wall time
+RENDER_MEMORY_BYTES = 256 << 20  # address space one render may add
+MAX_RENDER_CHARS = 1 << 20  # characters of its text (the prompt's own limit may be lower)
+# An HTTP connection must send its request head within this many seconds, and each body chunk within it.
+REQUEST_READ_TIMEOUT_S = 30.0
 
 __all__ = [
     "ENGINE_LIMITS",
     "MAX_ARRIVAL_STEP",
+    "MAX_CHOICES",
+    "MAX_GRAMMAR_CHARS",
     "MAX_KV_MEMORY",
+    "MAX_LOGIT_BIAS_IDS",
     "MAX_LOGPROBS",
     "MAX_NEW_TOKENS",
     "MAX_PAGES",
     "MAX_PROMPT_LEN",
+    "MAX_RENDER_CHARS",
     "MAX_REQUEST_BYTES",
     "MAX_SAMPLES",
     "MAX_SLOTS",
     "MAX_SPEC_LEN",
+    "MAX_STOP_CHARS",
     "MAX_TOTAL_PROMPT_TOKENS",
+    "MIN_PROMPT_CHARS",
+    "RENDER_MEMORY_BYTES",
+    "RENDER_TIMEOUT_S",
+    "REQUEST_READ_TIMEOUT_S",
     "TOKEN_ID_LIMIT",
 ]

@@ -19,11 +19,17 @@ event loop it came from, in step order; its last event carries its
 ``RequestOutput``.  A step that raises ends every request in flight with an
 ``EngineStepError``; if the engine cannot then be brought back to a
 consistent, empty state it is dead (``error``) and refuses everything after.
+A step that fails because the executor itself is gone (a tensor-parallel rank
+died: ``RankError``, or the executor says it is ``closed``) kills the engine at
+once: every request in flight ends with an ``EngineDeadError`` and the failure
+is logged once, with one traceback (vLLM's ``EngineDeadError``); whoever runs
+the engine (the server) then stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -33,7 +39,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from mechserve.api.errors import EngineDeadError, EngineStepError
+from mechserve.api.errors import EngineDeadError, EngineStepError, RankError
 from mechserve.api.outputs import SampleDelta, StepOutput
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
@@ -300,9 +306,23 @@ class Stepper:
         self.metrics.observe_engine(self.core.stats())
 
     def _fail(self, exc: Exception) -> None:
-        """A step raised: end every request in flight with the error, then try to get back to an empty engine."""
+        """A step raised: end every request in flight with the error, then try to get back to an empty engine
+        (unless the executor is gone: then the engine is dead at once)."""
         step = self.core.step_counter
         log.error("engine step %d failed", step, exc_info=exc)
+        if isinstance(exc, RankError) or getattr(self.core.executor, "closed", False):
+            dead = EngineDeadError(
+                f"the engine is dead: engine step {step} failed ({type(exc).__name__}: its executor is gone)"
+            )
+            dead.__cause__ = exc
+            self.error = dead
+            self._deliver([(live, dead) for live in self._live.values()])
+            for request_id in list(self._live):  # their pages go back to the (driver's) pool
+                with contextlib.suppress(Exception):
+                    self.core.abort(request_id)
+            self._live.clear()
+            self._gauges()
+            return
         error = EngineStepError(f"engine step {step} failed: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
         ended = list(self._live.items())

@@ -66,15 +66,21 @@ def build_app(
     model_name: str | None = None,
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The server's app over ``llm``, answering to ``model_name`` (default ``llm.model_name``).
 
     With ``api_key`` every path but ``/health`` needs ``Authorization:
     Bearer <api_key>``.  A request body over ``max_request_bytes`` (default 4 MiB) is a 413 before
-    anything reads it.  The app's lifespan starts ``llm``'s engine thread if it is not running
+    anything reads it.  A chat template sent with a request is refused (400 naming
+    ``chat_template``) unless ``trust_request_chat_template`` (vLLM's ``--trust-request-chat-template``):
+    then it is rendered in a sandbox process (``llm.prompt_policy``, which every endpoint's prompts go
+    through).  The app's lifespan starts ``llm``'s engine thread if it is not running
     yet, and then also stops it.
     """
     name = model_name or llm.model_name
+    templates = "sandbox" if trust_request_chat_template else "refuse"
+    llm.prompt_policy = dataclasses.replace(llm.prompt_policy, request_templates=templates)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -101,6 +107,8 @@ def build_app(
 def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
+        if llm.error is not None:
+            raise APIError(503, "the engine is dead; the server is shutting down", code="engine_dead")
         if not llm.running:
             raise APIError(503, "the engine is not running", headers={"Retry-After": "5"})
         return JSONResponse({"status": "ok"})
@@ -272,7 +280,7 @@ async def _compile(body: Any, params: SamplingParams, llm: AsyncLLM) -> None:
     if params.structured_outputs is None:
         return
     try:
-        await asyncio.to_thread(llm.core.compile_grammar, params.structured_outputs)
+        await llm.compile_grammar(params)
     except ParamError as exc:
         field = body.constraint_field or exc.param
         message = str(exc).replace("structured_outputs", field, 1) if field != exc.param else str(exc)

@@ -10,7 +10,9 @@ Status codes, so that bad input never reads as a server fault::
     404 invalid_request_error   an unknown model (code model_not_found) or path
     405, 413                    wrong method, body over --max-request-bytes (before anything reads it)
     429 overloaded_error        max_waiting requests already wait (m12's OVERLOADED); Retry-After is set
-    500 server_error            an engine step failed under the request (a bug or out of memory)
+    500 server_error            an engine step failed under the request (a bug or out of memory); the body
+                                names the step and the kind of failure, never its text (which may hold a
+                                rank's pid or a grammar): the server's log has that, once
     503 server_error            the engine is not running (shutting down, or dead after a failure), or a
                                 non-streaming request was aborted because the server is shutting down
                                 (code shutting_down; a stream ends with a finish_reason "abort" chunk)
@@ -89,7 +91,7 @@ def engine_error(exc: Exception, param: str | None = "prompt") -> APIError:
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not available: {exc}", headers={"Retry-After": "5"})
     if isinstance(exc, EngineStepError):
-        return APIError(500, str(exc))
+        return APIError(500, _step_failure(exc), code="engine_step_failed")
     if isinstance(exc, ParamError):
         named = exc.param
         if param == "messages" and named == "prompt":  # a chat's prompt is its messages
@@ -99,6 +101,14 @@ def engine_error(exc: Exception, param: str | None = "prompt") -> APIError:
         return APIError(400, str(exc), param=param, code="invalid_value")
     log.exception("unexpected error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}")
+
+
+def _step_failure(exc: EngineStepError) -> str:
+    """What a client learns of a failed step: which step and what kind of error, not its message."""
+    cause = exc.__cause__
+    step = str(exc).split(":", 1)[0]  # "engine step N failed"
+    kind = f" ({type(cause).__name__})" if cause is not None else ""
+    return f"{step}{kind} while running this request; the request ended, the server's log has the details"
 
 
 def _reject_text(reason: RejectReason, detail: str) -> str:

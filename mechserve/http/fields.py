@@ -19,7 +19,7 @@ the two agree.  Another test checks that the pydantic models
 have exactly the honoured fields of the table, and walks the table sending each row's ``bad``
 value to check that the 400 names the row's field.
 
-Standard library only.
+Standard library only (and ``mechserve.api.limits``, whose numbers the rows quote).
 """
 
 from __future__ import annotations
@@ -27,6 +27,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from mechserve.api.limits import (
+    MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS_IDS,
+    MAX_RENDER_CHARS,
+    MAX_STOP_CHARS,
+    MIN_PROMPT_CHARS,
+    RENDER_MEMORY_BYTES,
+    RENDER_TIMEOUT_S,
+)
 
 COMPLETIONS = "completions"
 CHAT = "chat"
@@ -116,6 +127,16 @@ _NO_PENALTY = _unset(
 _SP = "SamplingParams."
 
 
+_PROMPT_CHARS = (
+    "text longer than `max_model_len` x the longest vocabulary entry's characters (at least "
+    f"{MIN_PROMPT_CHARS}) is refused before it is tokenized"
+)
+_CONSTRAINT = (
+    f"at most {MAX_GRAMMAR_CHARS} characters; compiled and checked as the step will use it before the request is "
+    "admitted, so a constraint with no possible output or over the grammar engine's limits is a 400 saying why"
+)
+
+
 def _f(name: str, endpoints: tuple[str, ...], origin: str, **kw: Any) -> Field:
     kw.setdefault("bad", {})
     return Field(name, endpoints, origin, **kw)
@@ -134,7 +155,7 @@ FIELDS: tuple[Field, ...] = (
         "prompt",
         (COMPLETIONS,),
         OPENAI,
-        honoured="text, token ids, or a list of either (at most 256 prompts; `n` samples each)",
+        honoured="text, token ids, or a list of either (at most 256 prompts; `n` samples each); " + _PROMPT_CHARS,
         bad={"prompt": {"text": "w1"}},
     ),
     _f(
@@ -144,7 +165,9 @@ FIELDS: tuple[Field, ...] = (
         honoured="the conversation, through the model's chat template: roles `system`, `developer` (as system), "
         "`user`, `assistant`, `tool`; content a string or text parts; `name` is passed to the template; an "
         "assistant's `tool_calls` and `tool` messages (with `tool_call_id`) are rendered by a template that "
-        "renders tools (as with `tools`)",
+        "renders tools (as with `tools`); special-token strings in them (`<|im_end|>`) are encoded as text, so no "
+        "message can forge a turn (vLLM and llama-server parse them; `--allow-special-tokens-in-content` does "
+        "too); their strings and the rendered conversation: " + _PROMPT_CHARS,
         refused_values="an assistant's `function_call` (the deprecated functions API), a call's `arguments` that "
         "are not the JSON text of an object, a tool message without `tool_call_id`, an assistant's `refusal` "
         "(give it as content), image and audio parts",
@@ -198,7 +221,14 @@ FIELDS: tuple[Field, ...] = (
         "(vLLM's and llama.cpp's convention)",
         bad={"seed": "x"},
     ),
-    _f("stop", BOTH, OPENAI, honoured=_SP + "stop: a string or at most 16 strings, never in the text", bad={"stop": 5}),
+    _f(
+        "stop",
+        BOTH,
+        OPENAI,
+        honoured=_SP + f"stop: a string or at most 16 strings of at most {MAX_STOP_CHARS} characters, never in "
+        "the text",
+        bad={"stop": 5},
+    ),
     _f(
         "presence_penalty",
         BOTH,
@@ -217,8 +247,8 @@ FIELDS: tuple[Field, ...] = (
         "logit_bias",
         BOTH,
         OPENAI,
-        honoured=_SP + "logit_bias: {token id: bias in [-100, 100]} added to the logits; ids checked against the "
-        "vocabulary",
+        honoured=_SP + f"logit_bias: at most {MAX_LOGIT_BIAS_IDS} {{token id: bias in [-100, 100]}} added to the "
+        "logits; ids checked against the vocabulary",
         refused_values="llama.cpp's array form `[[id, bias]]`",
         bad={"logit_bias": {"5": 101}},
     ),
@@ -284,7 +314,7 @@ FIELDS: tuple[Field, ...] = (
         honoured='`{"type": "text"}` (unconstrained), `{"type": "json_object"}` (any JSON object) or '
         '`{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` (the output follows `schema`, '
         "enforced token by token, with `strict` true or false) -> " + _SP + "structured_outputs; a schema that "
-        "does not compile is a 400 naming the problem (on completions, a vLLM extension)",
+        "does not compile is a 400 naming the problem (on completions, a vLLM extension); " + _CONSTRAINT,
         bad={"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
     ),
     _f(
@@ -557,7 +587,8 @@ FIELDS: tuple[Field, ...] = (
         VLLM,
         honoured="exactly one of `json` (a JSON schema), `regex`, `choice` (a list of strings), `grammar` "
         "(Lark/EBNF, or llama.cpp's GBNF) or `json_object: true` -> " + _SP + "structured_outputs (llguidance); "
-        "one constraint field per request (this, `response_format`, `guided_*`, `json_schema`, `grammar`)",
+        "one constraint field per request (this, `response_format`, `guided_*`, `json_schema`, `grammar`); "
+        + _CONSTRAINT,
         bad={"structured_outputs": {"regex": "(w"}},
     ),
     _f(
@@ -574,7 +605,13 @@ FIELDS: tuple[Field, ...] = (
         honoured="-> " + _SP + "structured_outputs.regex (the whole output matches)",
         bad={"guided_regex": "(w"},
     ),
-    _f("guided_choice", BOTH, VLLM, honoured="-> " + _SP + "structured_outputs.choice", bad={"guided_choice": []}),
+    _f(
+        "guided_choice",
+        BOTH,
+        VLLM,
+        honoured="-> " + _SP + f"structured_outputs.choice (at most {MAX_CHOICES} strings)",
+        bad={"guided_choice": []},
+    ),
     _f(
         "guided_grammar",
         BOTH,
@@ -609,7 +646,11 @@ FIELDS: tuple[Field, ...] = (
         "chat_template",
         (CHAT,),
         VLLM,
-        why="not supported per request: the server uses the model's template",
+        honoured="a Jinja chat template for this request instead of the model's, only when the server runs with "
+        "`--trust-request-chat-template` (vLLM's flag; also on chat `/tokenize`): rendered in a sandbox process, "
+        f"at most {RENDER_TIMEOUT_S:g} s, {RENDER_MEMORY_BYTES >> 20} MiB and {MAX_RENDER_CHARS} characters "
+        "(and the prompt's own limit)",
+        refused_values="any template, with a 400 naming the flag, unless the server trusts request templates",
         bad={"chat_template": "{{ x }}"},
     ),
     _f(

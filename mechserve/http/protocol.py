@@ -401,6 +401,7 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused unless the server trusts request templates (PromptPolicy)
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -448,6 +449,7 @@ class ChatCompletionRequest(_Request):
         return Chat(
             [m.as_template_message() for m in self.messages],
             add_generation_prompt=True if self.add_generation_prompt is None else self.add_generation_prompt,
+            chat_template=self.chat_template,
             continue_final_message=bool(self.continue_final_message),
             template_kwargs=self.chat_template_kwargs,
             add_special_tokens=bool(self.add_special_tokens),
