@@ -51,6 +51,7 @@ __all__ = ["AddCommand", "Stepper", "fitted"]
 
 log = logging.getLogger("mechserve.engine")
 T = TypeVar("T")
+IDLE_CHECK_S = 0.5  # while idle, the engine thread asks its executor this often whether it is still whole
 
 
 Deliver = Callable[[StreamEvent | BaseException], None]
@@ -189,10 +190,14 @@ class Stepper:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._commands or self._stopping or self._has_work()):
-                    self._cv.wait()
+                idle = not (self._commands or self._stopping or self._has_work())
+                if idle:
+                    self._cv.wait(IDLE_CHECK_S)
                 commands, stopping = list(self._commands), self._stopping
                 self._commands.clear()
+            if idle and not (commands or stopping):
+                self._check_executor()
+                continue
             for command in commands:
                 self._apply(command)
             if stopping:
@@ -200,6 +205,17 @@ class Stepper:
                 return
             if self._has_work():
                 self._step()
+
+    def _check_executor(self) -> None:
+        """Between steps, while idle: an executor that can tell it lost a part (a rank group whose process died,
+        ``check_alive``) kills the engine now, not at the next request."""
+        check = getattr(self.core.executor, "check_alive", None)
+        if self.error is not None or check is None:
+            return
+        try:
+            check()
+        except Exception as exc:
+            self._fail(exc, idle=True)
 
     def _has_work(self) -> bool:
         return self.error is None and self.core.has_unfinished()
@@ -305,15 +321,15 @@ class Stepper:
         """The engine's state after the step: requests running and waiting, pages by owner."""
         self.metrics.observe_engine(self.core.stats())
 
-    def _fail(self, exc: Exception) -> None:
-        """A step raised: end every request in flight with the error, then try to get back to an empty engine
-        (unless the executor is gone: then the engine is dead at once)."""
+    def _fail(self, exc: Exception, idle: bool = False) -> None:
+        """A step raised (``idle``: the executor failed its check between steps): end every request in flight
+        with the error, then try to get back to an empty engine (unless the executor is gone: then the engine
+        is dead at once)."""
         step = self.core.step_counter
-        log.error("engine step %d failed", step, exc_info=exc)
+        what = "the executor failed its check while idle" if idle else f"engine step {step} failed"
+        log.error("%s", what, exc_info=exc)
         if isinstance(exc, RankError) or getattr(self.core.executor, "closed", False):
-            dead = EngineDeadError(
-                f"the engine is dead: engine step {step} failed ({type(exc).__name__}: its executor is gone)"
-            )
+            dead = EngineDeadError(f"the engine is dead: {what} ({type(exc).__name__}: its executor is gone)")
             dead.__cause__ = exc
             self.error = dead
             self._deliver([(live, dead) for live in self._live.values()])

@@ -249,6 +249,13 @@ class SpawnGroup(RankGroup):
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
+    def check_alive(self) -> None:
+        """``RankError`` (and the group shut down) if a rank's process has exited: what the engine asks between
+        steps, so that a rank killed while the engine is idle is found before the next request meets it."""
+        if self.closed:
+            raise RankError("the rank group is shut down")
+        self._check_alive("the next step")
+
     def _ask(self, command: tuple[Any, ...]) -> Any:
         if self.closed:
             raise RankError("the rank group is shut down")
