@@ -239,7 +239,10 @@ class AsyncLLM:
         """Refuse new requests (``EngineDeadError``) and abort every live one, then stop the engine thread;
         returns once the aborts' last events (finish reason ``"abort"``) are on their way to their streams.
         A server calls it when it begins to shut down, so that every response in flight can still end
-        properly; ``shutdown`` then only releases what is left."""
+        properly; ``shutdown`` then only releases what is left.  A request template being rendered in the
+        sandbox is stopped too (its request is refused at once)."""
+        if self._sandbox is not None:
+            self._sandbox.close()
         await asyncio.to_thread(self._stepper.stop)
 
     async def shutdown(self) -> None:

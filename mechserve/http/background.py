@@ -114,8 +114,12 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.is_closing() or self.conn.their_state in (h11.DONE, h11.MUST_CLOSE):
             return
         type(self).timed_out += 1
-        if self.conn.our_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete):
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or not cycle.response_started:  # no response begun: say why
             self.transport.write(_TIMEOUT_RESPONSE)
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the app waiting for the body gets http.disconnect, its sends go nowhere
+            cycle.message_event.set()
         self.transport.close()
 
 
