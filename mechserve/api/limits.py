@@ -50,8 +50,9 @@ MIN_PROMPT_CHARS = 65_536
 RENDER_TIMEOUT_S = 2.0  # one render's wall time
 RENDER_MEMORY_BYTES = 256 << 20  # address space one render may add
 MAX_RENDER_CHARS = 1 << 20  # characters of its text (the prompt's own limit may be lower)
-# An HTTP connection must send its request head within this many seconds, and each body chunk within it.
-REQUEST_READ_TIMEOUT_S = 30.0
+# An HTTP client must send its request (head and body) within this many seconds, and a response it does not
+# read for this long (the socket's buffers full) is given up.
+CLIENT_TIMEOUT_S = 30.0
 
 __all__ = [
     "ENGINE_LIMITS",
@@ -74,6 +75,6 @@ __all__ = [
     "MIN_PROMPT_CHARS",
     "RENDER_MEMORY_BYTES",
     "RENDER_TIMEOUT_S",
-    "REQUEST_READ_TIMEOUT_S",
+    "CLIENT_TIMEOUT_S",
     "TOKEN_ID_LIMIT",
 ]

@@ -36,7 +36,7 @@ from mechserve.api.limits import (
     MAX_SLOTS,
     RENDER_MEMORY_BYTES,
     RENDER_TIMEOUT_S,
-    REQUEST_READ_TIMEOUT_S,
+    CLIENT_TIMEOUT_S,
 )
 from mechserve.cli.errors import CliError
 from mechserve.cli.generate import (
@@ -180,12 +180,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "llama-server do; by default they are text, so a message cannot forge a turn",
     )
     add(
-        "--request-read-timeout",
+        "--client-timeout",
         type=_seconds,
-        default=REQUEST_READ_TIMEOUT_S,
+        default=CLIENT_TIMEOUT_S,
         metavar="SECONDS",
-        help=f"close a connection whose request (head and body) has not arrived within this time (default "
-        f"{REQUEST_READ_TIMEOUT_S:g})",
+        help="close a connection whose request (head and body) has not arrived within this time, or whose "
+        f"response the client has not read for this long (default {CLIENT_TIMEOUT_S:g})",
     )
     add(
         "--log-level",
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         lifespan="on",
         log_level=args.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
-        http=server_module.guarded_protocol(args.request_read_timeout),
+        http=server_module.guarded_protocol(args.client_timeout),
     )
     core = llm.core
     print(

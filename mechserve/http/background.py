@@ -30,7 +30,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from mechserve.api.limits import REQUEST_READ_TIMEOUT_S
+from mechserve.api.limits import CLIENT_TIMEOUT_S
 
 STARTUP_TIMEOUT = 60.0
 log = logging.getLogger("mechserve.http")
@@ -72,13 +72,19 @@ class Server(uvicorn.Server):
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for reading each request: its head and body must arrive within
-    ``read_timeout_s`` of the connection (or of the previous response's end), else the connection is closed
-    (with a 408 when no response has begun).  uvicorn alone keeps a connection that sent a partial head,
-    or nothing at all, open for ever (its keep-alive timer only runs between requests); 600 of them hold
-    600 sockets.  The head's size is h11's ``h11_max_incomplete_event_size`` (16 KiB)."""
+    """uvicorn's h11 protocol with two deadlines, ``read_timeout_s`` each (``--client-timeout``).
 
-    read_timeout_s: float = REQUEST_READ_TIMEOUT_S
+    * Reading: a request's head and body must arrive within it of the connection (or of the previous
+      response's end), else the connection is closed, with a 408 when no response has begun.  uvicorn
+      alone keeps a connection that sent a partial head, or nothing at all, open for ever (its keep-alive
+      timer only runs between requests): 600 of them held 600 sockets.
+    * Writing: a response the client does not read (the socket's buffers full, uvicorn's writes paused)
+      for that long is given up: the connection closes, the request is aborted and what it had buffered
+      is freed.
+
+    The head's size is h11's ``h11_max_incomplete_event_size`` (16 KiB)."""
+
+    read_timeout_s: float = CLIENT_TIMEOUT_S
     timed_out = 0  # connections closed by the deadline (all of this class's servers)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -88,7 +94,33 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._unstall()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._unstall()
+        self._write_deadline: asyncio.TimerHandle | None = self.loop.call_later(self.read_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        self._unstall()
+        super().resume_writing()
+
+    def _unstall(self) -> None:
+        handle = getattr(self, "_write_deadline", None)
+        if handle is not None:
+            handle.cancel()
+            self._write_deadline = None
+
+    def _stalled(self) -> None:
+        """The client read nothing for ``read_timeout_s``: close; the app sees a disconnect and aborts."""
+        self._write_deadline = None
+        if not self.transport.is_closing():
+            type(self).timed_out += 1
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            self.transport.abort()
 
     def handle_events(self) -> None:
         super().handle_events()
@@ -133,7 +165,7 @@ _TIMEOUT_RESPONSE = (
 )
 
 
-def guarded_protocol(read_timeout_s: float = REQUEST_READ_TIMEOUT_S) -> type[GuardedH11Protocol]:
+def guarded_protocol(read_timeout_s: float = CLIENT_TIMEOUT_S) -> type[GuardedH11Protocol]:
     """``GuardedH11Protocol`` with its deadline set to ``read_timeout_s`` (uvicorn's ``http=`` takes a class)."""
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"read_timeout_s": read_timeout_s})
 

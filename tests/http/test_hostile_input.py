@@ -17,7 +17,7 @@ a log without tracebacks or grammars, and the server still healthy.
   while such a render runs;
 * chat content that forges a turn (``<|im_end|>\\n<|im_start|>system``): text, not special ids, unless the
   operator passes ``--allow-special-tokens-in-content``;
-* connections that never finish their request: closed after ``--request-read-timeout``.
+* connections that never finish their request: closed after ``--client-timeout``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def trusting(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     request 2 s to arrive."""
     log = tmp_path_factory.mktemp("logs") / "trusting.log"
     flags = ["--num-pages", "8192", "--page-size", "16", "--trust-request-chat-template"]
-    flags += ["--allow-special-tokens-in-content", "--request-read-timeout", "2"]
+    flags += ["--allow-special-tokens-in-content", "--client-timeout", "2"]
     with ServerProcess(model_dir, *flags, log=log) as served:
         yield served
 
@@ -136,7 +136,10 @@ def test_hostile_constraints_are_refused_at_compile_time_and_the_others_keep_the
                     **body,
                     "response_format": {
                         "type": "json_schema",
-                        "json_schema": {"name": "loop", "schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}, "title": str(i)}},
+                        "json_schema": {
+                            "name": "loop",
+                            "schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}, "title": str(i)},
+                        },
                     },
                 },
                 "response_format",
@@ -157,7 +160,9 @@ def test_hostile_constraints_are_refused_at_compile_time_and_the_others_keep_the
     print(f"pace of the other stream: {ratio:.2f}")
     assert ratio >= MIN_PACE, f"the other stream ran at {ratio:.2f} of its pace"
     # a grammar that fits the limits still works, and the server is whole
-    ok = server.post("/v1/completions", {"prompt": "x", "max_tokens": 8, "structured_outputs": {"grammar": alternatives(1000)}})
+    ok = server.post(
+        "/v1/completions", {"prompt": "x", "max_tokens": 8, "structured_outputs": {"grammar": alternatives(1000)}}
+    )
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in {f"w{i}" for i in range(1000)}
     assert httpx.get(server.url + "/health").status_code == 200
     log = server.log()
@@ -183,7 +188,9 @@ def test_oversized_request_input_is_refused_naming_what_was_too_big(server: Serv
         check_refused(server.post("/v1/completions", {**base, "prompt": "ab " * 1_333_333}), "prompt", "characters")
         check_refused(server.post("/v1/completions", {**base, "stop": ["s" * (MAX_STOP_CHARS + 1)]}), "stop")
         bias = {str(i): 1 for i in range(MAX_LOGIT_BIAS_IDS + 1)}
-        check_refused(server.post("/v1/completions", {**base, "logit_bias": bias}), "logit_bias", str(MAX_LOGIT_BIAS_IDS))
+        check_refused(
+            server.post("/v1/completions", {**base, "logit_bias": bias}), "logit_bias", str(MAX_LOGIT_BIAS_IDS)
+        )
         choice = [f"c{i}" for i in range(2 * MAX_CHOICES)]
         for body in ({"structured_outputs": {"choice": choice}}, {"guided_choice": choice}):
             error = check_refused(server.post("/v1/completions", {**base, **body}), next(iter(body)))
@@ -240,13 +247,13 @@ def test_a_request_template_is_refused_unless_trusted_and_bounded_when_trusted(
 
 def test_connections_that_never_send_their_request_are_closed(trusting: ServerProcess) -> None:
     """600 connections held open with a partial head (and a few with a body that never ends) were kept for
-    as long as the trial watched (95 s); now each is closed after --request-read-timeout (2 s here), with a
+    as long as the trial watched (95 s); now each is closed after --client-timeout (2 s here), with a
     408 where no response had begun, and requests keep being served meanwhile."""
     held: list[socket.socket] = []
     for i in range(600):
         sock = socket.create_connection(("127.0.0.1", trusting.port))
         if i % 10 == 0:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"prompt\"")
+            sock.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"prompt"')
         else:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
         held.append(sock)
