@@ -55,6 +55,7 @@ MAX_RENDER_CHARS = 1 << 20  # characters of its text (the prompt's own limit may
 CLIENT_TIMEOUT_S = 30.0
 
 __all__ = [
+    "CLIENT_TIMEOUT_S",
     "ENGINE_LIMITS",
     "MAX_ARRIVAL_STEP",
     "MAX_CHOICES",
@@ -75,6 +76,5 @@ __all__ = [
     "MIN_PROMPT_CHARS",
     "RENDER_MEMORY_BYTES",
     "RENDER_TIMEOUT_S",
-    "CLIENT_TIMEOUT_S",
     "TOKEN_ID_LIMIT",
 ]

@@ -90,8 +90,7 @@ class StructuredOutputsParams:
             ch = self.choice
             _so_check(
                 not isinstance(ch, str) and 0 < len(ch) <= MAX_CHOICES and all(isinstance(c, str) and c for c in ch),
-                f"structured_outputs.choice must be a list of 1..{MAX_CHOICES} non-empty strings, got "
-                + _summary(ch),
+                f"structured_outputs.choice must be a list of 1..{MAX_CHOICES} non-empty strings, got " + _summary(ch),
             )
 
     @property
@@ -331,7 +330,8 @@ def _logit_bias(value: Any) -> dict[int, float]:
     if not isinstance(value, Mapping):
         raise ParamError("logit_bias", f"logit_bias must be a mapping of token id to bias, got {value!r:.80}")
     _check(
-        len(value) <= MAX_LOGIT_BIAS_IDS, f"logit_bias must name at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(value)}"
+        len(value) <= MAX_LOGIT_BIAS_IDS,
+        f"logit_bias must name at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(value)}",
     )
     out: dict[int, float] = {}
     for key, bias in value.items():

@@ -30,13 +30,13 @@ from typing import Any
 
 from mechserve.api.config import DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS, DEFAULT_PAGE_SIZE
 from mechserve.api.limits import (
+    CLIENT_TIMEOUT_S,
     ENGINE_LIMITS,
     MAX_NEW_TOKENS,
     MAX_REQUEST_BYTES,
     MAX_SLOTS,
     RENDER_MEMORY_BYTES,
     RENDER_TIMEOUT_S,
-    CLIENT_TIMEOUT_S,
 )
 from mechserve.cli.errors import CliError
 from mechserve.cli.generate import (

@@ -316,7 +316,11 @@ def _content_as_text(
     if not any(s in u for u in _strings(data) for s in specials):
         return ids  # the common case: nothing to tell apart
     fill = next(c for c in "x#~@" if all(c not in s for s in specials))
-    masked = render(_masked(chat.messages, specials, fill), _masked(chat.tools, specials, fill), _masked(chat.template_kwargs, specials, fill))
+    masked = render(
+        _masked(chat.messages, specials, fill),
+        _masked(chat.tools, specials, fill),
+        _masked(chat.template_kwargs, specials, fill),
+    )
     found = [s for s in specials if s in text]
     if len(masked) != len(text):
         raise ParamError(

@@ -19,6 +19,7 @@ serialised (one child); each waits at most ``timeout_s`` for the one before.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -166,16 +167,12 @@ class TemplateSandbox:
 def _kill(process: subprocess.Popen[bytes]) -> None:
     if process.poll() is None:
         process.kill()
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(5)
-    except subprocess.TimeoutExpired:
-        pass
     for stream in (process.stdin, process.stdout):
         if stream is not None:
-            try:
+            with contextlib.suppress(OSError):
                 stream.close()
-            except OSError:
-                pass
 
 
 __all__ = ["MAX_RENDER_CHARS", "RENDER_MEMORY_BYTES", "RENDER_TIMEOUT_S", "TemplateSandbox"]

@@ -15,6 +15,7 @@ parent (``PR_SET_PDEATHSIG``) and ignores Ctrl-C (the parent ends it).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import resource
@@ -42,10 +43,8 @@ def _address_space() -> int:
 
 
 def _die_with_parent() -> None:
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _on_alarm(signum: int, frame: Any) -> None:
@@ -55,7 +54,7 @@ def _on_alarm(signum: int, frame: Any) -> None:
 def _render(request: dict[str, Any], max_chars: int) -> dict[str, str]:
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    rendered, _ = render_jinja_template(
+    rendered: Any = render_jinja_template(
         conversations=[request["messages"]],
         tools=request.get("tools"),
         chat_template=request["template"],
@@ -63,7 +62,7 @@ def _render(request: dict[str, Any], max_chars: int) -> dict[str, str]:
         continue_final_message=bool(request.get("continue_final_message")),
         **request.get("variables", {}),
     )
-    text = str(rendered[0])
+    text = str(rendered[0][0])  # (the rendered conversations, their generation indices)
     if len(text) > max_chars:
         return {"error": f"it renders to more than {max_chars} characters", "kind": "size"}
     return {"text": text}

@@ -56,8 +56,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -109,7 +108,9 @@ def grammar_text(so: StructuredOutputsParams) -> str:
         assert so.grammar is not None
         return llg.grammar_from("grammar", so.grammar)  # Lark, or GBNF converted to Lark
     except ValueError as e:
-        raise ParamError("structured_outputs", f"structured_outputs.{so.kind} cannot be compiled: {_line(str(e))}") from None
+        raise ParamError(
+            "structured_outputs", f"structured_outputs.{so.kind} cannot be compiled: {_line(str(e))}"
+        ) from None
 
 
 class CompiledGrammar:
@@ -213,7 +214,7 @@ class GrammarCompiler:
         with self._lock:
             lltok = self._tokenizer()
         text = grammar_text(so)
-        probe_limits = llg.LLParserLimits(verbose_errors=False, **PROBE_LIMITS)
+        probe_limits = _limits(PROBE_LIMITS)
         bad, messages = llg.LLMatcher.validate_grammar_with_warnings(text, lltok, limits=probe_limits)
         if bad:
             raise _refusal(so, "cannot be compiled", _line(messages[0]))
@@ -221,10 +222,25 @@ class GrammarCompiler:
         problem = probe_grammar(probe, lltok.eos_token, self.vocab_size, deadline)
         if problem is not None:
             raise _refusal(so, "cannot be served", problem)
-        template = llg.LLMatcher(lltok, text, log_level=0, limits=llg.LLParserLimits(verbose_errors=False, **STEP_LIMITS))
+        template = llg.LLMatcher(
+            lltok, text, log_level=0, limits=_limits(STEP_LIMITS)
+        )
         if template.is_error():
             raise _refusal(so, "cannot be compiled", _line(template.get_error()))
         return CompiledGrammar(so.key, template, lltok.eos_token, self.vocab_size)
+
+
+def _limits(values: dict[str, int]) -> Any:
+    """llguidance's ``LLParserLimits`` with ``values``; its errors never carry the grammar (``verbose_errors``)."""
+    import llguidance as llg
+
+    return llg.LLParserLimits(
+        max_items_in_row=values["max_items_in_row"],
+        step_lexer_fuel=values["step_lexer_fuel"],
+        step_max_items=values["step_max_items"],
+        max_lexer_states=values["max_lexer_states"],
+        verbose_errors=False,
+    )
 
 
 def _line(text: str, limit: int = 300) -> str:

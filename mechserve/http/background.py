@@ -196,7 +196,12 @@ class BackgroundServer:
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, **uvicorn_options: Any) -> None:
         self.socket = bind_socket(host, port)
         self.host, self.port = self.socket.getsockname()[:2]
-        options = {"log_level": "warning", "timeout_graceful_shutdown": 5, "http": guarded_protocol(), **uvicorn_options}
+        options = {
+            "log_level": "warning",
+            "timeout_graceful_shutdown": 5,
+            "http": guarded_protocol(),
+            **uvicorn_options,
+        }
         self.server = Server(uvicorn.Config(app, lifespan="on", **options))
         self._thread = threading.Thread(target=self._run, name="mechserve-uvicorn", daemon=True)
         self._error: BaseException | None = None

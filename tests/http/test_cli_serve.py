@@ -210,3 +210,13 @@ def test_serve_takes_a_request_body_cap(capsys) -> None:
     assert parse(["serve"]).max_request_bytes == 4 << 20
     code, _, err = run_cli(capsys, "serve", "--max-request-bytes", "lots")
     assert code == 2 and "--max-request-bytes" in err
+
+
+def test_an_endless_chat_template_file_is_refused_with_its_limit(capsys, tmp_path: Path) -> None:
+    """``--chat-template /dev/zero`` read until memory ran out; a file is read up to its limit and no further."""
+    big = tmp_path / "big.jinja"
+    big.write_text("{{ x }}" + " " * (1 << 20))
+    for path in ("/dev/zero", str(big)):
+        code, _, err = run_cli(capsys, "serve", "--chat-template", path)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"cannot read the chat template file '{path}': it is over 1 MiB" in err

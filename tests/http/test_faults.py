@@ -342,8 +342,14 @@ def test_a_killed_rank_makes_the_server_exit_non_zero(model_dir: Path, tmp_path:
 GENERATE = [sys.executable, "-m", "mechserve", "generate", "Hi", "--max-tokens", "1", "--temperature", "0"]
 
 
+def cache_env(cache: Path) -> dict[str, str]:
+    """A fresh cache (torch's attention and linear paths: no native kernel is built into it)."""
+    paths = {"MECHSERVE_ATTENTION": "torch", "MECHSERVE_LINEAR": "torch"}
+    return {**os.environ, **paths, "MECHSERVE_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+
+
 def generate(cache: Path, prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "MECHSERVE_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env = cache_env(cache)
     return subprocess.run([*(prefix or []), *GENERATE], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
@@ -375,7 +381,7 @@ def test_two_processes_convert_once_and_a_damaged_cache_is_found(tmp_path: Path)
     of random bytes over the converted weights (which once generated token 0 silently): the next run
     stops with the cache's delete-and-reconvert message."""
     cache = tmp_path / "cache"
-    env = {**os.environ, "MECHSERVE_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    env = cache_env(cache)
     runs = [
         subprocess.Popen(GENERATE, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)

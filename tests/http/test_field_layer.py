@@ -397,7 +397,9 @@ def captured(tiny_server: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[list
 SERVED_IDS = [
     (c, i)
     for c, i in zip(CASES, CASE_IDS)
-    if c[1] not in ("model", "chat_template") and "structured_outputs" not in c[3].get("params", {}) and "tools" not in c[2]
+    if c[1] not in ("model", "chat_template")
+    and "structured_outputs" not in c[3].get("params", {})
+    and "tools" not in c[2]
 ]
 SERVED = [c for c, _ in SERVED_IDS]
 

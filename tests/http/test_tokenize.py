@@ -7,9 +7,8 @@ chat's ``usage.prompt_tokens`` count them, and ``LLM.generate`` reports them as 
 from __future__ import annotations
 
 import json
-from typing import Any
-
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest

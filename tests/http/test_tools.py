@@ -260,7 +260,11 @@ def test_required_cut_short_is_a_cut_call_never_content() -> None:
     assert [(c.name, c.arguments) for c in reply.calls] == [("get-time", "{}"), ("get_weather", '{"ci')]
     assert reply.content is None
     assert stream_parse(plan, text, [5, 40, 60])[:2] == ("", [("get-time", "{}"), ("get_weather", '{"ci')])
-    for cut in ('[{"name": "get_wea', '[{"name": "get-time", "arguments": {}}, {"na', '[{"name": "nope", "arguments": {'):
+    for cut in (
+        '[{"name": "get_wea',
+        '[{"name": "get-time", "arguments": {}}, {"na',
+        '[{"name": "nope", "arguments": {',
+    ):
         reply = ToolStream(plan).parse(cut)
         assert reply.content is None and [c.name for c in reply.calls] == (["get-time"] if "}}" in cut else [])
 
