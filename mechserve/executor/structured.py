@@ -222,9 +222,7 @@ class GrammarCompiler:
         problem = probe_grammar(probe, lltok.eos_token, self.vocab_size, deadline)
         if problem is not None:
             raise _refusal(so, "cannot be served", problem)
-        template = llg.LLMatcher(
-            lltok, text, log_level=0, limits=_limits(STEP_LIMITS)
-        )
+        template = llg.LLMatcher(lltok, text, log_level=0, limits=_limits(STEP_LIMITS))
         if template.is_error():
             raise _refusal(so, "cannot be compiled", _line(template.get_error()))
         return CompiledGrammar(so.key, template, lltok.eos_token, self.vocab_size)
