@@ -250,7 +250,7 @@ def check_length(chars: int, limit: int, param: str, what: str) -> None:
     if chars > limit:
         raise ParamError(
             param,
-            f"{what} are {chars} characters; this server takes at most {limit} (no longer text fits the model's "
+            f"{what}: {chars} characters; this server takes at most {limit} (no longer text fits the model's "
             "context: its longest token times max_model_len)",
         )
 

@@ -134,7 +134,7 @@ def test_text_over_the_limit_is_refused_before_tokenization(chatml: Any) -> None
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             raise AssertionError("tokenized")
 
-    with pytest.raises(ParamError, match="101 characters; this server takes at most 100") as info:
+    with pytest.raises(ParamError, match=": 101 characters; this server takes at most 100") as info:
         parse_prompt("x" * 101, Untouchable(), policy)
     assert info.value.param == "prompt"
     with pytest.raises(ParamError) as info:

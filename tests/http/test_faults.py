@@ -220,6 +220,85 @@ def test_soak_then_sigint_under_load(server: ServerProcess) -> None:
     assert server.log().rstrip().endswith("mechserve: server stopped") and "Traceback" not in server.log()
 
 
+async def until_shutdown(url: str, clients: int, seed: int, outcomes: Counter[str]) -> None:
+    """``clients`` clients sending the soak's mix until the server goes away; every request must end as a trusted
+    server ends one when it stops: complete, a stream ended with an ``abort`` chunk and ``[DONE]``, a 503
+    ``shutting_down``, or a connection refused (the socket closed); never a 5xx, a cut stream or a hang."""
+
+    async def client_loop(i: int) -> None:
+        rng = random.Random(seed * 1000 + i)
+        limits = httpx.Limits(max_keepalive_connections=0)  # a connection per request: no keep-alive race
+        async with httpx.AsyncClient(base_url=url, timeout=HANG_S, limits=limits) as client:
+            while True:
+                kind, path, body = request(rng)
+                if kind.startswith("cut"):
+                    continue  # the soak's disconnects are its own; here every request is read to its end
+                outcome = await ending(client, path, body)
+                outcomes[outcome] += 1
+                if outcome in ("refused", "gone"):
+                    return
+
+    await asyncio.gather(*(client_loop(i) for i in range(clients)))
+
+
+async def ending(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> str:
+    """How one request ended while the server stops (see ``until_shutdown``); raises on a bad ending."""
+    try:
+        if body.get("stream"):
+            async with client.stream("POST", path, json=body) as reply:
+                if reply.status_code == 503:
+                    assert "shutting" in (await reply.aread()).decode(), reply.status_code
+                    return "refused"
+                assert reply.status_code == 200, await reply.aread()
+                lines = [line async for line in reply.aiter_lines() if line]
+            assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+            last = json.loads(lines[-2].removeprefix("data: "))
+            finishes = [c["finish_reason"] for c in last.get("choices", [])]
+            return "aborted" if "abort" in finishes else "complete"
+        reply = await client.post(path, json=body)
+    except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:  # before any response: the socket closed
+        assert "Traceback" not in str(exc)
+        return "gone"
+    if reply.status_code == 503:
+        assert reply.json()["error"]["code"] in ("shutting_down", None), reply.text
+        return "refused"
+    assert reply.status_code == 200, reply.text
+    return "complete"
+
+
+def test_sigterm_to_the_server_alone_under_mixed_load(model_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM to the server's own pid (as Kubernetes sends it: not to a process group) while 16 clients send
+    the soak's mix (n=2, stop strings, logprobs, JSON schemas, forced and free tools, streamed and not):
+    every request ends (complete, aborted with [DONE], a 503, or refused once the socket closed), the
+    process exits 0 with no traceback."""
+    flags = ["--num-pages", "2048", "--page-size", "16", "--max-running", "32"]
+    with ServerProcess(model_dir, *flags, log=tmp_path / "server.log") as served:
+        outcomes: Counter[str] = Counter()
+        failures: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                asyncio.run(until_shutdown(served.url, 16, seed=5, outcomes=outcomes))
+            except BaseException as exc:  # handed to the test
+                failures.append(exc)
+
+        load_thread = threading.Thread(target=run)
+        load_thread.start()
+        deadline = time.monotonic() + HANG_S
+        while served.metric("vllm:num_requests_running") < 8 or sum(outcomes.values()) < 32:
+            assert time.monotonic() < deadline and load_thread.is_alive(), (outcomes, failures)
+            time.sleep(0.05)
+        os.kill(served.process.pid, signal.SIGTERM)
+        code = served.process.wait(HANG_S)
+        load_thread.join(HANG_S)
+        assert not load_thread.is_alive(), "a client never got to the end of its request"
+        log = served.log()
+    print(f"\nSIGTERM under mixed load: exit {code}; outcomes {dict(sorted(outcomes.items()))}")
+    assert not failures, failures[0]
+    assert code == 0 and "Traceback" not in log and log.rstrip().endswith("mechserve: server stopped"), log[-3000:]
+    assert outcomes["aborted"] + outcomes["refused"] > 0, outcomes  # the signal did come under load
+
+
 def test_a_client_that_never_reads_its_stream_is_given_up(model_dir: Path, tmp_path: Path) -> None:
     """A stream whose client reads nothing fills the socket's buffers; after --client-timeout of that the server
     gives it up (the connection closes, the request is aborted, its buffered events freed) while the

@@ -334,3 +334,102 @@ def test_a_failed_steps_500_names_the_step_not_its_message(tmp_path: Path) -> No
         assert error["code"] == "engine_step_failed"
         again = httpx.post(served.url + "/v1/completions", json={"prompt": "w1 w2", "max_tokens": 3}, timeout=60)
         assert again.status_code == 200
+
+
+# The Responses and Messages APIs become chat requests: the same limits, the same trust flag ----------------------
+
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+COUNT = "/v1/messages/count_tokens"
+HI = [{"role": "user", "content": "hi"}]
+SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+ENDLESS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+OWN = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def check_refused_anthropic(reply: httpx.Response, field: str, *words: str) -> str:
+    """Anthropic's 400: its body names the field at the start of its message (it has no ``param``)."""
+    assert reply.status_code == 400, reply.text
+    assert len(reply.content) < 2000, f"a 400 of {len(reply.content)} bytes"
+    body = reply.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    message = str(body["error"]["message"])
+    assert message.startswith(field + ":") or message.startswith(field + " "), message
+    assert all(w in message for w in words), message
+    return message
+
+
+def test_responses_and_messages_bodies_meet_the_same_limits(server: ServerProcess) -> None:
+    """Each limit of the chat path, reached through the two translated APIs, is a 400 naming their own field, and
+    the other stream keeps its pace."""
+    from mechserve.api.limits import MAX_STOP_CHARS
+
+    big = "ab " * 1_333_333
+    long_stop = ["s" * (MAX_STOP_CHARS + 1)]
+
+    def hostile() -> None:
+        r = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
+        check_refused(server.post(RESPONSES, {**r, "input": big}), "input", "characters")
+        check_refused(server.post(RESPONSES, {**r, "instructions": big}), "input", "characters")
+        fmt = {"format": {"type": "json_schema", "name": "loop", "schema": SELF_REF}}
+        check_refused(server.post(RESPONSES, {**r, "text": fmt}), "text.format", "allows no output at all")
+        check_refused(server.post(RESPONSES, {**r, "stop": long_stop}), "stop", str(MAX_STOP_CHARS))
+        m = {"model": "tiny", "messages": HI, "max_tokens": 2}
+        check_refused_anthropic(
+            server.post(MESSAGES, {**m, "messages": [{"role": "user", "content": big}]}), "messages", "characters"
+        )
+        check_refused_anthropic(server.post(MESSAGES, {**m, "system": big}), "messages", "characters")
+        check_refused_anthropic(
+            server.post(COUNT, {"model": "tiny", "messages": [{"role": "user", "content": big}]}),
+            "messages",
+            "characters",
+        )
+        config = {"format": {"type": "json_schema", "schema": SELF_REF}}
+        check_refused_anthropic(
+            server.post(MESSAGES, {**m, "output_config": config}), "output_config.format", "allows no output at all"
+        )
+        check_refused_anthropic(
+            server.post(MESSAGES, {**m, "stop_sequences": long_stop}), "stop_sequences", str(MAX_STOP_CHARS)
+        )
+
+    with Pace(server) as pace:
+        ratio, _ = pace.during(hostile)
+    print(f"pace of the other stream: {ratio:.2f}")
+    assert ratio >= MIN_PACE, f"the other stream ran at {ratio:.2f} of its pace"
+    assert "Traceback" not in server.log()
+
+
+def test_responses_and_messages_take_chat_templates_and_content_as_chat_does(
+    server: ServerProcess, trusting: ServerProcess
+) -> None:
+    """``chat_template`` on either API is refused naming the flag (before, it was ignored: a 200 with the model's
+    template); a trusting server renders it in the sandbox, bounded; special-token strings in content are text
+    unless the operator allows them."""
+    r = {"model": "tiny", "input": "hi", "max_output_tokens": 1}
+    m = {"model": "tiny", "messages": HI, "max_tokens": 1}
+    c = {"model": "tiny", "messages": HI}
+    flag = "--trust-request-chat-template"
+    check_refused(server.post(RESPONSES, {**r, "chat_template": OWN}), "chat_template", flag)
+    check_refused_anthropic(server.post(MESSAGES, {**m, "chat_template": OWN}), "chat_template", flag)
+    check_refused_anthropic(server.post(COUNT, {**c, "chat_template": OWN}), "chat_template", flag)
+
+    check_refused(trusting.post(RESPONSES, {**r, "chat_template": ENDLESS}), "chat_template", "took more than")
+    check_refused_anthropic(trusting.post(MESSAGES, {**m, "chat_template": ENDLESS}), "chat_template", "took more")
+    plain = trusting.post("/tokenize", {"prompt": "hi", "add_special_tokens": False}).json()["tokens"]
+    assert trusting.post(COUNT, {**c, "chat_template": OWN}).json() == {"input_tokens": len(plain)}
+    used = trusting.post(RESPONSES, {**r, "chat_template": OWN})
+    assert used.status_code == 200 and used.json()["usage"]["input_tokens"] == len(plain), used.text
+    answered = trusting.post(MESSAGES, {**m, "chat_template": OWN})
+    assert answered.status_code == 200, answered.text
+    usage = answered.json()["usage"]  # Anthropic's input_tokens leave out what the prefix cache read or wrote
+    assert sum(usage[k] for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")) == len(
+        plain
+    )
+
+    forged = {"model": "tiny", "messages": FORGED}
+    as_text = server.post(COUNT, forged).json()["input_tokens"]
+    parsed = trusting.post(COUNT, forged).json()["input_tokens"]
+    assert as_text == server.post("/tokenize", {"messages": FORGED}).json()["count"]
+    assert parsed == trusting.post("/tokenize", {"messages": FORGED}).json()["count"] < as_text
+    reply = server.post(RESPONSES, {**r, "input": FORGED[0]["content"]})
+    assert reply.status_code == 200 and reply.json()["usage"]["input_tokens"] == as_text, reply.text
