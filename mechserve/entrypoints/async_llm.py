@@ -310,7 +310,7 @@ class AsyncLLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not self.running:
-            raise EngineDeadError(f"the engine {'is dead after a failed step' if self.error else 'is not running'}")
+            raise self._stepper.refusal()
         if params.structured_outputs is not None:
             # Compile (or find cached) here, in a worker thread, so that the engine thread's add_request
             # only hits the cache: a new schema never stalls the step loop (ParamError: a 400).

@@ -39,7 +39,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from mechserve.api.errors import EngineDeadError, EngineStepError, RankError
+from mechserve.api.errors import EngineDeadError, EngineStepError, EngineStoppedError, RankError
 from mechserve.api.outputs import SampleDelta, StepOutput
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
@@ -165,11 +165,19 @@ class Stepper:
     def _submit(self, command: AddCommand | _Command) -> None:
         with self._cv:
             if self._stopping or self.error is not None or not self._thread.is_alive():
-                why = "is dead after a failed step" if self.error is not None else "is not running"
-                command.future.set_exception(EngineDeadError(f"the engine {why}"))
+                command.future.set_exception(self.refusal())
                 return
             self._commands.append(command)
             self._cv.notify()
+
+    def refusal(self) -> EngineDeadError:
+        """Why a request is refused now: ``EngineStoppedError`` once its owner stopped the engine (``stop``), else
+        ``EngineDeadError`` (dead after a failure, or never started)."""
+        if self.error is None and self._stopping:
+            return EngineStoppedError("the engine is not running: it was stopped (the server is shutting down)")
+        if self.error is not None:
+            return EngineDeadError("the engine is dead after a failed step")
+        return EngineDeadError("the engine is not running")
 
     # The engine thread --------------------------------------------------------------------------------------------
 
@@ -231,7 +239,7 @@ class Stepper:
             return
         try:
             if self._stopping or self.error is not None:
-                raise EngineDeadError("the engine is shutting down")
+                raise self.refusal()
             admission = self._admit(command)
         except Exception as exc:
             command.future.set_exception(exc)
@@ -366,7 +374,8 @@ class Stepper:
                 self.core.abort(request_id)
             while self._has_work():  # one step records the aborts (a failing step ends them with its error)
                 self._step()
-        leftover = [(live, EngineDeadError("the engine shut down")) for live in self._live.values()]
+        ended = EngineStoppedError("the engine shut down") if self.error is None else self.refusal()
+        leftover = [(live, ended) for live in self._live.values()]
         self._deliver(leftover)
         self._live.clear()
 
