@@ -223,7 +223,8 @@ def test_soak_then_sigint_under_load(server: ServerProcess) -> None:
 async def until_shutdown(url: str, clients: int, seed: int, outcomes: Counter[str]) -> None:
     """``clients`` clients sending the soak's mix until the server goes away; every request must end as a trusted
     server ends one when it stops: complete, a stream ended with an ``abort`` chunk and ``[DONE]``, a 503
-    ``shutting_down``, or a connection refused (the socket closed); never a 5xx, a cut stream or a hang."""
+    ``shutting_down``, or the connection refused or closed before any response began (``ending``); never a 5xx,
+    a cut response or a hang."""
 
     async def client_loop(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
@@ -242,29 +243,33 @@ async def until_shutdown(url: str, clients: int, seed: int, outcomes: Counter[st
 
 
 async def ending(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> str:
-    """How one request ended while the server stops (see ``until_shutdown``); raises on a bad ending."""
+    """How one request ended while the server stops (see ``until_shutdown``); raises on a bad ending.
+
+    A connection closed before any response began (refused, closed or reset: the server stopped listening, or
+    closed a connection whose request it had not started) is ``"gone"``; one closed after its response began
+    is a cut response, and fails."""
+    began = False
     try:
-        if body.get("stream"):
-            async with client.stream("POST", path, json=body) as reply:
-                if reply.status_code == 503:  # refused before it started: the server says why
-                    error = json.loads(await reply.aread())["error"]
-                    assert error["code"] == "shutting_down", error
-                    return "refused"
-                assert reply.status_code == 200, await reply.aread()
-                lines = [line async for line in reply.aiter_lines() if line]
-            assert lines and lines[-1] == "data: [DONE]", lines[-3:]
-            last = json.loads(lines[-2].removeprefix("data: "))
-            finishes = [c["finish_reason"] for c in last.get("choices", [])]
-            return "aborted" if "abort" in finishes else "complete"
-        reply = await client.post(path, json=body)
-    except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:  # before any response: the socket closed
+        async with client.stream("POST", path, json=body) as reply:
+            began = True
+            if reply.status_code == 503:  # refused before it started: the server says why
+                error = json.loads(await reply.aread())["error"]
+                assert error["code"] == "shutting_down", error
+                return "refused"
+            assert reply.status_code == 200, await reply.aread()
+            if not body.get("stream"):
+                await reply.aread()
+                return "complete"
+            lines = [line async for line in reply.aiter_lines() if line]
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+        if began:
+            raise
         assert "Traceback" not in str(exc)
         return "gone"
-    if reply.status_code == 503:
-        assert reply.json()["error"]["code"] == "shutting_down", reply.text
-        return "refused"
-    assert reply.status_code == 200, reply.text
-    return "complete"
+    assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+    last = json.loads(lines[-2].removeprefix("data: "))
+    finishes = [c["finish_reason"] for c in last.get("choices", [])]
+    return "aborted" if "abort" in finishes else "complete"
 
 
 def test_sigterm_to_the_server_alone_under_mixed_load(model_dir: Path, tmp_path: Path) -> None:
