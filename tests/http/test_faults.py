@@ -401,6 +401,8 @@ def test_a_killed_rank_makes_the_server_exit_non_zero(model_dir: Path, tmp_path:
                 after = served.post("/v1/completions", {"prompt": "abc", "max_tokens": 2}, timeout=10)
                 health.append(after.status_code)
                 assert "pid" not in after.text
+                if after.status_code == 503:  # dead, not stopping: a supervisor can tell the two apart
+                    assert after.json()["error"]["code"] == "engine_dead", after.text
             except httpx.TransportError:
                 break
             time.sleep(0.05)
