@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import secrets
 import time
 import uuid
@@ -316,7 +317,9 @@ async def _compile(body: Any, params: SamplingParams, llm: AsyncLLM) -> None:
         await llm.compile_grammar(params)
     except ParamError as exc:
         field = body.constraint_field or exc.param
-        message = str(exc).replace("structured_outputs", field, 1) if field != exc.param else str(exc)
+        # the body's field is the whole constraint: "structured_outputs.json cannot ..." reads "response_format
+        # cannot ..." (Anthropic's messages must start with the field: "output_config.format.json" is no field)
+        message = re.sub(r"^structured_outputs(\.\w+)?", field, str(exc), count=1) if field != exc.param else str(exc)
         raise APIError(400, message, param=field, code="invalid_value") from None
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
@@ -194,7 +195,7 @@ class _Request(_Body):
                 return StructuredOutputsParams(choice=tuple(value))
             return StructuredOutputsParams(grammar=value)
         except ParamError as exc:
-            raise ParamError(name, str(exc).replace("structured_outputs", name, 1)) from None
+            raise ParamError(name, re.sub(r"^structured_outputs(\.\w+)?", name, str(exc), count=1)) from None
 
     @property
     def samples(self) -> int:
