@@ -11,6 +11,7 @@ HTTP server turns it into an OpenAI-style 4xx/5xx body::
     ModelLoadError        a model could not be resolved or loaded
     RuntimeError
       EngineDeadError     the background stepper is not running (never started, shut down, dead)
+        EngineStoppedError  ... because its owner stopped it (a server shutting down): not a failure
       EngineStepError     an engine step raised; every request in flight ended with it
       RankError           a tensor-parallel rank crashed, hung or raised; the group was shut down
       NativeKernelError   a native kernel (paged attention, few-row linear) could not be built or loaded
@@ -78,6 +79,11 @@ class EngineDeadError(RuntimeError):
     """The background stepper is not running (never started, shut down, or dead after a failed step)."""
 
 
+class EngineStoppedError(EngineDeadError):
+    """The background stepper is not running because its owner stopped it (``AsyncLLM.drain``/``shutdown``: a
+    server shutting down), not because it failed; the HTTP server answers it with a 503 ``shutting_down``."""
+
+
 class EngineStepError(RuntimeError):
     """An engine step raised; every request in flight at that moment ends with this error."""
 
@@ -107,6 +113,7 @@ def is_allocation_failure(exc: BaseException) -> bool:
 __all__ = [
     "EngineDeadError",
     "EngineStepError",
+    "EngineStoppedError",
     "KVMemoryError",
     "ModelLoadError",
     "NativeKernelError",

@@ -3,7 +3,9 @@
 Importing this module is cheap (no torch, no FastAPI); ``run`` imports them.
 The model is loaded and the KV cache allocated before the socket is bound,
 so a bad model, size or address is one ``mechserve: error: ...`` line and
-exit status 2, never a half-started server.  Ctrl-C (SIGINT) or SIGTERM
+exit status 2, never a half-started server.  An engine that dies while serving (a tensor-parallel
+rank killed) makes ``/health`` and new requests 503 and the server stop with exit status 1, so that
+a supervisor restarts it.  Ctrl-C (SIGINT) or SIGTERM
 stops it: new requests are refused and every request in flight is aborted at
 once, so that each response still ends as the protocol says (a stream with a
 ``finish_reason: "abort"`` chunk and ``data: [DONE]``, a non-streaming request
@@ -19,13 +21,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import gc
 import os
 import signal
 import sys
 from typing import Any
 
 from mechserve.api.config import DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS, DEFAULT_PAGE_SIZE
-from mechserve.api.limits import MAX_REQUEST_BYTES
+from mechserve.api.limits import (
+    CLIENT_TIMEOUT_S,
+    MAX_REQUEST_BYTES,
+    RENDER_MEMORY_BYTES,
+    RENDER_TIMEOUT_S,
+)
 from mechserve.api.proposers import proposer_method
 from mechserve.cli.engine_args import engine_config, setting
 from mechserve.cli.errors import CliError
@@ -177,6 +186,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--kv-events-topic", default="", metavar="TOPIC", help="the KV events' ZeroMQ topic (vLLM's default '')")
     add(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat_template sent with a request (vLLM's flag; by default such a request is a 400), in a "
+        f"sandbox process bounded to {RENDER_TIMEOUT_S:g} s and {RENDER_MEMORY_BYTES >> 20} MiB",
+    )
+    add(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="encode special-token strings in chat messages (<|im_end|>) as the special tokens, as vLLM and "
+        "llama-server do; by default they are text, so a message cannot forge a turn",
+    )
+    add(
+        "--client-timeout",
+        type=_seconds,
+        default=CLIENT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="close a connection whose request (head and body) has not arrived within this time, or whose "
+        f"response the client has not read for this long (default {CLIENT_TIMEOUT_S:g})",
+    )
+    add(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
         default="warning",
@@ -227,6 +256,11 @@ def _serve(args: argparse.Namespace, uvicorn: Any, server_module: Any, events: A
     llm = _engine(args, events)
     if events is not None:
         events.attach(llm.core)
+    # What startup built (torch, transformers, the model) stays for the process's life: frozen out of the
+    # collector, it is neither scanned by every full collection while serving (pauses) nor at exit, where
+    # that scan took ~5 s on a loaded machine after the server had stopped (as vLLM does after startup).
+    gc.collect()
+    gc.freeze()
     name = args.served_model_name or args.model
     try:
         sock = server_module.bind_socket(args.host, args.port)
@@ -238,10 +272,15 @@ def _serve(args: argparse.Namespace, uvicorn: Any, server_module: Any, events: A
         model_name=name,
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
         max_stored_responses=args.max_stored_responses,
     )
     config = uvicorn.Config(
-        app, lifespan="on", log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS
+        app,
+        lifespan="on",
+        log_level=args.log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        http=server_module.guarded_protocol(args.client_timeout),
     )
     core = llm.core
     print(
@@ -255,13 +294,29 @@ def _serve(args: argparse.Namespace, uvicorn: Any, server_module: Any, events: A
     # flight ends, a stream with an "abort" chunk and [DONE], a plain request with a 503), restores the
     # handlers it found and raises the signal again: to this one, so that SIGTERM, like Ctrl-C, ends here.
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    server = server_module.Server(config)
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            server_module.Server(config).run(sockets=[sock])
+            server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if server.engine_error is not None:
+        # a supervisor (systemd, Kubernetes) restarts a process that exits non-zero
+        print(f"mechserve: error: the engine died ({server.engine_error}); exiting with status 1", file=sys.stderr)
+        return 1
     print("mechserve: server stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _seconds(text: str) -> float:
+    """An argparse ``type=``: a number of seconds in (0, 86400]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value <= 86_400:
+        raise argparse.ArgumentTypeError(f"must be in (0, 86400] seconds, got {text}")
+    return value
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -327,4 +382,6 @@ def _engine(args: argparse.Namespace, on_step: Any = None) -> Any:
     except (ValueError, NativeKernelError) as exc:
         raise CliError(str(exc)) from None
     apply_chat_template_flag(llm.core.tokenizer, args.chat_template)
+    if args.allow_special_tokens_in_content:
+        llm.prompt_policy = dataclasses.replace(llm.prompt_policy, special_tokens_in_content=True)
     return llm

@@ -34,6 +34,7 @@ Backend: ``gloo`` (CPU).  The torch backend computes on the CPU only, so ``nccl`
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import time
 import weakref
@@ -55,6 +56,13 @@ from mechserve.spec import m14_forced_runs as m14
 
 # Seconds the ranks may take to start (load their shards).
 DEFAULT_START_TIMEOUT_S = 300.0
+# A spawned rank that finds itself importing a script without a main guard exits with this, quietly.
+NO_MAIN_GUARD_EXIT = 87
+NO_MAIN_GUARD = (
+    "the rank processes could not start: the script that asks for world_size > 1 has no "
+    '`if __name__ == "__main__":` guard, so each rank (started with spawn, which imports the script again) ran '
+    "it and asked for ranks of its own; put the script's code under that guard (docs/parallelism.md)"
+)
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -247,6 +255,13 @@ class SpawnGroup(RankGroup):
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
+    def check_alive(self) -> None:
+        """``RankError`` (and the group shut down) if a rank's process has exited: what the engine asks between
+        steps, so that a rank killed while the engine is idle is found before the next request meets it."""
+        if self.closed:
+            raise RankError("the rank group is shut down")
+        self._check_alive("the next step")
+
     def _ask(self, command: tuple[Any, ...]) -> Any:
         if self.closed:
             raise RankError("the rank group is shut down")
@@ -272,10 +287,14 @@ class SpawnGroup(RankGroup):
         """``RankError`` naming the first rank whose process has exited (with ``crashed_only``: with a
         non-zero code or a signal), if any."""
         for r, p in enumerate(self.procs):
+            if p.exitcode == NO_MAIN_GUARD_EXIT:
+                raise self._fail(NO_MAIN_GUARD)
             if p.exitcode is not None and not (crashed_only and p.exitcode == 0):
                 raise self._fail(f"rank {r} (pid {p.pid}) exited with code {p.exitcode} before {what!r}")
 
     def _exited(self, rank: int, what: str) -> RankError:
+        if self.procs[rank].exitcode == NO_MAIN_GUARD_EXIT:
+            return self._fail(NO_MAIN_GUARD)
         return self._fail(
             f"rank {rank} (pid {self.procs[rank].pid}) exited with code {self.procs[rank].exitcode} during {what!r}"
         )
@@ -393,11 +412,17 @@ def start_group(spec: RankSpec, world_size: int, *, timeout_s: float | None = No
     """The rank group for ``world_size`` ranks: a ``DistGroup`` under ``torchrun``, else a ``SpawnGroup``.
 
     Under ``torchrun`` the ranks other than 0 never return: they serve, then exit with status 0
-    when rank 0 closes the group.  Raises ``ValueError`` when ``torchrun``'s ``WORLD_SIZE``
+    when rank 0 closes the group.  Spawned ranks import the caller's script again (Python's spawn), so
+    a script without an ``if __name__ == "__main__":`` guard would ask for ranks inside each rank: such
+    a rank exits at once and the driver raises one ``RankError`` that says to add the guard.  Raises ``ValueError`` when ``torchrun``'s ``WORLD_SIZE``
     differs from ``world_size``, ``RankError`` when a rank cannot start.
     """
     timeout = timeout_s if timeout_s is not None else rank_timeout()
     if not under_torchrun():
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # This is a spawned rank importing a script that has no main guard: the script asked for ranks
+            # again.  Leave at once and quietly; the driver names the problem (NO_MAIN_GUARD).
+            os._exit(NO_MAIN_GUARD_EXIT)
         return SpawnGroup(spec, world_size, timeout_s=timeout)
     env_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if env_size != world_size:

@@ -2,7 +2,8 @@
 
 ``build_app(llm)`` is the ASGI app (``mechserve.http.app``);
 ``Server`` is uvicorn's server that ends in-flight requests when it shuts
-down; ``BackgroundServer(app)`` runs it with uvicorn on a loopback port in a
+down (and stops by itself when its engine dies); ``guarded_protocol`` closes connections that do not
+send their request in time; ``BackgroundServer(app)`` runs it with uvicorn on a loopback port in a
 background thread (tests, notebooks); ``mechserve serve`` runs it in the
 foreground (``mechserve.cli.serve``).
 """
@@ -11,12 +12,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mechserve.http.background import BackgroundServer, Server, bind_socket
+from mechserve.http.background import BackgroundServer, GuardedH11Protocol, Server, bind_socket, guarded_protocol
 
 if TYPE_CHECKING:
     from mechserve.http.app import build_app
 
-__all__ = ["BackgroundServer", "Server", "bind_socket", "build_app"]
+__all__ = ["BackgroundServer", "GuardedH11Protocol", "Server", "bind_socket", "build_app", "guarded_protocol"]
 
 
 def __getattr__(name: str) -> Any:

@@ -187,8 +187,9 @@ def anthropic_routes(app: FastAPI, path: ChatPath) -> None:
             ids = await path.llm.tokenize(prompt)
         except EngineDeadError as exc:
             raise engine_error(exc) from None
-        except ValueError as exc:
-            raise _named(body, APIError(400, str(exc), param="messages", code="invalid_value")) from None
+        except ValueError as exc:  # the field a ParamError names (chat_template refused), else the messages
+            named = exc.param if isinstance(exc, ParamError) and exc.param != "prompt" else "messages"
+            raise _named(body, APIError(400, str(exc), param=named, code="invalid_value")) from None
         return JSONResponse({"input_tokens": len(ids)})
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import secrets
 import time
 import uuid
@@ -73,17 +74,24 @@ def build_app(
     model_name: str | None = None,
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    trust_request_chat_template: bool = False,
     max_stored_responses: int = MAX_STORED_RESPONSES,
 ) -> FastAPI:
     """The server's app over ``llm``, answering to ``model_name`` (default ``llm.model_name``).
 
     With ``api_key`` every path but ``/health`` needs ``Authorization:
     Bearer <api_key>`` (or Anthropic's ``x-api-key: <api_key>``).  A request body over
-    ``max_request_bytes`` (default 4 MiB) is a 413 before anything reads it.  ``/v1/responses`` keeps
-    at most ``max_stored_responses`` responses (the oldest go first).  The app's lifespan starts
-    ``llm``'s engine thread if it is not running yet, and then also stops it.
+    ``max_request_bytes`` (default 4 MiB) is a 413 before anything reads it.  A chat template sent
+    with a request is refused (400 naming ``chat_template``) unless ``trust_request_chat_template``
+    (vLLM's ``--trust-request-chat-template``): then it is rendered in a sandbox process
+    (``llm.prompt_policy``, which every endpoint's prompts go through: chat, ``/tokenize``, and the
+    Responses and Messages requests translated into chat).  ``/v1/responses`` keeps at most
+    ``max_stored_responses`` responses (the oldest go first).  The app's lifespan starts ``llm``'s
+    engine thread if it is not running yet, and then also stops it.
     """
     name = model_name or llm.model_name
+    templates = "sandbox" if trust_request_chat_template else "refuse"
+    llm.prompt_policy = dataclasses.replace(llm.prompt_policy, request_templates=templates)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -114,6 +122,8 @@ def build_app(
 def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
+        if llm.error is not None:
+            raise APIError(503, "the engine is dead; the server is shutting down", code="engine_dead")
         if not llm.running:
             raise APIError(503, "the engine is not running", headers={"Retry-After": "5"})
         return JSONResponse({"status": "ok"})
@@ -305,10 +315,12 @@ async def _compile(body: Any, params: SamplingParams, llm: AsyncLLM) -> None:
     if params.structured_outputs is None:
         return
     try:
-        await asyncio.to_thread(llm.core.compile_grammar, params.structured_outputs)
+        await llm.compile_grammar(params)
     except ParamError as exc:
         field = body.constraint_field or exc.param
-        message = str(exc).replace("structured_outputs", field, 1) if field != exc.param else str(exc)
+        # the body's field is the whole constraint: "structured_outputs.json cannot ..." reads "response_format
+        # cannot ..." (Anthropic's messages must start with the field: "output_config.format.json" is no field)
+        message = re.sub(r"^structured_outputs(\.\w+)?", field, str(exc), count=1) if field != exc.param else str(exc)
         raise APIError(400, message, param=field, code="invalid_value") from None
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
@@ -191,7 +192,7 @@ class _Request(_Body):
                 return StructuredOutputsParams(choice=tuple(value))
             return StructuredOutputsParams(grammar=value)
         except ParamError as exc:
-            raise ParamError(name, str(exc).replace("structured_outputs", name, 1)) from None
+            raise ParamError(name, re.sub(r"^structured_outputs(\.\w+)?", name, str(exc), count=1)) from None
 
     @property
     def samples(self) -> int:
@@ -400,6 +401,7 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused unless the server trusts request templates (PromptPolicy)
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -449,6 +451,7 @@ class ChatCompletionRequest(_Request):
         return Chat(
             [m.as_template_message() for m in self.messages],
             add_generation_prompt=True if self.add_generation_prompt is None else self.add_generation_prompt,
+            chat_template=self.chat_template,
             continue_final_message=bool(self.continue_final_message),
             template_kwargs=self.chat_template_kwargs,
             add_special_tokens=bool(self.add_special_tokens),

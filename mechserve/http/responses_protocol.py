@@ -18,6 +18,7 @@ conversation of the response it continues) into the ``ChatCompletionRequest`` th
     max_output_tokens                 max_completion_tokens (unset: as many as fit)
     include message.output_text.logprobs, top_logprobs
                                       chat's logprobs and top_logprobs
+    chat_template                     chat's chat_template (refused unless the server trusts request templates)
 
 Errors name this API's fields: ``ParamError`` / ``UnsupportedField`` raised here, and ``RESPONSES_NAMES``
 renames what the chat path reports (``response_format`` is ``text.format``, ``messages`` is ``input``,
@@ -121,6 +122,8 @@ class ResponsesRequest(_Body):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     request_id: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
+    # vLLM's chat field, on every API translated into chat (refused unless --trust-request-chat-template)
+    chat_template: str | None = None
 
     @field_validator("input")
     @classmethod
@@ -261,6 +264,7 @@ class ResponsesRequest(_Body):
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "chat_template": self.chat_template,
         }
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})

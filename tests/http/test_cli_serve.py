@@ -215,6 +215,16 @@ def test_serve_takes_a_request_body_cap(capsys) -> None:
     assert code == 2 and "--max-request-bytes" in err
 
 
+def test_an_endless_chat_template_file_is_refused_with_its_limit(capsys, tmp_path: Path) -> None:
+    """``--chat-template /dev/zero`` read until memory ran out; a file is read up to its limit and no further."""
+    big = tmp_path / "big.jinja"
+    big.write_text("{{ x }}" + " " * (1 << 20))
+    for path in ("/dev/zero", str(big)):
+        code, _, err = run_cli(capsys, "serve", "--chat-template", path)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"cannot read the chat template file '{path}': it is over 1 MiB" in err
+
+
 def test_serve_takes_the_response_store_size_and_open_objects(capsys, tiny_dir: Path) -> None:
     """Issue 29's two server options: the Responses store's bound, and JSON Schema's open objects."""
     from mechserve.cli.main import parse
