@@ -329,12 +329,12 @@ def _memory(core: Any) -> str:
     from mechserve.api.config import format_bytes
     from mechserve.model.memory import formats
 
-    by_format = formats(core.model) if core.world_size == 1 else {}
+    by_format = formats(core.model) if core.config.world_size == 1 else {}
     if by_format:
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(by_format.items(), key=lambda kv: -kv[1]))
         weights = f"weights {format_bytes(sum(by_format.values()))} ({parts})"
     else:
-        weights = f"weights on {core.world_size} ranks"
+        weights = f"weights on {core.config.world_size} ranks"
     return (
         f"{weights}, KV pool {format_bytes(core.kv_bytes)}: {core.num_pages} pages of {core.config.page_size} "
         f"positions ({core.sized_by})"
