@@ -540,3 +540,20 @@ def test_an_argument_that_is_not_utf8_is_one_line(cli, argv: list[str], needles:
 )
 def test_switch_flags_refused_where_they_cannot_act(cli, flags: list[str], needle: str) -> None:
     assert_one_error_line(cli("run", "--request", "a:4:2", *flags), needle)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--api-key", ""],
+        ["serve", "--api-key", "  "],
+        ["router", "--worker-api-key", "", "--worker-urls", "http://a:1"],
+    ],
+)
+def test_an_empty_api_key_is_refused_not_authentication_off(cli, argv: list[str]) -> None:
+    assert_one_error_line(cli(*argv), argv[1], "an empty key would turn authentication off")
+
+
+def test_an_empty_api_key_from_the_environment_is_refused(cli, monkeypatch) -> None:
+    monkeypatch.setenv("MECHSERVE_API_KEY", "")
+    assert_one_error_line(cli("serve"), "--api-key", "$MECHSERVE_API_KEY", "authentication off")
