@@ -182,16 +182,16 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--ngram-min",
         type=integer(1, MAX_SPEC_LEN),
-        default=1,
+        default=None,
         metavar="N",
-        help="shortest n-gram prompt lookup matches (1)",
+        help="prompt lookup (--spec-method ngram): shortest n-gram it matches (1)",
     )
     add(
         "--ngram-max",
         type=integer(1, MAX_SPEC_LEN),
-        default=3,
+        default=None,
         metavar="N",
-        help="longest n-gram prompt lookup matches (3)",
+        help="prompt lookup (--spec-method ngram): longest n-gram it matches (3)",
     )
     suffix = "suffix decoding (--spec-method suffix, vLLM's speculative_config field of the same name): "
     add(
