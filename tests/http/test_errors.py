@@ -318,3 +318,29 @@ def test_a_missing_body_is_a_client_error(tiny_server, path: str, headers: dict[
     response = httpx.post(tiny_server.url + path, headers=headers, timeout=30)
     assert_error(response, 400)
     assert_still_serving(tiny_server)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        ({"max_tokens": 2, "max_completion_tokens": 5}, ["max_completion_tokens (5)", "max_tokens (2)"]),
+        ({"n_predict": 2, "max_completion_tokens": 5}, ["max_completion_tokens (5)", "n_predict (2)"]),
+    ],
+)
+def test_two_different_token_caps_are_400_naming_both(tiny_server, extra: dict[str, Any], needles: list[str]) -> None:
+    body = {key: value for key, value in CHAT_OK.items() if key != "max_tokens"} | extra
+    message = assert_error(post(tiny_server, "/v1/chat/completions", body), 400, param="max_completion_tokens")
+    assert all(n in message for n in needles), message
+    same = {**CHAT_OK, "max_tokens": 3, "max_completion_tokens": 3, "temperature": 0}
+    assert post(tiny_server, "/v1/chat/completions", same).json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_truncate_prompt_tokens_over_the_context_is_400_naming_it(tiny_server, path: str) -> None:
+    body = {**(OK if path == "/v1/completions" else CHAT_OK), "truncate_prompt_tokens": 100000}
+    message = assert_error(post(tiny_server, path, body), 400, param="truncate_prompt_tokens")
+    assert "max_model_len" in message, message
+    # at most the context, more than the prompt: the whole prompt is kept (vLLM's rule)
+    body = {**OK, "truncate_prompt_tokens": 50, "temperature": 0}
+    assert post(tiny_server, "/v1/completions", body).json()["usage"]["prompt_tokens"] == 2
+    assert_still_serving(tiny_server)
