@@ -427,7 +427,8 @@ FIELDS: tuple[Field, ...] = (
         "prediction",
         (CHAT,),
         OPENAI,
-        why="not supported: predicted outputs (speculation uses prompt lookup or a draft model instead)",
+        why="not supported: predicted outputs (speculation uses prompt lookup, suffix decoding or a draft model "
+        "instead: serve --spec-method ngram, suffix or draft)",
         bad={"prediction": {"type": "content", "content": "w1"}},
     ),
     _f(

@@ -344,3 +344,33 @@ def test_truncate_prompt_tokens_over_the_context_is_400_naming_it(tiny_server, p
     body = {**OK, "truncate_prompt_tokens": 50, "temperature": 0}
     assert post(tiny_server, "/v1/completions", body).json()["usage"]["prompt_tokens"] == 2
     assert_still_serving(tiny_server)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_a_body_nested_too_deeply_is_400_invalid_json(tiny_server, path: str) -> None:
+    deep = '{"model": "x", "metadata": ' + "[" * 1000 + "]" * 1000 + "}"
+    message = assert_error(post(tiny_server, path, content=deep), 400, code="invalid_json")
+    assert "nested too deeply" in message, message
+    assert_still_serving(tiny_server)
+
+
+def test_a_deep_body_on_the_anthropic_endpoint_is_invalid_json_in_its_shape(tiny_server) -> None:
+    deep = '{"model": "x", "metadata": ' + "[" * 1000 + "]" * 1000 + "}"
+    response = post(tiny_server, "/v1/messages", content=deep)
+    assert response.status_code == 400 and "nested too deeply" in response.json()["error"]["message"], response.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages"])
+def test_json_sent_as_text_plain_names_the_content_type(tiny_server, path: str) -> None:
+    response = httpx.post(
+        tiny_server.url + path, content=json.dumps(CHAT_OK), headers={"content-type": "text/plain"}, timeout=30
+    )
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "Content-Type 'text/plain'" in message and "application/json" in message, message
+
+
+def test_the_prediction_refusal_names_every_speculative_alternative(tiny_server) -> None:
+    body = {**CHAT_OK, "prediction": {"type": "content", "content": "w1"}}
+    message = assert_error(post(tiny_server, "/v1/chat/completions", body), 400, param="prediction")
+    assert all(m in message for m in ("prompt lookup", "suffix decoding", "draft model")), message
