@@ -7,6 +7,7 @@ decision log replays through m15 to the same choices (issue 26, items 4 and 6).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,6 +119,21 @@ def test_the_fleet_counts_outstanding_requests_until_they_finish() -> None:
     assert fleet.route("d", [])[0].url == "http://a:1"
     logged, replayed = replay_log(fleet.log)
     assert replayed == logged and [d.replica for d in logged] == [0, 1, 1, 0]
+
+
+def test_a_worker_down_at_start_and_its_rejoin_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    fleet = WorkerFleet(["http://a:1", "http://b:1"], RouterOptions("round_robin", 4))
+    with caplog.at_level(logging.WARNING, logger="mechserve.router"):
+        fleet.joined(fleet.workers[0], TINY_NAME)
+        fleet.down(fleet.workers[1], "health check failed: ConnectError")  # never answered: it was pending
+        fleet.joined(fleet.workers[1], TINY_NAME)
+        fleet.joined(fleet.workers[1], TINY_NAME)  # still live: nothing more to say
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "worker http://b:1 is down at start (requests go to the others until it answers): health check failed: "
+        "ConnectError",
+        "worker http://b:1 rejoined: it answers its checks again (it was down: health check failed: ConnectError)",
+    ]
 
 
 def test_streams_pass_through_chunk_by_chunk(two_workers: list[WorkerProcess]) -> None:
