@@ -13,8 +13,8 @@ Routes::
     GET  /health                                 200 while a worker is live, else 503
     GET  /workers                                every worker: state, model, last load report
 
-A worker that fails under a request ends it with a clear error naming the worker: a stream with an
-OpenAI-style error event and ``data: [DONE]``, a plain request with 502 (it failed while answering)
+A worker that fails under a request ends it with a clear error naming the worker and why: a stream with
+its API's error event (OpenAI's and ``data: [DONE]``; Anthropic's ``event: error`` on /v1/messages), a plain request with 502 (it failed while answering)
 or 503 (it could not be reached), and the worker leaves the live set at once.  Health checks
 (``/health``, then ``/v1/models`` and ``/metrics``) run every ``health_interval`` seconds; a worker
 that stops answering them also ends its requests in flight, so none waits on a worker that hangs.
