@@ -426,8 +426,8 @@ class LlamaModel:
         x = self.embed_rows(input_ids)  # [T, hidden]
         attn_out = torch.empty(x.shape[0], h * d, dtype=x.dtype, device=x.device)
         before, after = self._blocks
-        # A few rows (a decode step) run each layer's dense blocks as two native calls, unless compiled.
-        native = self.native_layers and self._blocks is LlamaModel._blocks and fused.rows_apply(x)
+        # Each layer's dense blocks run as two native calls where the kernel takes the rows, unless compiled.
+        native = self.native_layers and self._blocks is LlamaModel._blocks and fused.rows_apply(x, self.layers[0])
         for i, w in enumerate(self.layers):
             if native:
                 q, k, v = fused.attention_inputs(x, w, cos, sin, a.rms_norm_eps, h, kv, d)
