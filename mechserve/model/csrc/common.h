@@ -52,9 +52,9 @@ inline float bf16_to_float(uint16_t bits) {
 inline uint16_t float_to_bf16(float x) {
     uint32_t u;
     std::memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even, as torch does
-    return static_cast<uint16_t>(u >> 16);
+    const uint32_t nan = (u >> 16) | 0x40u;              // a NaN stays a quiet NaN
+    const uint32_t even = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // round to nearest even, as torch does
+    return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : even);
 }
 
 inline float half_to_float(uint16_t h) {
@@ -96,5 +96,22 @@ inline void store_value(void* p, int type, int64_t i, float v) {
 
 // v rounded to the activations' type and back (the identity in float32).
 inline float rnd(int type, float v) { return type == BF16 ? bf16_to_float(float_to_bf16(v)) : v; }
+
+// The same three for a type known at compile time (T = F32 or BF16), so that loops over them vectorise.
+template <int T>
+inline float ld(const void* p, int64_t i) {
+    if constexpr (T == F32) return static_cast<const float*>(p)[i];
+    else return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+}
+template <int T>
+inline float rn(float v) {
+    if constexpr (T == F32) return v;
+    else return bf16_to_float(float_to_bf16(v));
+}
+template <int T>
+inline void st(void* p, int64_t i, float v) {
+    if constexpr (T == F32) static_cast<float*>(p)[i] = v;
+    else static_cast<uint16_t*>(p)[i] = float_to_bf16(v);
+}
 
 }  // namespace mechserve

@@ -50,19 +50,22 @@ inline __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xdd));
 }
 
+// c[m * ldc + n] = the sum of acc[m][n]'s lanes, four rows (16 sums) at a time.
 template <int R, int C>
 inline void store_tile(__m512 acc[][NR], float* c, int64_t ldc) {
-    __m512 v[16];
-    for (int i = 0; i < 16; ++i) v[i] = _mm512_setzero_ps();
-    for (int m = 0; m < R; ++m)
-        for (int n = 0; n < C; ++n) v[m * NR + n] = acc[m][n];
-    alignas(64) float s[16];
-    _mm512_store_ps(s, sum16(v));
-    for (int m = 0; m < R; ++m) {
-        if constexpr (C == NR)
-            _mm_storeu_ps(c + m * ldc, _mm_load_ps(s + NR * m));
-        else
-            for (int n = 0; n < C; ++n) c[m * ldc + n] = s[NR * m + n];
+    for (int g = 0; g < R; g += 4) {
+        __m512 v[16];
+        for (int i = 0; i < 16; ++i) v[i] = _mm512_setzero_ps();
+        for (int m = g; m < std::min(R, g + 4); ++m)
+            for (int n = 0; n < C; ++n) v[(m - g) * NR + n] = acc[m][n];
+        alignas(64) float s[16];
+        _mm512_store_ps(s, sum16(v));
+        for (int m = g; m < std::min(R, g + 4); ++m) {
+            if constexpr (C == NR)
+                _mm_storeu_ps(c + m * ldc, _mm_load_ps(s + NR * (m - g)));
+            else
+                for (int n = 0; n < C; ++n) c[m * ldc + n] = s[NR * (m - g) + n];
+        }
     }
 }
 

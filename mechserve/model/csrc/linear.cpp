@@ -55,38 +55,40 @@ const float* as_f32(const void* x, int xt, int64_t M, int64_t K, Buffer<float>& 
 
 // Activations of a product that the block computes itself: float32 values (already rounded to the type)
 // and, in bfloat16, their bits.
+template <int T>
 struct Acts {
     float* f;
-    uint16_t* b;
-    void set(int type, int64_t i, float v) {
+    uint16_t* b;  // null in float32
+    void set(int64_t i, float v) {
         f[i] = v;
-        if (b) b[i] = float_to_bf16(v);
+        if constexpr (T == BF16) b[i] = float_to_bf16(v);
     }
 };
 
 // RMSNorm of row r [H] (float32 values) as llama.py's rms_norm: in float32, r * (1 / sqrt(mean(r^2) + eps))
 // rounded to `type`, times the weight, rounded again; into row m of out.
-void rms_norm_row(const float* r, const void* weight, int type, float eps, int64_t m, int64_t H, Acts& out) {
+template <int T>
+void rms_norm_row(const float* r, const void* weight, float eps, int64_t m, int64_t H, Acts<T>& out) {
     float s = 0.f;
+#pragma omp simd reduction(+ : s)
     for (int64_t i = 0; i < H; ++i) s += r[i] * r[i];
     const float inv = 1.f / std::sqrt(s / static_cast<float>(H) + eps);
-    for (int64_t i = 0; i < H; ++i)
-        out.set(type, m * H + i, rnd(type, load_value(weight, type, i) * rnd(type, r[i] * inv)));
+    for (int64_t i = 0; i < H; ++i) out.set(m * H + i, rn<T>(ld<T>(weight, i) * rn<T>(r[i] * inv)));
 }
 
 // RoPE in the half-split layout on `heads` heads of width d of row m of src (row stride `stride` floats), as
 // llama.py's _rotate: x * cos + cat(-x2, x1) * sin, each product and the sum rounded; into row m of dst.
+template <int T>
 void rotate_row(const float* src, int64_t stride, int64_t heads, int64_t d, const void* cos, const void* sin,
-                int type, int64_t m, void* dst) {
+                int64_t m, void* dst) {
     const int64_t half = d / 2;
     for (int64_t hh = 0; hh < heads; ++hh) {
         const float* x = src + m * stride + hh * d;
-        for (int64_t j = 0; j < d; ++j) {
-            const float rot = j < half ? -x[j + half] : x[j - half];
-            const float a = rnd(type, x[j] * load_value(cos, type, m * d + j));
-            const float b = rnd(type, rot * load_value(sin, type, m * d + j));
-            store_value(dst, type, (m * heads + hh) * d + j, a + b);
-        }
+        const int64_t o = (m * heads + hh) * d;
+        for (int64_t j = 0; j < half; ++j)
+            st<T>(dst, o + j, rn<T>(x[j] * ld<T>(cos, m * d + j)) + rn<T>(-x[j + half] * ld<T>(sin, m * d + j)));
+        for (int64_t j = half; j < d; ++j)
+            st<T>(dst, o + j, rn<T>(x[j] * ld<T>(cos, m * d + j)) + rn<T>(x[j - half] * ld<T>(sin, m * d + j)));
     }
 }
 
@@ -191,6 +193,102 @@ void mechserve_linear(const void* x, int xt, const void* w, int wt, const void* 
     }
 }
 
+}  // extern "C"
+
+namespace mechserve {
+namespace {
+
+template <int T>
+void attention_inputs(const void* x, const void* norm, float eps, int64_t M, int64_t H, const void* w, int wt,
+                      const void* bias, const void* cos, const void* sin, int64_t h, int64_t kv, int64_t d, void* q,
+                      void* k, void* v, int n_threads) {
+    Work& s = work();
+    const int64_t N = (h + 2 * kv) * d;
+    if (T != F32) grown(s.xf, static_cast<size_t>(M * H));
+    Acts<T> y{grown(s.y, static_cast<size_t>(M * H)), T == BF16 ? grown(s.yb, static_cast<size_t>(M * H)) : nullptr};
+    float* qkv = grown(s.a, static_cast<size_t>(M * N));
+    float* sums = grown(s.sums, static_cast<size_t>(M * (H / 32) + 1));
+#pragma omp parallel num_threads(n_threads)
+    {
+        const float* xf = as_f32(x, T, M, H, s.xf, true);
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) rms_norm_row<T>(xf + m * H, norm, eps, m, H, y);
+        product_team(Job{y.f, y.b, nullptr, w, M, H}, wt, N, qkv, N, sums);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) {
+            float* r = qkv + m * N;
+            if (bias)
+                for (int64_t n = 0; n < N; ++n) r[n] = rn<T>(r[n] + ld<T>(bias, n));
+            else
+                for (int64_t n = 0; n < N; ++n) r[n] = rn<T>(r[n]);
+            rotate_row<T>(qkv, N, h, d, cos, sin, m, q);
+            rotate_row<T>(qkv + h * d, N, kv, d, cos, sin, m, k);
+            for (int64_t i = 0; i < kv * d; ++i) st<T>(v, m * kv * d + i, r[(h + kv) * d + i]);
+        }
+    }
+}
+
+template <int T>
+void attention_outputs(const void* x, const void* attn, int64_t A, const void* o, int ot, const void* o_bias,
+                       const void* norm, float eps, const void* gate_up, int gt, const void* gate_up_bias, int64_t I,
+                       const void* down, int dt, const void* down_bias, int64_t M, int64_t H, void* out,
+                       int n_threads) {
+    Work& s = work();
+    constexpr bool bf16 = T == BF16;
+    const bool af32 = wants_f32(ot, M, bf16);
+    if (T != F32 && af32) grown(s.xf, static_cast<size_t>(M * A));
+    float* x1 = grown(s.b, static_cast<size_t>(M * H));
+    Acts<T> y{grown(s.y, static_cast<size_t>(M * H)), bf16 ? grown(s.yb, static_cast<size_t>(M * H)) : nullptr};
+    float* gu = grown(s.a, static_cast<size_t>(M * 2 * I));
+    Acts<T> act{grown(s.c, static_cast<size_t>(M * I)), bf16 ? grown(s.ab, static_cast<size_t>(M * I)) : nullptr};
+    float* sums = grown(s.sums, static_cast<size_t>(M * (std::max(A, std::max(H, I)) / 32) + 1));
+    float* dn = gu;  // the down projection's output reuses gate/up's buffer once SiLU has read it
+#pragma omp parallel num_threads(n_threads)
+    {
+        const float* af = as_f32(attn, T, M, A, s.xf, af32);
+        product_team(Job{af, bf16 ? static_cast<const uint16_t*>(attn) : nullptr, nullptr, o, M, A}, ot, H, x1, H,
+                     sums);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) {
+            float* r = x1 + m * H;
+            for (int64_t i = 0; i < H; ++i)
+                r[i] = rn<T>(ld<T>(x, m * H + i) + rn<T>(o_bias ? r[i] + ld<T>(o_bias, i) : r[i]));
+            rms_norm_row<T>(r, norm, eps, m, H, y);
+        }
+        product_team(Job{y.f, y.b, nullptr, gate_up, M, H}, gt, 2 * I, gu, 2 * I, sums);
+#pragma omp barrier
+        {
+            thread_local Buffer<float> tmp;
+            float* sg = grown(tmp, static_cast<size_t>(I));
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; ++m) {
+                float* g = gu + m * 2 * I;
+                if (gate_up_bias)
+                    for (int64_t i = 0; i < 2 * I; ++i) g[i] = rn<T>(g[i] + ld<T>(gate_up_bias, i));
+                else
+                    for (int64_t i = 0; i < 2 * I; ++i) g[i] = rn<T>(g[i]);
+                silu(g, I, sg);
+                for (int64_t i = 0; i < I; ++i) act.set(m * I + i, rn<T>(rn<T>(sg[i]) * g[I + i]));
+            }
+        }
+        product_team(Job{act.f, act.b, nullptr, down, M, I}, dt, H, dn, H, sums);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t i = 0; i < H; ++i) {
+                const float p = rn<T>(down_bias ? dn[m * H + i] + ld<T>(down_bias, i) : dn[m * H + i]);
+                st<T>(out, m * H + i, x1[m * H + i] + p);
+            }
+    }
+}
+
+}  // namespace
+}  // namespace mechserve
+
+extern "C" {
+
 // A decoder layer up to attention (llama.py's attention_inputs without q/k norms), for M rows:
 // x [M, H] -> RMSNorm (norm [H], eps) -> qkv = . w [(h + 2 kv) d, H] (wt) + bias -> q [M, h, d] and
 // k [M, kv, d] rotated by cos/sin [M, d], v [M, kv, d].  x, norm, bias, cos, sin, q, k, v in type xt.
@@ -198,29 +296,8 @@ void mechserve_attention_inputs(const void* x, int xt, const void* norm, float e
                                 const void* w, int wt, const void* bias, const void* cos, const void* sin,
                                 int64_t h, int64_t kv, int64_t d, void* q, void* k, void* v, int n_threads) {
     if (!known_format(wt) || M <= 0) return;
-    Work& s = work();
-    const int64_t N = (h + 2 * kv) * d;
-    const bool bf16 = xt == BF16;
-    if (xt != F32) grown(s.xf, static_cast<size_t>(M * H));
-    Acts y{grown(s.y, static_cast<size_t>(M * H)), bf16 ? grown(s.yb, static_cast<size_t>(M * H)) : nullptr};
-    float* qkv = grown(s.a, static_cast<size_t>(M * N));
-    float* sums = grown(s.sums, static_cast<size_t>(M * (H / 32) + 1));
-#pragma omp parallel num_threads(n_threads)
-    {
-        const float* xf = as_f32(x, xt, M, H, s.xf, true);
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m) rms_norm_row(xf + m * H, norm, xt, eps, m, H, y);
-        product_team(Job{y.f, y.b, nullptr, w, M, H}, wt, N, qkv, N, sums);
-#pragma omp barrier
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m) {
-            float* r = qkv + m * N;
-            for (int64_t n = 0; n < N; ++n) r[n] = rnd(xt, bias ? r[n] + load_value(bias, xt, n) : r[n]);
-            rotate_row(qkv, N, h, d, cos, sin, xt, m, q);
-            rotate_row(qkv + h * d, N, kv, d, cos, sin, xt, m, k);
-            for (int64_t i = 0; i < kv * d; ++i) store_value(v, xt, m * kv * d + i, r[(h + kv) * d + i]);
-        }
-    }
+    (xt == BF16 ? attention_inputs<BF16> : attention_inputs<F32>)(x, norm, eps, M, H, w, wt, bias, cos, sin, h, kv,
+                                                                   d, q, k, v, n_threads);
 }
 
 // A decoder layer after attention (llama.py's attention_outputs), for M rows:
@@ -232,54 +309,9 @@ void mechserve_attention_outputs(const void* x, int xt, const void* attn, int64_
                                  const void* gate_up_bias, int64_t I, const void* down, int dt, const void* down_bias,
                                  int64_t M, int64_t H, void* out, int n_threads) {
     if (!known_format(ot) || !known_format(gt) || !known_format(dt) || M <= 0) return;
-    Work& s = work();
-    const bool bf16 = xt == BF16, af32 = wants_f32(ot, M, bf16);
-    if (xt != F32 && af32) grown(s.xf, static_cast<size_t>(M * A));
-    float* x1 = grown(s.b, static_cast<size_t>(M * H));
-    Acts y{grown(s.y, static_cast<size_t>(M * H)), bf16 ? grown(s.yb, static_cast<size_t>(M * H)) : nullptr};
-    float* gu = grown(s.a, static_cast<size_t>(M * 2 * I));
-    Acts act{grown(s.c, static_cast<size_t>(M * I)), bf16 ? grown(s.ab, static_cast<size_t>(M * I)) : nullptr};
-    float* sums = grown(s.sums, static_cast<size_t>(M * (std::max(A, std::max(H, I)) / 32) + 1));
-    float* dn = gu;  // the down projection's output reuses gate/up's buffer once SiLU has read it
-#pragma omp parallel num_threads(n_threads)
-    {
-        const float* af = as_f32(attn, xt, M, A, s.xf, af32);
-        product_team(Job{af, bf16 ? static_cast<const uint16_t*>(attn) : nullptr, nullptr, o, M, A}, ot, H, x1, H,
-                     sums);
-#pragma omp barrier
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m) {
-            float* r = x1 + m * H;
-            for (int64_t i = 0; i < H; ++i) {
-                const float p = rnd(xt, o_bias ? r[i] + load_value(o_bias, xt, i) : r[i]);
-                r[i] = rnd(xt, load_value(x, xt, m * H + i) + p);
-            }
-            rms_norm_row(r, norm, xt, eps, m, H, y);
-        }
-        product_team(Job{y.f, y.b, nullptr, gate_up, M, H}, gt, 2 * I, gu, 2 * I, sums);
-#pragma omp barrier
-        {
-            thread_local Buffer<float> tmp;
-            float* sg = grown(tmp, static_cast<size_t>(I));
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; ++m) {
-                float* g = gu + m * 2 * I;
-                if (gate_up_bias)
-                    for (int64_t i = 0; i < 2 * I; ++i) g[i] += load_value(gate_up_bias, xt, i);
-                for (int64_t i = 0; i < 2 * I; ++i) g[i] = rnd(xt, g[i]);
-                silu(g, I, sg);
-                for (int64_t i = 0; i < I; ++i) act.set(xt, m * I + i, rnd(xt, rnd(xt, sg[i]) * g[I + i]));
-            }
-        }
-        product_team(Job{act.f, act.b, nullptr, down, M, I}, dt, H, dn, H, sums);
-#pragma omp barrier
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t i = 0; i < H; ++i) {
-                const float p = rnd(xt, down_bias ? dn[m * H + i] + load_value(down_bias, xt, i) : dn[m * H + i]);
-                store_value(out, xt, m * H + i, x1[m * H + i] + p);
-            }
-    }
+    (xt == BF16 ? attention_outputs<BF16> : attention_outputs<F32>)(x, attn, A, o, ot, o_bias, norm, eps, gate_up,
+                                                                     gt, gate_up_bias, I, down, dt, down_bias, M, H,
+                                                                     out, n_threads);
 }
 
 // out [R, K] (ot: F32 or BF16) = rows ids[0..R) of the block-format matrix w [N, K] (wt), dequantized: an
