@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from mechserve.kv import native as native_kernel
+from mechserve.native.memory import huge_zeros
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,8 +274,11 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":  # attention streams the pages: huge pages, fewer TLB misses
+            self.k, self.v = huge_zeros(shape, dtype), huge_zeros(shape, dtype)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._ws_k = torch.empty(0, dtype=dtype, device=device)
         self._ws_v = torch.empty(0, dtype=dtype, device=device)
         # Each layer's pages as one [slots, KV, D] view, made once (a view is a few microseconds, per layer and step).

@@ -3,11 +3,13 @@ shard (``sharded.py``) and the native blocks (``fused.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from mechserve.model.quantized import QuantizedMatrix
+from mechserve.native.memory import Arena
 
 Matrix = torch.Tensor | QuantizedMatrix  # a weight matrix: floats of the model's dtype, or quantized blocks
 
@@ -36,4 +38,31 @@ class LayerWeights:
     down_bias: torch.Tensor | None
 
 
-__all__ = ["LayerWeights", "Matrix"]
+_MATRICES = ("qkv", "o", "gate_up", "down")
+
+
+def on_huge_pages(
+    layers: list[LayerWeights], embed: Matrix, lm_head: Matrix
+) -> tuple[list[LayerWeights], Matrix, Matrix]:
+    """The layers, embedding and LM head with their matrices copied into one huge-page arena
+    (``native.memory``): every decode step streams them, and reads them up to 20% faster there.  A tied
+    LM head stays the embedding's object; matrices not on the CPU are left where they are."""
+    def data(m: Matrix) -> torch.Tensor:
+        return m.blocks if isinstance(m, QuantizedMatrix) else m
+
+    mats = [getattr(w, f) for w in layers for f in _MATRICES] + [embed] + ([] if lm_head is embed else [lm_head])
+    if any(data(m).device.type != "cpu" for m in mats):
+        return layers, embed, lm_head
+    arena = Arena([data(m) for m in mats])
+
+    def place(m: Matrix) -> Matrix:
+        if isinstance(m, QuantizedMatrix):
+            return QuantizedMatrix(m.kind, arena.place(m.blocks), m.in_features)
+        return arena.place(m)
+
+    moved = [dataclasses.replace(w, **{f: place(getattr(w, f)) for f in _MATRICES}) for w in layers]
+    new_embed = place(embed)
+    return moved, new_embed, new_embed if lm_head is embed else place(lm_head)
+
+
+__all__ = ["LayerWeights", "Matrix", "on_huge_pages"]

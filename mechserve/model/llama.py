@@ -26,7 +26,7 @@ from mechserve.api.errors import ModelLoadError
 from mechserve.kv.paged import AttentionBatch, PagedKVCache, paged_attention
 from mechserve.model import fused
 from mechserve.model.checkpoint import Checkpoint, whole_number
-from mechserve.model.layer import LayerWeights, Matrix
+from mechserve.model.layer import LayerWeights, Matrix, on_huge_pages
 from mechserve.model.linear import dequantize_rows, linear
 from mechserve.model.quantized import QuantizedMatrix
 
@@ -284,6 +284,8 @@ class LlamaModel:
                 )
             )
         self._check_shapes(checkpoint.path)
+        # the matrices every step streams, packed onto huge pages (fewer TLB misses; model/layer.py)
+        self.layers, self.embed, self.lm_head = on_huge_pages(self.layers, self.embed, self.lm_head)
         self.inv_freq, self.rope_scaling = rope_inv_freq(checkpoint.config, arch.head_dim)
         self.scale = arch.head_dim**-0.5
         self.distinct_windows = tuple(dict.fromkeys(arch.windows))
