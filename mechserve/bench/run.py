@@ -257,7 +257,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run everything ``args`` asks for; write ``results.json`` (and plots) into ``args.out``; return the document."""
     from mechserve.bench import runners as eng
-    from mechserve.bench.roofline import linear_params, roofline
+    from mechserve.bench.roofline import linear_params, roofline, roofline_line
     from mechserve.bench.timings import latency_summary, useful_flops
     from mechserve.bench.workloads import SIZES, make_workload
     from mechserve.engine.executors import configure_threads
@@ -312,6 +312,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             del optional[name]  # available: it runs below
     loaded: dict[str, Any] = {}
     peaks: dict[str, float] = {}
+    bandwidth: list[float] = []  # bytes/s, measured with the first mode's roofline
     for mode in args.mode:
         dtype, quantization = eng.MODES[mode]
         # ids in, ids out (hf detokenizes nothing either)
@@ -327,12 +328,13 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             )
             results["roofline"][mode] = r
             peaks[mode] = r["matmul"]["peak_gflops"]
+            bandwidth.append(r["read_bandwidth_gb_per_s"] * 1e9)
             _say(
                 f"roofline {mode}: matmul peak {r['matmul']['peak_gflops']:.0f} GFLOP/s; prefill "
                 f"{r['prefill']['prompt_len']} tokens {r['prefill']['seconds'] * 1000:.0f} ms (MFU "
                 f"{r['prefill']['mfu']:.0%}); decode batch {r['decode']['batch']} ctx {r['decode']['context']} "
                 f"{r['decode']['tokens_per_s']:.0f} tok/s (MFU {r['decode']['mfu']:.0%}, "
-                f"{r['decode']['read_gb_per_s']:.1f} GB/s read)"
+                f"{r['decode']['read_gb_per_s']:.1f} GB/s read; machine reads {r['read_bandwidth_gb_per_s']:.1f} GB/s)"
             )
     model0 = next(iter(loaded.values())).model
     a = model0.arch
@@ -392,8 +394,12 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         "engine_stats": res.engine_stats,
                         "outputs": res.outputs,
                     }
+                    if res.engine == "mechserve" and mode in peaks:
+                        record["roofline"] = _run_roofline(loaded[mode].model, res.engine_stats, bandwidth[0], peaks[mode])
                     entry["runs"].append(record)
                     _say(_line(wname, record))
+                    if record.get("roofline"):
+                        _say(f"  roofline {wname}/{mode}/{res.variant}: {roofline_line(record['roofline'])}")
         _compare(entry)
     results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     results["machine"]["load_average_at_end"] = _loadavg()
@@ -404,6 +410,21 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for p in write_plots(results, args.out):
             print(f"plot: {p}", file=sys.stderr)
     return results
+
+
+def _run_roofline(model: Any, stats: dict[str, Any] | None, bandwidth: float, peak: float) -> dict[str, Any] | None:
+    """The decode step at a run's typical batch (the median number of decode rows of the steps that had
+    any) and context (the mean position its decode rows computed): its roofline beside the step measured
+    at that batch and context (``roofline.decode_roofline``); None when the run decoded nothing."""
+    import statistics
+
+    from mechserve.bench.roofline import decode_roofline
+
+    rows = [n for n in (stats or {}).get("decode_rows_series", []) if n]
+    context = (stats or {}).get("decode_context_mean")
+    if not rows or context is None:
+        return None
+    return decode_roofline(model, round(statistics.median(rows)), round(context), bandwidth, peak)
 
 
 def _jsonable(value: Any) -> Any:

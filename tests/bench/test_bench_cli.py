@@ -54,13 +54,15 @@ def test_bench_run_quick_end_to_end(tmp_path: Path, tiny_dir: Path, capsys: pyte
     doc = _bench(
         tmp_path, tiny_dir, "--workload", "throughput,prefix", "--engine", "mechserve,hf,llama-cpp", "--size", "num=6"
     )
-    err = capsys.readouterr().err
+    said = capsys.readouterr()
+    err = said.err
     assert "llama-cpp skipped: it runs the embedded model's GGUFs only" in err
     assert doc["skipped"][0]["engine"] == "llama-cpp"
     assert {"cpu", "cpus", "torch_threads"} <= doc["machine"].keys()
     assert doc["versions"]["torch"] and "commit" in doc["git"]
     roof = doc["roofline"]["exact"]
     assert roof["matmul"]["peak_gflops"] > 0 and roof["prefill"]["mfu"] > 0 and roof["decode"]["mfu"] > 0
+    assert roof["read_bandwidth_gb_per_s"] > 0 and roof["matmul"]["engine_gflops_by_rows"]
     runs = doc["workloads"]["throughput"]["runs"]
     assert doc["workloads"]["throughput"]["params"]["num"] == 6 and runs[0]["metrics"]["completed"] == 6
     assert {(r["engine"], r["mode"]) for r in runs} == {("mechserve", "exact"), ("hf", "exact")}
@@ -73,6 +75,13 @@ def test_bench_run_quick_end_to_end(tmp_path: Path, tiny_dir: Path, capsys: pyte
         )
     ms = next(r for r in runs if r["engine"] == "mechserve")
     assert ms["engine_stats"].keys() >= ENGINE_STATS
+    # the decode step at the run's typical batch beside its roofline, in the JSON and as a line
+    line = ms["roofline"]
+    assert 1 <= line["batch"] <= 6 and line["context"] > 0 and line["bytes"] > 0 and line["flops"] > 0
+    assert line["roofline_s"] == max(line["memory_s"], line["compute_s"]) > 0
+    assert line["measured_over_roofline"] == pytest.approx(line["measured_s"] / line["roofline_s"])
+    assert f"roofline throughput/exact/default: decode step at batch {line['batch']}, context" in said.out
+    assert all("roofline" not in r for r in runs if r["engine"] == "hf")
     # continuous batching under the spec computes exactly transformers' greedy ids (fp32)
     cmp = doc["workloads"]["throughput"]["comparisons"]
     assert cmp["mechserve[exact,default] vs hf[exact] greedy agreement"]["identical_requests"] == 1.0
