@@ -438,6 +438,11 @@ class LlamaModel:
                     x, w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, sin, a.rms_norm_eps, h, kv, d
                 )
             paged_attention(q, k, v, cache, i, batch, self.scale, a.windows[i], out=attn_out)
+            if i == len(self.layers) - 1 and logit_rows is not None:
+                # past the last attention only the rows whose logits are wanted matter (llama.cpp's
+                # output-row pruning): a prefill chunk runs its last block for one row, not for all
+                x, attn_out, logit_rows = x.index_select(0, logit_rows), attn_out.index_select(0, logit_rows), None
+                native = native and fused.rows_apply(x, w)
             if native:
                 x = fused.attention_outputs(x, attn_out, w, a.rms_norm_eps)
             else:
