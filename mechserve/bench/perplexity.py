@@ -10,8 +10,10 @@ tokenized without special tokens and cut into chunks of ``ctx`` tokens.  As ``ll
 each chunk is one forward from an empty context and only its second half is scored: the negative
 log-likelihood of token ``i + 1`` from the logits at ``i`` for ``ctx/2 <= i < ctx - 1``; the
 perplexity is ``exp`` of their mean over every chunk.  mechserve runs the chunk through its own
-forward (paged KV, the mode's kernels), in one forward or ``--rows`` tokens at a time (16 or fewer: the
-few-row kernel that decode uses, so q4_1/q8_0 are scored on their blocks, not on dequantized weights).
+forward (paged KV, the mode's kernels), in one forward or ``--rows`` tokens at a time: the row count
+picks the kernel path a decode step of that many rows takes (``linear.native_max_rows``; up to a
+format's few rows, 3, q4_1/q8_0 are multiplied on their exact blocks, above that in bfloat16 tiles, and
+above 256 rows dequantized for torch's GEMM).
 llama.cpp runs ``llama-perplexity -c ctx`` on the mode's GGUF (``llama_cpp.MODE_GGUF``) when it is found.  ``DIR/perplexity.json`` holds every number; one line per
 (engine, mode) goes to stdout.  The top level imports only the standard library.
 """
@@ -49,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rows",
         type=int,
         default=None,
-        help="tokens per forward (default: the whole chunk); 16 or fewer scores through decode's few-row kernel",
+        help="tokens per forward (default: the whole chunk): the kernels a decode step of that many rows uses",
     )
     add("--text", type=Path, default=DEFAULT_TEXT, help="a UTF-8 text file (default: the shipped public-domain text)")
     add("--model", default="smollm2", help="'smollm2' (embedded, default) or a local Hugging Face model directory")
@@ -80,8 +82,9 @@ def mechserve_perplexity(model: Any, ids: list[int], ctx: int, rows: int | None 
     """Perplexity of ``ids`` under ``model`` (a ``LlamaModel``) in chunks of ``ctx`` (module docstring).
 
     ``rows``: tokens per forward, continuing the chunk's paged KV (None: the chunk in one forward).
-    At most ``linear.NATIVE_MAX_ROWS`` rows go through the few-row kernel that decode uses, so the
-    quantized modes are then scored on their GGUF blocks rather than on dequantized weights.
+    Each forward takes the path a step of that many rows takes (``linear.native_max_rows``), so a
+    small ``rows`` scores the quantized modes on the kernels decode uses rather than on weights
+    dequantized for torch's GEMM.
     Raises ``ValueError`` when ``ids`` is shorter than one chunk.
     """
     import torch

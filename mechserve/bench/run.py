@@ -395,7 +395,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         "outputs": res.outputs,
                     }
                     if res.engine == "mechserve" and mode in peaks:
-                        record["roofline"] = _run_roofline(loaded[mode].model, res.engine_stats, bandwidth[0], peaks[mode])
+                        record["roofline"] = _run_roofline(
+                            loaded[mode].model, res.engine_stats, bandwidth[0], peaks[mode]
+                        )
                     entry["runs"].append(record)
                     _say(_line(wname, record))
                     if record.get("roofline"):

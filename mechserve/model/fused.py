@@ -7,11 +7,13 @@ At a decode step those ops, not the products, were the largest cost after the we
 at batch 1, context 512 on this 2-core machine, 5-7 ms of a 19-29 ms step in every mode
 (``docs/scripts/profile_decode.py``, docs/benchmarks.md "Against llama.cpp").  Here each block is
 one call of ``csrc/linear.cpp`` (``mechserve_attention_inputs`` / ``mechserve_attention_outputs``)
-that runs the products in the few-row kernel and the elementwise steps between them in C++.
+that runs the products in the native kernel (``csrc/gemm.h``) and the elementwise steps between them
+in C++, all in one OpenMP team: products split the weight rows between the threads, the steps
+between them split the activation rows.
 
 They compute what the torch blocks compute, in the same order, rounding to bfloat16 wherever
 torch's bfloat16 ops round; results differ from torch's only where a sum (the RMSNorm mean, the
-products) or ``exp`` is evaluated in another order, as the few-row kernel's products already do.
+products) or ``exp`` is evaluated in another order, as the kernel's products already do.
 Used when ``rows_apply`` and ``weights_apply`` hold: the native linear kernel is enabled (``MECHSERVE_LINEAR``), the rows are on
 the CPU, float32 or bfloat16, no more than the kernel takes for every matrix of the layer
 (``linear.native_max_rows``), with the model's weights in that dtype or in GGUF blocks, and the layer

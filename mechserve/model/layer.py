@@ -38,19 +38,18 @@ class LayerWeights:
     down_bias: torch.Tensor | None
 
 
-_MATRICES = ("qkv", "o", "gate_up", "down")
-
-
 def on_huge_pages(
     layers: list[LayerWeights], embed: Matrix, lm_head: Matrix
 ) -> tuple[list[LayerWeights], Matrix, Matrix]:
     """The layers, embedding and LM head with their matrices copied into one huge-page arena
     (``native.memory``): every decode step streams them, and reads them up to 20% faster there.  A tied
     LM head stays the embedding's object; matrices not on the CPU are left where they are."""
+
     def data(m: Matrix) -> torch.Tensor:
         return m.blocks if isinstance(m, QuantizedMatrix) else m
 
-    mats = [getattr(w, f) for w in layers for f in _MATRICES] + [embed] + ([] if lm_head is embed else [lm_head])
+    mats = [m for w in layers for m in (w.qkv, w.o, w.gate_up, w.down)] + [embed]
+    mats += [] if lm_head is embed else [lm_head]
     if any(data(m).device.type != "cpu" for m in mats):
         return layers, embed, lm_head
     arena = Arena([data(m) for m in mats])
@@ -60,7 +59,10 @@ def on_huge_pages(
             return QuantizedMatrix(m.kind, arena.place(m.blocks), m.in_features)
         return arena.place(m)
 
-    moved = [dataclasses.replace(w, **{f: place(getattr(w, f)) for f in _MATRICES}) for w in layers]
+    moved = [
+        dataclasses.replace(w, qkv=place(w.qkv), o=place(w.o), gate_up=place(w.gate_up), down=place(w.down))
+        for w in layers
+    ]
     new_embed = place(embed)
     return moved, new_embed, new_embed if lm_head is embed else place(lm_head)
 

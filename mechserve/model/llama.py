@@ -290,7 +290,7 @@ class LlamaModel:
         self.scale = arch.head_dim**-0.5
         self.distinct_windows = tuple(dict.fromkeys(arch.windows))
         self.device = self.norm.device  # the embedding may be quantized blocks
-        # Whether every layer's weights suit the native blocks for few rows (model/fused.py).
+        # Whether every layer's weights suit the native blocks (model/fused.py).
         self.native_layers = all(fused.weights_apply(w, self.dtype) for w in self.layers)
 
     def to(self, device: torch.device | str) -> LlamaModel:

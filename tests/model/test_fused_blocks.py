@@ -35,9 +35,7 @@ def _fresh_mode():
     lin.enabled.cache_clear()
 
 
-def layer(
-    g: torch.Generator, dtype: torch.dtype, kind: str | None, biases: bool, shape=SHAPES[0]
-) -> LayerWeights:
+def layer(g: torch.Generator, dtype: torch.dtype, kind: str | None, biases: bool, shape=SHAPES[0]) -> LayerWeights:
     hidden, heads, kv, d, mlp = shape
 
     def matrix(n: int, k: int):

@@ -25,7 +25,11 @@ def test_an_arena_holds_exact_copies_on_cache_lines() -> None:
 
 
 def test_huge_zeros_are_zeros_of_the_shape_asked() -> None:
-    for shape, dtype in (((2, 3), torch.float32), ((3, HUGE_PAGE // 4 + 5), torch.float32), ((HUGE_PAGE,), torch.bfloat16)):
+    for shape, dtype in (
+        ((2, 3), torch.float32),
+        ((3, HUGE_PAGE // 4 + 5), torch.float32),
+        ((HUGE_PAGE,), torch.bfloat16),
+    ):
         t = huge_zeros(shape, dtype)
         assert t.shape == shape and t.dtype == dtype and not t.any()
 

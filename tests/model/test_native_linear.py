@@ -65,7 +65,9 @@ def test_the_builds_take_their_paths() -> None:
 def reference_weights(w: QuantizedMatrix, rows: int, dtype: torch.dtype, lib: ctypes.CDLL) -> torch.Tensor:
     """The float32 weights the kernel multiplies: the blocks' values exactly, except above a format's few
     rows with bfloat16 activations on a build with bfloat16 tiles, where they are rounded to bfloat16."""
-    rounded = dtype == torch.bfloat16 and rows > lib.mechserve_few_rows(lin.TYPES[w.kind]) and lib.mechserve_bf16_tiles()
+    rounded = (
+        dtype == torch.bfloat16 and rows > lib.mechserve_few_rows(lin.TYPES[w.kind]) and lib.mechserve_bf16_tiles()
+    )
     return dequantize(w, torch.bfloat16).float() if rounded else dequantize(w)
 
 
@@ -108,7 +110,9 @@ def test_dense_kernel_equals_f_linear(arch, rows, out_features, in_features, dty
     with_bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_quantized_kernel_equals_the_dequantized_product(arch, kind, rows, out_features, blocks, dtype, with_bias, seed):
+def test_quantized_kernel_equals_the_dequantized_product(
+    arch, kind, rows, out_features, blocks, dtype, with_bias, seed
+):
     g = torch.Generator().manual_seed(seed)
     k = 32 * blocks
     w = quantize(torch.randn(out_features, k, generator=g), kind)
