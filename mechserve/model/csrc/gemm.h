@@ -312,33 +312,19 @@ inline void block_sums(const float* xf, int64_t M, int64_t K, float* xsum) {
         }
 }
 
-// Floats of scratch a product of M rows of K activations may use (product_team's `scratch`).
-inline int64_t scratch_floats(int64_t M, int64_t K) { return M * (K / 32) + M * block_pairs(K) * 32 + 16; }
-
 // out [M, ldo] (columns [0, N)) = x . w^T for every thread of the calling OpenMP team: each thread writes
-// its own columns.  `scratch` holds scratch_floats(M, K) floats (what a format's few-row kernel wants
-// made of the activations once: their block sums, their int8 form).  Ends without a barrier: the caller
-// puts one before it reads `out` across columns.
+// its own columns.  `xsum` is scratch for M * K / 32 floats (used by Q4_1's few-row kernel).  Ends without
+// a barrier: the caller puts one before it reads `out` across columns.
 template <typename F>
-void product_team_f(Job j, int64_t N, float* out, int64_t ldo, float* scratch) {
+void product_team_f(Job j, int64_t N, float* out, int64_t ldo, float* xsum) {
     const int T = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t per = ((N + T - 1) / T + 15) / 16 * 16;
     const int64_t n0 = std::min<int64_t>(N, t * per), n1 = std::min<int64_t>(N, n0 + per);
     if (j.M <= F::few_rows) {
         if constexpr (F::has_min) {
-            block_sums(j.xf, j.M, j.K, scratch);  // ends with the team's barrier
-            j.xsum = scratch;
+            block_sums(j.xf, j.M, j.K, xsum);  // ends with the team's barrier
+            j.xsum = xsum;
         }
-#if defined(MECHSERVE_INT8_FEW_ROWS)
-        if constexpr (requires { F::quantize_x(nullptr, 0, nullptr, nullptr); }) {
-            const int64_t pairs = block_pairs(j.K);
-            float* xdv = scratch + j.M * (j.K / 32);
-            uint8_t* xq = reinterpret_cast<uint8_t*>(xdv + j.M * pairs * 16);
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < j.M; ++m) F::quantize_x(j.xf + m * j.K, j.K, xq + m * pairs * 64, xdv + m * pairs * 16);
-            j.xq = xq, j.xdv = xdv;
-        }
-#endif
         if (n0 < n1) F::few(j, n0, n1, out, ldo);
         return;
     }
@@ -349,8 +335,8 @@ void product_team_f(Job j, int64_t N, float* out, int64_t ldo, float* scratch) {
     tiled<F, float>(j, n0, n1, out, ldo);
 }
 
-inline void product_team(const Job& j, int wt, int64_t N, float* out, int64_t ldo, float* scratch) {
-    with_format(wt, [&](auto fmt) { product_team_f<decltype(fmt)>(j, N, out, ldo, scratch); });
+inline void product_team(const Job& j, int wt, int64_t N, float* out, int64_t ldo, float* xsum) {
+    with_format(wt, [&](auto fmt) { product_team_f<decltype(fmt)>(j, N, out, ldo, xsum); });
 }
 
 }  // namespace mechserve

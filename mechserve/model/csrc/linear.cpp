@@ -154,16 +154,6 @@ int64_t mechserve_few_rows(int type) {
     return with_format(type, [](auto f) { return decltype(f)::few_rows; });
 }
 
-// Whether the block formats' few-row kernels quantize the activations to int8 (AVX512-VNNI; see
-// formats/blocks32.h) rather than multiply them as floats.
-int mechserve_int8_few_rows(void) {
-#if defined(MECHSERVE_INT8_FEW_ROWS)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 // Whether tiles of weights of format `type` times bfloat16 activations are bfloat16 (VDPBF16PS) rather
 // than float32: then a block format's weights are rounded to bfloat16 above its few rows.
 int mechserve_bf16_tiles(void) {
@@ -182,7 +172,7 @@ void mechserve_linear(const void* x, int xt, const void* w, int wt, const void* 
     Work& s = work();
     const bool bf16 = xt == BF16, f32 = wants_f32(wt, M, bf16);
     if (xt != F32 && f32) grown(s.xf, static_cast<size_t>(M * K));
-    float* sums = grown(s.sums, static_cast<size_t>(scratch_floats(M, K)));
+    float* sums = grown(s.sums, static_cast<size_t>(M * (K / 32) + 1));
     const bool direct = yt == F32 && !bias;  // the product writes y itself
     float* acc = direct ? static_cast<float*>(y) : grown(s.a, static_cast<size_t>(M * N));
 #pragma omp parallel num_threads(n_threads)
@@ -217,7 +207,7 @@ void attention_inputs(const void* x, const void* norm, float eps, int64_t M, int
     if (T != F32) grown(s.xf, static_cast<size_t>(M * H));
     Acts<T> y{grown(s.y, static_cast<size_t>(M * H)), T == BF16 ? grown(s.yb, static_cast<size_t>(M * H)) : nullptr};
     float* qkv = grown(s.a, static_cast<size_t>(M * N));
-    float* sums = grown(s.sums, static_cast<size_t>(scratch_floats(M, H)));
+    float* sums = grown(s.sums, static_cast<size_t>(M * (H / 32) + 1));
 #pragma omp parallel num_threads(n_threads)
     {
         const float* xf = as_f32(x, T, M, H, s.xf, true);
@@ -252,7 +242,7 @@ void attention_outputs(const void* x, const void* attn, int64_t A, const void* o
     Acts<T> y{grown(s.y, static_cast<size_t>(M * H)), bf16 ? grown(s.yb, static_cast<size_t>(M * H)) : nullptr};
     float* gu = grown(s.a, static_cast<size_t>(M * 2 * I));
     Acts<T> act{grown(s.c, static_cast<size_t>(M * I)), bf16 ? grown(s.ab, static_cast<size_t>(M * I)) : nullptr};
-    float* sums = grown(s.sums, static_cast<size_t>(scratch_floats(M, std::max(A, std::max(H, I)))));
+    float* sums = grown(s.sums, static_cast<size_t>(M * (std::max(A, std::max(H, I)) / 32) + 1));
     float* dn = gu;  // the down projection's output reuses gate/up's buffer once SiLU has read it
 #pragma omp parallel num_threads(n_threads)
     {

@@ -2,16 +2,6 @@
 // shared by formats/q4_1.h and formats/q8_0.h.  A format F gives `Block`, `has_min` and, with AVX-512,
 // `values(block, lo, hi)` (its 32 q as two float vectors); the portable path calls `dot(block, x, xsum)`.
 //
-// With AVX512-VNNI the activations are quantized instead, as llama.cpp's Q8_1 path does: each 32-value
-// block of a row to int8 with its own scale dx = max|x| / 127, once per call, and a block's dot product is
-// d * dx * (q . qx) (plus Q4_1's m * sum(x), with the exact float sum), its integer part by VPDPBUSD: 64
-// unsigned-by-signed byte products into 16 int32 lanes, so two blocks per instruction, with one
-// conversion and one FMA per two blocks against a vector of their scales.  A format F then gives
-// `pair(blocks, two, head)` (two blocks' q as 64 bytes in its lane order, and their heads) and
-// `quantize_x(x, K, xq, xdv)` (a row's int8 values in the same order, and each pair's scales spread over
-// the lanes their products land in).  Q8_0's q are signed, so its activations are stored plus 128 (as
-// unsigned bytes) and 128 * sum(q) (one more VPDPBUSD against ones, per weight pair) taken away.
-//
 // A Q4_1 block's dot product is d * (q . x) + m * sum(x), so the sums of x per block are taken once per
 // call.  The AVX-512 block loop widens a block's 32 weights to two float vectors and its fp16 head with one
 // 4-value conversion.  At one activation row each block adds d * (q . x) into one of two accumulators
@@ -34,72 +24,7 @@ struct Job {
     const float* xsum;    // [M, K / 32] or nullptr
     const void* w;        // the weight matrix [N, K] in its format
     int64_t M, K;
-    const uint8_t* xq = nullptr;  // [M, pairs * 64] int8 activations in a format's lane order (VNNI), or null
-    const float* xdv = nullptr;   // [M, pairs, 16] their scales per lane
 };
-
-// Block pairs of a row of K weights (the last one half empty when K / 32 is odd).
-inline int64_t block_pairs(int64_t K) { return (K / 32 + 1) / 2; }
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(MECHSERVE_FLOAT_FEW_ROWS)
-#define MECHSERVE_INT8_FEW_ROWS 1
-// 32 activations as int8 q = round(x / d), d = max|x| / 127 (0 for a zero block): returns d.
-inline float quantize32(const float* x, int8_t q[32]) {
-    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-    const __m512 s = _mm512_set1_ps(id);
-    _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, s))));
-    _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, s))));
-    return d;
-}
-
-// R weight rows against MC activation rows on their int8 form (module comment), in chunks of 16 blocks.
-template <typename F, int MC, int R>
-void blocks32_rows_int8(const Job& j, const typename F::Block* const* rows, int64_t m0, float out[][8]) {
-    const int64_t nb = j.K / 32, pairs = block_pairs(j.K);
-    __m512 acc[R][MC];
-    for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MC; ++m) acc[r][m] = _mm512_setzero_ps();
-    alignas(64) float mins[R][16];
-    for (int64_t p0 = 0; p0 < pairs; p0 += 8) {
-        const int64_t p1 = std::min(pairs, p0 + 8);
-        for (int64_t p = p0; p < p1; ++p) {
-            const bool two = 2 * p + 1 < nb;
-            __m512i w[R], fix[R];
-            __m512 dw[R];
-            for (int r = 0; r < R; ++r) {
-                w[r] = F::pair(rows[r] + 2 * p, two, dw[r], mins[r] + 2 * (p - p0));
-                if constexpr (F::signed_q)  // 128 * sum(q) per lane, taken from the products of q + 128
-                    fix[r] = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), w[r]), 7);
-            }
-            for (int m = 0; m < MC; ++m) {
-                const __m512i x = _mm512_loadu_si512(j.xq + (m0 + m) * pairs * 64 + p * 64);
-                const __m512 dx = _mm512_loadu_ps(j.xdv + ((m0 + m) * pairs + p) * 16);
-                for (int r = 0; r < R; ++r) {
-                    __m512i dot;
-                    if constexpr (F::signed_q)
-                        dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x, w[r]), fix[r]);
-                    else
-                        dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[r], x);
-                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[r], dx), acc[r][m]);
-                }
-            }
-        }
-        if constexpr (F::has_min) {  // m * sum(x): the chunk's mins against its blocks' sums of x
-            const int64_t b0 = 2 * p0, n = std::min<int64_t>(16, nb - b0);
-            const __mmask16 k = static_cast<__mmask16>(n == 16 ? 0xffffu : (1u << n) - 1u);
-            for (int m = 0; m < MC; ++m) {
-                const __m512 xs = _mm512_maskz_loadu_ps(k, j.xsum + (m0 + m) * nb + b0);
-                for (int r = 0; r < R; ++r)
-                    acc[r][m] = _mm512_fmadd_ps(_mm512_maskz_load_ps(k, mins[r]), xs, acc[r][m]);
-            }
-        }
-    }
-    for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MC; ++m) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
-}
-#endif
 
 #if defined(__AVX512F__)
 // A block's head widened: its first 4 fp16 values at once (lane 0 d, lane 1 Q4_1's m).
@@ -223,12 +148,7 @@ void blocks32_few(const Job& j, int64_t n0, int64_t n1, float* out, int64_t ldo)
         for (int r = 0; r < R; ++r) rows[r] = w + (n + r) * nb;
         for_row_chunks(j.M, [&]<int MC>(int64_t m0) {
             float o[R][8];
-#if defined(MECHSERVE_INT8_FEW_ROWS)
-            if (j.xq)
-                blocks32_rows_int8<F, MC, R>(j, rows, m0, o);
-            else
-#endif
-                blocks32_rows<F, MC, R>(j, rows, m0, o);
+            blocks32_rows<F, MC, R>(j, rows, m0, o);
             for (int r = 0; r < R; ++r)
                 for (int m = 0; m < MC; ++m) out[(m0 + m) * ldo + n + r] = o[r][m];
         });

@@ -27,43 +27,6 @@ struct Q4_1Format {
         hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
     }
 #endif
-#if defined(MECHSERVE_INT8_FEW_ROWS)
-    static constexpr bool signed_q = false;  // nibbles 0..15: unsigned bytes against the signed activations
-    // Blocks b[0] and (if two) b[1]: their q as 64 bytes, low nibbles then high nibbles of block 0, 1, 0, 1
-    // (lanes 0-3 and 8-11 block 0, 4-7 and 12-15 block 1); their d spread over those lanes, their m into
-    // mins[0..1].
-    static inline __m512i pair(const Block* b, bool two, __m512& dw, float* mins) {
-        const __m128i qa = _mm_loadu_si128((const __m128i*)b[0].qs);
-        const __m128i qb = two ? _mm_loadu_si128((const __m128i*)b[1].qs) : _mm_setzero_si128();
-        const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1);
-        const __m256i nib = _mm256_set1_epi8(0x0f);
-        const __m256i lo = _mm256_and_si256(q, nib), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), nib);
-        uint32_t ha, hb = 0;
-        std::memcpy(&ha, &b[0], 4);
-        if (two) std::memcpy(&hb, &b[1], 4);
-        const __m128 h = _mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(hb), static_cast<int>(ha)));  // da ma db mb
-        mins[0] = _mm_cvtss_f32(_mm_movehdup_ps(h));
-        mins[1] = _mm_cvtss_f32(_mm_permute_ps(h, 3));
-        dw = _mm512_permutexvar_ps(_mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0),
-                                   _mm512_castps128_ps512(h));
-        return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    }
-    // A row's int8 activations in `pair`'s order (x 0-15 of block 0, 0-15 of block 1, 16-31 of 0, 16-31 of
-    // 1), each pair's two scales spread as its d are.
-    static void quantize_x(const float* x, int64_t K, uint8_t* xq, float* xdv) {
-        const int64_t nb = K / 32;
-        for (int64_t p = 0; p < block_pairs(K); ++p) {
-            alignas(16) int8_t a[32] = {}, b[32] = {};
-            const float da = quantize32(x + 64 * p, a);
-            const float db = 2 * p + 1 < nb ? quantize32(x + 64 * p + 32, b) : 0.f;
-            std::memcpy(xq + 64 * p, a, 16);
-            std::memcpy(xq + 64 * p + 16, b, 16);
-            std::memcpy(xq + 64 * p + 32, a + 16, 16);
-            std::memcpy(xq + 64 * p + 48, b + 16, 16);
-            _mm512_storeu_ps(xdv + 16 * p, _mm512_mask_blend_ps(0xf0f0, _mm512_set1_ps(da), _mm512_set1_ps(db)));
-        }
-    }
-#endif
     // d * (q . x) + m * xsum for one block against 32 activations x (portable path).
     static inline float dot(const Block& b, const float* x, float xsum) {
         float t = 0.f;
