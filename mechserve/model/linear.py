@@ -45,7 +45,7 @@ KERNEL = Kernel(
 )
 # Row counts up to which each weight kind goes to the kernel (measured on SmolLM2's shapes against torch,
 # docs/benchmarks.md); a kind not listed (a block format added later) always does.
-NATIVE_MAX_ROWS: dict[object, int] = {torch.float32: 1 << 62, torch.bfloat16: 64, "q4_1": 256, "q8_0": 256}
+NATIVE_MAX_ROWS: dict[object, int] = {torch.float32: 1 << 62, torch.bfloat16: 128, "q4_1": 256, "q8_0": 256}
 # torch's matrix-matrix kernels are slower at 2 or 3 rows than at MIN_GEMM_ROWS (MKL's small-M path):
 # F.linear of 2 or 3 rows took 1.1-1.4x the time of 4 on SmolLM2's shapes (2 threads).
 MIN_GEMM_ROWS = 4
