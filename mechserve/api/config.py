@@ -254,6 +254,9 @@ class EngineConfig:
       the host.  Only ``"cpu"`` with ``world_size > 1``.
     * ``compile``: ``torch.compile`` the dense parts of each decoder layer (norms, projections,
       RoPE, MLP) with dynamic shapes (``LlamaModel.compiled``); attention stays eager.
+    * ``allow_additional_properties``: structured outputs follow JSON Schema's open objects (a schema
+      without ``additionalProperties`` allows any other property); by default such objects are
+      closed, as with vLLM's default grammar backend (``mechserve.executor.structured.close_objects``).
 
     Raises ``ValueError`` naming the field of a bad value.
     """
@@ -278,6 +281,7 @@ class EngineConfig:
     world_size: int = 1
     device: str = "cpu"
     compile: bool = False
+    allow_additional_properties: bool = False
 
     # vLLM's names (LLM/EngineArgs keyword arguments) for our fields.
     ALIASES: ClassVar[Mapping[str, str]] = {
@@ -331,7 +335,14 @@ class EngineConfig:
             raise ValueError(
                 f"device {self.device!r} with world_size > 1 is not supported (rank processes run on the CPU)"
             )
-        for name in ("check_memory", "prefix_caching", "hold_shared_prefix", "output_caching", "compile"):
+        for name in (
+            "check_memory",
+            "prefix_caching",
+            "hold_shared_prefix",
+            "output_caching",
+            "compile",
+            "allow_additional_properties",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.seed is not None and not _is_int(self.seed):

@@ -158,6 +158,8 @@ class RequestOutput:
     ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``) has one entry per prompt id: None
     for the first, then a ``dict[int, Logprob]`` with the prompt id first and the top N (vLLM's
     shape); None when not asked for, or when the request ended before its prompt was computed.
+    ``num_cached_tokens`` (vLLM's field): the prompt tokens served from the prefix cache when the
+    request was first admitted (whole pages; 0 before admission).
     """
 
     request_id: str
@@ -167,6 +169,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mechserve.model.protocol import Model
 
 DEFAULT_TEXT = Path(__file__).with_name("data") / "declaration-of-independence.txt"
 ENGINES = ("mechserve", "llama-cpp")
@@ -78,8 +81,8 @@ def chunk_pieces(ctx: int, rows: int | None) -> list[tuple[int, int]]:
     return [(s, min(step, ctx - s)) for s in range(0, ctx, step)]
 
 
-def mechserve_perplexity(model: Any, ids: list[int], ctx: int, rows: int | None = None) -> dict[str, Any]:
-    """Perplexity of ``ids`` under ``model`` (a ``LlamaModel``) in chunks of ``ctx`` (module docstring).
+def mechserve_perplexity(model: Model, ids: list[int], ctx: int, rows: int | None = None) -> dict[str, Any]:
+    """Perplexity of ``ids`` under ``model`` (a ``model.protocol.Model``) in chunks of ``ctx`` (module docstring).
 
     ``rows``: tokens per forward, continuing the chunk's paged KV (None: the chunk in one forward).
     Each forward takes the path a step of that many rows takes (``linear.native_max_rows``), so a

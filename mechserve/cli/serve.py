@@ -51,6 +51,8 @@ API_KEY_ENV = "MECHSERVE_API_KEY"
 DEFAULT_MAX_WAITING = 256
 SERVE_MAX_STEP_TOKENS = 512  # prefill chunks interleaved with decodes keep inter-token latency low
 GRACEFUL_SHUTDOWN_SECONDS = 5  # for connections still open after the drain (a client that reads slowly)
+DEFAULT_STORED_RESPONSES = 1024  # mechserve.http.responses_api.MAX_STORED_RESPONSES (not imported: no FastAPI here)
+MAX_STORED_RESPONSES_LIMIT = 1_000_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=MAX_REQUEST_BYTES,
         metavar="SIZE",
         help="the largest request body (default 4MiB); a larger one is a 413 before it is read",
+    )
+    add(
+        "--max-stored-responses",
+        type=integer(1, MAX_STORED_RESPONSES_LIMIT),
+        default=DEFAULT_STORED_RESPONSES,
+        metavar="N",
+        help=f"/v1/responses keeps the newest N responses in memory for GET and previous_response_id "
+        f"(default {DEFAULT_STORED_RESPONSES})",
     )
     add_aliased(
         parser,
@@ -154,6 +164,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="tensor-parallel rank processes (default 1)",
     )
+    add(
+        "--allow-additional-properties",
+        action="store_true",
+        help="structured outputs and forced tool calls follow JSON Schema's open objects: an object schema "
+        "without additionalProperties allows other properties (by default it allows none, as vLLM's default "
+        "grammar backend)",
+    )
     add_chat_template_argument(parser, "/v1/chat/completions and chat /tokenize")
     add(
         "--log-level",
@@ -178,7 +195,13 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CliError(f"cannot bind {args.host}:{args.port}: {exc.strerror or exc}") from None
     host, port = sock.getsockname()[:2]
-    app = server_module.build_app(llm, model_name=name, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    app = server_module.build_app(
+        llm,
+        model_name=name,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        max_stored_responses=args.max_stored_responses,
+    )
     config = uvicorn.Config(
         app, lifespan="on", log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS
     )
@@ -256,6 +279,7 @@ def _engine(args: argparse.Namespace) -> Any:
             world_size=args.world_size,
             device=args.device or "cpu",
             compile=bool(args.compile),
+            allow_additional_properties=args.allow_additional_properties,
         )
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None

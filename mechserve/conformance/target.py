@@ -15,7 +15,7 @@ A target bundles what the five checks need to know about an executor besides its
     vocab_size, eos_token_ids            token ids the workloads may use, and the ids that end a request
     atol, rtol                           the KV audit's tolerance: |paged - dense| <= atol + rtol * |dense|
 
-``torch_target`` builds one for a ``LlamaModel`` on ``TorchExecutor`` (references from transformers
+``torch_target`` builds one for a ``Model`` on ``TorchExecutor`` (references from transformers
 when its model is given, else from this package's own dense forward), ``tiny_target`` for a built-in
 random tiny Llama, ``load_target`` for ``"tiny"``, ``"smollm2"`` or a local model directory.
 """
@@ -35,6 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from mechserve.conformance.errors import ConformanceError
+from mechserve.model.protocol import Model
 
 KV = tuple[torch.Tensor, torch.Tensor]
 """A (K, V) pair of tensors with the same shape."""
@@ -190,8 +191,8 @@ def hf_greedy(hf: Any, eos_token_ids: Sequence[int] = ()) -> Callable[[Sequence[
 # ---- references from this package's own forward ---------------------------------------------------
 
 
-def own_dense_kv(model: Any) -> Callable[[Sequence[int]], KV]:
-    """Dense K/V from ``LlamaModel.forward`` over one contiguous page holding exactly the sequence.
+def own_dense_kv(model: Model) -> Callable[[Sequence[int]], KV]:
+    """Dense K/V from ``model.forward`` over one contiguous page holding exactly the sequence.
 
     Returns ``ids -> (K, V)``, each [num_layers, len(ids), num_kv_heads, head_dim] in the model dtype.
     """
@@ -211,7 +212,7 @@ def own_dense_kv(model: Any) -> Callable[[Sequence[int]], KV]:
     return dense
 
 
-def own_greedy(model: Any, eos_token_ids: Sequence[int] = ()) -> Callable[[Sequence[int], int], list[int]]:
+def own_greedy(model: Model, eos_token_ids: Sequence[int] = ()) -> Callable[[Sequence[int], int], list[int]]:
     """Greedy ids by a full dense forward per token (no KV reuse): ``(prompt, n) -> ids``, stops at EOS."""
     from mechserve.kv.paged import Span, build_attention_batch
 
@@ -241,7 +242,7 @@ def own_greedy(model: Any, eos_token_ids: Sequence[int] = ()) -> Callable[[Seque
 
 
 def torch_target(
-    model: Any,
+    model: Model,
     *,
     hf: Any | None = None,
     name: str = "torch",
@@ -276,22 +277,22 @@ def torch_target(
     )
 
 
-def tiny_model(seed: int = 0) -> tuple[Any, Any]:
-    """The built-in tiny random Llama (``TINY_CONFIG``) as ``(LlamaModel, transformers model)``, same weights.
+def tiny_model(seed: int = 0) -> tuple[Model, Any]:
+    """The built-in tiny random Llama (``TINY_CONFIG``) as ``(Model, transformers model)``, same weights.
 
     The weights come from ``seed``; the global torch RNG is left as it was.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from mechserve.model.checkpoint import Checkpoint
-    from mechserve.model.llama import LlamaModel
+    from mechserve.model.loader import model_from_checkpoint
 
     config = AutoConfig.for_model("llama", **TINY_CONFIG)
     with torch.random.fork_rng(devices=[]), _quiet_transformers():
         torch.manual_seed(seed)
         hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     tensors = {name: t.detach().clone() for name, t in hf.state_dict().items()}
-    return LlamaModel(Checkpoint(Path(f"<tiny seed {seed}>"), config, tensors)), hf
+    return model_from_checkpoint(Checkpoint(Path(f"<tiny seed {seed}>"), config, tensors)), hf
 
 
 def tiny_target(seed: int = 0, **executor_kwargs: Any) -> Target:

@@ -307,6 +307,7 @@ class EngineCore:
             group = self._samples[engine_id][0] if engine_id in self._samples else None
             if group is not None and group.scheduled_time is None:
                 group.scheduled_time = now
+                group.num_cached_tokens = record.reused.get(engine_id, 0)
         touched: dict[str, None] = dict.fromkeys(self._ended)
         self._ended = []
         for engine_id, ids in record.tokens.items():
@@ -483,7 +484,11 @@ class EngineCore:
             )
         with self._grammar_lock:
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+                self._grammars = GrammarCompiler(
+                    self.tokenizer,
+                    self.vocab_size,
+                    allow_additional_properties=self.config.allow_additional_properties,
+                )
             grammars = self._grammars
         return grammars.compile(so)
 

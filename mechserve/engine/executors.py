@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -20,6 +20,7 @@ from mechserve.executor.protocol import Executor
 from mechserve.executor.sampling import Sampler
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.kv import native
+from mechserve.model.protocol import Model, ModelShape
 
 
 def configure_threads() -> int:
@@ -33,20 +34,24 @@ def configure_threads() -> int:
     return torch.get_num_threads()
 
 
-def place_model(model: Any, config: EngineConfig) -> Any:
-    """``model`` on ``config.device`` (``LlamaModel.to``) and, with ``config.compile``, its compiled
-    twin (``LlamaModel.compiled``).  Raises ``ValueError`` naming a device this process cannot use."""
+@overload
+def place_model(model: Model, config: EngineConfig) -> Model: ...
+@overload
+def place_model(model: ModelShape, config: EngineConfig) -> ModelShape: ...
+def place_model(model: ModelShape, config: EngineConfig) -> ModelShape:
+    """``model`` on ``config.device`` (``Model.to``) and, with ``config.compile``, its compiled
+    twin (``Model.compiled``).  Raises ``ValueError`` naming a device this process cannot use."""
     from mechserve.model.loader import torch_device
 
     device = torch_device(config.device)
-    if not hasattr(model, "forward"):  # a shape without weights (world_size > 1): the ranks hold them
+    if not isinstance(model, Model):  # a shape without weights (world_size > 1): the ranks hold them
         return model
     placed = model.to(device)
     return placed.compiled() if config.compile else placed
 
 
-def load_draft(loaded: Any, speculative: SpeculativeConfig | None) -> Any:
-    """The draft ``LlamaModel`` ``speculative`` names next to ``loaded``'s model (None unless its method is
+def load_draft(loaded: Any, speculative: SpeculativeConfig | None) -> Model | None:
+    """The draft model ``speculative`` names next to ``loaded``'s model (None unless its method is
     ``"draft"``).  Raises ``ValueError``/``ModelLoadError`` for a draft that cannot serve it."""
     if speculative is None or speculative.method != "draft" or speculative.draft_model is None:
         return None
@@ -62,7 +67,7 @@ def load_draft(loaded: Any, speculative: SpeculativeConfig | None) -> Any:
 
 
 def new_executor(
-    model: Any, num_pages: int, page_size: int, *, sized_by: str = "num_pages", **kwargs: Any
+    model: Model, num_pages: int, page_size: int, *, sized_by: str = "num_pages", **kwargs: Any
 ) -> TorchExecutor:
     """A ``TorchExecutor`` with its KV cache allocated (``kwargs`` go to it).
 
@@ -88,7 +93,7 @@ def build_executor(
     num_pages: int,
     sized_by: str,
     speculative: SpeculativeConfig | None,
-    draft: Any,
+    draft: Model | None,
     rank_timeout_s: float | None = None,
 ) -> Executor:
     """The executor ``config`` asks for: a ``TorchExecutor`` (one rank) or a ``RankGroup``.
@@ -97,9 +102,9 @@ def build_executor(
     not loaded from a directory, one loaded without weights for one rank), ``KVMemoryError``,
     ``RankError`` when a rank cannot start.
     """
-    model = loaded.model
+    model: ModelShape = loaded.model
     if config.world_size == 1:
-        if not hasattr(model, "forward"):
+        if not isinstance(model, Model):
             raise ValueError("a model loaded without weights (load_model(weights=False)) needs world_size > 1")
         return new_executor(
             model,
@@ -112,13 +117,18 @@ def build_executor(
         )
     from mechserve.executor.rank import RankSpec
     from mechserve.executor.rank_group import start_group
+    from mechserve.model.arch import LlamaArch
     from mechserve.model.sharded import RankShape
 
+    arch = model.arch
+    if not isinstance(arch, LlamaArch):  # the ranks run ShardedLlama, the Megatron split of the Llama shape
+        raise ValueError(f"world_size > 1 runs Llama-shaped models; this model's shape is a {type(arch).__name__}")
     for rank in range(config.world_size):  # refuse a split the model cannot take before starting anything
-        RankShape.of(model.arch, config.world_size, rank)
+        RankShape.of(arch, config.world_size, rank)
     path = getattr(loaded, "path", None)
     if path is None:
         raise ValueError("world_size > 1 needs a model loaded from a directory (the ranks load their shards)")
+    inv_freq = getattr(model, "inv_freq", None)  # RoPE, so that a rank need not read the config (LlamaShape)
     spec = RankSpec(
         path=str(path),
         dtype=str(model.dtype).removeprefix("torch."),
@@ -128,8 +138,8 @@ def build_executor(
         speculative=speculative,
         threads=max(1, configure_threads() // config.world_size),
         native_attention=native.enabled(),
-        arch=getattr(model, "arch", None),
-        rope=(model.inv_freq, model.rope_scaling) if hasattr(model, "inv_freq") else None,
+        arch=arch,
+        rope=None if inv_freq is None else (inv_freq, float(getattr(model, "rope_scaling", 1.0))),
     )
     return start_group(spec, config.world_size, timeout_s=rank_timeout_s)
 

@@ -16,27 +16,30 @@ host's for ``device="cpu"`` and the GPU's free memory for a CUDA device (``devic
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mechserve.api.config import EngineConfig, format_bytes
 from mechserve.api.errors import KVMemoryError
 from mechserve.api.limits import MAX_PAGES, MAX_SLOTS
 from mechserve.spec.m14_forced_runs import pages_for
 
+if TYPE_CHECKING:  # torch stays out of this module's imports
+    from mechserve.model.protocol import ModelShape
+
 # A long-lived engine's automatic pool holds at most this many positions (or one full context, if larger).
 AUTO_MAX_POSITIONS = 16_384
 MEMINFO = "/proc/meminfo"
 
 
-def page_bytes(model: Any, page_size: int, dtype: Any | None = None) -> int:
-    """Bytes of one KV page of ``model`` (a ``LlamaModel`` or its shape): K and V, every layer,
+def page_bytes(model: ModelShape, page_size: int, dtype: Any | None = None) -> int:
+    """Bytes of one KV page of ``model`` (a ``Model`` or its shape): K and V, every layer,
     ``page_size`` positions, in ``dtype`` (default the model's)."""
     a = model.arch
     itemsize = (dtype or model.dtype).itemsize
     return 2 * a.num_layers * page_size * a.num_kv_heads * a.head_dim * itemsize
 
 
-def draft_page_bytes(draft: Any | None, page_size: int, dtype: Any | None = None) -> int:
+def draft_page_bytes(draft: ModelShape | None, page_size: int, dtype: Any | None = None) -> int:
     """Bytes a draft model's KV adds to one page (0 without a draft model): its pages mirror the target's."""
     return 0 if draft is None else page_bytes(draft, page_size, dtype)
 
@@ -69,17 +72,16 @@ def max_pages(page_size: int) -> int:
     return max(1, min(MAX_PAGES, MAX_SLOTS // page_size))
 
 
-def model_context(model: Any) -> int | None:
-    """The model's ``max_position_embeddings`` (None if its config has none)."""
-    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return value if isinstance(value, int) and value > 0 else None
+def model_context(model: ModelShape) -> int | None:
+    """The model's context in positions, ``arch.max_position_embeddings`` (None if its config has none)."""
+    return model.arch.max_position_embeddings
 
 
 def auto_num_pages(
     prompt_lens: Sequence[int],
     max_new_tokens: int,
     page_size: int,
-    model: Any,
+    model: ModelShape,
     max_kv_bytes: int,
     max_model_len: int | None = None,
 ) -> int:
@@ -96,7 +98,7 @@ def auto_num_pages(
     return min(pages, max_pages(page_size))
 
 
-def size_pool(model: Any, config: EngineConfig, max_model_len: int | None = None) -> tuple[int, str]:
+def size_pool(model: ModelShape, config: EngineConfig, max_model_len: int | None = None) -> tuple[int, str]:
     """``(num_pages, sized_by)`` for a pool that serves requests not known in advance.
 
     ``config.num_pages`` when given; else as many pages as ``config.kv_memory``

@@ -82,7 +82,8 @@ class RequestGroup:
     ``arrival_time``: submission; ``scheduled_time``: when a sample was first admitted (the end of
     its queue time); ``first_token_time``: when the step that produced its first token returned.
     ``prompt_logprobs``: vLLM's shape, once sample 0 has computed its prompt (with
-    ``params.prompt_logprobs``); ``prompt_logprobs_sent``: whether a delta has carried them.
+    ``params.prompt_logprobs``); ``prompt_logprobs_sent``: whether a delta has carried them;
+    ``num_cached_tokens``: the prompt tokens the prefix cache served at its first admission.
     """
 
     request_id: str
@@ -94,6 +95,7 @@ class RequestGroup:
     first_token_time: float | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -118,7 +120,14 @@ class RequestGroup:
         )
         completions = [s.completion() for s in self.samples]
         return RequestOutput(
-            self.request_id, self.prompt, list(self.prompt_ids), completions, finished, metrics, self.prompt_logprobs
+            self.request_id,
+            self.prompt,
+            list(self.prompt_ids),
+            completions,
+            finished,
+            metrics,
+            self.prompt_logprobs,
+            self.num_cached_tokens,
         )
 
 

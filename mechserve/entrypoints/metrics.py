@@ -26,6 +26,12 @@ Names, meanings, labels (``model_name``, ``engine``) and buckets are vLLM v1's
                 vllm:request_max_num_generation_tokens, vllm:request_params_n,
                 vllm:request_params_max_tokens, vllm:iteration_tokens_total
 
+HTTP requests per endpoint, under the names vLLM's server exposes through
+``prometheus-fastapi-instrumentator`` (``observe_http``, fed by ``mechserve.http.instrument``):
+``http_requests_total{handler, method, status}`` (``handler``: the route's path template, such as
+``/v1/responses/{response_id}``; ``status``: ``2xx``, ``4xx``, ...) and
+``http_request_duration_seconds{handler, method}`` (until the last byte of the body, a stream's too).
+
 Ours, under ``mechserve:``: KV pages by owner (``kv_pages_total``/``free``/``cached``/``private``),
 requests refused at the door by reason (``request_rejected``), generated tokens per second over
 the last ``RATE_WINDOW`` seconds and engine steps; and prometheus_client's process, platform and
@@ -99,6 +105,9 @@ REQUEST_BUCKETS = (
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = (STOP, LENGTH, ABORT)
+HTTP_LABELS = ("handler", "method", "status")
+# prometheus-fastapi-instrumentator's default latency buckets (vLLM's server uses its defaults).
+HTTP_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 7.5, 10.0, 30.0, 60.0)
 
 
 def buckets_1_2_5(max_value: int) -> list[int]:
@@ -230,6 +239,20 @@ class ServingMetrics:
             "mechserve:request_rejected", "Requests refused at the door, by reason.", extra=("reason",)
         )
         self.steps = counter("mechserve:engine_steps", "Engine steps run.")
+        self.http_requests = Counter(
+            "http_requests",
+            "Total number of requests by method, status and handler.",
+            HTTP_LABELS,
+            registry=self.registry,
+        )
+        self.http_duration = Histogram(
+            "http_request_duration_seconds",
+            "Latency with only few buckets by handler.",
+            HTTP_LABELS[:2],
+            buckets=HTTP_BUCKETS,
+            registry=self.registry,
+        )
+        self._families["http_requests"] = self.http_requests
         for finish in FINISH_REASONS:  # present from the start, as in vLLM, so a dashboard finds every series
             self.success.labels(*labels, finish)
         for reject in RejectReason:
@@ -321,6 +344,12 @@ class ServingMetrics:
         self.params_n.observe(len(samples))
         if max_tokens is not None:
             self.params_max_tokens.observe(max_tokens)
+
+    def observe_http(self, handler: str, method: str, status: int, seconds: float) -> None:
+        """One HTTP request answered (any thread): ``handler`` its route's path template, ``status`` its code
+        (counted as ``2xx``, ``4xx``, ...), ``seconds`` from its arrival to the last byte of its body."""
+        self.http_requests.labels(handler, method, f"{status // 100}xx").inc()
+        self.http_duration.labels(handler, method).observe(seconds)
 
     # Read from anywhere -------------------------------------------------------------------------------------------
 

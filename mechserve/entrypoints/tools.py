@@ -310,15 +310,22 @@ def finish_reason(reason: str | None, calls: bool) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
+Piece = str | dict[str, Any]  # a reply's content text, or one ``delta.tool_calls`` entry
+
+
 class ToolStream:
     """Parses one reply (one choice) for tool calls as its text arrives.
 
     ``feed(text)`` and ``finish()`` each return ``(content, deltas)``: the text to show now as
-    ``delta.content`` and the ``delta.tool_calls`` entries (OpenAI's: the first for call ``i`` carries
-    ``index``, ``id``, ``type`` and ``function.name`` with ``arguments: ""``, then ``function.arguments``
-    pieces).  Text that might still turn out to be part of a call (a partial ``<tool_call>`` tag, a
-    block not closed yet, whitespace that only separates calls) is held back until it is known.
-    ``parse(text)`` is the whole reply at once.
+    ``delta.content`` and the ``delta.tool_calls`` entries, in OpenAI's stream shape: exactly one entry
+    per call index per call of ``feed``/``finish``; the first entry of call ``i`` carries ``index``,
+    ``id``, ``type`` and ``function.name`` (with its ``function.arguments`` so far, possibly ``""``),
+    later ones ``index`` and the next ``function.arguments`` piece.  ``feed_ordered`` /
+    ``finish_ordered`` give the same pieces in the order the reply wrote them (content text and call
+    entries interleaved), for APIs whose output is a sequence of blocks (Responses, Anthropic Messages).
+    Text that might still turn out to be part of a call (a partial ``<tool_call>`` tag, a block not
+    closed yet, whitespace that only separates calls) is held back until it is known.  ``parse(text)``
+    is the whole reply at once.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
@@ -338,34 +345,44 @@ class ToolStream:
         return Reply(text_out if text_out or not self.calls else None, list(self.calls))
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        return _split(self.feed_ordered(text))
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        return _split(self.finish_ordered())
+
+    def feed_ordered(self, text: str) -> list[Piece]:
+        """``feed``'s content and call entries as one list, in the order the reply wrote them."""
         if self.plan.mode == "function":
-            return self._feed_function(text)
+            return list(self._feed_function(text))
         if self.plan.mode == "required":
             self._text += text
-            return "", self._required_items(final=False)
+            return list(self._required_items(final=False))
         self._buffer += text
         return self._scan(final=False)
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+    def finish_ordered(self) -> list[Piece]:
+        """``finish``'s content and call entries as one list, in the order the reply wrote them."""
         if self.plan.mode == "function":
-            return "", []
+            return []
         if self.plan.mode == "required":
-            deltas = self._required_items(final=True)
+            pieces: list[Piece] = list(self._required_items(final=True))
             rest = self._text[self._pos :].strip()
             # what the grammar did not get to close (max_tokens cut it) is shown, not dropped; a separator
             # alone (the "," before a call that never began) is the list's punctuation, not text
-            return ("" if rest.lstrip(",").strip() in ("", "]") else self._text[self._pos :]), deltas
-        content, deltas = self._scan(final=True)
-        if not self.calls:
-            content += self._space
+            if rest.lstrip(",").strip() not in ("", "]"):
+                pieces.append(self._text[self._pos :])
+            return pieces
+        pieces = self._scan(final=True)
+        if not self.calls and self._space:
+            pieces.append(self._space)
         self._space = ""
-        return content, deltas
+        return pieces
 
     # auto: <tool_call> blocks in free text
 
-    def _scan(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
+    def _scan(self, final: bool) -> list[Piece]:
+        pieces: list[Piece] = []
         shown: list[str] = []
-        deltas: list[dict[str, Any]] = []
         while self._buffer or (final and self._inside):
             if not self._inside:
                 at = self._buffer.find(OPEN)
@@ -387,8 +404,11 @@ class ToolStream:
             if call is None:  # not a call of these tools: it stays text
                 shown.append(OPEN + block + ("" if end < 0 else CLOSE))
             else:
-                deltas += self._emit(call)
-        return self._content("".join(shown)), deltas
+                pieces.append(self._content("".join(shown)))
+                shown = []
+                pieces += self._emit(call)
+        pieces.append(self._content("".join(shown)))
+        return [p for p in pieces if p != ""]
 
     def _content(self, text: str) -> str:
         """Content to show now: whitespace at the end is held (it may only separate calls)."""
@@ -460,20 +480,26 @@ class ToolStream:
 
     # function: the output is the named function's arguments
 
-    def _feed_function(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+    def _feed_function(self, text: str) -> list[dict[str, Any]]:
         self._text += text
         deltas: list[dict[str, Any]] = []
         if not self._opened:
+            # the call's first entry: id, type and name, with the arguments' first piece in the same entry
             self._opened = True
             call = ToolCall(str(self.plan.name), "")
             self.calls.append(call)
             deltas.append(
-                {"index": 0, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+                {"index": 0, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": text}}
             )
-        if text:
+        elif text:
             deltas.append({"index": 0, "function": {"arguments": text}})
         self.calls[0] = ToolCall(self.calls[0].name, self._text, self.calls[0].id)
-        return "", deltas
+        return deltas
+
+
+def _split(pieces: list[Piece]) -> tuple[str, list[dict[str, Any]]]:
+    """Ordered pieces as chat's ``(content, tool call entries)``."""
+    return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, dict)]
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -514,6 +540,7 @@ __all__ = [
     "MAX_TOOLS",
     "OPEN",
     "FunctionTool",
+    "Piece",
     "Reply",
     "ToolCall",
     "ToolPlan",

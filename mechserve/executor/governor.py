@@ -34,9 +34,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from mechserve.model.draft import weight_share
+from mechserve.model.protocol import Model
 
 
 @dataclass(slots=True)
@@ -132,7 +132,7 @@ class Governor:
         return best
 
 
-def draft_governor(draft: Any, target: Any, max_k: int) -> Governor:
+def draft_governor(draft: Model, target: Model, max_k: int) -> Governor:
     """A ``Governor`` whose draft rounds cost what ``draft``'s weights cost next to ``target``'s
     (``weight_share``): round 1 adds the draft's LM head rows (its layers run anyway, to keep its
     KV), every later round a whole draft step."""

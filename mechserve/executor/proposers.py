@@ -47,7 +47,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from mechserve.executor.sampling import STREAM_DRAFT, Row, Sampler, sampling_logits
 from mechserve.kv.paged import Span, build_attention_batch
-from mechserve.model.llama import LlamaModel
+from mechserve.model.protocol import Model
 from mechserve.spec.m14_forced_runs import PlanItem
 
 
@@ -200,7 +200,7 @@ class DraftModelProposer:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: Model,
         num_pages: int,
         page_size: int,
         sampler: Sampler,

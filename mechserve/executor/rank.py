@@ -28,7 +28,8 @@ from mechserve.api.errors import first_line
 from mechserve.executor.sampling import Sampler
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.kv import native
-from mechserve.model.llama import LlamaArch
+from mechserve.model.arch import LlamaArch
+from mechserve.model.loader import load_shard
 from mechserve.model.sharded import ShardedLlama
 from mechserve.spec import m14_forced_runs as m14
 
@@ -105,7 +106,7 @@ class RankServer:
         torch.set_num_threads(max(1, spec.threads))
         os.environ["MECHSERVE_ATTENTION"] = "native" if spec.native_attention else "torch"
         native.enabled.cache_clear()
-        model = ShardedLlama(spec.path, rank, world_size, getattr(torch, spec.dtype), arch=spec.arch, rope=spec.rope)
+        model = load_shard(spec.path, rank, world_size, getattr(torch, spec.dtype), arch=spec.arch, rope=spec.rope)
         self.executor = RankExecutor(
             model, rank, spec.num_pages, spec.page_size, sampler=Sampler(spec.seed), speculative=spec.speculative
         )

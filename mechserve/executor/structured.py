@@ -33,6 +33,17 @@ small model cannot loop on whitespace and the forced runs are long; a schema's o
 object overrides these (llguidance's option order: defaults, then ``x-guidance``); ``\\uXXXX``
 escapes are allowed (``json_allow_general_unicode_escapes``).  The end: llguidance's EOS bit is set
 only where the grammar accepts; every EOS id of the request shares that bit.
+
+Closed objects (``close_objects``): an object schema that lists ``properties`` (or
+``patternProperties``) and says nothing about other properties (no ``additionalProperties``, no
+``unevaluatedProperties``) allows no other properties, as vLLM's default grammar backend does
+(xgrammar's ``strict_mode``, on by default: unstated extra properties default to false, while a bare
+``{"type": "object"}`` stays any object; vLLM's llguidance backend gets the same with
+``disable_additional_properties``).  JSON Schema's own default is the opposite (extra properties
+allowed), and under it a small model fills an object with properties it invents until it runs out of
+tokens.  ``GrammarCompiler(allow_additional_properties=True)`` (``EngineConfig``, ``mechserve serve
+--allow-additional-properties``) keeps JSON Schema's semantics.  Members of an ``allOf`` are left as
+they are: closing each would forbid the properties the others add.
 """
 
 from __future__ import annotations
@@ -59,14 +70,67 @@ JSON_DEFAULTS: Any = {  # llguidance's JsonCompileOptions
 }
 
 
-def grammar_text(so: StructuredOutputsParams) -> str:
+# Keywords whose value is a schema, a list of schemas, or a map of names to schemas (JSON Schema 2020-12 and
+# draft 7); close_objects walks these and nothing else, so a ``const``, ``enum`` or ``default`` value is never
+# mistaken for a schema.
+_ONE_SCHEMA = (
+    "items",
+    "additionalItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "additionalProperties",
+    "propertyNames",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def close_objects(schema: Any, *, in_all_of: bool = False) -> Any:
+    """A copy of the JSON schema ``schema`` in which every object schema that lists ``properties`` or
+    ``patternProperties`` and sets neither ``additionalProperties`` nor ``unevaluatedProperties`` gets
+    ``"additionalProperties": false`` (xgrammar's ``strict_mode``, vLLM's default); nested schemas too
+    (properties, items, ``anyOf``/``oneOf``, ``$defs``, ...), but not an ``allOf``'s members themselves.
+    A bare ``{"type": "object"}`` stays any object.  ``schema`` is not changed; a value that is not an
+    object (``true``, ``false``) comes back as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(sub) for sub in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [close_objects(sub, in_all_of=True) for sub in out["allOf"]]
+    for key in _ONE_SCHEMA:
+        if key in out:
+            sub = out[key]
+            out[key] = [close_objects(s) for s in sub] if isinstance(sub, list) else close_objects(sub)
+    lists_properties = "properties" in out or "patternProperties" in out
+    states_others = "additionalProperties" in out or "unevaluatedProperties" in out
+    if lists_properties and not states_others and not in_all_of:
+        out["additionalProperties"] = False
+    return out
+
+
+def grammar_text(so: StructuredOutputsParams, *, allow_additional_properties: bool = False) -> str:
     """The llguidance grammar for ``so`` (its JSON form); raises ``ParamError`` when it cannot be built
-    (a bad JSON text, a GBNF grammar that does not convert)."""
+    (a bad JSON text, a GBNF grammar that does not convert).  A JSON schema's objects are closed
+    (``close_objects``) unless ``allow_additional_properties``."""
     import llguidance as llg
 
     try:
         if so.json is not None:
-            return llg.LLMatcher.grammar_from_json_schema(so.json, defaults=JSON_DEFAULTS)
+            schema = json.loads(so.json) if isinstance(so.json, str) else so.json
+            if not allow_additional_properties:
+                schema = close_objects(schema)
+            return llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
         if so.json_object:
             return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
         if so.regex is not None:
@@ -106,15 +170,24 @@ class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` for one tokenizer, caching compiled grammars by key.
 
     ``tokenizer``: a Hugging Face tokenizer (llguidance reads its vocabulary); ``vocab_size``: the
-    model's logits width V (ids the tokenizer lacks are never allowed).  ``compile`` may be called from
-    any thread (llguidance drops the GIL while it builds).  Raises ``ParamError`` (param
+    model's logits width V (ids the tokenizer lacks are never allowed); ``allow_additional_properties``:
+    JSON Schema's open objects instead of closed ones (``close_objects``).  ``compile`` may be called
+    from any thread (llguidance drops the GIL while it builds).  Raises ``ParamError`` (param
     ``structured_outputs``) for a tokenizer llguidance cannot read (e.g. one with no EOS).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        cache_size: int = GRAMMAR_CACHE_SIZE,
+        *,
+        allow_additional_properties: bool = False,
+    ) -> None:
         self.hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.cache_size = cache_size
+        self.allow_additional_properties = allow_additional_properties
         self._lltok: Any = None
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -147,7 +220,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return hit
             lltok = self._tokenizer()
-        text = grammar_text(so)
+        text = grammar_text(so, allow_additional_properties=self.allow_additional_properties)
         bad, messages = llg.LLMatcher.validate_grammar_with_warnings(text, lltok)
         if bad:
             raise ParamError("structured_outputs", f"structured_outputs.{so.kind} cannot be compiled: {messages[0]}")
@@ -373,6 +446,7 @@ __all__ = [
     "GrammarCompiler",
     "GrammarMatcher",
     "allowed_rows",
+    "close_objects",
     "grammar_text",
     "is_allowed",
     "new_bitmask",

@@ -89,7 +89,7 @@ from mechserve.executor.sampling import Row, Sampler, sampling_logits, token_log
 from mechserve.executor.structured import CompiledGrammar, GrammarMatcher, allowed_rows, new_bitmask
 from mechserve.executor.verify import verify_draft
 from mechserve.kv.paged import AttentionBatch, Span, build_attention_batch
-from mechserve.model.llama import LlamaModel
+from mechserve.model.protocol import Model
 from mechserve.spec.m14_forced_runs import Outcome, PlanItem
 
 # (history, num) -> up to num point-mass guesses; the executor pads a short proposal with the last known id.
@@ -172,7 +172,7 @@ class TorchExecutor:
     The cache geometry must equal the engine's (the engine's page ids index this cache).
     ``kv_dtype`` defaults to the model's dtype; ``sampler`` chooses tokens (default: a ``Sampler``
     with a fresh seed for unseeded requests).  Guesses come from, in this order: ``draft_model`` (a
-    ``LlamaModel`` with the target's vocabulary, its KV in its own pages of the same geometry),
+    ``Model`` with the target's vocabulary, its KV in its own pages of the same geometry),
     ``proposer`` (a ``(history, num) -> ids`` function), prompt lookup with the n-gram bounds of
     ``speculative`` (``NgramProposer``), or without ``speculative`` the original ``propose_ngram``
     (``max_ngram``, the most recent match).  ``governor`` prices guesses for ``advise``
@@ -183,7 +183,7 @@ class TorchExecutor:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: Model,
         num_pages: int,
         page_size: int,
         *,
@@ -192,7 +192,7 @@ class TorchExecutor:
         sampler: Sampler | None = None,
         proposer: ProposerFn | None = None,
         speculative: SpeculativeConfig | None = None,
-        draft_model: LlamaModel | None = None,
+        draft_model: Model | None = None,
         governor: Governor | None = None,
     ) -> None:
         self.model = model
@@ -221,7 +221,7 @@ class TorchExecutor:
         self.grammar_rows = 0
 
     def _new_proposer(
-        self, num_pages: int, kv_dtype: torch.dtype | None, fn: ProposerFn | None, draft: LlamaModel | None
+        self, num_pages: int, kv_dtype: torch.dtype | None, fn: ProposerFn | None, draft: Model | None
     ) -> DraftProposer:
         spec = self.speculative
         if draft is not None:

@@ -4,6 +4,9 @@ Endpoints::
 
     POST /v1/completions        text or token-id prompts (one or several), n samples, SSE with stream: true
     POST /v1/chat/completions   messages through the model's chat template, SSE with stream: true
+    POST /v1/responses          OpenAI's Responses API (mechserve.http.responses_api), GET/DELETE /v1/responses/{id},
+                                GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel
+    POST /v1/messages           Anthropic's Messages API (mechserve.http.anthropic_api), /v1/messages/count_tokens
     GET  /v1/models, /v1/models/{id}
     POST /tokenize, /detokenize vLLM's: text or messages to ids (count, max_model_len, tokens), ids to text
     GET  /version               {"version": mechserve's version}
@@ -44,7 +47,10 @@ from mechserve.api.params import SamplingParams
 from mechserve.entrypoints.async_llm import AsyncLLM, RequestStream
 from mechserve.entrypoints.prompts import Chat, PromptInput
 from mechserve.http import responses as r
+from mechserve.http.anthropic_api import anthropic_routes
+from mechserve.http.chat_path import ChatPath, ChatRun
 from mechserve.http.errors import APIError, engine_error, install
+from mechserve.http.instrument import Instrument
 from mechserve.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,6 +60,7 @@ from mechserve.http.protocol import (
     TokenizeRequest,
     UnsupportedField,
 )
+from mechserve.http.responses_api import MAX_STORED_RESPONSES, responses_routes
 from mechserve.http.streaming import ChatStream, CompletionStream, EventStream
 
 T = TypeVar("T")
@@ -66,13 +73,15 @@ def build_app(
     model_name: str | None = None,
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    max_stored_responses: int = MAX_STORED_RESPONSES,
 ) -> FastAPI:
     """The server's app over ``llm``, answering to ``model_name`` (default ``llm.model_name``).
 
     With ``api_key`` every path but ``/health`` needs ``Authorization:
-    Bearer <api_key>``.  A request body over ``max_request_bytes`` (default 4 MiB) is a 413 before
-    anything reads it.  The app's lifespan starts ``llm``'s engine thread if it is not running
-    yet, and then also stops it.
+    Bearer <api_key>`` (or Anthropic's ``x-api-key: <api_key>``).  A request body over
+    ``max_request_bytes`` (default 4 MiB) is a 413 before anything reads it.  ``/v1/responses`` keeps
+    at most ``max_stored_responses`` responses (the oldest go first).  The app's lifespan starts
+    ``llm``'s engine thread if it is not running yet, and then also stops it.
     """
     name = model_name or llm.model_name
 
@@ -93,8 +102,12 @@ def build_app(
     app.state.created = int(time.time())
     install(app)
     app.add_middleware(Guard, api_key=api_key, max_body=max_request_bytes)
+    app.add_middleware(Instrument, metrics=llm.metrics)
     _routes(app, llm, name)
     _tokenizer_routes(app, llm, name)
+    path = _chat_path(llm, name)
+    responses_routes(app, path, max_stored=max_stored_responses)
+    anthropic_routes(app, path)
     return app
 
 
@@ -140,36 +153,55 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        model_name = _check_model(body.model, name)
-        prompts, params = _prepare(body, lambda: [body.chat()], llm)
         response_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
-        tools = body.tool_plan()
-        try:
-            await _compile(body, params, llm)
-            handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=body.fit_max_tokens)
-        except APIError as exc:
-            if tools.forced and exc.param == "structured_outputs":
-                # the grammar is the tools' schema: a schema it cannot compile is a bad tool definition
-                raise APIError(
-                    400,
-                    f"tools: a function's parameters cannot be forced: {exc.message}",
-                    param="tools",
-                    code="invalid_value",
-                ) from None
-            raise
-        render = _render(body, params, llm)
-        stream = ChatStream(handles, response_id, model_name, params, body.include_usage, render, tools=tools)
+        run = await _start_chat(llm, name, body, response_id)
+        handles, params, tools, render = run.handles, run.params, run.tools, run.render
+        stream = ChatStream(handles, response_id, run.model, params, body.include_usage, render, tools=tools)
         if body.stream:
             return EventStream(stream.chunks(), handles)
         outputs = await _unless_disconnected(request, _drain(llm, handles), handles)
         choices = r.chat_choices(outputs[0], render, tools)
-        result = r.envelope("chat.completion", response_id, stream.created, model_name, choices)
+        result = r.envelope("chat.completion", response_id, stream.created, run.model, choices)
         if render.prompt_logprobs:
             result["prompt_logprobs"] = r.vllm_prompt_logprobs(outputs[0].prompt_logprobs)
         if render.token_ids:
             result["prompt_token_ids"] = list(handles[0].prompt_token_ids)
         result["usage"] = r.usage((len(h.prompt_token_ids) for h in handles), outputs)
         return JSONResponse(result)
+
+
+async def _start_chat(llm: AsyncLLM, name: str, body: ChatCompletionRequest, response_id: str) -> ChatRun:
+    """A chat body checked, rendered, compiled and submitted (``ChatPath.start``: chat and the APIs translated
+    into it); ``APIError`` for anything refused."""
+    model_name = _check_model(body.model, name)
+    prompts, params = _prepare(body, lambda: [body.chat()], llm)
+    tools = body.tool_plan()
+    try:
+        await _compile(body, params, llm)
+        handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=body.fit_max_tokens)
+    except APIError as exc:
+        if tools.forced and exc.param == "structured_outputs":
+            # the grammar is the tools' schema: a schema it cannot compile is a bad tool definition
+            raise APIError(
+                400,
+                f"tools: a function's parameters cannot be forced: {exc.message}",
+                param="tools",
+                code="invalid_value",
+            ) from None
+        raise
+    return ChatRun(handles, params, tools, model_name, _render(body, params, llm))
+
+
+def _chat_path(llm: AsyncLLM, name: str) -> ChatPath:
+    """The chat path's steps for the APIs translated into it (``/v1/responses``, ``/v1/messages``)."""
+
+    async def start(body: ChatCompletionRequest, response_id: str) -> ChatRun:
+        return await _start_chat(llm, name, body, response_id)
+
+    async def wait(request: Request, handles: Sequence[RequestStream]) -> list[RequestOutput]:
+        return await _unless_disconnected(request, _drain(llm, handles), handles)
+
+    return ChatPath(llm, start, wait, lambda requested: _check_model(requested, name))
 
 
 def _tokenizer_routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
@@ -364,7 +396,8 @@ async def _disconnected(request: Request) -> None:
 
 
 class Guard:
-    """ASGI middleware: the API key on every path but ``/health``, and a cap on the body size.
+    """ASGI middleware: the API key (``Authorization: Bearer`` or Anthropic's ``x-api-key``) on every path but
+    ``/health``, and a cap on the body size.
 
     A body declared (``Content-Length``) or found (chunked) to be over ``max_body`` bytes is a 413
     before the app reads any of it, so no oversized prompt is ever parsed or tokenized.
@@ -382,7 +415,7 @@ class Guard:
             if error is None and b"content-length" not in headers and scope.get("method") in ("POST", "PUT", "PATCH"):
                 receive, error = await self._buffered(receive)
             if error is not None:
-                await error.response()(scope, receive, send)
+                await error.response_for(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -417,10 +450,12 @@ class Guard:
     def _check(self, path: str, headers: dict[bytes, bytes]) -> APIError | None:
         if self.api_key is not None and path != "/health":
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.api_key):
+            bearer = scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
+            anthropic = secrets.compare_digest(headers.get(b"x-api-key", b"").strip(), self.api_key)
+            if not (bearer or anthropic):
                 return APIError(
                     401,
-                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                    "Incorrect or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )

@@ -1,4 +1,5 @@
-"""Every failure as an OpenAI-style error body, ``{"error": {"message", "type", "param", "code"}}``.
+"""Every failure as an OpenAI-style error body, ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's
+under ``/v1/messages``).
 
 Status codes, so that bad input never reads as a server fault::
 
@@ -14,6 +15,10 @@ Status codes, so that bad input never reads as a server fault::
     503 server_error            the engine is not running (shutting down, or dead after a failure), or a
                                 non-streaming request was aborted because the server is shutting down
                                 (code shutting_down; a stream ends with a finish_reason "abort" chunk)
+
+Under ``/v1/messages`` (Anthropic's Messages API) the same statuses carry Anthropic's error body,
+``{"type": "error", "error": {"type", "message"}}``, whose message starts with the field it names
+(``max_tokens: Field required``), as Anthropic's do; the type follows the status (``ANTHROPIC_TYPES``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,20 @@ _REJECT = {
 }
 
 
+ANTHROPIC_PREFIX = "/v1/messages"  # the paths whose errors take Anthropic's shape
+# Anthropic's error type for each status (https://docs.anthropic.com/en/api/errors); any other 5xx is api_error.
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
 class APIError(Exception):
     """An error to answer with ``status`` and an OpenAI error body."""
 
@@ -71,6 +90,24 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's error body: the type from the status, the message led by the field it names."""
+        kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        message = self.message
+        if self.param and not message.startswith(self.param):
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def response_for(self, path: str) -> JSONResponse:
+        """The response for a request to ``path``: Anthropic's body under ``/v1/messages``, else OpenAI's."""
+        body = self.anthropic_body() if is_anthropic(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def is_anthropic(path: str) -> bool:
+    """Whether ``path`` is one of Anthropic's (``/v1/messages``, ``/v1/messages/count_tokens``)."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
 def engine_error(exc: Exception, param: str | None = "prompt") -> APIError:
@@ -142,11 +179,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response_for(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc).response_for(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -156,9 +193,10 @@ def install(app: FastAPI) -> None:
             exc.detail if isinstance(exc.detail, str) and exc.detail != phrase else f"{phrase}: {request.url.path}"
         )
         kind = "not_found_error" if status == 404 else None
-        return APIError(status, message, type=kind, headers=getattr(exc, "headers", None)).response()
+        error = APIError(status, message, type=kind, headers=getattr(exc, "headers", None))
+        return error.response_for(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error on %s", request.url.path, exc_info=exc)
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
+        return APIError(500, f"internal error: {type(exc).__name__}").response_for(request.url.path)

@@ -1,7 +1,7 @@
-"""Every request field of the two OpenAI endpoints, in one table: the code's single source, rendered as docs/api-fields.md.
+"""Every request field of the server's APIs, in one table: the code's single source, rendered as docs/api-fields.md.
 
-The table lists the fields of OpenAI's completions and chat completions APIs, vLLM's extensions of
-them and llama.cpp server's sampling names.  Each row says, per endpoint, whether the server
+The table lists the fields of OpenAI's completions, chat completions and Responses APIs, vLLM's
+extensions of them, llama.cpp server's sampling names and Anthropic's Messages API.  Each row says, per endpoint, whether the server
 **honours** the field (and what it becomes: a ``SamplingParams`` field, a prompt option, a response
 option) or **refuses** it, and why.  ``mechserve.http.protocol`` decides from it::
 
@@ -31,11 +31,22 @@ from typing import Any
 COMPLETIONS = "completions"
 CHAT = "chat"
 BOTH = (COMPLETIONS, CHAT)
-ENDPOINT_PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
+RESPONSES = "responses"  # OpenAI's Responses API (mechserve.http.responses_protocol)
+MESSAGES = "messages"  # Anthropic's Messages API (mechserve.http.anthropic_protocol)
+COUNT_TOKENS = "count_tokens"  # Anthropic's token count of a Messages body
+ANTHROPIC_BOTH = (MESSAGES, COUNT_TOKENS)
+ENDPOINT_PATHS = {
+    COMPLETIONS: "/v1/completions",
+    CHAT: "/v1/chat/completions",
+    RESPONSES: "/v1/responses",
+    MESSAGES: "/v1/messages",
+    COUNT_TOKENS: "/v1/messages/count_tokens",
+}
 
 OPENAI = "OpenAI"
 VLLM = "vLLM"
 LLAMA_CPP = "llama.cpp"
+ANTHROPIC = "Anthropic"
 
 
 @dataclass(frozen=True, slots=True)
@@ -818,8 +829,475 @@ FIELDS: tuple[Field, ...] = (
 )
 
 
+# --- OpenAI's Responses API (POST /v1/responses), translated into the chat path -------------------------------------
+
+
+def _reasoning_off(body: Mapping[str, Any]) -> bool:
+    """``reasoning`` that asks for nothing: every value null, or effort ``none`` (what clients send by default)."""
+    value = body.get("reasoning")
+    return isinstance(value, Mapping) and all(v is None or (k == "effort" and v == "none") for k, v in value.items())
+
+
+_R = (RESPONSES,)
+_CHAT_PATH = "as on chat completions (the same chat path)"
+RESPONSES_FIELDS: tuple[Field, ...] = (
+    _f("model", _R, OPENAI, honoured="the served model's name; another name is a 404", bad={"model": 5}),
+    _f(
+        "input",
+        _R,
+        OPENAI,
+        honoured="a string (one user message) or a list of items, rendered by the chat template: messages (roles "
+        "`user`, `assistant`, `system`, `developer` as system; content a string or `input_text`/`output_text` "
+        "parts), `function_call` items (an assistant's tool calls) and `function_call_output` items (the tools' "
+        "results, by `call_id`)",
+        refused_values="image, file and audio parts, `refusal` parts, `item_reference`, `reasoning` and built-in "
+        "tool items, a call whose `arguments` are not the JSON text of an object",
+        bad={"input": 5},
+    ),
+    _f(
+        "instructions",
+        _R,
+        OPENAI,
+        honoured="a system message before the conversation (a continued response's instructions are not carried "
+        "over, as OpenAI's)",
+        bad={"instructions": 5},
+    ),
+    _f(
+        "previous_response_id",
+        _R,
+        OPENAI,
+        honoured="continue a stored response: its input and output come before `input`; with output caching "
+        "(on by default) the prefix cache serves their KV pages, so the continued conversation is not computed "
+        "again (`usage.input_tokens_details.cached_tokens`)",
+        refused_values="an id not stored (never, `store: false`, deleted, or evicted from the bounded store), a "
+        "response still in progress",
+        bad={"previous_response_id": "resp_unknown"},
+    ),
+    _f(
+        "store",
+        _R,
+        OPENAI,
+        honoured="default true: the response is kept in memory (the newest `--max-stored-responses`, default "
+        "1024) for `GET`/`DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` and "
+        "`previous_response_id`; false: not kept",
+        bad={"store": "x"},
+    ),
+    _f(
+        "background",
+        _R,
+        OPENAI,
+        honoured="true: the response runs after the request returns it (`status: in_progress`); `GET` polls it, "
+        "`POST /v1/responses/{id}/cancel` stops it",
+        refused_values="with `stream`, with `store: false`",
+        bad={"background": True, "stream": True},
+    ),
+    _f(
+        "stream",
+        _R,
+        OPENAI,
+        honoured="server-sent events in OpenAI's order and shapes, each with its `sequence_number`: "
+        "`response.created`, `response.in_progress`, per output item `response.output_item.added`, "
+        "`response.content_part.added`, `response.output_text.delta`/`.done`, `response.content_part.done` "
+        "(a message) or `response.function_call_arguments.delta`/`.done` (a call), "
+        "`response.output_item.done`; then `response.completed` (`response.incomplete` when "
+        "`max_output_tokens` cut it or it was cancelled; `error` and `response.failed` when the engine failed)",
+        bad={"stream": "x"},
+    ),
+    _f(
+        "stream_options",
+        _R,
+        OPENAI,
+        honoured="`include_obfuscation: false` (none is sent); only with `stream`",
+        refused_values="`include_obfuscation: true`",
+        bad={"stream_options": {"include_obfuscation": "x"}},
+    ),
+    _f(
+        "max_output_tokens",
+        _R,
+        OPENAI,
+        honoured=_SP + "max_tokens (unset: until EOS or the context is full); a cut response is `incomplete` "
+        "(`incomplete_details.reason: max_output_tokens`)",
+        bad={"max_output_tokens": 0},
+    ),
+    _f("temperature", _R, OPENAI, honoured=_SP + "temperature in [0, 2]; default 1", bad={"temperature": 2.5}),
+    _f("top_p", _R, OPENAI, honoured=_SP + "top_p in (0, 1]", bad={"top_p": 0}),
+    _f(
+        "tools",
+        _R,
+        OPENAI,
+        honoured="function tools (`{type: function, name, description, parameters, strict}`), " + _CHAT_PATH,
+        refused_values="built-in tools (`web_search`, `file_search`, `computer_use_preview`, `code_interpreter`, "
+        "`image_generation`, `shell`, ...), `mcp` and `custom` tools, `defer_loading`, `async`, "
+        "`allowed_callers` other than direct, `output_schema`",
+        bad={"tools": [{"type": "web_search"}]},
+    ),
+    _f(
+        "tool_choice",
+        _R,
+        OPENAI,
+        honoured='`"none"`, `"auto"`, `"required"` or `{"type": "function", "name"}`, '
+        + _CHAT_PATH
+        + " (`required` and a named function are forced by the grammar engine)",
+        refused_values="`allowed_tools`, a built-in, MCP or custom tool",
+        bad={"tool_choice": "required"},
+    ),
+    _f(
+        "parallel_tool_calls",
+        _R,
+        OPENAI,
+        honoured="default true; false: at most one call",
+        bad={"parallel_tool_calls": "x"},
+    ),
+    _f(
+        "max_tool_calls",
+        _R,
+        OPENAI,
+        honoured="accepted: it bounds calls of built-in tools, and this server runs none",
+        bad={"max_tool_calls": 0},
+    ),
+    _f(
+        "text",
+        _R,
+        OPENAI,
+        honoured='`format`: `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "name", '
+        '"schema", "strict"}` -> ' + _SP + "structured_outputs, as chat's `response_format`; `verbosity: medium`",
+        refused_values="`verbosity` low or high",
+        bad={"text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": {}}}}},
+    ),
+    _f(
+        "include",
+        _R,
+        OPENAI,
+        honoured='`["message.output_text.logprobs"]`: each `output_text` (and each streamed delta) carries '
+        "`logprobs` (with `top_logprobs` alternatives)",
+        refused_values="every other value (they name built-in tools' outputs, images, encrypted reasoning); "
+        "logprobs together with tools",
+        bad={"include": ["file_search_call.results"]},
+    ),
+    _f(
+        "top_logprobs",
+        _R,
+        OPENAI,
+        honoured="0..20 alternatives per token; needs `include` logprobs",
+        bad={"top_logprobs": 21},
+    ),
+    _f(
+        "truncation",
+        _R,
+        OPENAI,
+        honoured='`"disabled"` (the default): a conversation longer than the context is a 400',
+        refused_values='`"auto"` (no item of the conversation is dropped)',
+        bad={"truncation": "auto"},
+    ),
+    _f(
+        "metadata",
+        _R,
+        OPENAI,
+        honoured="up to 16 string pairs (keys of 64, values of 512 characters), kept with the response and "
+        "returned with it",
+        bad={"metadata": "x"},
+    ),
+    _f("user", _R, OPENAI, honoured="accepted; returned with the response, changes nothing", bad={"user": 5}),
+    _f("safety_identifier", _R, OPENAI, honoured="accepted; changes nothing here", bad={"safety_identifier": 5}),
+    _f(
+        "prompt_cache_key",
+        _R,
+        OPENAI,
+        honoured="accepted; the prefix cache is keyed by the prompt's own tokens",
+        bad={"prompt_cache_key": 5},
+    ),
+    _f(
+        "reasoning",
+        _R,
+        OPENAI,
+        why="not supported: the models served do not reason",
+        neutral=({},),
+        neutral_note="any object whose values are null, or effort `none`",
+        when_neutral=_reasoning_off,
+        bad={"reasoning": {"effort": "high"}},
+    ),
+    _f(
+        "conversation",
+        _R,
+        OPENAI,
+        why="not supported: there is no Conversations API; continue with `previous_response_id`",
+        bad={"conversation": "conv_1"},
+    ),
+    _f("prompt", _R, OPENAI, why="not supported: no stored prompt templates", bad={"prompt": {"id": "pmpt_1"}}),
+    _f(
+        "context_management",
+        _R,
+        OPENAI,
+        why="not supported: no compaction",
+        neutral=([],),
+        bad={"context_management": [{"type": "compaction"}]},
+    ),
+    _f(
+        "prompt_cache_retention",
+        _R,
+        OPENAI,
+        why="not supported beyond `in_memory`: the prefix cache lives in memory, its pages evicted as needed",
+        neutral=("in_memory",),
+        bad={"prompt_cache_retention": "24h"},
+    ),
+    _f(
+        "prompt_cache_options",
+        _R,
+        OPENAI,
+        why="not supported: the prefix cache is automatic (no breakpoints, lifetimes or prewarming)",
+        neutral=({},),
+        bad={"prompt_cache_options": {"prewarm": True}},
+    ),
+    _f(
+        "service_tier",
+        _R,
+        OPENAI,
+        why="not supported: there is one tier",
+        neutral=("auto", "default"),
+        bad={"service_tier": "flex"},
+    ),
+    _f(
+        "background_options",
+        _R,
+        OPENAI,
+        why="not supported: no completion windows",
+        neutral=({},),
+        bad={"background_options": {"completion_window": "2h"}},
+    ),
+    _f("image", _R, OPENAI, why="not supported: text models only", bad={"image": {"context_compression": "enabled"}}),
+    _f("moderation", _R, OPENAI, why="not supported: no moderation model", bad={"moderation": {"model": "m"}}),
+    _f("access_programs", _R, OPENAI, why="not supported", bad={"access_programs": {"cyber": "standard"}}),
+    # vLLM's extensions of its ResponsesRequest
+    _f("top_k", _R, VLLM, honoured=_SP + "top_k (0 or -1: off)", bad={"top_k": -2}),
+    _f("min_p", _R, VLLM, honoured=_SP + "min_p in [0, 1]", bad={"min_p": 2}),
+    _f("repetition_penalty", _R, VLLM, honoured=_SP + "repetition_penalty > 0", bad={"repetition_penalty": 0}),
+    _f("seed", _R, VLLM, honoured=_SP + "seed (-1: unseeded)", bad={"seed": "x"}),
+    _f("stop", _R, VLLM, honoured=_SP + "stop: a string or at most 16", bad={"stop": 5}),
+    _f("ignore_eos", _R, VLLM, honoured=_SP + "ignore_eos", bad={"ignore_eos": "x"}),
+    _f("skip_special_tokens", _R, VLLM, honoured=_SP + "skip_special_tokens", bad={"skip_special_tokens": 1}),
+    _f(
+        "include_stop_str_in_output",
+        _R,
+        VLLM,
+        honoured=_SP + "include_stop_str_in_output",
+        bad={"include_stop_str_in_output": 1},
+    ),
+    _f(
+        "request_id",
+        _R,
+        VLLM,
+        honoured="the response id's suffix (`resp_<request_id>`) and the engine's request id",
+        bad={"request_id": 5},
+    ),
+    _f("priority", _R, VLLM, why="not supported: first come, first served (m12)", neutral=(0,), bad={"priority": 1}),
+    _f("cache_salt", _R, VLLM, why="not supported: one prefix cache for every request", bad={"cache_salt": "x"}),
+    _f("mm_processor_kwargs", _R, VLLM, why="not supported: text models only", bad={"mm_processor_kwargs": {"a": 1}}),
+    _f("vllm_xargs", _R, VLLM, why="not supported", bad={"vllm_xargs": {"a": 1}}),
+    _f(
+        "enable_response_messages",
+        _R,
+        VLLM,
+        why="not supported: no raw prompt and output messages are returned",
+        neutral=(False,),
+        bad={"enable_response_messages": True},
+    ),
+    _f(
+        "previous_input_messages",
+        _R,
+        VLLM,
+        why="not supported: give the history as `input` items or `previous_response_id`",
+        neutral=([],),
+        bad={"previous_input_messages": [{"role": "user", "content": "w1"}]},
+    ),
+)
+
+# --- Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens), translated into the chat path ------
+
+
+def _thinking_off(body: Mapping[str, Any]) -> bool:
+    value = body.get("thinking")
+    return isinstance(value, Mapping) and value.get("type") == "disabled"
+
+
+_M = (MESSAGES,)
+MESSAGES_FIELDS: tuple[Field, ...] = (
+    _f(
+        "model",
+        ANTHROPIC_BOTH,
+        ANTHROPIC,
+        honoured="required: the served model's name; another name is a 404 (`not_found_error`)",
+        bad={"model": 5},
+    ),
+    _f(
+        "messages",
+        ANTHROPIC_BOTH,
+        ANTHROPIC,
+        honoured="the conversation, through the chat template: `user` and `assistant` turns (consecutive turns of one "
+        "role are one turn, as Anthropic's), content a string or blocks: `text`, an assistant's `tool_use` (its "
+        "tool calls) and a user's `tool_result` (by `tool_use_id`; text content; `is_error` shown as `Error: ` "
+        "before it); a last `assistant` turn is continued (prefill)",
+        refused_values="`image`, `document`, `search_result`, `thinking`/`redacted_thinking` and server-tool "
+        "blocks; an empty list",
+        bad={"messages": []},
+    ),
+    _f(
+        "max_tokens",
+        _M,
+        ANTHROPIC,
+        honoured="required: " + _SP + "max_tokens; a reply cut by it has `stop_reason: max_tokens`",
+        refused_values="0 (pre-warming the prompt cache is not supported)",
+        bad={"max_tokens": 0},
+    ),
+    _f(
+        "system",
+        ANTHROPIC_BOTH,
+        ANTHROPIC,
+        honoured="a system message first: a string, or text blocks joined by newlines",
+        bad={"system": 5},
+    ),
+    _f(
+        "stop_sequences",
+        _M,
+        ANTHROPIC,
+        honoured=_SP + "stop (at most 16); a matched one is the reply's `stop_sequence` with `stop_reason: "
+        "stop_sequence`",
+        bad={"stop_sequences": 5},
+    ),
+    _f(
+        "stream",
+        _M,
+        ANTHROPIC,
+        honoured="server-sent events in Anthropic's sequence: `message_start`, per block `content_block_start`, "
+        "`content_block_delta` (`text_delta`, or `input_json_delta` for a `tool_use`), `content_block_stop` (a "
+        "`ping` after the first block's start), `message_delta` (`stop_reason`, `stop_sequence`, usage), "
+        "`message_stop`; an `error` event if the engine fails",
+        bad={"stream": "x"},
+    ),
+    _f(
+        "temperature",
+        _M,
+        ANTHROPIC,
+        honoured=_SP + "temperature in [0, 1] (Anthropic's range); default 1",
+        bad={"temperature": 1.5},
+    ),
+    _f("top_p", _M, ANTHROPIC, honoured=_SP + "top_p in (0, 1]", bad={"top_p": 1.5}),
+    _f("top_k", _M, ANTHROPIC, honoured=_SP + "top_k (0: off)", bad={"top_k": -1}),
+    _f(
+        "metadata",
+        _M,
+        ANTHROPIC,
+        honoured="`user_id` accepted; it changes nothing here",
+        bad={"metadata": {"user_id": 5}},
+    ),
+    _f(
+        "tools",
+        ANTHROPIC_BOTH,
+        ANTHROPIC,
+        honoured="client tools (`name`, `description`, `input_schema`), rendered and parsed as chat's function "
+        "tools; the reply's calls are `tool_use` blocks (`stop_reason: tool_use`)",
+        refused_values="server and Anthropic-defined tools (`bash_*`, `text_editor_*`, `web_search_*`, "
+        "`code_execution_*`, `computer_*`, ...), a name outside `[A-Za-z0-9_-]{1,64}`, an `input_schema` that is "
+        "not a JSON schema of an object",
+        bad={"tools": [{"type": "bash_20250124", "name": "bash"}]},
+    ),
+    _f(
+        "tool_choice",
+        ANTHROPIC_BOTH,
+        ANTHROPIC,
+        honoured="`auto` (the default with tools), `any` (the grammar forces one or more calls), `tool` with "
+        "`name` (the grammar forces that tool's input), `none` (the tools are not shown to the model); "
+        "`disable_parallel_tool_use: true`: at most one call (exactly one under `any`)",
+        refused_values="`any` or `tool` without tools, a name that is not a tool's, together with `output_config."
+        "format`",
+        bad={"tool_choice": {"type": "any"}},
+    ),
+    _f(
+        "output_config",
+        ANTHROPIC_BOTH,
+        ANTHROPIC,
+        honoured='`format: {"type": "json_schema", "schema"}` -> ' + _SP + "structured_outputs (the text is JSON "
+        "valid under the schema)",
+        refused_values="`effort` (the models served do not reason)",
+        bad={"output_config": {"effort": "high"}},
+    ),
+    _f(
+        "output_format",
+        ANTHROPIC_BOTH,
+        ANTHROPIC,
+        honoured="the structured-outputs beta's name of `output_config.format` (a token count checks its shape "
+        "only: the format changes no prompt token)",
+        refused_values="together with `output_config.format`",
+        bad={"output_format": {"type": "json_schema"}},
+    ),
+    _f(
+        "cache_control",
+        ANTHROPIC_BOTH,
+        ANTHROPIC,
+        honoured="`{type: ephemeral}` accepted (also on blocks): the prefix cache is automatic and caches every "
+        "full page of every prompt; `usage.cache_read_input_tokens` says what it served",
+        bad={"cache_control": {"type": "persistent"}},
+    ),
+    _f(
+        "user_profile_id",
+        ANTHROPIC_BOTH,
+        ANTHROPIC,
+        honoured="accepted; changes nothing here",
+        bad={"user_profile_id": 5},
+    ),
+    _f(
+        "workspace_id", ANTHROPIC_BOTH, ANTHROPIC, honoured="accepted; there are no workspaces", bad={"workspace_id": 5}
+    ),
+    _f(
+        "thinking",
+        ANTHROPIC_BOTH,
+        ANTHROPIC,
+        why="not supported: extended thinking (the models served do not reason)",
+        neutral_note='`{"type": "disabled"}`',
+        when_neutral=_thinking_off,
+        bad={"thinking": {"type": "enabled", "budget_tokens": 1024}},
+    ),
+    _f(
+        "service_tier",
+        _M,
+        ANTHROPIC,
+        why="not supported: there is one tier",
+        neutral=("auto", "standard_only"),
+        bad={"service_tier": "priority"},
+    ),
+    _f(
+        "speed", ANTHROPIC_BOTH, ANTHROPIC, why="not supported: one speed", neutral=("standard",), bad={"speed": "fast"}
+    ),
+    _f("container", _M, ANTHROPIC, why="not supported: no code execution containers", bad={"container": "c"}),
+    _f(
+        "diagnostics",
+        _M,
+        ANTHROPIC,
+        why="not supported: no cache-miss diagnostics",
+        bad={"diagnostics": {"previous_message_id": "msg_1"}},
+    ),
+    _f("inference_geo", _M, ANTHROPIC, why="not supported: one place", bad={"inference_geo": "us"}),
+    _f(
+        "mcp_servers",
+        ANTHROPIC_BOTH,
+        ANTHROPIC,
+        why="not supported: no MCP connector",
+        neutral=([],),
+        bad={"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]},
+    ),
+    _f(
+        "context_management",
+        ANTHROPIC_BOTH,
+        ANTHROPIC,
+        why="not supported: no context editing",
+        bad={"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
+    ),
+)
+
+FIELDS = FIELDS + RESPONSES_FIELDS + MESSAGES_FIELDS
+
+
 def fields_for(endpoint: str) -> tuple[Field, ...]:
-    """The table's rows for ``endpoint`` (``COMPLETIONS`` or ``CHAT``)."""
+    """The table's rows for ``endpoint`` (``COMPLETIONS``, ``CHAT``, ``RESPONSES``, ``MESSAGES``, ``COUNT_TOKENS``)."""
     return tuple(f for f in FIELDS if endpoint in f.endpoints)
 
 
@@ -841,19 +1319,28 @@ def refused_field(endpoint: str, body: Mapping[str, Any], present: Sequence[str]
 def render_markdown() -> str:
     """docs/api-fields.md: every row, per origin, with what each endpoint does with it."""
     lines = [
-        "# Request fields of the OpenAI-compatible server",
+        "# Request fields of the server's APIs",
         "",
         "Generated from `mechserve/http/fields.py` (`make api-fields`); a test checks that this page and the "
         "code agree.",
         "",
         "Every field below is either **honoured** or **refused** with a 400 whose `param` names it "
-        "(`code: unsupported_parameter`, or `invalid_value` for a bad value). A refused field is accepted "
+        "(`code: unsupported_parameter`, or `invalid_value` for a bad value; Anthropic's error body names it "
+        "at the start of its `message`). A refused field is accepted "
         "with a *neutral* value, one that changes nothing: `null` always, and the values listed. "
         "Fields outside this table are ignored, as vLLM does. "
-        "`/v1/completions` is *completions*, `/v1/chat/completions` is *chat*.",
+        "`/v1/completions` is *completions*, `/v1/chat/completions` is *chat*, `/v1/responses` is *responses*, "
+        "Anthropic's `/v1/messages` is *messages* and `/v1/messages/count_tokens` *count_tokens*.",
         "",
     ]
-    for origin, title in ((OPENAI, "OpenAI"), (VLLM, "vLLM's extensions"), (LLAMA_CPP, "llama.cpp server's names")):
+    sections = (
+        (OPENAI, "OpenAI", BOTH),
+        (VLLM, "vLLM's extensions", BOTH),
+        (LLAMA_CPP, "llama.cpp server's names", BOTH),
+        (None, "OpenAI's Responses API (`/v1/responses`)", (RESPONSES,)),
+        (ANTHROPIC, "Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`)", ANTHROPIC_BOTH),
+    )
+    for origin, title, endpoints in sections:
         lines += [
             f"## {title}",
             "",
@@ -861,9 +1348,9 @@ def render_markdown() -> str:
             "|---|---|---|---|---|",
         ]
         for f in FIELDS:
-            if f.origin != origin:
+            if (origin is not None and f.origin != origin) or not set(f.endpoints) & set(endpoints):
                 continue
-            where = ", ".join(f.endpoints)
+            where = ", ".join(f.endpoints) + ("" if origin is not None or f.origin == OPENAI else f" ({f.origin})")
             honoured = f.honoured + (f"; refused: {f.refused_values}" if f.refused_values else "")
             neutral = "—"
             if not f.honoured:
@@ -886,16 +1373,35 @@ def render_markdown() -> str:
         "positions served from the cache are recomputed, in one extra forward over the prompt up to the "
         "first computed position, for that request alone, into a scratch KV cache.",
         "",
+        "## JSON schemas: objects are closed unless they say otherwise",
+        "",
+        "Every JSON schema the grammar engine enforces (`response_format`, `structured_outputs.json`, `guided_json`, "
+        "`json_schema`, a forced tool call's `parameters`, Responses' `text.format`, Anthropic's `input_schema` and "
+        "`output_config.format`) is read with **closed objects**: an object schema that lists `properties` (or "
+        "`patternProperties`) and sets neither `additionalProperties` nor `unevaluatedProperties` allows no other "
+        "property, as vLLM's default grammar backend (xgrammar, whose `strict_mode` is on) reads it; a bare "
+        '`{"type": "object"}` is still any object, and the members of an `allOf` are left open. This is not '
+        "JSON Schema's default, under which a small model invents properties until it runs out of tokens "
+        "(clients such as LangChain drop `additionalProperties: false` from tool schemas unless `strict`). "
+        "`mechserve serve --allow-additional-properties` (`EngineConfig.allow_additional_properties`) restores "
+        "JSON Schema's open objects. (vLLM's own switch, `--structured-outputs-config` "
+        "`disable_additional_properties`, closes objects for its llguidance backend only, to match xgrammar's "
+        "default; here closed is the default and the option opens them.)",
+        "",
     ]
     return "\n".join(lines)
 
 
 __all__ = [
+    "ANTHROPIC_BOTH",
     "BOTH",
     "CHAT",
     "COMPLETIONS",
+    "COUNT_TOKENS",
     "ENDPOINT_PATHS",
     "FIELDS",
+    "MESSAGES",
+    "RESPONSES",
     "Field",
     "fields_for",
     "honoured_names",

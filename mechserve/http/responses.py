@@ -208,6 +208,20 @@ def chat_chunk_choice(
     return choice
 
 
+def chat_finish_choice(d: SampleDelta, render: Render, finish: str | None) -> dict[str, Any]:
+    """A streamed choice's own last chunk: an empty delta with the finish reason (``finish``, else ``d``'s)."""
+    choice: dict[str, Any] = {
+        "index": d.index,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": finish or d.finish_reason,
+        "stop_reason": d.stop_reason,
+    }
+    if render.token_ids:
+        choice["token_ids"] = []
+    return choice
+
+
 def chat_role_choice(index: int) -> dict[str, Any]:
     """The first chunk of every choice: the assistant's role, no text yet."""
     return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}

@@ -1,7 +1,9 @@
 """Streamed responses: OpenAI's chunks as server-sent events, over the events of a response's requests.
 
 ``CompletionStream`` / ``ChatStream`` turn ``RequestStream`` events into
-OpenAI chunk dicts (a chat stream starts with one role chunk per choice);
+OpenAI chunk dicts (a chat stream starts with one role chunk per choice; a
+choice that ends with tool calls gets its finish reason in a chunk of its own,
+after the last arguments, as OpenAI sends it);
 ``EventStream`` sends them as ``data: {chunk}`` lines and ends with
 ``data: [DONE]``.  Events that piled up while the server was busy are merged
 into one chunk (``RequestStream.coalesced``), so a slow server sends fewer,
@@ -65,6 +67,16 @@ class EventStream(StreamingResponse):
 
 def _data(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class NamedEventStream(EventStream):
+    """Server-sent events named by their ``type``: ``event: <type>`` and ``data: {event}`` per event, no
+    ``[DONE]`` (the Responses and Anthropic Messages streams); the generator ends its own stream, failures
+    included.  Like ``EventStream``, however it ends, its requests are aborted and its generator closed."""
+
+    async def _events(self) -> AsyncIterator[str]:
+        async for event in self.chunks:
+            yield f"event: {event['type']}\n{_data(event)}"
 
 
 class _Stream:
@@ -166,10 +178,17 @@ class ChatStream(_Stream):
                     if calls:
                         delta["tool_calls"] = calls
                 shown = delta if delta is not None else d.text
+                ending: dict[str, Any] | None = None
+                if d.finished and delta is not None and delta.get("tool_calls"):
+                    # OpenAI's order: the last arguments, then a chunk of its own with the finish reason
+                    ending = r.chat_finish_choice(d, render, finish)
+                    d = dataclasses.replace(d, finished=False, finish_reason=None, stop_reason=None)
                 if shown or d.finished or (render.logprobs and d.token_ids) or d.prompt_logprobs is not None:
                     chunk = self.chunk([r.chat_chunk_choice(d, render, delta, finish)])
                     if render.prompt_logprobs and d.prompt_logprobs is not None:
                         chunk["prompt_logprobs"] = r.vllm_prompt_logprobs(d.prompt_logprobs)
                     yield chunk
+                if ending is not None:
+                    yield self.chunk([ending])
         if self.include_usage:
             yield self.usage_chunk()

@@ -8,8 +8,9 @@ conversion writes into a temporary directory and renames it into place, so
 an interrupted conversion never leaves a half cache.
 
 Any other ``--model`` value is a local directory with ``config.json``,
-``*.safetensors`` and (for text) tokenizer files.  Weights are read with
-safetensors, config and tokenizer with transformers.  Nothing here reaches a
+``*.safetensors`` and (for text) tokenizer files.  Config and tokenizer are
+read with transformers here; the weights by ``model/formats.py``, the model's
+family from its config by ``model/registry.py``.  Nothing here reaches a
 model hub: ``HF_HUB_OFFLINE`` is forced on before transformers is imported.
 """
 
@@ -41,21 +42,34 @@ _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTED_NAME = f"smollm2-135m-instruct-{_WHEEL_VERSION}-f32"
 # The files a converted cache directory must hold to count as complete.
 _CACHE_FILES = ("config.json", "model.safetensors", "tokenizer.json")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(slots=True)
 class Checkpoint:
-    """A loaded checkpoint: its directory, transformers config and tensors by name (``dtype``).
-
-    In a quantized checkpoint (``quantization`` is ``"q4_1"`` or ``"q8_0"``) the weight matrices are
-    ``mechserve.model.quantized.QuantizedMatrix`` blocks and the rest (norms, biases) tensors.
+    """A checkpoint in memory: where it came from (``path``, named in errors), its transformers config
+    and its tensors by Hugging Face name, as they are (``loader.model_from_checkpoint`` builds a
+    model from one; tests build tiny ones).  A ``weights.TensorSource``: ``read`` slices a tensor and
+    ignores the role (its tensors are already what the model keeps).
     """
 
     path: Path
     config: Any
     tensors: dict[str, Any]
-    quantization: str | None = None
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def read(
+        self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None, role: str = "vector"
+    ) -> Any:
+        if name not in self.tensors:
+            raise ModelLoadError(f"checkpoint {self.path} is missing tensor {name!r}")
+        tensor = self.tensors[name]
+        if rows is not None:
+            tensor = tensor[rows[0] : rows[1]]
+        if cols is not None:
+            tensor = tensor[:, cols[0] : cols[1]].contiguous()
+        return tensor
 
 
 def _cache_error(path: Path, exc: OSError) -> ModelLoadError:
@@ -164,15 +178,11 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     dest.chmod(0o755)  # mkdtemp made it private; the cache is an ordinary directory
 
 
-def load_config(path: Path) -> Any:
-    """The transformers config of ``path``.
+def read_config(path: Path) -> dict[str, Any]:
+    """``path``'s ``config.json`` as it is written: a JSON object (``ModelLoadError`` for anything else).
 
-    Raises ``ModelLoadError`` for a ``config.json`` that is not a JSON object, an unsupported
-    ``model_type``, or one transformers cannot build a config from (a field of the wrong type);
-    the values the forward needs are checked by ``LlamaArch.from_config``.
-    """
-    from transformers import AutoConfig
-
+    ``model/registry.py`` finds the model's family from it before transformers builds the config
+    (``transformers_config``)."""
     file = path / "config.json"
     try:
         raw = json.loads(file.read_text())
@@ -180,14 +190,18 @@ def load_config(path: Path) -> Any:
         raise ModelLoadError(f"cannot read {file}: {e}") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{file} must hold a JSON object (a model's settings), not a {_json_type(raw)}")
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        arch = raw.get("architectures")
-        names = ", ".join(str(a) for a in arch) if isinstance(arch, list) and arch else "unknown"
-        raise ModelLoadError(
-            f"unsupported architecture {model_type!r} ({names}) in {path}; "
-            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    return raw
+
+
+def transformers_config(path: Path, raw: dict[str, Any]) -> Any:
+    """The transformers config of ``path`` whose ``config.json`` holds ``raw`` (``read_config``).
+
+    Raises ``ModelLoadError`` for a size field that is not a whole number >= 1 (``SIZE_FIELDS``), or a
+    file transformers cannot build a config from (a field of the wrong type); the values the forward
+    needs are checked by the family's arch (``LlamaArch.from_config``).
+    """
+    from transformers import AutoConfig
+
     for name in SIZE_FIELDS:  # before transformers, whose complaint about them is "integer modulo by zero"
         if raw.get(name) is not None:
             whole_number(name, raw[name])
@@ -197,7 +211,9 @@ def load_config(path: Path) -> Any:
         Exception
     ) as e:  # transformers' checks raise many types (TypeError, ValueError, its own); each is the file's fault
         detail = " ".join(str(e).split()) or type(e).__name__
-        raise ModelLoadError(f"{file} is not a valid {model_type} config: {detail}") from None
+        raise ModelLoadError(
+            f"{path / 'config.json'} is not a valid {raw.get('model_type')} config: {detail}"
+        ) from None
 
 
 # The sizes a Llama-family config.json gives, each a whole number >= 1 when present.
@@ -224,25 +240,6 @@ def whole_number(name: str, value: object) -> int:
 def _json_type(value: object) -> str:
     names = {list: "list", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
     return names.get(type(value), type(value).__name__)
-
-
-def load_checkpoint(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Config and every tensor of ``path``'s ``*.safetensors`` files, cast to ``dtype``."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    config = load_config(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors weights in {path}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            shard = load_file(f)
-        except (OSError, SafetensorError) as e:
-            raise ModelLoadError(f"cannot read weights {f}: {e}") from None
-        tensors.update((name, t.to(dtype)) for name, t in shard.items())
-    return Checkpoint(path, config, tensors)
 
 
 def load_tokenizer(path: Path) -> Any:

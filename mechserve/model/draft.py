@@ -1,7 +1,8 @@
 """The draft model of speculative decoding: loading ``MODEL[:layers=N]`` next to the target, and checking it fits.
 
 ``smollm2:layers=4`` keeps the first 4 of SmolLM2's 30 layers (sharing the target's weights when the
-target is the same model); a directory names any Llama-family checkpoint with the same vocabulary.
+target is the same model); a directory names any checkpoint of a registered family with the same
+vocabulary.  Both are ``model.protocol.Model``s.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from mechserve.api.config import parse_draft_model
+from mechserve.model.protocol import Model
 
 
 def load_draft_model(
-    spec: str, target: Any, *, target_path: Path | None = None, target_tokenizer: Any | None = None
-) -> Any:
-    """The draft ``LlamaModel`` for ``spec`` (``MODEL[:layers=N]``) next to the ``target`` ``LlamaModel``.
+    spec: str, target: Model, *, target_path: Path | None = None, target_tokenizer: Any | None = None
+) -> Model:
+    """The draft model for ``spec`` (``MODEL[:layers=N]``) next to the ``target`` model (``Model.truncated``).
 
     When ``MODEL`` resolves to ``target_path`` (the target's checkpoint directory), the draft shares
     the target's weights (``layers=N`` keeps the first N layers); otherwise it is loaded in the
@@ -43,7 +45,7 @@ def load_draft_model(
     return draft
 
 
-def check_vocabulary(draft: Any, target: Any, draft_tok: Any, target_tok: Any, spec: str) -> None:
+def check_vocabulary(draft: Model, target: Model, draft_tok: Any, target_tok: Any, spec: str) -> None:
     """Raise ``ValueError`` unless ``draft`` can propose ids for ``target``: the same vocabulary size and,
     when both tokenizers are known, the same token -> id map."""
     dv, tv = draft.arch.vocab_size, target.arch.vocab_size
@@ -60,16 +62,11 @@ def _same_path(a: Path, b: Path) -> bool:
         return False
 
 
-def weight_share(draft: Any, target: Any) -> tuple[float, float]:
+def weight_share(draft: Model, target: Model) -> tuple[float, float]:
     """``(layers, head)``: the draft's decoder-layer and LM-head weights as fractions of the target's
     whole per-step weight read (layers + head), the cost model's unit of a batch-1 decode step."""
-
-    def sizes(m: Any) -> tuple[int, int]:
-        layer = sum(t.numel() for t in (m.layers[0].qkv, m.layers[0].o, m.layers[0].gate_up, m.layers[0].down))
-        return layer * m.arch.num_layers, m.lm_head.numel()
-
-    dl, dh = sizes(draft)
-    tl, th = sizes(target)
+    dl, dh = draft.weight_elements()
+    tl, th = target.weight_elements()
     return dl / (tl + th), dh / (tl + th)
 
 

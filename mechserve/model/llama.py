@@ -7,7 +7,10 @@ optional sliding windows, tied or untied LM head.
 
 One call of ``LlamaModel.forward`` is one engine step: every scheduled token
 of every request in one ``[T, hidden]`` activation, and logits only for the
-rows that sample.
+rows that sample.  Its shape (``LlamaArch``: which optional parts a family
+has) is ``model/arch.py``'s; its tensors come from any loader through the
+weight-name map (``model/weights.py``); ``model/registry.py`` lists the
+families that run on it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import copy
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,96 +28,13 @@ import torch.nn.functional as F
 from mechserve.api.errors import ModelLoadError
 from mechserve.kv.paged import AttentionBatch, PagedKVCache, paged_attention
 from mechserve.model import fused
-from mechserve.model.checkpoint import Checkpoint, whole_number
+from mechserve.model.arch import LlamaArch
 from mechserve.model.layer import LayerWeights, Matrix, on_huge_pages
 from mechserve.model.linear import dequantize_rows, linear
 from mechserve.model.quantized import QuantizedMatrix
+from mechserve.model.weights import ModelWeights
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-@dataclass(frozen=True, slots=True)
-class LlamaArch:
-    """The shape of a Llama-family model, read from a transformers config.
-
-    ``windows`` holds one entry per layer: None for full causal attention or
-    the sliding-window length.
-    """
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    windows: tuple[int | None, ...]
-
-    @classmethod
-    def from_config(cls, config: Any) -> LlamaArch:
-        """Raises ``ModelLoadError`` for a value this forward cannot use (a size that is not a whole
-        number >= 1, a non-positive ``rms_norm_eps``, heads that do not split into KV groups) or a
-        shape it does not implement."""
-        act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise ModelLoadError(f"unsupported activation {act!r} (only SwiGLU with silu)")
-        hidden = _positive(config, "hidden_size")
-        heads = _positive(config, "num_attention_heads")
-        layers = _positive(config, "num_hidden_layers")
-        kv_heads = _positive(config, "num_key_value_heads", optional=True) or heads
-        if heads % kv_heads:
-            raise ModelLoadError(f"{heads} attention heads do not split into {kv_heads} KV head groups")
-        head_dim = _positive(config, "head_dim", optional=True)
-        if head_dim is None:
-            if hidden % heads:
-                raise ModelLoadError(f"config: hidden_size {hidden} does not split into {heads} attention heads")
-            head_dim = hidden // heads
-        if head_dim % 2:
-            raise ModelLoadError(f"config: head_dim {head_dim} is odd; rotary embeddings need an even one")
-        _positive(config, "max_position_embeddings", optional=True)
-        eps = getattr(config, "rms_norm_eps", None)
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < math.inf:
-            raise ModelLoadError(f"config: rms_norm_eps must be a number > 0, got {eps!r}")
-        tie = getattr(config, "tie_word_embeddings", False)
-        if not isinstance(tie, bool):
-            raise ModelLoadError(f"config: tie_word_embeddings must be true or false, got {tie!r}")
-        return cls(
-            num_layers=layers,
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            intermediate_size=_positive(config, "intermediate_size"),
-            vocab_size=_positive(config, "vocab_size"),
-            rms_norm_eps=float(eps),
-            tie_word_embeddings=tie,
-            windows=_windows(config, layers),
-        )
-
-
-def _positive(config: Any, name: str, *, optional: bool = False) -> Any:
-    """``config.<name>`` if it is a whole number >= 1 (or absent/None when ``optional``); else ``ModelLoadError``."""
-    value = getattr(config, name, None)
-    if value is None and optional:
-        return None
-    return whole_number(name, value)
-
-
-def _windows(config: Any, layers: int) -> tuple[int | None, ...]:
-    """Per-layer sliding windows: ``layer_types`` when given (Qwen2/3), else Mistral's global window."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types:
-        if not isinstance(types, list | tuple) or len(types) != layers:
-            raise ModelLoadError(f"config: layer_types must list one type per layer ({layers}), got {types!r}")
-        if "sliding_attention" in types:
-            _positive(config, "sliding_window")
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    if window is not None and getattr(config, "use_sliding_window", True):
-        return (_positive(config, "sliding_window"),) * layers
-    return (None,) * layers
 
 
 def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -224,69 +144,29 @@ def _compiled_blocks() -> tuple[Any, Any]:
 
 
 class LlamaModel:
-    """Weights plus the paged forward.  ``dtype`` is the weights' and activations' dtype."""
+    """Weights plus the paged forward (a ``model.protocol.Model``).  ``dtype`` is the activations', norms'
+    and KV cache's dtype (the weight matrices may be GGUF blocks: ``quantization``)."""
 
     _blocks: tuple[Any, Any] = (attention_inputs, attention_outputs)
     native_layers: bool = False  # set per model in __init__ (a rank's shard builds its own)
     device: torch.device = torch.device("cpu")  # a subclass that builds its own tensors (a rank's shard) is on the host
 
-    def __init__(self, checkpoint: Checkpoint) -> None:
-        self.config = checkpoint.config
-        self.arch = arch = LlamaArch.from_config(checkpoint.config)
-        t = checkpoint.tensors
-
-        def take(name: str) -> Any:
-            if name not in t:
-                raise ModelLoadError(f"checkpoint {checkpoint.path} is missing tensor {name!r}")
-            return t[name]
-
-        def cat(names: list[str]) -> Any:
-            present = [n for n in names if n in t]
-            if not present:
-                return None
-            if len(present) != len(names):
-                raise ModelLoadError(f"checkpoint {checkpoint.path} has only some of {names}")
-            parts = [t[n] for n in names]
-            if isinstance(parts[0], QuantizedMatrix):
-                return QuantizedMatrix.cat(parts)
-            return torch.cat(parts).contiguous()
-
-        self.embed: Matrix = take("model.embed_tokens.weight")  # [V, hidden]
-        self.norm = take("model.norm.weight")
+    def __init__(self, config: Any, arch: LlamaArch, weights: ModelWeights, *, quantization: str | None = None) -> None:
+        """The model of ``arch`` (read from the transformers ``config``, which also gives RoPE) with
+        ``weights`` (``weights.assemble``: the parts, already checked against ``arch``).
+        ``quantization``: the block format of the weight matrices (None: floats).  Raises
+        ``ModelLoadError`` for a RoPE variant this forward does not implement."""
+        self.config = config
+        self.arch = arch
+        self.embed: Matrix = weights.embed  # [V, hidden]
+        self.norm = weights.norm
+        self.lm_head: Matrix = weights.lm_head  # [V, hidden], the embedding itself when tied
+        self.layers: list[LayerWeights] = weights.layers
         self.dtype = self.norm.dtype  # activations, norms, biases and KV (the matrices may be quantized)
-        self.quantization = checkpoint.quantization
-        if arch.tie_word_embeddings or "lm_head.weight" not in t:
-            self.lm_head = self.embed  # [V, hidden]
-        else:
-            self.lm_head = take("lm_head.weight")
-        self.layers: list[LayerWeights] = []
-        for i in range(arch.num_layers):
-            p = f"model.layers.{i}."
-            a, m = p + "self_attn.", p + "mlp."
-            qkv = cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
-            gate_up = cat([m + "gate_proj.weight", m + "up_proj.weight"])
-            if qkv is None or gate_up is None:
-                raise ModelLoadError(f"checkpoint {checkpoint.path} is missing layer {i}'s projection weights")
-            self.layers.append(
-                LayerWeights(
-                    input_norm=take(p + "input_layernorm.weight"),
-                    qkv=qkv,
-                    qkv_bias=cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
-                    o=take(a + "o_proj.weight"),
-                    o_bias=t.get(a + "o_proj.bias"),
-                    q_norm=t.get(a + "q_norm.weight"),
-                    k_norm=t.get(a + "k_norm.weight"),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=gate_up,
-                    gate_up_bias=cat([m + "gate_proj.bias", m + "up_proj.bias"]),
-                    down=take(m + "down_proj.weight"),
-                    down_bias=t.get(m + "down_proj.bias"),
-                )
-            )
-        self._check_shapes(checkpoint.path)
+        self.quantization = quantization
         # the matrices every step streams, packed onto huge pages (fewer TLB misses; model/layer.py)
         self.layers, self.embed, self.lm_head = on_huge_pages(self.layers, self.embed, self.lm_head)
-        self.inv_freq, self.rope_scaling = rope_inv_freq(checkpoint.config, arch.head_dim)
+        self.inv_freq, self.rope_scaling = rope_inv_freq(config, arch.head_dim)
         self.scale = arch.head_dim**-0.5
         self.distinct_windows = tuple(dict.fromkeys(arch.windows))
         self.device = self.norm.device  # the embedding may be quantized blocks
@@ -322,37 +202,6 @@ class LlamaModel:
         moved.device = device
         return moved
 
-    def _check_shapes(self, path: Any) -> None:
-        """Raise ``ModelLoadError`` unless every tensor has the shape the config implies (a config.json that
-        does not describe its weights would otherwise fail inside the first forward)."""
-        a = self.arch
-        h, q, kv, inter = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
-        expected: list[tuple[str, Matrix | None, tuple[int, ...]]] = [
-            ("embed_tokens", self.embed, (a.vocab_size, h)),
-            ("lm_head", self.lm_head, (a.vocab_size, h)),
-            ("norm", self.norm, (h,)),
-        ]
-        for i, w in enumerate(self.layers):
-            expected += [
-                (f"layer {i} input_layernorm", w.input_norm, (h,)),
-                (f"layer {i} q/k/v_proj", w.qkv, (q + 2 * kv, h)),
-                (f"layer {i} q/k/v_proj bias", w.qkv_bias, (q + 2 * kv,)),
-                (f"layer {i} o_proj", w.o, (h, q)),
-                (f"layer {i} o_proj bias", w.o_bias, (h,)),
-                (f"layer {i} q_norm", w.q_norm, (a.head_dim,)),
-                (f"layer {i} k_norm", w.k_norm, (a.head_dim,)),
-                (f"layer {i} post_attention_layernorm", w.post_norm, (h,)),
-                (f"layer {i} gate/up_proj", w.gate_up, (2 * inter, h)),
-                (f"layer {i} gate/up_proj bias", w.gate_up_bias, (2 * inter,)),
-                (f"layer {i} down_proj", w.down, (h, inter)),
-                (f"layer {i} down_proj bias", w.down_bias, (h,)),
-            ]
-        for name, tensor, shape in expected:
-            if tensor is not None and tuple(tensor.shape) != shape:
-                raise ModelLoadError(
-                    f"checkpoint {path}: {name} has shape {list(tensor.shape)}, but config.json implies {list(shape)}"
-                )
-
     def truncated(self, num_layers: int) -> LlamaModel:
         """This model cut to its first ``num_layers`` decoder layers (a draft model for it).
 
@@ -380,6 +229,11 @@ class LlamaModel:
         twin = copy.copy(self)
         twin._blocks = _compiled_blocks()
         return twin
+
+    def weight_elements(self) -> tuple[int, int]:
+        """``(layers, head)``: elements of the decoder layers' four matrices (all layers) and of the LM head."""
+        layers = sum(w.qkv.numel() + w.o.numel() + w.gate_up.numel() + w.down.numel() for w in self.layers)
+        return layers, self.lm_head.numel()
 
     def new_cache(self, num_pages: int, page_size: int, dtype: torch.dtype | None = None) -> PagedKVCache:
         """A zeroed paged KV cache shaped for this model, on the model's device."""
@@ -442,7 +296,8 @@ class LlamaModel:
                 # past the last attention only the rows whose logits are wanted matter (llama.cpp's
                 # output-row pruning): a prefill chunk runs its last block for one row, not for all
                 x, attn_out, logit_rows = x.index_select(0, logit_rows), attn_out.index_select(0, logit_rows), None
-                native = native and fused.rows_apply(x, w)
+                # (those few rows go to the native block even where the chunk's rows were too many for it)
+                native = self.native_layers and self._blocks is LlamaModel._blocks and fused.rows_apply(x, w)
             if native:
                 x = fused.attention_outputs(x, attn_out, w, a.rms_norm_eps)
             else:

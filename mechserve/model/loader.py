@@ -1,72 +1,135 @@
-"""A ready model from a name: the checkpoint, its forward (``LlamaModel``), tokenizer and EOS ids.
+"""A ready model from a name: the checkpoint, its family's forward, tokenizer and EOS ids.
 
 ``load_model("smollm2")`` (the embedded model) or ``load_model(directory)``; with ``weights=False``
 only the model's shape (what the driver of tensor-parallel ranks needs: each rank reads its own
-shard).  This module is the factory above ``checkpoint`` (files), ``llama`` (the forward) and
-``sharded`` (the tensor-parallel forward), so none of those imports another's loader.
+shard, ``load_shard``).  Loading is three steps, each in the module its name says::
+
+    config.json ─> registry.load_config: the family (by architecture) and the transformers config
+    weights     ─> formats: a TensorSource for the file format (safetensors, or quantized blocks)
+    model       ─> family.build: the parts through the weight-name map (weights.assemble), the forward
+
+This module is the factory above ``checkpoint`` (files), ``registry`` (families), ``formats``
+(file formats) and ``sharded`` (the tensor-parallel forward), so none of those imports another's
+loader.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
 
 from mechserve.api.config import device_name, dtype_name
+from mechserve.model.arch import LlamaArch
 from mechserve.model.checkpoint import (
     EMBEDDED,
+    Checkpoint,
     embedded_gguf,
     eos_token_ids,
-    load_checkpoint,
-    load_config,
     load_tokenizer,
     resolve_model,
 )
-from mechserve.model.llama import LlamaModel
-from mechserve.model.sharded import ModelShape
+from mechserve.model.formats import QuantizedSafetensors, SafetensorsFiles, gguf_matrices
+from mechserve.model.llama import rope_inv_freq
+from mechserve.model.protocol import Model, ModelShape
+from mechserve.model.registry import find_family, load_config
+from mechserve.model.sharded import ShardedLlama
+
+M = TypeVar("M", bound=ModelShape)
 
 
 @dataclass(slots=True)
-class LoadedModel:
-    """A ready model: the forward (``LlamaModel``), its tokenizer (None if not asked for) and EOS ids."""
+class LoadedModel(Generic[M]):
+    """A ready model: its directory, the model (a ``Model``, or only its ``ModelShape`` when loaded
+    without weights), its tokenizer (None if not asked for) and EOS ids."""
 
     path: Path
-    model: Any
+    model: M
     tokenizer: Any | None
     eos_token_ids: tuple[int, ...]
 
 
+@overload
+def load_model(
+    model: str = ...,
+    dtype: torch.dtype = ...,
+    tokenizer: bool = ...,
+    weights: Literal[True] = ...,
+    quantization: str | None = ...,
+) -> LoadedModel[Model]: ...
+@overload
+def load_model(
+    model: str = ...,
+    dtype: torch.dtype = ...,
+    tokenizer: bool = ...,
+    weights: bool = ...,
+    quantization: str | None = ...,
+) -> LoadedModel[ModelShape]: ...
 def load_model(
     model: str = EMBEDDED,
     dtype: torch.dtype = torch.float32,
     tokenizer: bool = True,
     weights: bool = True,
     quantization: str | None = None,
-) -> LoadedModel:
+) -> LoadedModel[Any]:
     """Resolve ``model`` (``"smollm2"`` or a directory) and load weights, config and tokenizer.
 
-    With ``weights=False`` the model is only its shape (``tensor_parallel.ModelShape``): what
-    the driver of tensor-parallel ranks needs, the ranks reading their own shards.
-    ``quantization`` (``"q4_1"``, ``"q8_0"``): the weight matrices in GGUF blocks, activations in
-    ``dtype`` (``quantized.load_quantized``); the embedded SmolLM2's Q4_1 blocks come from its own
-    GGUF file.  Every failure is a ``ModelLoadError`` naming the problem.
+    The family comes from the registry (``registry.find_family``: an architecture it does not know is
+    a ``ModelLoadError`` listing the ones it does).  With ``weights=False`` the model is only its shape
+    (``family.shape``): what the driver of tensor-parallel ranks needs, the ranks reading their own
+    shards.  ``quantization`` (``"q4_1"``, ``"q8_0"``): the weight matrices in GGUF blocks,
+    activations in ``dtype`` (``formats.QuantizedSafetensors``); the embedded SmolLM2's Q4_1 blocks
+    come from its own GGUF file.  Every failure is a ``ModelLoadError`` naming the problem
+    (``ValueError`` for an unknown ``quantization``).
     """
     path = resolve_model(model)
+    family, config = load_config(path)
     if not weights:
-        config = load_config(path)
         tok = load_tokenizer(path) if tokenizer else None
-        return LoadedModel(path, ModelShape.of(config, dtype), tok, eos_token_ids(path, config, tok))
-    if quantization is not None:
-        from mechserve.model.quantized import load_quantized
-
-        checkpoint = load_quantized(path, dtype, quantization, gguf=embedded_gguf() if model == EMBEDDED else None)
-    else:
-        checkpoint = load_checkpoint(path, dtype)
-    forward = LlamaModel(checkpoint)
+        return LoadedModel(path, family.shape(config, dtype), tok, eos_token_ids(path, config, tok))
+    with SafetensorsFiles(path, dtype) as files:
+        source: SafetensorsFiles | QuantizedSafetensors = files
+        if quantization is not None:
+            stored = {}
+            if model == EMBEDDED:  # its own GGUF holds the blocks: take them as they are
+                arch = family.arch(config)
+                stored = gguf_matrices(embedded_gguf(), arch.num_heads, arch.num_kv_heads)
+            source = QuantizedSafetensors(files, quantization, stored)
+        forward = family.build(config, source, quantization)
     tok = load_tokenizer(path) if tokenizer else None
-    return LoadedModel(path, forward, tok, eos_token_ids(path, checkpoint.config, tok))
+    return LoadedModel(path, forward, tok, eos_token_ids(path, config, tok))
+
+
+def load_shard(
+    path: str | Path,
+    rank: int,
+    world_size: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    arch: LlamaArch | None = None,
+    rope: tuple[torch.Tensor, float] | None = None,
+) -> ShardedLlama:
+    """Rank ``rank`` of ``world_size``'s shard of the checkpoint directory ``path``.
+
+    ``arch`` and ``rope`` are the driver's (``LoadedModel.model`` of ``load_model(weights=False)``);
+    without them the config is read here (through the registry).  Raises ``ModelLoadError`` and
+    ``ValueError`` for a world size the model cannot split into."""
+    config = None
+    if arch is None or rope is None:
+        family, config = load_config(Path(path))
+        arch = family.arch(config)
+        rope = rope_inv_freq(config, arch.head_dim)
+    return ShardedLlama(path, rank, world_size, dtype, arch=arch, rope=rope, config=config)
+
+
+def model_from_checkpoint(checkpoint: Checkpoint, quantization: str | None = None) -> Model:
+    """The model of a checkpoint held in memory (tensors by Hugging Face name, as they are), its family
+    found from the transformers config (``architectures``, else ``model_type``).  Raises ``ModelLoadError``."""
+    config = checkpoint.config
+    family = find_family(getattr(config, "architectures", None), getattr(config, "model_type", None), checkpoint.path)
+    return family.build(config, checkpoint, quantization)
 
 
 def torch_dtype(dtype: object) -> torch.dtype:
@@ -98,4 +161,12 @@ def torch_device(device: object) -> torch.device:
     return found
 
 
-__all__ = ["EMBEDDED", "LoadedModel", "load_model", "torch_device", "torch_dtype"]
+__all__ = [
+    "EMBEDDED",
+    "LoadedModel",
+    "load_model",
+    "load_shard",
+    "model_from_checkpoint",
+    "torch_device",
+    "torch_dtype",
+]

@@ -8,21 +8,18 @@ A ``QuantizedMatrix`` is an ``[N, K]`` matrix stored row by row as ``K / 32`` bl
     Q8_0  34 bytes: fp16 d, 32 int8                       w[j] = d * q[j]
 
 ``mechserve.model.linear`` multiplies activations with these blocks directly; this module holds
-the data, the reference decoder (``dequantize``, plain torch, what the kernel is tested against),
-the quantizers (ggml's reference rounding, ``quantize_row_q4_1_ref`` / ``quantize_row_q8_0_ref``
-in ggml-quants.c) and the reader of the embedded GGUF's own blocks (``gguf_matrices``).
+the data, the reference decoder (``dequantize``, plain torch, what the kernel is tested against)
+and the quantizers (ggml's reference rounding, ``quantize_row_q4_1_ref`` / ``quantize_row_q8_0_ref``
+in ggml-quants.c).  Loading a quantized model (blocks from the embedded GGUF where it holds them,
+else quantized from the float checkpoint) is ``model/formats.py``'s ``QuantizedSafetensors``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-from mechserve.api.errors import ModelLoadError
-from mechserve.model.checkpoint import Checkpoint, load_config
 
 QK = 32  # weights per block
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
@@ -125,126 +122,4 @@ def quantize(weight: torch.Tensor, kind: str) -> QuantizedMatrix:
     return QuantizedMatrix(kind, blocks.contiguous(), k)
 
 
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
-# The embedding (and a tied or separate LM head) stays Q8_0 whatever the layers' format, as in the
-# embedded SmolLM2 file (llama.cpp's own choice for the output matrix).
-EMBEDDING_FORMAT = "q8_0"
-
-
-def is_matrix(name: str) -> bool:
-    """Whether the checkpoint tensor ``name`` is a weight matrix a quantized model keeps in blocks."""
-    return name in _EMBEDDINGS or (name.endswith(".weight") and name.rsplit(".", 2)[-2] in _PROJECTIONS)
-
-
-def load_quantized(path: Path, dtype: torch.dtype, kind: str, gguf: Path | None = None) -> Checkpoint:
-    """The checkpoint of ``path`` with its weight matrices in blocks of ``kind`` (the embedding and LM
-    head in ``EMBEDDING_FORMAT``) and everything else (norms, biases) in ``dtype``.
-
-    ``gguf``: a GGUF file of the same model whose blocks are taken as they are stored (the embedded
-    SmolLM2's own Q4_1 file) for every matrix it holds in the wanted format; the rest is quantized
-    from ``path``'s float weights with ggml's rounding (``quantize``).  Only the tensors needed are
-    read from the safetensors files.  Raises ``ModelLoadError`` for unreadable files or a matrix
-    whose rows are not a multiple of 32 wide, ``ValueError`` for an unknown ``kind``.
-    """
-    from safetensors import SafetensorError, safe_open
-
-    if kind not in BLOCK_BYTES:
-        raise ValueError(f"unknown block format {kind!r}; known: {', '.join(QUANTIZATIONS)}")
-    config = load_config(path)
-    stored: dict[str, QuantizedMatrix] = {}
-    if gguf is not None:
-        heads = config.num_attention_heads
-        stored = gguf_matrices(gguf, heads, getattr(config, "num_key_value_heads", None) or heads)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors weights in {path}")
-    tensors: dict[str, object] = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as shard:
-                for name in shard.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                    if not is_matrix(name):
-                        tensors[name] = shard.get_tensor(name).to(dtype)
-                        continue
-                    want = EMBEDDING_FORMAT if name in _EMBEDDINGS else kind
-                    if name in stored and stored[name].kind == want:
-                        tensors[name] = stored[name]
-                        continue
-                    weight = shard.get_tensor(name)
-                    if weight.shape[1] % QK:
-                        raise ModelLoadError(
-                            f"{name} has rows of {weight.shape[1]} weights; {want} needs a multiple of {QK}"
-                        )
-                    tensors[name] = quantize(weight, want)
-        except (OSError, SafetensorError) as e:
-            raise ModelLoadError(f"cannot read weights {f}: {e}") from None
-    return Checkpoint(path, config, tensors, quantization=kind)
-
-
-# GGUF tensor names of one decoder layer -> Hugging Face's.
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
-    """Row order that undoes llama.cpp's q/k permutation (its converter interleaves each head's two RoPE
-    halves: HF row ``h*D + j*D/2 + i`` is GGUF row ``h*D + 2*i + j``), as transformers' GGUF loader does."""
-    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
-
-
-def gguf_matrices(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, QuantizedMatrix]:
-    """The Q4_1/Q8_0 matrices of a Llama GGUF as they are stored, under Hugging Face tensor names
-    (``model.layers.{i}.self_attn.q_proj.weight``, ``model.embed_tokens.weight``, ...), q/k rows put
-    back in Hugging Face's order.  Tensors of other types are left out (the caller takes those from
-    the float checkpoint).  Raises ``ModelLoadError`` if the file cannot be read.
-    """
-    try:
-        from gguf import GGMLQuantizationType, GGUFReader
-
-        reader = GGUFReader(str(path))
-    except (ImportError, OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read the GGUF file {path}: {exc}") from None
-    kinds = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
-    out: dict[str, QuantizedMatrix] = {}
-    for t in reader.tensors:
-        kind = kinds.get(t.tensor_type)
-        if kind is None:
-            continue
-        k = int(t.shape[0])  # GGUF lists the fastest-varying axis first
-        blocks = torch.from_numpy(t.data.copy()).reshape(int(t.shape[1]), -1)
-        parts = t.name.split(".")
-        if t.name == "token_embd.weight":
-            name = "model.embed_tokens.weight"
-        elif t.name == "output.weight":
-            name = "lm_head.weight"
-        elif parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-            name = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
-            if parts[2] in ("attn_q", "attn_k"):
-                heads = num_heads if parts[2] == "attn_q" else num_kv_heads
-                blocks = blocks[_unpermute_rows(blocks.shape[0], heads)]
-        else:
-            continue
-        out[name] = QuantizedMatrix(kind, blocks.contiguous(), k)
-    return out
-
-
-__all__ = [
-    "BLOCK_BYTES",
-    "EMBEDDING_FORMAT",
-    "QK",
-    "QUANTIZATIONS",
-    "QuantizedMatrix",
-    "dequantize",
-    "gguf_matrices",
-    "is_matrix",
-    "load_quantized",
-    "quantize",
-]
+__all__ = ["BLOCK_BYTES", "QK", "QUANTIZATIONS", "QuantizedMatrix", "dequantize", "quantize"]

@@ -29,9 +29,10 @@ uneven groups, never extra KV memory beyond the replicated heads.
 
 The intermediate size splits the same way (contiguous, as possible); the vocabulary
 splits into ``ceil(V / W)``-row blocks (the last may be shorter; its logits are padded for the
-all-gather and the padding dropped).  Norms and the row-parallel biases are replicated.  A rank
-reads only its slices from the safetensors files (``safe_open(...).get_slice``), so it never
-holds the whole model.
+all-gather and the padding dropped).  Norms and the row-parallel biases are replicated.  Which
+tensor splits along which axis is the weight-name map's (``model/weights.py``: a rank keeps its
+span of every Q, KV, intermediate and vocabulary axis), and a rank reads only its slices from the
+safetensors files (``formats.SafetensorsFiles``), so it never holds the whole model.
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mechserve.api.errors import ModelLoadError
 from mechserve.kv.paged import AttentionBatch, PagedKVCache, paged_attention
-from mechserve.model.checkpoint import load_config
+from mechserve.model.arch import LlamaArch
+from mechserve.model.formats import SafetensorsFiles
+from mechserve.model.layer import LayerWeights
 from mechserve.model.linear import linear
-from mechserve.model.llama import LayerWeights, LlamaArch, LlamaModel, _rotate, rms_norm, rope_inv_freq
+from mechserve.model.llama import LlamaModel, _rotate, rms_norm, rope_inv_freq
+from mechserve.model.weights import Dim, Span, assemble
 
 
 def even_split(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -130,46 +133,6 @@ class RankShape:
         )
 
 
-class _Slices:
-    """Named tensors of a checkpoint directory, read one slice at a time (safetensors ``get_slice``)."""
-
-    def __init__(self, path: Path, dtype: torch.dtype) -> None:
-        from safetensors import safe_open
-
-        self.path, self.dtype = path, dtype
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise ModelLoadError(f"no *.safetensors weights in {path}")
-        self.handles: list[Any] = [safe_open(str(f), framework="pt") for f in files]
-        self.where = {name: h for h in self.handles for name in h.keys()}  # noqa: SIM118 (no __iter__)
-
-    def has(self, name: str) -> bool:
-        return name in self.where
-
-    def rows(self, name: str, start: int | None = None, end: int | None = None) -> torch.Tensor:
-        """Rows ``[start, end)`` of ``name`` (all rows by default), contiguous, in ``dtype``."""
-        if name not in self.where:
-            raise ModelLoadError(f"checkpoint {self.path} is missing tensor {name!r}")
-        rows: torch.Tensor = self.where[name].get_slice(name)[start:end]
-        return rows.to(self.dtype).contiguous()
-
-    def cols(self, name: str, start: int, end: int) -> torch.Tensor:
-        """Columns ``[start, end)`` of the matrix ``name``, contiguous, in ``dtype``."""
-        if name not in self.where:
-            raise ModelLoadError(f"checkpoint {self.path} is missing tensor {name!r}")
-        cols: torch.Tensor = self.where[name].get_slice(name)[:, start:end]
-        return cols.to(self.dtype).contiguous()
-
-    def maybe_rows(self, names: list[str], spans: list[tuple[int, int]]) -> torch.Tensor | None:
-        """``rows`` of every name (one span each) concatenated; None if none exists; an error if only some do."""
-        present = [n for n in names if n in self.where]
-        if not present:
-            return None
-        if len(present) != len(names):
-            raise ModelLoadError(f"checkpoint {self.path} has only some of {names}")
-        return torch.cat([self.rows(n, a, b) for n, (a, b) in zip(names, spans)]).contiguous()
-
-
 class ShardedLlama(LlamaModel):
     """Rank ``rank``'s shard of a Llama-family checkpoint, with the tensor-parallel forward.
 
@@ -189,54 +152,34 @@ class ShardedLlama(LlamaModel):
         world_size: int,
         dtype: torch.dtype = torch.float32,
         *,
-        arch: LlamaArch | None = None,
-        rope: tuple[torch.Tensor, float] | None = None,
+        arch: LlamaArch,
+        rope: tuple[torch.Tensor, float],
+        config: Any = None,
     ) -> None:
-        path = Path(path)
-        # A driver that has the model's shape and RoPE passes them, so a rank never imports transformers.
-        self.config = load_config(path) if arch is None or rope is None else None
-        self.full_arch = full = arch or LlamaArch.from_config(self.config)
+        """Rank ``rank``'s slices of the checkpoint directory ``path`` for a model shaped ``arch`` with RoPE
+        ``rope`` (``rope_inv_freq``'s frequencies and scaling), given by the driver so that a rank never
+        imports transformers (``loader.load_shard`` reads them from the config when they are not)."""
+        self.config = config
+        self.full_arch = full = arch
         self.shape = shape = RankShape.of(full, world_size, rank)
         hs = shape.heads
         self.arch = replace(full, num_heads=hs.num_kv * hs.group, num_kv_heads=hs.num_kv)
         self.dtype = dtype
         self.quantization = None
-        t = _Slices(path, dtype)
-        v0, v1 = shape.vocab
-        self.embed = t.rows("model.embed_tokens.weight", v0, v1)  # [V_r, hidden]
-        self.norm = t.rows("model.norm.weight")
-        tied = full.tie_word_embeddings or not t.has("lm_head.weight")
-        self.lm_head = self.embed if tied else t.rows("lm_head.weight", v0, v1)
-        self.layers = [self._layer(t, i) for i in range(full.num_layers)]
-        self.inv_freq, self.rope_scaling = rope or rope_inv_freq(self.config, full.head_dim)
+        d, (q0, q1), (kv0, kv1) = full.head_dim, hs.q, hs.kv
+        split: dict[Dim, Span] = {
+            "q": (q0 * d, q1 * d),
+            "kv": (kv0 * d, kv1 * d),
+            "inter": shape.inter,
+            "vocab": shape.vocab,
+        }
+        with SafetensorsFiles(Path(path), dtype) as files:
+            weights = assemble(files, full, split)
+        self.embed, self.norm, self.lm_head, self.layers = weights.embed, weights.norm, weights.lm_head, weights.layers
+        self.inv_freq, self.rope_scaling = rope
         self.scale = full.head_dim**-0.5
         self.distinct_windows = tuple(dict.fromkeys(full.windows))
         self._slots = None if hs.slots is None else torch.tensor(hs.slots, dtype=torch.int64)
-
-    def _layer(self, t: _Slices, i: int) -> LayerWeights:
-        d, hs, (i0, i1) = self.full_arch.head_dim, self.shape.heads, self.shape.inter
-        p = f"model.layers.{i}."
-        a, m = p + "self_attn.", p + "mlp."
-        (q0, q1), (kv0, kv1) = hs.q, hs.kv
-        qkv_spans = [(q0 * d, q1 * d), (kv0 * d, kv1 * d), (kv0 * d, kv1 * d)]
-        qkv = t.maybe_rows([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], qkv_spans)
-        gate_up = t.maybe_rows([m + "gate_proj.weight", m + "up_proj.weight"], [(i0, i1), (i0, i1)])
-        if qkv is None or gate_up is None:
-            raise ModelLoadError(f"checkpoint {t.path} is missing layer {i}'s projection weights")
-        return LayerWeights(
-            input_norm=t.rows(p + "input_layernorm.weight"),
-            qkv=qkv,
-            qkv_bias=t.maybe_rows([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], qkv_spans),
-            o=t.cols(a + "o_proj.weight", q0 * d, q1 * d),
-            o_bias=t.rows(a + "o_proj.bias") if t.has(a + "o_proj.bias") else None,
-            q_norm=t.rows(a + "q_norm.weight") if t.has(a + "q_norm.weight") else None,
-            k_norm=t.rows(a + "k_norm.weight") if t.has(a + "k_norm.weight") else None,
-            post_norm=t.rows(p + "post_attention_layernorm.weight"),
-            gate_up=gate_up,
-            gate_up_bias=t.maybe_rows([m + "gate_proj.bias", m + "up_proj.bias"], [(i0, i1), (i0, i1)]),
-            down=t.cols(m + "down_proj.weight", i0, i1),
-            down_bias=t.rows(m + "down_proj.bias") if t.has(m + "down_proj.bias") else None,
-        )
 
     def truncated(self, num_layers: int) -> LlamaModel:
         raise NotImplementedError("a sharded model cannot serve as a draft model")
@@ -329,20 +272,21 @@ class ShardedLlama(LlamaModel):
 
 
 @dataclass(frozen=True, slots=True)
-class ModelShape:
-    """What the driver of a rank group needs of a model without its weights: the transformers
-    ``config``, ``arch``, ``dtype`` and RoPE (``inv_freq``, ``rope_scaling``); the ranks hold the weights."""
+class LlamaShape:
+    """What the driver of a rank group needs of a Llama-shaped model without its weights (a
+    ``model.protocol.ModelShape``): the transformers ``config``, ``arch``, ``dtype`` and RoPE
+    (``inv_freq``, ``rope_scaling``, passed on to the ranks); the ranks hold the weights."""
 
     config: Any
     arch: LlamaArch
     dtype: torch.dtype
     inv_freq: torch.Tensor
     rope_scaling: float
+    quantization: str | None = None  # the ranks' weights are floats (EngineConfig refuses quantization there)
 
     @classmethod
-    def of(cls, config: Any, dtype: torch.dtype) -> ModelShape:
-        """The shape of a transformers ``config``, checked as ``LlamaModel`` would (``ModelLoadError``)."""
-        arch = LlamaArch.from_config(config)
+    def of(cls, config: Any, arch: LlamaArch, dtype: torch.dtype) -> LlamaShape:
+        """The shape ``arch`` of a transformers ``config``; ``ModelLoadError`` for a RoPE ``LlamaModel`` cannot run."""
         return cls(config, arch, dtype, *rope_inv_freq(config, arch.head_dim))
 
 
@@ -358,4 +302,4 @@ def full_parameter_count(model: Any) -> int:
     return sum(seen.values())
 
 
-__all__ = ["HeadSplit", "ModelShape", "RankShape", "ShardedLlama", "even_split", "full_parameter_count"]
+__all__ = ["HeadSplit", "LlamaShape", "RankShape", "ShardedLlama", "even_split", "full_parameter_count"]

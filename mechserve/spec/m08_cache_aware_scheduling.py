@@ -440,7 +440,8 @@ class Engine:
 
     def _reuse(self) -> dict[str, int]:
         """Cold requests adopt their longest cached prompt prefix; returns tokens reused."""
-        # m08: at most (prompt_len-1)//page_size blocks, so one prompt token is always computed.
+        # m08: at most (target-1)//page_size blocks, so one position is always computed; a preempted
+        # request, whose target runs past its prompt, reuses every cached prompt block (D7).
         reused: dict[str, int] = {}
         if not self.prefix_caching:
             return reused
@@ -449,7 +450,7 @@ class Engine:
             if r.computed != 0 or r.page_table:
                 continue
             hit = self.cache.match(r.prompt_keys)
-            usable = min(len(hit), (r.prompt_len - 1) // ps)
+            usable = min(len(hit), (r.target - 1) // ps)
             if usable > 0:
                 r.page_table = hit[:usable]
                 r.computed = usable * ps
@@ -502,9 +503,11 @@ class Engine:
             need = sum(max(0, pages_for(r.computed + n, ps) - len(r.page_table)) for r, n in work)
             if self.pool.can_fit(need):
                 break
-            # m08: unreferenced cache pages go before anyone's computed state.
-            freed = self._reclaim(need - len(self.pool.free))
-            if freed:
+            # m08: unreferenced cache pages go before anyone's computed state, but only when they
+            # cover the shortfall: an eviction that spares no preemption only loses a block (D8).
+            short, evictable = need - len(self.pool.free), self._evictable()
+            if short <= evictable:
+                freed = self._reclaim(short)
                 self._why.append(
                     f"{need} page(s) needed but only {len(self.pool.free) - len(freed)} free: "
                     f"evicted unreferenced cache page(s) {freed}, deepest first."
@@ -515,7 +518,7 @@ class Engine:
             if victim is None:
                 raise OutOfPages(f"step {self.step_counter} needs {need} page(s), only {len(self.pool.free)} free")
             self._why.append(
-                f"{need} page(s) needed but only {len(self.pool.free)} free and no cache page can be evicted: "
+                f"{need} page(s) needed but only {len(self.pool.free)} free and {evictable} evictable cache page(s): "
                 f"{victim.request_id} (the last eligible request in the list) was preempted."
             )
             self._preempt(victim, work)
@@ -528,6 +531,24 @@ class Engine:
                     f"{r.request_id} took free page(s) {taken} to back positions up to {r.computed + n - 1}."
                 )
         return preempted
+
+    def _evictable(self) -> int:
+        """How many cache pages leaf-by-leaf eviction could free now: those whose subtree holds no page
+        of a running request's page table (D8)."""
+        referenced = {p for r in self.running for p in r.page_table}
+        count = 0
+        pinned: set[int] = set()  # nodes whose subtree holds a referenced page
+        stack = [(node, False) for node in self.cache.root.values()]
+        while stack:  # post-order, without recursion: chains can be thousands of blocks deep
+            node, children_done = stack.pop()
+            if not children_done:
+                stack.append((node, True))
+                stack.extend((child, False) for child in node.children.values())
+            elif node.block in referenced or any(id(child) in pinned for child in node.children.values()):
+                pinned.add(id(node))
+            else:
+                count += 1
+        return count
 
     def _reclaim(self, k: int) -> list[int]:
         """Evict up to ``k`` unreferenced cache leaves, one search each; return their pages."""

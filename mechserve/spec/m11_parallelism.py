@@ -406,6 +406,18 @@ class Executor(Protocol):
     def execute(self, plan: tuple[PlanItem, ...]) -> tuple[Outcome, ...]: ...
 
 
+# m10: what a step decided before the boundary, kept from schedule() until commit().
+@dataclass(frozen=True)
+class _OpenStep:
+    work: tuple[tuple[Request, int], ...]
+    plan: tuple[PlanItem, ...]
+    admitted: tuple[str, ...]
+    scheduled: tuple[str, ...]
+    preempted: tuple[str, ...]
+    reused: Mapping[str, int]
+    evicted: tuple[int, ...]
+
+
 def scripted_token(prev_id: int, position: int) -> int:
     """The scripted model's next id after ``prev_id`` at ``position`` (never EOS_TOKEN_ID)."""
     return (prev_id * 1_000_003 + position * 7_919) % 65_521 + 1
@@ -576,10 +588,25 @@ class Engine:
             eos_token_ids = () if executors else (EOS_TOKEN_ID,)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.step_counter = 0
+        self._open: _OpenStep | None = None  # m10: between schedule() and commit()
         self._why: list[str] = []
 
     def step(self) -> StepRecord:
-        """Run one tick and return its record; the counter advances afterwards."""
+        """Run one tick and return its record; the counter advances afterwards.
+
+        m10: a tick is ``commit(executor.execute(schedule()))``; a caller that runs the plan on its
+        own executor makes the three calls itself and gets the same record.
+        """
+        return self.commit(self.executor.execute(self.schedule()))
+
+    # m10: the two halves of a step, on either side of the boundary.
+    def schedule(self) -> tuple[PlanItem, ...]:
+        """Open a step: admit, reuse, draft, schedule and make the work resident; return its plan.
+
+        The step stays open until ``commit``.  ``schedule`` while a step is open abandons that step,
+        as a failed executor does: what it did to the queues and the pool stays, it has no record
+        and the counter does not move.  ``OutOfPages`` propagates.
+        """
         self._why = []
         admitted = self._admit()
         reused = self._reuse()
@@ -589,8 +616,24 @@ class Engine:
         evicted: list[int] = []
         preempted = self._ensure_residency(work, evicted)
         plan = self._plan(work)
-        outcomes = self.executor.execute(plan)
-        executed, verdicts = self._commit(work, plan, outcomes)
+        self._open = _OpenStep(
+            tuple(work), plan, tuple(admitted), scheduled, tuple(preempted), _frozen(reused), tuple(evicted)
+        )
+        return plan
+
+    def commit(self, outcomes: Sequence[Outcome]) -> StepRecord:
+        """Close the open step with the executor's ``outcomes`` (one per plan item, in plan order) and
+        return its record: validate and apply them, resolve the decode windows, publish, sample.
+
+        Raises ``RuntimeError`` when no step is open (``commit`` before ``schedule``, or twice) and
+        ``BoundaryViolation`` when an outcome breaks the contract; either way the step is closed,
+        nothing of its execution applied and the counter unchanged.
+        """
+        opened, self._open = self._open, None
+        if opened is None:
+            raise RuntimeError("commit() without an open step: call schedule() first")
+        work = list(opened.work)
+        executed, verdicts = self._apply(work, opened.plan, outcomes)
         drafted, accepted, rolled_back, sampled_ids = self._resolve(work, verdicts)
         published = self._publish(work)
         sampled: dict[str, Sample] = {}
@@ -603,15 +646,15 @@ class Engine:
                 tokens[r.request_id] = tuple(verdicts[r.request_id].token_ids[: accepted.get(r.request_id, 0) + 1])
         record = StepRecord(
             step=self.step_counter,
-            admitted=tuple(admitted),
-            scheduled=scheduled,
+            admitted=opened.admitted,
+            scheduled=opened.scheduled,
             executed=_frozen(executed),
             sampled=_frozen(sampled),
             finished=_frozen(finished),
-            preempted=tuple(preempted),
-            reused=_frozen(reused),
+            preempted=opened.preempted,
+            reused=opened.reused,
             published=_frozen(published),
-            evicted=tuple(evicted),
+            evicted=opened.evicted,
             drafted=_frozen(drafted),
             accepted=_frozen(accepted),
             rolled_back=_frozen(rolled_back),
@@ -652,7 +695,8 @@ class Engine:
 
     def _reuse(self) -> dict[str, int]:
         """Cold requests adopt their longest cached prompt prefix; returns tokens reused."""
-        # m08: at most (prompt_len-1)//page_size blocks, so one prompt token is always computed.
+        # m08: at most (target-1)//page_size blocks, so one position is always computed; a preempted
+        # request, whose target runs past its prompt, reuses every cached prompt block (D7).
         reused: dict[str, int] = {}
         if not self.prefix_caching:
             return reused
@@ -661,7 +705,7 @@ class Engine:
             if r.computed != 0 or r.page_table:
                 continue
             hit = self.cache.match(r.prompt_keys)
-            usable = min(len(hit), (r.prompt_len - 1) // ps)
+            usable = min(len(hit), (r.target - 1) // ps)
             if usable > 0:
                 r.page_table = hit[:usable]
                 r.computed = usable * ps
@@ -726,9 +770,11 @@ class Engine:
             need = sum(max(0, pages_for(r.computed + n, ps) - len(r.page_table)) for r, n in work)
             if self.pool.can_fit(need):
                 break
-            # m08: unreferenced cache pages go before anyone's computed state.
-            freed = self._reclaim(need - len(self.pool.free))
-            if freed:
+            # m08: unreferenced cache pages go before anyone's computed state, but only when they
+            # cover the shortfall: an eviction that spares no preemption only loses a block (D8).
+            short, evictable = need - len(self.pool.free), self._evictable()
+            if short <= evictable:
+                freed = self._reclaim(short)
                 self._why.append(
                     f"{need} page(s) needed but only {len(self.pool.free) - len(freed)} free: "
                     f"evicted unreferenced cache page(s) {freed}, deepest first."
@@ -739,7 +785,7 @@ class Engine:
             if victim is None:
                 raise OutOfPages(f"step {self.step_counter} needs {need} page(s), only {len(self.pool.free)} free")
             self._why.append(
-                f"{need} page(s) needed but only {len(self.pool.free)} free and no cache page can be evicted: "
+                f"{need} page(s) needed but only {len(self.pool.free)} free and {evictable} evictable cache page(s): "
                 f"{victim.request_id} (the last eligible request in the list) was preempted."
             )
             self._preempt(victim, work)
@@ -752,6 +798,24 @@ class Engine:
                     f"{r.request_id} took free page(s) {taken} to back positions up to {r.computed + n - 1}."
                 )
         return preempted
+
+    def _evictable(self) -> int:
+        """How many cache pages leaf-by-leaf eviction could free now: those whose subtree holds no page
+        of a running request's page table (D8)."""
+        referenced = {p for r in self.running for p in r.page_table}
+        count = 0
+        pinned: set[int] = set()  # nodes whose subtree holds a referenced page
+        stack = [(node, False) for node in self.cache.root.values()]
+        while stack:  # post-order, without recursion: chains can be thousands of blocks deep
+            node, children_done = stack.pop()
+            if not children_done:
+                stack.append((node, True))
+                stack.extend((child, False) for child in node.children.values())
+            elif node.block in referenced or any(id(child) in pinned for child in node.children.values()):
+                pinned.add(id(node))
+            else:
+                count += 1
+        return count
 
     def _reclaim(self, k: int) -> list[int]:
         """Evict up to ``k`` unreferenced cache leaves, one search each; return their pages."""
@@ -811,10 +875,10 @@ class Engine:
             )
         return tuple(plan)
 
-    def _commit(
+    def _apply(
         self, work: list[tuple[Request, int]], plan: tuple[PlanItem, ...], outcomes: Sequence[Outcome]
     ) -> tuple[dict[str, int], dict[str, Outcome]]:
-        """Validate every outcome, then apply them all; returns (executed, verdicts).
+        """Commit's first phase: validate every outcome, then apply them all; returns (executed, verdicts).
 
         Raises ``BoundaryViolation`` (applying nothing) on a count mismatch, a
         different request or start position, a token count other than

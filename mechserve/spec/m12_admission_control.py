@@ -18,7 +18,10 @@ duplicate id, a request longer than ``max_model_len``, one whose prompt and
 output can never fit the whole pool, and, when the waiting queue already holds
 ``max_waiting`` requests, anything more (overload).  ``max_new_tokens == 0``
 is legal and finishes at admission with zero tokens.  A sampled id in the
-request's ``stop_token_ids`` finishes it with STOP, beside EOS.  Optionally
+request's ``stop_token_ids`` finishes it with STOP, beside EOS, and so does a
+stop decided outside the engine (a stop string found in the text): the caller's
+``stop`` check, given to ``commit``, keeps a prefix of what a request appended in
+the step and ends it there.  Optionally
 (``hold_shared_prefix``) admission holds back a request whose shared prompt
 prefix a running request is still computing, until that prefix is cached, so
 that it reuses all of it.  The rules are in
@@ -432,6 +435,25 @@ class Executor(Protocol):
     def execute(self, plan: tuple[PlanItem, ...]) -> tuple[Outcome, ...]: ...
 
 
+# m10: what a step decided before the boundary, kept from schedule() until commit().
+@dataclass(frozen=True)
+class _OpenStep:
+    work: tuple[tuple[Request, int], ...]
+    plan: tuple[PlanItem, ...]
+    admitted: tuple[str, ...]
+    scheduled: tuple[str, ...]
+    preempted: tuple[str, ...]
+    reused: Mapping[str, int]
+    evicted: tuple[int, ...]
+    rejected: tuple[tuple[str, RejectReason], ...]  # m12
+    aborted: tuple[str, ...]  # m12
+    finished: Mapping[str, FinishReason]  # m12: finished at admission (max_new_tokens 0)
+
+
+# m12: a stop decided outside the engine: (request id, ids it appended this step) -> ids to keep, or None.
+StopCheck = Callable[[str, tuple[int, ...]], int | None]
+
+
 def scripted_token(prev_id: int, position: int) -> int:
     """The scripted model's next id after ``prev_id`` at ``position`` (never EOS_TOKEN_ID)."""
     return (prev_id * 1_000_003 + position * 7_919) % 65_521 + 1
@@ -627,6 +649,7 @@ class Engine:
             eos_token_ids = () if executors else (EOS_TOKEN_ID,)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.step_counter = 0
+        self._open: _OpenStep | None = None  # m10: between schedule() and commit()
         self._why: list[str] = []
         self._rejected: list[tuple[str, RejectReason]] = []  # m12: since the last step
         self._aborted: list[str] = []
@@ -732,7 +755,21 @@ class Engine:
         return True
 
     def step(self) -> StepRecord:
-        """Run one tick and return its record; the counter advances afterwards."""
+        """Run one tick and return its record; the counter advances afterwards.
+
+        m10: a tick is ``commit(executor.execute(schedule()))``; a caller that runs the plan on its
+        own executor makes the three calls itself and gets the same record.
+        """
+        return self.commit(self.executor.execute(self.schedule()))
+
+    # m10: the two halves of a step, on either side of the boundary.
+    def schedule(self) -> tuple[PlanItem, ...]:
+        """Open a step: admit, reuse, draft, schedule and make the work resident; return its plan.
+
+        The step stays open until ``commit``.  ``schedule`` while a step is open abandons that step,
+        as a failed executor does: what it did to the queues and the pool stays, it has no record
+        and the counter does not move.  ``OutOfPages`` propagates.
+        """
         # m12: door decisions and aborts since the last step belong to this record.
         rejected, self._rejected = self._rejected, []
         aborted, self._aborted = self._aborted, []
@@ -745,8 +782,39 @@ class Engine:
         evicted: list[int] = []
         preempted = self._ensure_residency(work, evicted)
         plan = self._plan(work)
-        outcomes = self.executor.execute(plan)
-        executed, verdicts = self._commit(work, plan, outcomes)
+        self._open = _OpenStep(
+            tuple(work),
+            plan,
+            tuple(admitted),
+            scheduled,
+            tuple(preempted),
+            _frozen(reused),
+            tuple(evicted),
+            tuple(rejected),
+            tuple(aborted),
+            _frozen(finished),
+        )
+        return plan
+
+    def commit(self, outcomes: Sequence[Outcome], stop: StopCheck | None = None) -> StepRecord:
+        """Close the open step with the executor's ``outcomes`` (one per plan item, in plan order) and
+        return its record: validate and apply them, resolve the decode windows, publish, sample.
+
+        m12: ``stop`` is a stop decided outside the engine (a stop string found in the text): it is
+        asked once per request that appended ids in this step, in work order, right after they are
+        appended, with the request id and those ids; it answers None, or how many of them the request
+        keeps, and the request then finishes with STOP after them (``_stop``).
+
+        Raises ``RuntimeError`` when no step is open (``commit`` before ``schedule``, or twice) and
+        ``BoundaryViolation`` when an outcome breaks the contract; either way the step is closed,
+        nothing of its execution applied and the counter unchanged.
+        """
+        opened, self._open = self._open, None
+        if opened is None:
+            raise RuntimeError("commit() without an open step: call schedule() first")
+        work = list(opened.work)
+        finished = dict(opened.finished)
+        executed, verdicts = self._apply(work, opened.plan, outcomes)
         drafted, accepted, rolled_back, sampled_ids = self._resolve(work, verdicts)
         published = self._publish(work)
         sampled: dict[str, Sample] = {}
@@ -756,23 +824,29 @@ class Engine:
             if r.computed == r.target:
                 self._sample(r, sampled_ids[r.request_id], sampled, finished)
                 tokens[r.request_id] = tuple(verdicts[r.request_id].token_ids[: accepted.get(r.request_id, 0) + 1])
+                # m12: a stop decided outside the engine may end the request inside what it appended.
+                keep = None if stop is None else stop(r.request_id, tokens[r.request_id])
+                if keep is not None:
+                    tokens[r.request_id] = self._stop(
+                        r, tokens[r.request_id], keep, finished, drafted, accepted, rolled_back
+                    )
         record = StepRecord(
             step=self.step_counter,
-            admitted=tuple(admitted),
-            scheduled=scheduled,
+            admitted=opened.admitted,
+            scheduled=opened.scheduled,
             executed=_frozen(executed),
             sampled=_frozen(sampled),
             finished=_frozen(finished),
-            preempted=tuple(preempted),
-            reused=_frozen(reused),
+            preempted=opened.preempted,
+            reused=opened.reused,
             published=_frozen(published),
-            evicted=tuple(evicted),
+            evicted=opened.evicted,
             drafted=_frozen(drafted),
             accepted=_frozen(accepted),
             rolled_back=_frozen(rolled_back),
             tokens=_frozen(tokens),
-            rejected=tuple(rejected),
-            aborted=tuple(aborted),
+            rejected=opened.rejected,
+            aborted=opened.aborted,
             explain=tuple(self._why),
         )
         self._why = []
@@ -884,7 +958,8 @@ class Engine:
 
     def _reuse(self) -> dict[str, int]:
         """Cold requests adopt their longest cached prompt prefix; returns tokens reused."""
-        # m08: at most (prompt_len-1)//page_size blocks, so one prompt token is always computed.
+        # m08: at most (target-1)//page_size blocks, so one position is always computed; a preempted
+        # request, whose target runs past its prompt, reuses every cached prompt block (D7).
         reused: dict[str, int] = {}
         if not self.prefix_caching:
             return reused
@@ -893,7 +968,7 @@ class Engine:
             if r.computed != 0 or r.page_table:
                 continue
             hit = self.cache.match(r.prompt_keys)
-            usable = min(len(hit), (r.prompt_len - 1) // ps)
+            usable = min(len(hit), (r.target - 1) // ps)
             if usable > 0:
                 r.page_table = hit[:usable]
                 r.computed = usable * ps
@@ -958,9 +1033,11 @@ class Engine:
             need = sum(max(0, pages_for(r.computed + n, ps) - len(r.page_table)) for r, n in work)
             if self.pool.can_fit(need):
                 break
-            # m08: unreferenced cache pages go before anyone's computed state.
-            freed = self._reclaim(need - len(self.pool.free))
-            if freed:
+            # m08: unreferenced cache pages go before anyone's computed state, but only when they
+            # cover the shortfall: an eviction that spares no preemption only loses a block (D8).
+            short, evictable = need - len(self.pool.free), self._evictable()
+            if short <= evictable:
+                freed = self._reclaim(short)
                 self._why.append(
                     f"{need} page(s) needed but only {len(self.pool.free) - len(freed)} free: "
                     f"evicted unreferenced cache page(s) {freed}, deepest first."
@@ -971,7 +1048,7 @@ class Engine:
             if victim is None:
                 raise OutOfPages(f"step {self.step_counter} needs {need} page(s), only {len(self.pool.free)} free")
             self._why.append(
-                f"{need} page(s) needed but only {len(self.pool.free)} free and no cache page can be evicted: "
+                f"{need} page(s) needed but only {len(self.pool.free)} free and {evictable} evictable cache page(s): "
                 f"{victim.request_id} (the last eligible request in the list) was preempted."
             )
             self._preempt(victim, work)
@@ -984,6 +1061,24 @@ class Engine:
                     f"{r.request_id} took free page(s) {taken} to back positions up to {r.computed + n - 1}."
                 )
         return preempted
+
+    def _evictable(self) -> int:
+        """How many cache pages leaf-by-leaf eviction could free now: those whose subtree holds no page
+        of a running request's page table (D8)."""
+        referenced = {p for r in self.running for p in r.page_table}
+        count = 0
+        pinned: set[int] = set()  # nodes whose subtree holds a referenced page
+        stack = [(node, False) for node in self.cache.root.values()]
+        while stack:  # post-order, without recursion: chains can be thousands of blocks deep
+            node, children_done = stack.pop()
+            if not children_done:
+                stack.append((node, True))
+                stack.extend((child, False) for child in node.children.values())
+            elif node.block in referenced or any(id(child) in pinned for child in node.children.values()):
+                pinned.add(id(node))
+            else:
+                count += 1
+        return count
 
     def _reclaim(self, k: int) -> list[int]:
         """Evict up to ``k`` unreferenced cache leaves, one search each; return their pages."""
@@ -1043,10 +1138,10 @@ class Engine:
             )
         return tuple(plan)
 
-    def _commit(
+    def _apply(
         self, work: list[tuple[Request, int]], plan: tuple[PlanItem, ...], outcomes: Sequence[Outcome]
     ) -> tuple[dict[str, int], dict[str, Outcome]]:
-        """Validate every outcome, then apply them all; returns (executed, verdicts).
+        """Commit's first phase: validate every outcome, then apply them all; returns (executed, verdicts).
 
         Raises ``BoundaryViolation`` (applying nothing) on a count mismatch, a
         different request or start position, a token count other than
@@ -1206,6 +1301,49 @@ class Engine:
             finished[r.request_id] = r.finish_reason
             self._why.append(f"{r.request_id} finished ({r.finish_reason.value}) after {r.generated} token(s).")
             self._release(r)
+
+    # m12: a stop decided outside the engine, inside the ids a request appended this step.
+    def _stop(
+        self,
+        r: Request,
+        ids: tuple[int, ...],
+        keep: int,
+        finished: dict[str, FinishReason],
+        drafted: dict[str, int],
+        accepted: dict[str, int],
+        rolled_back: dict[str, int],
+    ) -> tuple[int, ...]:
+        """End ``r`` with STOP after the first ``keep`` of the ``ids`` it appended this step; return them.
+
+        The ids after them leave ``output_ids`` and, but for a last EOS or stop id the request already
+        finished on, ``generated``; ``computed`` drops to the new ``target`` at most.  A decode
+        window's ``accepted`` counts only the guesses kept (the others are ``rolled_back``).  A
+        request still running finishes now and gives back its private pages; one that already
+        finished in this step ends with STOP instead.  Raises ``ValueError`` unless ``0 <= keep <=
+        len(ids)``.
+        """
+        if not 0 <= keep <= len(ids):
+            raise ValueError(f"{r.request_id}: a stop may keep 0..{len(ids)} of the ids it appended, not {keep}")
+        dropped = len(ids) - keep
+        if dropped:
+            ended_on_id = r.finish_reason in (FinishReason.EOS, FinishReason.STOP)
+            del r.output_ids[len(r.output_ids) - dropped :]
+            r.generated -= dropped - 1 if ended_on_id else dropped
+            r.computed = min(r.computed, r.target)
+            if r.request_id in accepted:
+                accepted[r.request_id] = min(accepted[r.request_id], max(keep - 1, 0))
+                rolled_back[r.request_id] = drafted[r.request_id] - accepted[r.request_id]
+        if r.finish_reason is None:
+            r.state = RequestState.FINISHED
+            self.running.remove(r)
+            del self.live[r.request_id]
+            self._release(r)
+        r.finish_reason = finished[r.request_id] = FinishReason.STOP
+        self._why.append(
+            f"{r.request_id} was stopped from outside after {keep} of the {len(ids)} id(s) it appended "
+            f"(STOP, {r.generated} token(s))."
+        )
+        return ids[:keep]
 
     def _release(self, r: Request) -> None:
         """Give back ``r``'s private pages, in page-table order; cache pages stay cached."""

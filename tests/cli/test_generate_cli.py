@@ -329,4 +329,4 @@ def test_engine_error_part_way_prints_the_steps_before_it(
 def test_unsupported_model_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     rc, _, err = call(["hi", "--model", str(tmp_path)], capsys)
-    one_error_line(rc, err, "mechserve: error: unsupported architecture 'bert'")
+    one_error_line(rc, err, "mechserve: error: unsupported model_type 'bert'")

@@ -60,7 +60,11 @@ def test_the_variants_exercise_what_they_name(target: Target) -> None:
     turns = variant(base, "next turns", target)
     firsts = {r["request_id"]: len(r["tokens"]) for r in base["requests"]}
     run = run_workload(target, turns)
-    reused = {rid: n for rec in run.records for rid, n in rec.reused.items() if rid.endswith("+")}
+    reused: dict[str, int] = {}  # the most each next turn reused (a tight pool may evict and shrink a later hit)
+    for rec in run.records:
+        for rid, n in rec.reused.items():
+            if rid.endswith("+"):
+                reused[rid] = max(n, reused.get(rid, 0))
     assert reused and all(n > firsts[rid[:-1]] for rid, n in reused.items()), (reused, firsts)
     with pytest.raises(ValueError, match="needs the target"):
         variant(base, "next turns")

@@ -26,6 +26,7 @@ from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.executor.verify import verify_draft
 from mechserve.model.checkpoint import Checkpoint
 from mechserve.model.llama import LlamaModel
+from mechserve.model.loader import model_from_checkpoint
 from mechserve.spec import m14_forced_runs as m14
 
 
@@ -187,7 +188,7 @@ def small_model(layers: int, seed: int) -> tuple[LlamaModel, object]:
         torch.manual_seed(seed)
         hf = AutoModelForCausalLM.from_config(config).eval()
     tensors = {name: t.detach().clone() for name, t in hf.state_dict().items()}
-    return LlamaModel(Checkpoint(Path(f"<small {seed}>"), config, tensors)), hf
+    return model_from_checkpoint(Checkpoint(Path(f"<small {seed}>"), config, tensors)), hf
 
 
 def target_joint(hf: object, params: SamplingParams, n: int) -> dict[tuple[int, ...], float]:

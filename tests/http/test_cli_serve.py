@@ -210,3 +210,19 @@ def test_serve_takes_a_request_body_cap(capsys) -> None:
     assert parse(["serve"]).max_request_bytes == 4 << 20
     code, _, err = run_cli(capsys, "serve", "--max-request-bytes", "lots")
     assert code == 2 and "--max-request-bytes" in err
+
+
+def test_serve_takes_the_response_store_size_and_open_objects(capsys, tiny_dir: Path) -> None:
+    """Issue 29's two server options: the Responses store's bound, and JSON Schema's open objects."""
+    from mechserve.cli.main import parse
+    from mechserve.cli.serve import DEFAULT_STORED_RESPONSES, _engine
+    from mechserve.http.responses_api import MAX_STORED_RESPONSES
+
+    assert DEFAULT_STORED_RESPONSES == MAX_STORED_RESPONSES == parse(["serve"]).max_stored_responses
+    assert parse(["serve", "--max-stored-responses", "5"]).max_stored_responses == 5
+    code, _, err = run_cli(capsys, "serve", "--max-stored-responses", "0")
+    assert code == 2 and "--max-stored-responses" in err
+    closed = _engine(parse(["serve", "--model", str(tiny_dir), "--num-pages", "16"])).core.config
+    assert closed.allow_additional_properties is False
+    flag = ["serve", "--model", str(tiny_dir), "--num-pages", "16", "--allow-additional-properties"]
+    assert _engine(parse(flag)).core.config.allow_additional_properties is True

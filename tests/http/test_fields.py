@@ -12,20 +12,57 @@ import httpx
 import pytest
 from server_support import TINY_NAME
 
-from mechserve.http.fields import CHAT, COMPLETIONS, ENDPOINT_PATHS, FIELDS, Field, honoured_names, render_markdown
+from mechserve.http.anthropic_protocol import CountTokensRequest, MessagesRequest
+from mechserve.http.fields import (
+    CHAT,
+    COMPLETIONS,
+    COUNT_TOKENS,
+    ENDPOINT_PATHS,
+    FIELDS,
+    MESSAGES,
+    RESPONSES,
+    Field,
+    honoured_names,
+    render_markdown,
+)
 from mechserve.http.protocol import ChatCompletionRequest, CompletionRequest
+from mechserve.http.responses_protocol import ResponsesRequest
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api-fields.md"
+USER = [{"role": "user", "content": "w1"}]
 BASE = {
     COMPLETIONS: {"model": TINY_NAME, "prompt": "w1 w2", "max_tokens": 2},
-    CHAT: {"model": TINY_NAME, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2},
+    CHAT: {"model": TINY_NAME, "messages": USER, "max_tokens": 2},
+    RESPONSES: {"model": TINY_NAME, "input": "w1", "max_output_tokens": 2},
+    MESSAGES: {"model": TINY_NAME, "messages": USER, "max_tokens": 2},
+    COUNT_TOKENS: {"model": TINY_NAME, "messages": USER},
 }
-REQUIRED = {"prompt", "messages"}
-MODELS = {COMPLETIONS: CompletionRequest, CHAT: ChatCompletionRequest}
+REQUIRED = {COMPLETIONS: {"prompt"}, CHAT: {"messages"}, MESSAGES: {"model", "messages", "max_tokens"}}
+REQUIRED |= {COUNT_TOKENS: {"model", "messages"}, RESPONSES: {"input"}}
+MODELS = {
+    COMPLETIONS: CompletionRequest,
+    CHAT: ChatCompletionRequest,
+    RESPONSES: ResponsesRequest,
+    MESSAGES: MessagesRequest,
+    COUNT_TOKENS: CountTokensRequest,
+}
+ANTHROPIC = (MESSAGES, COUNT_TOKENS)
 
 
 def post(served: Any, endpoint: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(served.url + ENDPOINT_PATHS[endpoint], json={**BASE[endpoint], **body}, timeout=30)
+
+
+def refusal(endpoint: str, response: httpx.Response) -> tuple[str, str, str | None]:
+    """A 400's ``(param, message, code)``: OpenAI's body names the field in ``param``; Anthropic's at the start of
+    its message (``thinking: ...``), with no code."""
+    body = response.json()
+    if endpoint in ANTHROPIC:
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+        message = body["error"]["message"]
+        return message.split(":", 1)[0].split(" ", 1)[0], message, None
+    error = body["error"]
+    return str(error["param"]), error["message"], error["code"]
 
 
 def rows() -> list[tuple[str, Field]]:
@@ -36,7 +73,7 @@ def test_the_docs_are_the_table_rendered() -> None:
     assert DOC.read_text() == render_markdown(), "run: make api-fields"
 
 
-@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("endpoint", list(MODELS))
 def test_the_request_models_declare_exactly_the_honoured_fields(endpoint: str) -> None:
     assert set(MODELS[endpoint].model_fields) == honoured_names(endpoint)
 
@@ -54,13 +91,13 @@ def test_every_row_is_complete_and_names_are_unique_per_endpoint() -> None:
 def test_each_rows_bad_value_is_a_400_naming_it(tiny_server, endpoint: str, row: Field) -> None:
     response = post(tiny_server, endpoint, dict(row.bad))
     assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == row.name or str(error["param"]).startswith(row.name + "."), error
+    param, message, code = refusal(endpoint, response)
+    assert param == row.name or param.startswith(row.name + "."), response.text
     if not row.honoured:
-        assert error["code"] == "unsupported_parameter" and row.name in error["message"]
+        assert code in ("unsupported_parameter", None) and row.name in message
 
 
-NEUTRAL = [(e, f, v) for e, f in rows() for v in (None, *f.neutral) if f.name not in REQUIRED]
+NEUTRAL = [(e, f, v) for e, f in rows() for v in (None, *f.neutral) if f.name not in REQUIRED.get(e, ())]
 
 
 @pytest.mark.parametrize(("endpoint", "row", "value"), NEUTRAL, ids=[f"{e}-{f.name}-{v!r}" for e, f, v in NEUTRAL])
@@ -80,15 +117,21 @@ def test_a_rule_makes_any_value_neutral_while_its_field_is_off(tiny_server) -> N
 
 
 def test_required_fields_refuse_null(tiny_server) -> None:
-    for endpoint, name in ((COMPLETIONS, "prompt"), (CHAT, "messages")):
+    required = [(e, n) for e, names in REQUIRED.items() for n in sorted(names)]
+    for endpoint, name in required:
         response = post(tiny_server, endpoint, {name: None})
-        assert response.status_code == 400 and response.json()["error"]["param"] == name
+        assert response.status_code == 400, (endpoint, name, response.text)
+        assert refusal(endpoint, response)[0] == name, response.text
 
 
 def test_fields_outside_the_table_are_ignored(tiny_server) -> None:
     for endpoint in (COMPLETIONS, CHAT):
         response = post(tiny_server, endpoint, {"frobnicate": 3, "x_trace": {"a": "b"}, "lora": [1]})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+    response = post(tiny_server, RESPONSES, {"frobnicate": 3, "x_trace": {"a": "b"}})
+    assert response.status_code == 200 and response.json()["usage"]["output_tokens"] == 2
+    response = post(tiny_server, MESSAGES, {"frobnicate": 3, "x_trace": {"a": "b"}})
+    assert response.status_code == 200 and response.json()["usage"]["output_tokens"] == 2
 
 
 def test_what_common_clients_send_by_default_is_accepted(tiny_server) -> None:
@@ -123,7 +166,7 @@ def _float_fields(endpoint: str) -> list[str]:
     return sorted(n for n, f in MODELS[endpoint].model_fields.items() if scalar(str(f.annotation)))
 
 
-FLOATS = [(e, n, v) for e in (COMPLETIONS, CHAT) for n in _float_fields(e) for v in ("NaN", "Infinity")]
+FLOATS = [(e, n, v) for e in MODELS for n in _float_fields(e) for v in ("NaN", "Infinity")]
 
 
 @pytest.mark.parametrize(("endpoint", "name", "value"), FLOATS, ids=[f"{e}-{n}-{v}" for e, n, v in FLOATS])
@@ -136,5 +179,39 @@ def test_non_finite_numbers_are_a_400_naming_the_field(tiny_server, endpoint: st
         tiny_server.url + ENDPOINT_PATHS[endpoint], content=body, headers={"content-type": "application/json"}
     )
     assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == name and "finite" in error["message"], error
+    param, message, _ = refusal(endpoint, response)
+    assert param == name and "finite" in message, response.text
+
+
+def _sdk_fields(kind: Any) -> set[str]:
+    import typing
+
+    return set(typing.get_type_hints(kind))
+
+
+def test_every_field_of_the_official_sdks_request_types_is_a_row() -> None:
+    """Issue 29: each field the ``openai`` SDK sends to ``/v1/responses`` and the ``anthropic`` SDK to ``/v1/messages``
+    and ``/v1/messages/count_tokens`` is in the table, honoured or refused (Anthropic's sampling fields, which this
+    SDK version leaves to ``extra_body``, and its beta fields included)."""
+    import inspect
+
+    from anthropic.resources import Messages
+    from anthropic.types import message_count_tokens_params, message_create_params
+    from openai.types.responses import response_create_params
+
+    def rows_of(endpoint: str) -> set[str]:
+        return {f.name for f in FIELDS if endpoint in f.endpoints}
+
+    openai_fields = _sdk_fields(response_create_params.ResponseCreateParamsStreaming)
+    assert openai_fields - rows_of(RESPONSES) == set()
+    create = _sdk_fields(message_create_params.MessageCreateParamsStreaming) | {"temperature", "top_p", "top_k"}
+    count = _sdk_fields(message_count_tokens_params.MessageCountTokensParams)
+    count |= set(inspect.signature(Messages.count_tokens).parameters) - {
+        "self",
+        "extra_headers",
+        "extra_query",
+        "extra_body",
+        "timeout",
+    }
+    assert create - rows_of(MESSAGES) == set()
+    assert count - rows_of(COUNT_TOKENS) == set()

@@ -32,10 +32,12 @@ def python_block(word: str) -> str:
 
 
 def test_the_section_has_the_examples() -> None:
-    assert len(blocks("bash")) == 3 and len(blocks("python")) == 3
+    assert len(blocks("bash")) == 3 and len(blocks("python")) == 5
     assert "mechserve serve" in blocks("bash")[0] and "curl" in blocks("bash")[1] and "lm_eval" in blocks("bash")[2]
     assert "from openai import OpenAI" in blocks("python")[0] and "AsyncLLM" in python_block("AsyncLLM")
     assert "tool_choice" in python_block("tools=")
+    assert "previous_response_id" in python_block("responses.create")
+    assert "import anthropic" in python_block("messages.create")
 
 
 def test_the_commands_parse() -> None:
@@ -89,6 +91,24 @@ def test_the_openai_example_runs(readme_server) -> None:
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md", "exec"), {})
     assert out.getvalue().strip()
+
+
+def test_the_responses_example_runs(readme_server) -> None:
+    code = python_block("responses.create").replace(README_URL, readme_server.url)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})
+    cached = int(out.getvalue().split()[-1])
+    assert cached > 0, "the continued conversation came from the prefix cache"
+
+
+def test_the_anthropic_example_runs(readme_server) -> None:
+    code = python_block("messages.create").replace(README_URL, readme_server.url)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})
+    words = out.getvalue().split()
+    assert words[-2] in ("end_turn", "max_tokens") and int(words[-1]) > 0
 
 
 @pytest.mark.e2e

@@ -158,6 +158,61 @@ def test_a_streamed_call_is_the_non_streamed_one(served: Served, choice: Any) ->
         assert sum(bool(c.choices and c.choices[0].delta.tool_calls) for c in chunks) > 2, "arguments stream"
 
 
+@pytest.mark.parametrize("choice", [NAMED, "required"], ids=["named", "required"])
+def test_a_streamed_call_has_openais_chunk_shape(served: Served, choice: Any) -> None:
+    """Issue 29: one ``delta.tool_calls`` entry per call index per chunk; the first entry of a call carries its id,
+    type and name (and may carry arguments), the later ones arguments only; the finish reason comes in a chunk of
+    its own after the last arguments.  Both ways clients read such a stream get the whole arguments: the openai
+    SDK's accumulating ``stream()`` helper, and instructor's partial mode, which reads ``delta.tool_calls[0]``."""
+    body: dict[str, Any] = {"tool_choice": choice, "max_tokens": 120, "temperature": 0}
+    whole = served.client().chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, **body)
+    expected = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    chunks, calls, finish = stream(served, **body)
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == expected
+    opened: set[int] = set()
+    with_calls = [k for k, c in enumerate(chunks) if c.choices and c.choices[0].delta.tool_calls]
+    for chunk in chunks:
+        entries = chunk.choices[0].delta.tool_calls or () if chunk.choices else ()
+        assert len({e.index for e in entries}) == len(entries), chunk
+        for e in entries:
+            if e.index not in opened:
+                assert e.id and e.type == "function" and e.function.name, e
+                opened.add(e.index)
+            else:
+                assert e.id is None and e.type is None and e.function.name is None, e
+    last = chunks[with_calls[-1] + 1]
+    assert last.choices[0].finish_reason == "tool_calls" and not last.choices[0].delta.tool_calls
+    assert not last.choices[0].delta.content and all(
+        not c.choices[0].finish_reason for c in chunks[: with_calls[-1] + 1]
+    )
+    assert finish == "tool_calls"
+    # the openai SDK's own accumulation
+    with served.client().chat.completions.stream(model=NAME, messages=ASK, tools=TOOLS, **body) as events:
+        final = events.get_final_completion()
+    assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls] == expected
+    # instructor's partial mode: the arguments of delta.tool_calls[0], chunk by chunk (one call: parallel off)
+    if choice == NAMED:
+        read = "".join(
+            c.choices[0].delta.tool_calls[0].function.arguments or ""
+            for c in chunks
+            if c.choices and c.choices[0].delta.tool_calls
+        )
+        assert read == expected[0][1]
+
+
+def test_a_schema_without_additional_properties_gets_no_invented_keys(served: Served) -> None:
+    """Issue 29: LangChain strips ``additionalProperties: false`` from tool schemas unless ``strict``; the grammar
+    then treats the object as closed (vLLM's default backend does), so a forced call has only the listed keys."""
+    open_params = {"type": "object", "properties": {"city": CITY}, "required": ["city"]}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": open_params}}
+    for seed in range(4):
+        reply = served.client().chat.completions.create(
+            model=NAME, messages=ASK, tools=[tool], tool_choice=NAMED, max_tokens=60, seed=seed
+        )
+        (call,) = reply.choices[0].message.tool_calls
+        assert set(json.loads(call.function.arguments)) == {"city"}, call.function.arguments
+
+
 def test_n_choices_each_carry_their_calls(served: Served) -> None:
     reply = served.client().chat.completions.create(
         model=NAME, messages=ASK, tools=TOOLS, tool_choice="required", n=3, max_tokens=200, seed=7

@@ -156,6 +156,8 @@ def stream_parse(plan: ToolPlan, text: str, cuts: list[int]) -> tuple[str, list[
     pieces = [parser.feed(text[a:b]) for a, b in itertools.pairwise(bounds)] + [parser.finish()]
     for shown, deltas in pieces:
         content += shown
+        # OpenAI's stream shape: exactly one entry per call index in each chunk (clients read tool_calls[0])
+        assert len({d["index"] for d in deltas}) == len(deltas), deltas
         for d in deltas:
             call = calls.setdefault(d["index"], {"id": None, "name": "", "arguments": ""})
             if "id" in d:
@@ -272,6 +274,47 @@ def test_a_named_function_streams_its_arguments_as_they_come(text: str, cuts: li
     reply = ToolStream(plan).parse(text)
     assert [(c.name, c.arguments) for c in reply.calls] == [("get_weather", text)] and reply.content is None
     assert stream_parse(plan, text, cuts)[:2] == ("", [("get_weather", text)])
+
+
+def test_a_named_functions_first_chunk_is_one_entry_with_the_first_arguments() -> None:
+    """The failing input of issue 29: the first chunk of a forced call carried two entries for index 0 (id and
+    name with empty arguments, then the arguments), so a client reading ``delta.tool_calls[0]`` lost the first
+    piece."""
+    parser = ToolStream(ToolPlan(TOOLS, "function", "get_weather"))
+    content, deltas = parser.feed('{"city": "Pa')
+    (first,) = deltas
+    assert content == "" and first["index"] == 0 and first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+    assert parser.feed('ris"}') == ("", [{"index": 0, "function": {"arguments": 'ris"}'}}])
+    assert parser.feed("") == ("", []) and parser.finish() == ("", [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(calls=CALLS, prose=st.lists(PROSE, max_size=5), cuts=st.lists(st.integers(0, 10_000), max_size=8))
+def test_the_ordered_pieces_are_the_chat_pieces_in_the_replys_order(
+    calls: list[tuple[str, dict[str, Any]]], prose: list[str], cuts: list[int]
+) -> None:
+    """``feed_ordered``/``finish_ordered`` (the Responses and Anthropic APIs' view) hold exactly what ``feed``/``finish``
+    give chat, with each stretch of prose before the call it preceded."""
+    text = written(calls, prose)
+    bounds = [0, *sorted(c % (len(text) + 1) for c in cuts), len(text)]
+    ordered, plain = ToolStream(AUTO), ToolStream(AUTO)
+    pieces: list[Any] = []
+    for a, b in itertools.pairwise(bounds):
+        got = ordered.feed_ordered(text[a:b])
+        content, deltas = plain.feed(text[a:b])
+        assert "".join(p for p in got if isinstance(p, str)) == content
+        assert [p["function"] for p in got if isinstance(p, dict)] == [d["function"] for d in deltas]
+        pieces += got
+    pieces += ordered.finish_ordered()
+    assert all(p for p in pieces), "no empty content pieces"
+    names = [p["function"]["name"] for p in pieces if isinstance(p, dict)]
+    assert names == [name for name, _ in calls]
+    for i in range(len(calls)):  # the prose written before call i comes before it
+        before = "".join(
+            p for p in pieces[: [j for j, p in enumerate(pieces) if isinstance(p, dict)][i]] if isinstance(p, str)
+        )
+        assert "".join(prose[: i + 1]).split() == before.split()
 
 
 def test_a_strict_functions_auto_call_must_follow_its_schema() -> None:

@@ -114,8 +114,12 @@ def test_any_config_shape_is_a_model_or_a_model_load_error(tiny_dir, data) -> No
     [
         ([1, 2], r"must hold a JSON object \(a model's settings\), not a list"),
         ("llama", "not a string"),
-        ({"hidden_size": 64}, "unsupported architecture None"),
-        ({"model_type": "gpt2", "architectures": 5}, r"unsupported architecture 'gpt2' \(unknown\)"),
+        ({"hidden_size": 64}, r"unsupported model_type None \(config.json names no architecture\)"),
+        ({"model_type": "gpt2", "architectures": 5}, "architectures must be a list of class names, got 5"),
+        (
+            {"model_type": "gpt2", "architectures": ["LlamaForCausalLM"]},
+            "unsupported model_type 'gpt2' for architecture LlamaForCausalLM",
+        ),
     ],
 )
 def test_the_trials_configs_are_one_clear_line(tiny_dir, document: Any, message: str) -> None:
@@ -136,8 +140,14 @@ def test_the_trials_configs_are_one_clear_line(tiny_dir, document: Any, message:
         ("num_attention_heads", 0, "num_attention_heads must be a whole number >= 1, got 0"),
         ("vocab_size", -1, "vocab_size must be a whole number >= 1, got -1"),
         ("rms_norm_eps", -1.0, "rms_norm_eps must be a number > 0"),
-        ("vocab_size", 64, r"embed_tokens has shape \[128, 64\], but config.json implies \[64, 64\]"),
-        ("intermediate_size", 100, r"gate/up_proj has shape \[256, 64\], but config.json implies \[200, 64\]"),
+        ("vocab_size", 64, r"model\.embed_tokens\.weight has shape \[128, 64\], but config.json implies \[64, 64\]"),
+        (
+            "intermediate_size",
+            100,
+            r"model\.layers\.0\.mlp\.gate_proj\.weight has shape \[128, 64\], but config.json implies \[100, 64\]",
+        ),
+        ("attention_bias", True, r"missing tensor 'model\.layers\.0\.self_attn\.q_proj\.bias'"),
+        ("attention_bias", "yes", "attention_bias"),
     ],
 )
 def test_a_field_of_the_wrong_type_or_value_is_named(tiny_dir, field: str, value: Any, message: str) -> None:

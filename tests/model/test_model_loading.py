@@ -33,7 +33,10 @@ def test_directory_without_config(tmp_path: Path) -> None:
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gpt2' \(GPT2LMHeadModel\)"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"unsupported architecture GPT2LMHeadModel \(model_type 'gpt2'\) in .*; supported: LlamaForCausalLM \(llama\), MistralForCausalLM",
+    ):
         load_model(str(tmp_path))
 
 

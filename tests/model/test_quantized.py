@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from mechserve.api.config import EngineConfig
 from mechserve.model.loader import load_model
-from mechserve.model.quantized import QuantizedMatrix, dequantize, is_matrix, quantize
+from mechserve.model.quantized import QuantizedMatrix, dequantize, quantize
 
 
 @settings(max_examples=40, deadline=None)
@@ -50,13 +50,6 @@ def test_a_matrix_refuses_shapes_its_format_cannot_hold() -> None:
     a, b = quantize(torch.zeros(1, 32), "q4_1"), quantize(torch.zeros(1, 32), "q8_0")
     with pytest.raises(ValueError, match="different formats"):
         QuantizedMatrix.cat([a, b])
-
-
-def test_which_tensors_are_matrices() -> None:
-    assert is_matrix("model.layers.3.self_attn.q_proj.weight") and is_matrix("model.embed_tokens.weight")
-    assert is_matrix("lm_head.weight") and is_matrix("model.layers.0.mlp.down_proj.weight")
-    assert not is_matrix("model.layers.0.input_layernorm.weight") and not is_matrix("model.norm.weight")
-    assert not is_matrix("model.layers.0.self_attn.q_proj.bias")
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
@@ -123,11 +116,12 @@ def test_the_config_takes_a_quantization_or_says_why_not() -> None:
 def test_the_embedded_q4_1_file_is_read_as_it_is_stored() -> None:
     """Its blocks dequantize to exactly the float32 weights mechserve converted from it, and ggml's
     rounding applied to those weights gives back the same blocks."""
-    from mechserve.model.checkpoint import embedded_gguf, load_checkpoint, resolve_model
-    from mechserve.model.quantized import gguf_matrices
+    from mechserve.model.checkpoint import embedded_gguf, resolve_model
+    from mechserve.model.formats import SafetensorsFiles, gguf_matrices
 
     blocks = gguf_matrices(embedded_gguf(), 9, 3)
-    floats = load_checkpoint(resolve_model("smollm2")).tensors
+    with SafetensorsFiles(resolve_model("smollm2"), torch.float32) as files:
+        floats = {name: files.read(name) for name in blocks}
     assert len(blocks) == 30 * 7 + 1
     assert blocks["model.embed_tokens.weight"].kind == "q8_0"
     for name in (

@@ -216,8 +216,9 @@ def test_m08_n7_eviction_takes_the_first_unreferenced_leaf_depth_first() -> None
     assert z.page_table == [9, 3, 4, 5, 7, 6]
     s2, s3 = steps(eng, 2)
     assert s2.evicted == () and s2.preempted == ("z",)
-    # w finished, so leaf 2 is no longer referenced and goes first
-    assert s3.evicted == (2,)
+    # w finished, so leaf 2 is no longer referenced and would go first, but z now reuses its whole
+    # cached prompt (D7, N4) and needs one page, which is free: nothing is evicted (D8, N6)
+    assert (dict(s3.reused), s3.evicted) == ({"z": 12}, ())
 
 
 def test_m08_n8_a_victim_is_chosen_only_when_nothing_can_be_evicted() -> None:
@@ -494,3 +495,37 @@ def test_m08_n16_prefix_caching_off_is_m05() -> None:
     expected = [t.to_json() for t in ref.run()]
     assert [{k: t.to_json()[k] for k in expected[0]} for t in trace] == expected
     assert off.summary() == ref.summary()
+
+
+def _two_prompts_tight() -> tuple[m.Engine, list[m.Request]]:
+    """Issue 31's reproducer: 6 pages of 4 tokens, two 8-token prompts, 12 new tokens each."""
+    reqs = [R("a", [1, 2, 3, 4, 5, 6, 7, 8], 12), R("b", [11, 12, 13, 14, 15, 16, 17, 18], 12)]
+    return m.Engine(reqs, 16, 4, 6), reqs
+
+
+def test_m08_n4_a_preempted_request_reuses_every_cached_prompt_block() -> None:
+    eng, (_, b) = _two_prompts_tight()
+    trace = steps(eng, 7)
+    assert trace[5].preempted == ("b",) and b.generated == 5  # b keeps its 5 tokens, its 2 prompt blocks stay cached
+    # D7: b's target (8 + 5) runs past its prompt, so both cached prompt blocks are usable (the original
+    # design reused 1, (8 - 1) // 4, and recomputed a fully cached block)
+    assert dict(trace[6].reused) == {"b": 8}
+    fresh = m.Engine([R("c", [1, 2, 3, 4, 5, 6, 7, 8], 1)], 16, 4, 6)
+    fresh.cache = eng.cache  # a request that has not sampled still recomputes its last prompt token
+    assert dict(fresh.step().reused) == {"c": 4}
+
+
+def test_m08_n6_an_eviction_that_cannot_spare_a_preemption_does_not_happen() -> None:
+    eng, (a, b) = _two_prompts_tight()
+    trace = run(eng)
+    # D8: while a decodes, b does not fit: b is preempted each step, and no step evicts before its last
+    # preemption (the original evicted b's own second prompt block, then preempted b anyway); once b is
+    # out, the anchor a may still need a page that only an eviction gives
+    for rec in trace:
+        lines = list(rec.explain)
+        evictions = [i for i, line in enumerate(lines) if "evicted unreferenced" in line]
+        preemptions = [i for i, line in enumerate(lines) if "was preempted" in line]
+        assert not evictions or not preemptions or min(evictions) > max(preemptions), lines
+    assert any(rec.evicted and rec.preempted for rec in trace)  # the case happens: evict after the victim
+    assert (a.state, b.state) == (m.RequestState.FINISHED, m.RequestState.FINISHED)
+    assert (a.generated, b.generated) == (12, 12)

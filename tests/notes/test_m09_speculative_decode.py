@@ -69,8 +69,9 @@ def test_m09_n2_every_caught_up_running_request_drafts_scheduled_or_not() -> Non
     assert dict(s2.executed) == {"a": 4} and dict(s2.drafted) == {"a": 3}
     assert b.draft_len == 1
     # recomputing after preemption: computed >= prompt_len is not enough, it must be target - 1 (D1)
+    # (prefix caching off, so that r1 recomputes its prompt too: D7 would let it reuse the prompt block)
     r0, r1 = R("r0", [0], 7), R("r1", [10, 11], 5)
-    eng = m.Engine([r0, r1], 3, 2, 5, spec_len=1)
+    eng = m.Engine([r0, r1], 3, 2, 5, spec_len=1, prefix_caching=False)
     trace = steps(eng, 5)
     assert trace[3].preempted == ("r1",) and dict(trace[4].executed) == {"r1": 3}
     assert (r1.computed, r1.prompt_len, r1.target) == (3, 2, 5)

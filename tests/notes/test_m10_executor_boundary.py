@@ -6,7 +6,9 @@ import dataclasses
 from collections.abc import Callable
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
+from mechserve.conformance.strategies import build, workloads
 from mechserve.spec import m09_speculative_decode as m09
 from mechserve.spec import m10_executor_boundary as m
 
@@ -105,7 +107,7 @@ def test_m10_n1_one_plan_item_per_post_preemption_work_item_in_work_order() -> N
     # 09-d1-recompute-not-speculative: at step 2, a is scheduled, then preempted
     reqs = [R("b", [0], 4), R("a", [1000], 3)]
     rec = Recorder(reqs)
-    eng = m.Engine(reqs, 2, 1, 5, executor=rec)
+    eng = m.Engine(reqs, 2, 1, 5, executor=rec, prefix_caching=False)
     trace = run(eng)
     assert trace[2].scheduled == ("b", "a") and trace[2].preempted == ("a",)
     plan, _ = rec.log[2]
@@ -127,7 +129,7 @@ def test_m10_n1_one_plan_item_per_post_preemption_work_item_in_work_order() -> N
 def test_m10_n2_decode_marks_exactly_the_decode_windows() -> None:
     reqs = [R("b", [0], 4), R("a", [1000], 3)]
     rec = Recorder(reqs)
-    run(m.Engine(reqs, 2, 1, 5, executor=rec))
+    run(m.Engine(reqs, 2, 1, 5, executor=rec, prefix_caching=False))
     flags = [[(i.request_id, i.start_position, i.decode) for i in plan] for plan, _ in rec.log]
     assert flags == [
         [("b", 0, False), ("a", 0, False)],  # prompt chunks
@@ -153,7 +155,7 @@ def test_m10_n3_placements_translate_every_position() -> None:
 def test_m10_n4_known_token_ids_sample_and_generated_travel_in_the_plan() -> None:
     reqs = [R("b", [0], 4), R("a", [1000], 3)]
     rec = Recorder(reqs)
-    eng = m.Engine(reqs, 2, 1, 5, executor=rec)
+    eng = m.Engine(reqs, 2, 1, 5, executor=rec, prefix_caching=False)
     run(eng)
     a_ids = reqs[1].output_ids
     items = [(i.token_ids, i.sample, i.generated) for plan, _ in rec.log for i in plan if i.request_id == "a"]
@@ -426,3 +428,60 @@ def test_m10_n20_the_trace_is_m09s_plus_the_appended_ids() -> None:
         for rid, ids in rec["tokens"].items():
             assert len(ids) == rec["accepted"].get(rid, 0) + 1
             assert (ids[-1] == EOS) == (rec["sampled"][rid] == "EOS")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=workloads(pool="tight", prompts="mixed", spec_len=(0, 3), scripts=True, max_new=6))
+def test_m10_n21_a_step_is_schedule_then_the_executor_then_commit(w: dict) -> None:
+    whole, halves = build(m, w, validate=False), build(m, w, validate=False)
+    theirs = Recorder(list(halves.requests))  # the caller's own executor: the scripted model, logged
+    for _ in range(200):
+        if not (whole.waiting or whole.running):
+            break
+        rec = whole.step()
+        plan = halves.schedule()
+        assert halves.step_counter == rec.step  # the step is open: the counter has not moved
+        mine = halves.commit(theirs.execute(plan))
+        assert mine.to_json() == rec.to_json() and mine.explain == rec.explain
+        assert snapshot(halves)[1:] == snapshot(whole)[1:]
+    assert not (halves.waiting or halves.running)
+    assert len(theirs.log) == halves.step_counter == whole.step_counter  # one plan executed per record
+
+
+def test_m10_n21_commit_closes_the_step_once() -> None:
+    a = R("a", [1, 2, 3], 3)
+    eng = m.Engine([a], 8, 2, 8)
+    with pytest.raises(RuntimeError, match="schedule"):
+        eng.commit(())  # nothing is open yet
+    outcomes = eng.executor.execute(eng.schedule())
+    rec = eng.commit(outcomes)
+    assert (rec.step, eng.step_counter, dict(rec.executed)) == (0, 1, {"a": 3})
+    with pytest.raises(RuntimeError, match="schedule"):
+        eng.commit(outcomes)  # closed: the same answer cannot be applied twice
+    assert (a.computed, a.generated, eng.step_counter) == (3, 1, 1)
+
+
+def test_m10_n21_a_refused_answer_closes_the_step() -> None:
+    a = R("a", [1, 2, 3], 3)
+    eng = m.Engine([a], 8, 2, 8)
+    plan = eng.schedule()
+    good = eng.executor.execute(plan)
+    with pytest.raises(m.BoundaryViolation):
+        eng.commit((dataclasses.replace(good[0], executed_tokens=1),))
+    with pytest.raises(RuntimeError, match="schedule"):
+        eng.commit(good)  # the refused step stays closed; its residency stays (a holds 2 pages)
+    assert (eng.step_counter, a.computed, a.page_table) == (0, 0, [0, 1])
+    rec = eng.step()
+    assert (rec.step, dict(rec.executed), rec.admitted) == (0, {"a": 3}, ())  # admitted in the lost step
+
+
+def test_m10_n21_schedule_abandons_an_open_step() -> None:
+    a, b = R("a", [1, 2, 3, 4], 2), R("b", [5, 6], 2, arrival_step=0)
+    eng = m.Engine([a, b], 8, 2, 8)
+    first = eng.schedule()  # its executor "fails": no commit
+    assert [i.request_id for i in first] == ["a", "b"] and eng.step_counter == 0
+    second = eng.schedule()
+    assert second == first  # nothing was executed, so the same work is planned again on the same pages
+    rec = eng.commit(eng.executor.execute(second))
+    assert (rec.step, rec.admitted, dict(rec.executed)) == (0, (), {"a": 4, "b": 2})
+    assert eng.step_counter == 1

@@ -775,3 +775,109 @@ def test_m12_n25_a_hold_never_stops_a_request_or_changes_its_ids() -> None:
         j = n.to_json()
         assert (j.pop("rejected"), j.pop("aborted")) == ([], [])
         assert j == o.to_json()
+
+
+def stepped(eng: m.Engine, stop: Callable[[str, tuple[int, ...]], int | None] | None) -> m.StepRecord:
+    """One step as a caller with a stop check makes it: schedule, the engine's executor, commit."""
+    return eng.commit(eng.executor.execute(eng.schedule()), stop)
+
+
+def test_m12_n26_a_stop_from_outside_keeps_a_prefix_of_what_was_appended() -> None:
+    a, b = R("a", [1, 2, 3], 9, accept_script=[3]), R("b", [4, 5], 9)
+    eng = m.Engine([a, b], 16, 2, 16, spec_len=3)
+    asked: list[tuple[str, tuple[int, ...]]] = []
+
+    def stop(rid: str, ids: tuple[int, ...]) -> int | None:
+        asked.append((rid, ids))
+        return 2 if rid == "a" and len(asked) > 2 else None
+
+    first = stepped(eng, stop)
+    assert asked == [("a", first.tokens["a"]), ("b", first.tokens["b"])]  # work order, exactly the ids
+    rec = stepped(eng, stop)  # a's window: 3 guesses accepted + 1 sampled = 4 ids, 2 kept
+    ids = chain([1, 2, 3], 5)
+    assert asked[2] == ("a", tuple(ids[1:5]))
+    assert rec.tokens["a"] == tuple(ids[1:3]) and rec.tokens["b"] == asked[3][1]
+    assert (rec.drafted["a"], rec.accepted["a"], rec.rolled_back["a"]) == (3, 1, 2)
+    assert dict(rec.finished) == {"a": m.FinishReason.STOP} and rec.sampled["a"] is TOKEN
+    assert (a.state, a.finish_reason, a.output_ids, a.generated) == (FINISHED, m.FinishReason.STOP, ids[:3], 3)
+    assert a.computed == a.target == 6 and a.page_table == []
+    assert "a" not in eng.pool.owner  # a's private pages came back
+    assert "a" not in eng.live and b.state is RUNNING
+    run(eng)
+    assert b.generated == 9  # b never noticed
+
+
+def test_m12_n26_a_stop_relabels_a_request_that_ended_in_the_same_step() -> None:
+    # ended on its length: every id kept, STOP instead of LENGTH, generated unchanged
+    a = R("a", [1, 2], 1)
+    eng = m.Engine([a], 8, 2, 8)
+    rec = stepped(eng, lambda rid, ids: len(ids))
+    assert dict(rec.finished) == {"a": m.FinishReason.STOP} and rec.tokens["a"] == tuple(chain([1, 2], 1))
+    assert (a.generated, a.output_ids) == (1, chain([1, 2], 1))
+    # ended on a stop id: the stop id is dropped, and it had never been counted
+    stop_id = chain([1, 2], 2)[1]
+    c = R("c", [1, 2], 5, stop_token_ids=(stop_id,))
+    eng = m.Engine([c], 8, 2, 8)
+    stepped(eng, None)
+    rec = stepped(eng, lambda rid, ids: 0)
+    assert rec.sampled["c"] is STOP and dict(rec.finished) == {"c": m.FinishReason.STOP}
+    assert (rec.tokens["c"], c.output_ids, c.generated, c.computed) == ((), chain([1, 2], 1), 1, 3)
+    eng.check_invariants()
+    assert ownership(eng)[1] == 0
+
+
+def test_m12_n26_keep_outside_the_appended_ids_is_refused() -> None:
+    for keep in (-1, 2):
+        a = R("a", [1, 2], 4)
+        eng = m.Engine([a], 8, 2, 8)
+        with pytest.raises(ValueError, match=r"keep 0\.\.1"):
+            stepped(eng, lambda rid, ids, keep=keep: keep)
+
+
+@CI
+@given(w=workloads(pool="tight", prompts="shared", spec_len=(0, 3), scripts=True, max_new=6))
+def test_m12_n26_no_stop_is_step(w: dict) -> None:
+    plain, asked = build(m, w, validate=False), build(m, w, validate=False)
+    for _ in range(200):
+        if not asked.live:
+            break
+        mine = stepped(asked, lambda rid, ids: None)
+        assert mine.to_json() == plain.step().to_json()
+    assert asked.summary() == plain.summary()
+
+
+@CI
+@given(
+    w=workloads(min_requests=1, pool="tight", prompts="shared", spec_len=(0, 3), scripts=True, max_new=6),
+    cuts=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 4)), max_size=6),
+)
+def test_m12_n26_stopped_requests_keep_exactly_their_ids_and_return_their_pages(w: dict, cuts: list) -> None:
+    eng = build(m, w, validate=False)
+    by_id = {r.request_id: r for r in eng.requests}
+    plan = {f"r{i}": k for i, k in cuts}
+    expected: dict[str, list[int]] = {}  # a stopped request's output: what it had, then the ids it kept
+
+    def stop(rid: str, ids: tuple[int, ...]) -> int | None:
+        if rid not in plan:
+            return None
+        keep = min(plan[rid], len(ids))
+        had = by_id[rid].output_ids
+        assert had[len(had) - len(ids) :] == list(ids)  # the ids asked about are the ones just appended
+        expected[rid] = had[: len(had) - len(ids)] + list(ids[:keep])
+        return keep
+
+    for _ in range(200):
+        if not eng.live:
+            break
+        rec = stepped(eng, stop)
+        eng.check_invariants()
+        for rid in expected.keys() & rec.finished.keys():
+            r = by_id[rid]
+            assert rec.finished[rid] is m.FinishReason.STOP and r.state is FINISHED
+            assert (
+                r.output_ids == expected[rid]
+                and list(rec.tokens[rid]) == expected[rid][len(expected[rid]) - len(rec.tokens[rid]) :]
+            )
+            assert r.computed <= r.target and not r.page_table
+    assert not eng.live
+    assert ownership(eng)[1] == 0  # every stopped request returned its pages

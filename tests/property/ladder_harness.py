@@ -395,8 +395,8 @@ def check_frontiers(rung: str, engine: Any, record: Any, before: dict[str, tuple
 
     ``scheduled`` and every executed ``n`` match ``expected_work``; an executed request keeps what
     resolve did not roll back and is ready (samples) exactly when it reached its target; a victim is
-    back at 0; nobody else moves but by reuse, which only a cold request gets and never for its whole
-    prompt; ``generated`` grows by the accepted guesses plus one per TOKEN.
+    back at 0; nobody else moves but by reuse, which only a cold request gets and never up to its target
+    (D7); ``generated`` grows by the accepted guesses plus one per TOKEN.
     """
     rec = record.to_json()
     reused, rolled, accepted = rec.get("reused", {}), rec.get("rolled_back", {}), rec.get("accepted", {})
@@ -409,8 +409,11 @@ def check_frontiers(rung: str, engine: Any, record: Any, before: dict[str, tuple
         start = reused.get(rid, computed)
         if rid in reused:
             ps = engine.pool.page_size
-            known = r.prompt_len + (generated if output_caching(engine) else 0)  # m13 N8: the whole sequence
-            assert computed == 0 and reused[rid] <= (known - 1) // ps * ps, (rid, computed, reused)
+            # m13 N8: the whole known sequence; else the complete prompt blocks.  D7: at most (target - 1) // ps
+            # blocks, so a position is always computed (a preempted request reuses its whole cached prompt).
+            blocks = (r.prompt_len + generated) // ps if output_caching(engine) else r.prompt_len // ps
+            cap = min(blocks, (r.prompt_len + generated - 1) // ps)
+            assert computed == 0 and reused[rid] <= cap * ps, (rid, computed, reused)
         target = r.prompt_len + generated
         acc = accepted.get(rid, 0)
         assert r.generated == generated + acc + (rec["sampled"].get(rid) == "TOKEN"), (rid, rec)
