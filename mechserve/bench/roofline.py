@@ -10,8 +10,10 @@
 * ``decode_roofline``: for one decode step of ``batch`` requests at ``context``, the bytes it must read
   (every weight once, every KV position once) over the measured bandwidth and its FLOPs over the
   measured peak; the larger is the step's floor on this machine, reported beside the step measured by
-  ``decode_probe`` (``bench run`` gives one per mechserve run, at the run's typical decode batch and
-  context).
+  ``decode_probe`` and their ratio.  ``roofline`` gives it at the fixed batches of the issue's targets
+  (batch 1 at a 512-token context, batch 32 at 300) and ``bench run`` one per mechserve run, at the
+  run's typical decode batch and context, with the run's own decode steps at that batch beside it
+  (``run_steps``).
 * ``prefill_probe``: one forward over a ``prompt_len``-token prompt (logits for its last row, as a
   sampling prefill computes); ``decode_probe``: one decode step of ``batch`` requests at context
   ``context`` on a filled paged KV cache (all rows sample).  Each reports the median of ``repeats``
@@ -129,40 +131,61 @@ def decode_cost(model: Any, batch: int, context: int, kv_element_size: int | Non
     return {"bytes": weight_read_bytes(model) + kv_bytes, "flops": flops}
 
 
-def decode_roofline(
-    model: Any, batch: int, context: int, bandwidth: float, peak_gflops: float, repeats: int = 3
-) -> dict[str, Any]:
-    """One decode step of ``batch`` requests at ``context``: its floor ``max(bytes / bandwidth, flops / peak)``
-    (``bandwidth`` in bytes/s, ``peak_gflops`` in GFLOP/s) beside the step ``decode_probe`` measures, and
-    their ratio (``measured_over_roofline``: 1.0 is the machine's limit)."""
-    cost = decode_cost(model, batch, context)
+def step_floor(cost: dict[str, int], bandwidth: float, peak_gflops: float) -> dict[str, Any]:
+    """The floor of a step that must read ``cost["bytes"]`` and compute ``cost["flops"]`` on a machine that
+    reads ``bandwidth`` bytes/s and multiplies at ``peak_gflops`` GFLOP/s: ``memory_s``, ``compute_s``,
+    ``roofline_s`` (the larger, seconds) and ``bound`` (``"memory"`` or ``"compute"``).  Raises
+    ``ValueError`` unless both rates are positive."""
+    if not (bandwidth > 0 and peak_gflops > 0):
+        raise ValueError(f"a roofline needs a positive bandwidth and peak, got {bandwidth} B/s, {peak_gflops} GFLOP/s")
     memory_s = cost["bytes"] / bandwidth
     compute_s = cost["flops"] / (peak_gflops * 1e9)
-    measured = decode_probe(model, batch, context, peak_gflops, repeats)
-    floor = max(memory_s, compute_s)
     return {
-        "batch": batch,
-        "context": context,
-        **cost,
         "bandwidth_gb_per_s": bandwidth / 1e9,
         "peak_gflops": peak_gflops,
         "memory_s": memory_s,
         "compute_s": compute_s,
-        "roofline_s": floor,
+        "roofline_s": max(memory_s, compute_s),
         "bound": "memory" if memory_s >= compute_s else "compute",
+    }
+
+
+def decode_roofline(
+    model: Any, batch: int, context: int, bandwidth: float, peak_gflops: float, repeats: int = 3
+) -> dict[str, Any]:
+    """One decode step of ``batch`` requests at ``context``: its floor ``max(bytes / bandwidth, flops / peak)``
+    (``bandwidth`` in bytes/s, ``peak_gflops`` in GFLOP/s; ``step_floor``) beside the step ``decode_probe``
+    measures (``measured_s``), and their ratio (``measured_over_roofline``: 1.0 is the machine's limit).
+    ``bytes`` and ``flops`` are the probe's (``decode_cost`` with the KV cache's element size)."""
+    measured = decode_probe(model, batch, context, peak_gflops, repeats)
+    cost = {"bytes": measured["bytes_read"], "flops": measured["flops"]}
+    floor = step_floor(cost, bandwidth, peak_gflops)
+    return {
+        "batch": batch,
+        "context": context,
+        **cost,
+        **floor,
         "measured_s": measured["seconds"],
-        "measured_over_roofline": measured["seconds"] / floor,
+        "measured_over_roofline": measured["seconds"] / floor["roofline_s"],
     }
 
 
 def roofline_line(r: dict[str, Any]) -> str:
-    """``decode_roofline``'s result as one line of text."""
-    return (
+    """``decode_roofline``'s result as one line of text (with the run's own steps when ``run_steps`` is there)."""
+    line = (
         f"decode step at batch {r['batch']}, context {r['context']}: {r['bytes'] / 1e6:.0f} MB / "
         f"{r['bandwidth_gb_per_s']:.1f} GB/s = {r['memory_s'] * 1e3:.1f} ms, {r['flops'] / 1e9:.2f} GFLOP / "
         f"{r['peak_gflops']:.0f} GFLOP/s = {r['compute_s'] * 1e3:.1f} ms; roofline {r['roofline_s'] * 1e3:.1f} ms "
         f"({r['bound']}-bound), measured {r['measured_s'] * 1e3:.1f} ms = {r['measured_over_roofline']:.2f}x"
     )
+    if r.get("run_steps"):
+        line += (
+            f"; the run's {r['run_steps']} decode steps at batch {r['batch']}: median {r['run_step_s'] * 1e3:.1f} ms"
+            f" = {r['run_over_roofline']:.2f}x"
+        )
+    elif "run_steps" in r:
+        line += f"; the run had no pure decode step at batch {r['batch']}"
+    return line
 
 
 def _attn_flops(model: Any, pairs: int) -> int:
@@ -229,6 +252,7 @@ def decode_probe(
         "context": context,
         "seconds": seconds,
         "tokens_per_s": batch / seconds,
+        "flops": flops,
         "gflops": gflops,
         "mfu": gflops / peak_gflops if peak_gflops else None,
         "bytes_read": read,
@@ -237,14 +261,22 @@ def decode_probe(
 
 
 def roofline(
-    model: Any, *, prompt_len: int, decode_batch: int, decode_context: int, repeats: int = 3
+    model: Any,
+    *,
+    prompt_len: int,
+    decode_batch: int,
+    decode_context: int,
+    repeats: int = 3,
+    steps: Sequence[tuple[int, int]] = (),
 ) -> dict[str, Any]:
     """Matmul peak at the prefill and decode row counts and the read bandwidth, then the prefill and decode
-    probes against them."""
-    peak = matmul_peak(model, sorted({decode_batch, prompt_len}), repeats)
+    probes against them, and ``decode_roofline`` at each (batch, context) of ``steps`` (``decode_rooflines``)."""
+    peak = matmul_peak(model, sorted({decode_batch, prompt_len, *(b for b, _ in steps)}), repeats)
+    bandwidth = read_bandwidth()
     return {
         "matmul": peak,
-        "read_bandwidth_gb_per_s": read_bandwidth() / 1e9,
+        "read_bandwidth_gb_per_s": bandwidth / 1e9,
         "prefill": prefill_probe(model, prompt_len, peak["peak_gflops"], repeats),
         "decode": decode_probe(model, decode_batch, decode_context, peak["peak_gflops"], repeats),
+        "decode_rooflines": [decode_roofline(model, b, c, bandwidth, peak["peak_gflops"], repeats) for b, c in steps],
     }

@@ -14,7 +14,10 @@ after a warm-up, in this process; ``--engine`` names an optional engine that is 
 it is skipped with a line on stderr saying why.  The ``multiturn`` workload runs mechserve alone, in four
 configurations stepped in turn (output caching on and off, each with and without prompt lookup;
 ``_multiturn``).  Besides the runs, the machine's roofline
-(``roofline``) is measured in each mode and reported with prefill and decode MFU.
+(``roofline``) is measured in each mode and reported with prefill and decode MFU and the decode steps of
+``ROOFLINE_STEPS`` beside their floor ``max(bytes / bandwidth, FLOPs / peak)``; each mechserve run of
+the throughput, latency, prefix and spec workloads gets such a line for its typical decode batch
+(``_run_roofline``: the step measured there and the run's own steps at that batch).
 
 ``DIR/results.json`` holds the machine, versions, git commit, arguments, every run (vLLM-named
 metrics, peak RSS, MFU of the wanted work, engine-side figures from the m13 trace) and the
@@ -38,6 +41,11 @@ from mechserve.bench.workloads import WORKLOADS
 
 ENGINE_NAMES = ("mechserve", "hf", "llama-cpp", "vllm")
 MODE_NAMES = ("exact", "fast", "q4_1", "q8_0")
+# (batch, context) of the decode steps each mode's roofline is measured at besides the runs' own: the
+# latency workload's batch-1 step after its 512-token prompt, and the mixed workload's batch of 32
+# (issue 28's targets); --quick: the quick workloads' sizes.
+ROOFLINE_STEPS = ((1, 512), (32, 300))
+ROOFLINE_STEPS_QUICK = ((1, 64), (8, 64))
 
 
 def _choices(kind: str, allowed: tuple[str, ...], all_value: tuple[str, ...] | None = None) -> Any:
@@ -325,6 +333,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 decode_batch=8 if q else 64,
                 decode_context=64 if q else 300,
                 repeats=2 if q else 3,
+                steps=ROOFLINE_STEPS_QUICK if q else ROOFLINE_STEPS,
             )
             results["roofline"][mode] = r
             peaks[mode] = r["matmul"]["peak_gflops"]
@@ -336,6 +345,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 f"{r['decode']['tokens_per_s']:.0f} tok/s (MFU {r['decode']['mfu']:.0%}, "
                 f"{r['decode']['read_gb_per_s']:.1f} GB/s read; machine reads {r['read_bandwidth_gb_per_s']:.1f} GB/s)"
             )
+            for line in r["decode_rooflines"]:
+                _say(f"  roofline {mode}: {roofline_line(line)}")
     model0 = next(iter(loaded.values())).model
     a = model0.arch
     flops_args = (linear_params(model0), a.num_heads * a.head_dim, a.num_layers, a.hidden_size * a.vocab_size)
@@ -395,8 +406,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         "outputs": res.outputs,
                     }
                     if res.engine == "mechserve" and mode in peaks:
+                        # the memory roof: the best read rate measured (once per mode, all before the runs)
                         record["roofline"] = _run_roofline(
-                            loaded[mode].model, res.engine_stats, bandwidth[0], peaks[mode]
+                            loaded[mode].model, res.engine_stats, max(bandwidth), peaks[mode]
                         )
                     entry["runs"].append(record)
                     _say(_line(wname, record))
@@ -414,19 +426,39 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def _run_roofline(model: Any, stats: dict[str, Any] | None, bandwidth: float, peak: float) -> dict[str, Any] | None:
+def _run_roofline(
+    model: Any, stats: dict[str, Any] | None, bandwidth: float, peak: float, repeats: int = 3
+) -> dict[str, Any] | None:
     """The decode step at a run's typical batch (the median number of decode rows of the steps that had
-    any) and context (the mean position its decode rows computed): its roofline beside the step measured
-    at that batch and context (``roofline.decode_roofline``); None when the run decoded nothing."""
+    any) and context (the mean position its decode rows computed): its roofline beside the step
+    ``decode_probe`` measures at that batch and context (``roofline.decode_roofline``), and beside the
+    run's own pure decode steps at that batch (one token for each of ``batch`` requests and nothing else):
+    ``run_steps`` (how many), ``run_step_s`` (their median wall time, the scheduler and sampling included)
+    and ``run_over_roofline`` (None when there were none).  ``bandwidth`` in bytes/s, ``peak`` in GFLOP/s.
+    None when the run decoded nothing."""
     import statistics
 
     from mechserve.bench.roofline import decode_roofline
 
-    rows = [n for n in (stats or {}).get("decode_rows_series", []) if n]
-    context = (stats or {}).get("decode_context_mean")
+    stats = stats or {}
+    series = stats.get("decode_rows_series", [])
+    rows = [n for n in series if n]
+    context = stats.get("decode_context_mean")
     if not rows or context is None:
         return None
-    return decode_roofline(model, round(statistics.median(rows)), round(context), bandwidth, peak)
+    batch = round(statistics.median(rows))
+    r = decode_roofline(model, batch, round(context), bandwidth, peak, repeats)
+    steps = [
+        seconds
+        for n, tokens, seconds in zip(
+            series, stats.get("tokens_per_step_series", []), stats.get("step_time_series_s", []), strict=False
+        )
+        if n == batch and tokens == batch
+    ]
+    r["run_steps"] = len(steps)
+    r["run_step_s"] = statistics.median(steps) if steps else None
+    r["run_over_roofline"] = r["run_step_s"] / r["roofline_s"] if steps else None
+    return r
 
 
 def _jsonable(value: Any) -> Any:
@@ -645,23 +677,9 @@ def _serve(args: argparse.Namespace, workload: Any, entry: dict[str, Any]) -> No
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     for mode in args.mode:
-        dtype = "float32" if mode == "exact" else "bfloat16"
-        cmd = [
-            sys.executable,
-            "-m",
-            "mechserve.cli.main",
-            "serve",
-            "--model",
-            str(args.model),
-            "--port",
-            str(port),
-            "--dtype",
-            dtype,
-            "--device",
-            args.device,
-            *(["--compile"] if args.compile else []),
-        ]
-        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        server = subprocess.Popen(
+            _serve_command(args, mode, port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         try:
             _wait_healthy(port, server)
             config = serve_client.BenchConfig(
@@ -685,6 +703,31 @@ def _serve(args: argparse.Namespace, workload: Any, entry: dict[str, Any]) -> No
             f"{report['output_throughput']:.1f} out tok/s, TTFT p50 {report['p50_ttft_ms'] or 0:.0f} ms, "
             f"ITL p50 {report['p50_itl_ms'] or 0:.0f} ms"
         )
+
+
+def _serve_command(args: argparse.Namespace, mode: str, port: int) -> list[str]:
+    """The ``mechserve serve`` command line of ``mode`` (``runners.MODES``: its dtype and, for q4_1/q8_0,
+    ``--quantization``) on ``port``."""
+    from mechserve.api.config import dtype_name
+    from mechserve.bench.runners import MODES
+
+    dtype, quantization = MODES[mode]
+    return [
+        sys.executable,
+        "-m",
+        "mechserve.cli.main",
+        "serve",
+        "--model",
+        str(args.model),
+        "--port",
+        str(port),
+        "--dtype",
+        dtype_name(dtype),
+        *(["--quantization", quantization] if quantization else []),
+        "--device",
+        args.device,
+        *(["--compile"] if args.compile else []),
+    ]
 
 
 def _wait_healthy(port: int, server: subprocess.Popen[str], timeout: float = 180.0) -> None:

@@ -41,7 +41,8 @@ KERNEL = Kernel(
     "mechserve_linear_abi",
     3,
     std="c++20",
-    extra=("-ffp-contract=off",),
+    # only the entry points are exported (csrc/linear.cpp says why)
+    extra=("-ffp-contract=off", "-fvisibility=hidden", "-fvisibility-inlines-hidden"),
 )
 # Row counts up to which each weight kind goes to the kernel (measured on SmolLM2's shapes against torch,
 # docs/benchmarks.md); a kind not listed (a block format added later) always does.

@@ -224,3 +224,24 @@ def test_bench_multiturn_reuses_the_answers_side_by_side(
     assert cmp["target met: turn >= 2 prefill = new + < 1 block [exact,output-caching]"] is True
     assert cmp["prefill computed on/off [exact,on turn 2]"] < 1
     assert (tmp_path / "out" / "multiturn.png").stat().st_size > 1000
+
+
+def test_the_serve_workload_serves_each_mode_as_it_is_named() -> None:
+    """Regression: the serve workload started every mode but exact as plain bfloat16, so its q4_1 and q8_0
+    reports measured the fast mode under their names.  The server's command line is checked (and that the
+    serve CLI accepts it)."""
+    import argparse
+
+    from mechserve.bench.run import _serve_command
+    from mechserve.cli.serve import add_arguments
+
+    args = argparse.Namespace(model="smollm2", device="cpu", compile=False)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    want = {"exact": ("float32", None), "fast": ("bfloat16", None), "q4_1": ("bfloat16", "q4_1")}
+    want["q8_0"] = ("bfloat16", "q8_0")
+    for mode, (dtype, quantization) in want.items():
+        cmd = _serve_command(args, mode, 8123)
+        assert cmd[1:4] == ["-m", "mechserve.cli.main", "serve"]
+        parsed = parser.parse_args(cmd[4:])
+        assert (parsed.dtype, parsed.quantization, parsed.port) == (dtype, quantization, 8123)

@@ -20,7 +20,7 @@ from mechserve.model import linear as lin
 from mechserve.model.llama import LayerWeights
 from mechserve.model.quantized import quantize
 
-from .test_native_linear import ARCHS, build
+from .test_native_linear import ARCHS, ROWS, build
 
 H, HEADS, KV, D, MLP = 64, 4, 2, 16, 96  # hidden, query heads, KV heads, head dim, MLP width
 # (hidden, query heads, KV heads, head dim, MLP width): SmolLM2's proportions small, one with odd widths
@@ -35,12 +35,18 @@ def _fresh_mode():
     lin.enabled.cache_clear()
 
 
-def layer(g: torch.Generator, dtype: torch.dtype, kind: str | None, biases: bool, shape=SHAPES[0]) -> LayerWeights:
+def layer(
+    g: torch.Generator, dtype: torch.dtype, kind: str | tuple | None, biases: bool, shape=SHAPES[0]
+) -> LayerWeights:
+    """A random layer; ``kind``: every matrix's format (None: ``dtype``), or one per matrix (qkv, o, gate_up,
+    down), as a GGUF file may mix them."""
     hidden, heads, kv, d, mlp = shape
+    kinds = iter(kind if isinstance(kind, tuple) else (kind,) * 4)
 
     def matrix(n: int, k: int):
         w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
-        return w if kind is None else quantize(w.float(), kind)
+        this = next(kinds)
+        return w if this is None else quantize(w.float(), this)
 
     def vector(n: int, scale: float = 1.0) -> torch.Tensor:
         return (1.0 + scale * torch.randn(n, generator=g)).to(dtype)
@@ -70,20 +76,24 @@ def rope(rows: int, dtype: torch.dtype, d: int = D) -> tuple[torch.Tensor, torch
     return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
-@settings(max_examples=80, deadline=None)
+KINDS = [None, "q4_1", "q8_0"]
+
+
+@settings(max_examples=100, deadline=None)
 @given(
     arch=st.sampled_from(ARCHS),
-    rows=st.integers(1, 80),
+    rows=ROWS,
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    kind=st.sampled_from([None, "q4_1", "q8_0"]),
+    kind=st.one_of(st.sampled_from(KINDS), st.tuples(*[st.sampled_from(KINDS)] * 4)),
     shape=st.sampled_from(SHAPES),
     biases=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_native_blocks_compute_what_the_torch_blocks_compute(arch, rows, dtype, kind, shape, biases, seed) -> None:
-    hidden, heads, kv, d, _ = shape
-    if kind is not None and hidden % 32:
+    hidden, heads, kv, d, mlp = shape
+    if (hidden % 32 or heads * d % 32 or mlp % 32) and kind is not None:
         kind = None  # a block format needs rows that are a multiple of 32 wide
+    kinds = [k for k in (kind if isinstance(kind, tuple) else (kind,)) if k is not None]
     g = torch.Generator().manual_seed(seed)
     w = layer(g, dtype, kind, biases, shape)
     x = torch.randn(rows, hidden, generator=g).to(dtype)
@@ -95,8 +105,8 @@ def test_native_blocks_compute_what_the_torch_blocks_compute(arch, rows, dtype, 
     # weights exact with bfloat16 activations (few rows, or a build without bfloat16 tiles), which no torch
     # product does: there the kernel's own products (tested against torch in test_native_linear.py), so the
     # blocks' other steps are what is compared.
-    few = kind is not None and rows <= lib.mechserve_few_rows(lin.TYPES[kind])
-    exact_blocks = kind is not None and dtype == torch.bfloat16 and (few or not lib.mechserve_bf16_tiles())
+    few = any(rows <= lib.mechserve_few_rows(lin.TYPES[k]) for k in kinds)
+    exact_blocks = bool(kinds) and dtype == torch.bfloat16 and (few or not lib.mechserve_bf16_tiles())
     with mock.patch.object(lin, "enabled", lambda: exact_blocks), mock.patch.object(lin, "library", lambda: lib):
         want = llama.attention_inputs(x, w.input_norm, w.qkv, w.qkv_bias, None, None, cos, sin, 1e-5, heads, kv, d)
         want_x = llama.attention_outputs(

@@ -283,7 +283,6 @@ void tiled(const Job& j, int64_t n0, int64_t n1, float* out, int64_t ldo) {
                 else tile_to_bf16<F>(j.w, K, n, nr, tb, ld, rb);
                 for (int r = 0; r < NR; ++r) rows[r] = tb + std::min(r, nr - 1) * ld;
             }
-            // the next tile's stored bytes, a share per micro-kernel call, while this tile is in use
             // the stored bytes of the tiles FAR ahead (into L2) and of the next one (into L1), a share per
             // micro-kernel call, while this tile is in use
             const Ahead far = ahead(src, n + FAR * NR, n1, row_bytes, calls), near = ahead(src, n + NR, n1, row_bytes, calls);
@@ -320,13 +319,15 @@ void product_team_f(Job j, int64_t N, float* out, int64_t ldo, float* xsum) {
     const int T = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t per = ((N + T - 1) / T + 15) / 16 * 16;
     const int64_t n0 = std::min<int64_t>(N, t * per), n1 = std::min<int64_t>(N, n0 + per);
-    if (j.M <= F::few_rows) {
-        if constexpr (F::has_min) {
-            block_sums(j.xf, j.M, j.K, xsum);  // ends with the team's barrier
-            j.xsum = xsum;
+    if constexpr (F::few_rows > 0) {  // (a format without a few-row kernel need not define `few`)
+        if (j.M <= F::few_rows) {
+            if constexpr (F::has_min) {
+                block_sums(j.xf, j.M, j.K, xsum);  // ends with the team's barrier
+                j.xsum = xsum;
+            }
+            if (n0 < n1) F::few(j, n0, n1, out, ldo);
+            return;
         }
-        if (n0 < n1) F::few(j, n0, n1, out, ldo);
-        return;
     }
     if (n0 >= n1) return;
 #if defined(__AVX512BF16__)

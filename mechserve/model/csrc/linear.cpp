@@ -11,6 +11,12 @@
 // libgomp by soname): the products split the output columns between the threads, the elementwise steps
 // between the products (norms, RoPE, SiLU, residuals) split the rows, with a barrier between phases.
 // Temporaries live in buffers kept per calling thread that only grow.
+//
+// Built with -fvisibility=hidden (linear.py): everything but the extern "C" entry points stays inside the
+// library.  Otherwise the templates' static locals (the tiles' tables and buffers, their guards) are GNU
+// unique symbols, bound once per process: a second build of this source loaded beside the first (the
+// tests load the portable builds next to the native one) used the first one's tables, sized for its
+// own tile shape, and wrote garbage or crashed.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -130,6 +136,7 @@ void silu(const float* g, int64_t n, float* out) {
 
 using namespace mechserve;
 
+#pragma GCC visibility push(default)  // the entry points: the only symbols the library exports
 extern "C" {
 
 // Returns the ABI version; the loader refuses a library that does not match.
@@ -194,6 +201,7 @@ void mechserve_linear(const void* x, int xt, const void* w, int wt, const void* 
 }
 
 }  // extern "C"
+#pragma GCC visibility pop
 
 namespace mechserve {
 namespace {
@@ -287,6 +295,7 @@ void attention_outputs(const void* x, const void* attn, int64_t A, const void* o
 }  // namespace
 }  // namespace mechserve
 
+#pragma GCC visibility push(default)  // the entry points: the only symbols the library exports
 extern "C" {
 
 // A decoder layer up to attention (llama.py's attention_inputs without q/k norms), for M rows:
@@ -335,3 +344,4 @@ void mechserve_dequantize_rows(const void* w, int wt, const int64_t* ids, int64_
 }
 
 }  // extern "C"
+#pragma GCC visibility pop
