@@ -1,9 +1,13 @@
-"""Issue 28's two tables, with their roofline columns, from a ``mechserve bench run`` results file.
+"""Issue 28's two tables, with their roofline columns: runs the benchmark and prints them, in one command.
 
-    python docs/scripts/issue28_tables.py bench-results/issue28/results.json
+    PYTHONPATH=$PWD python docs/scripts/issue28_tables.py --run bench-results/issue28 [--threads 1,2]
+    python docs/scripts/issue28_tables.py bench-results/issue28/results.json     # tables of a finished run
 
-Reads the run of ``--workload latency,throughput --engine mechserve,hf,llama-cpp --mode exact,fast,q4_1,q8_0``
-(with the roofline, so without ``--no-roofline``) and prints, as markdown:
+``--run DIR`` runs ``python -m mechserve bench run`` with ``BENCH_ARGS`` (``--workload latency,throughput
+--engine mechserve,hf,llama-cpp --mode exact,fast,q4_1,q8_0``, the roofline on) into ``DIR`` (with
+``--threads``: once per thread count, into ``DIR/threads-N``, every engine on N threads), then prints
+the tables of each results file and writes them to ``issue28_tables.md`` beside it.  Arguments after
+``--`` go to ``bench run`` (``-- --quick`` for a smoke run).  The tables, as markdown:
 
 * the mixed workload (``throughput``): output tokens/s of mechserve, llama.cpp in the same mode and hf, the
   ratio to llama.cpp's best mode, TTFT p50, and mechserve's decode step at the run's typical batch: its
@@ -14,14 +18,27 @@ Reads the run of ``--workload latency,throughput --engine mechserve,hf,llama-cpp
 * each mode's fixed decode steps (batch 1 at 512, batch 32 at 300: ``run.ROOFLINE_STEPS``) beside their
   roofline.
 
-Standard library only.  A cell whose run is missing reads ``-``.
+Standard library only.  A cell whose run is missing reads ``-``.  A ``bench run`` that fails stops the
+script with its exit status.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
+
+BENCH_ARGS = (
+    "--workload",
+    "latency,throughput",
+    "--engine",
+    "mechserve,hf,llama-cpp",
+    "--mode",
+    "exact,fast,q4_1,q8_0",
+)
 
 LLAMA_CPP_KIND = {"exact": "F32", "fast": "BF16", "q4_1": "Q4_1", "q8_0": "Q8_0"}
 
@@ -116,20 +133,67 @@ def fixed_steps_table(doc: dict[str, Any]) -> list[str]:
     return out
 
 
-def main(path: str) -> None:
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
+def tables(doc: dict[str, Any]) -> str:
+    """The header line (machine, threads, load, commit) and the three tables of one results file, as markdown."""
     m = doc.get("machine", {})
-    print(
+    head = (
         f"{m.get('cpu')}, {m.get('torch_threads')} threads; load average at start {m.get('load_average_at_start')}, "
         f"at end {m.get('load_average_at_end')}; commit {doc.get('git', {}).get('commit')} "
-        f"(dirty: {doc.get('git', {}).get('dirty')})\n"
+        f"(dirty: {doc.get('git', {}).get('dirty')})"
     )
-    for table in (mixed_table(doc), batch1_table(doc), fixed_steps_table(doc)):
-        print("\n".join(table) + "\n")
+    return "\n\n".join([head, *("\n".join(t) for t in (mixed_table(doc), batch1_table(doc), fixed_steps_table(doc)))])
+
+
+def _thread_counts(text: str) -> list[int]:
+    try:
+        counts = [int(t) for t in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--threads takes positive integers separated by commas, got {text!r}")
+    return counts
+
+
+def run(out: Path, threads: list[int] | None, extra: list[str]) -> list[Path]:
+    """``bench run`` with ``BENCH_ARGS`` and ``extra`` into ``out`` (or ``out/threads-N`` per thread count);
+    the results files written.  Exits with ``bench run``'s status if it fails."""
+    paths = []
+    for n in threads or [None]:
+        where = out if n is None else out / f"threads-{n}"
+        cmd = [sys.executable, "-m", "mechserve", "bench", "run", *BENCH_ARGS, "--out", str(where)]
+        cmd += ([] if n is None else ["--threads", str(n)]) + extra
+        print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+        done = subprocess.run(cmd)
+        if done.returncode:
+            sys.exit(done.returncode)
+        paths.append(where / "results.json")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description="issue 28's tables from mechserve bench run")
+    parser.add_argument("results", nargs="*", type=Path, help="results.json files of finished runs")
+    parser.add_argument("--run", type=Path, metavar="DIR", help="run the benchmark into DIR first")
+    parser.add_argument("--threads", type=_thread_counts, help="with --run: one run per thread count, e.g. 1,2")
+    args = parser.parse_args(argv)
+    if bool(args.run) == bool(args.results):
+        parser.error("give either --run DIR or results.json files")
+    if (args.threads or extra) and not args.run:
+        parser.error("--threads and arguments after -- go with --run")
+    paths = run(args.run, args.threads, extra) if args.run else args.results
+    for path in paths:
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            parser.exit(2, f"{parser.prog}: error: cannot read {path}: {e}\n")
+        text = tables(doc)
+        print(f"## {path}\n\n{text}\n")
+        if args.run:
+            (path.parent / "issue28_tables.md").write_text(text + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python docs/scripts/issue28_tables.py RESULTS.json")
-    main(sys.argv[1])
+    main()
