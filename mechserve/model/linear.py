@@ -99,7 +99,7 @@ def isa() -> str:
 
 @cache
 def enabled() -> bool:
-    """Whether few-row products use the kernel (per ``MECHSERVE_LINEAR``; built on the first call).
+    """Whether products (up to ``native_max_rows``) use the kernel (per ``MECHSERVE_LINEAR``; built on the first call).
 
     Raises ``NativeKernelError`` in ``native`` mode when the kernel cannot be built.
     """
