@@ -13,9 +13,13 @@ before it says anything.
 
 The validated ``Workload`` is rung-independent; ``build_engine`` turns it into
 the ``Engine`` of any rung of the ladder, passing only what that rung takes,
-and ``check_rung`` reports what a lower rung cannot take (speculation before
-m09, ranks before m11, admission settings before m12, output caching before
-m13, forced scripts before m14).  Standard library only.
+and ``check_rung`` reports what a lower rung cannot take (prefix caching
+before m08, speculation before m09, ranks before m11, admission settings and
+the shared-prefix hold before m12, output caching before m13, forced scripts
+before m14, a fleet before m15).  ``build_fleet`` turns it into m15's
+``Fleet``: the ``fleet`` section (``replicas``, ``routing_policy`` and the
+router's thresholds) beside the engine section every replica gets.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -29,20 +33,22 @@ import re
 import sys
 import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from mechserve.api.config import setting_range
 from mechserve.api.limits import (
-    ENGINE_LIMITS,
     MAX_ARRIVAL_STEP,
     MAX_NEW_TOKENS,
     MAX_PROMPT_LEN,
+    MAX_REPLICAS,
     MAX_SLOTS,
     MAX_TOTAL_PROMPT_TOKENS,
     TOKEN_ID_LIMIT,
 )
 from mechserve.spec import RUNGS
+from mechserve.spec.m15_routing import POLICIES as ROUTING_POLICIES
 
 ENGINE_DEFAULTS: Mapping[str, int] = {
     "max_step_tokens": 8,
@@ -54,11 +60,15 @@ ENGINE_DEFAULTS: Mapping[str, int] = {
 # m12's admission settings: absent (no limit) unless given.
 ENGINE_OPTIONAL = ("max_waiting", "max_running", "max_model_len")
 ENGINE_KEYS = (*ENGINE_DEFAULTS, *ENGINE_OPTIONAL)
-# m13's switch, a JSON boolean: absent (the rung's default, off) unless given.
-ENGINE_SWITCHES = ("output_caching",)
-# spec_len may be 0; every other engine value is a size and must be > 0.
-_ENGINE_MINIMUM = {"spec_len": 0}
-TOP_KEYS = ("engine", "requests")
+# The engine switches, JSON booleans, absent (the rung's default) unless given: m08's prefix cache
+# (default on), m12's shared-prefix hold (default off), m13's output caching (default off).
+ENGINE_SWITCHES = ("prefix_caching", "hold_shared_prefix", "output_caching")
+# Switches that act only with prefix caching on: given true beside prefix_caching false they are refused.
+_NEEDS_PREFIX_CACHING = ("hold_shared_prefix", "output_caching")
+# m15's fleet: how many replicas, the routing policy and its thresholds; absent unless given.
+FLEET_KEYS = ("replicas", "routing_policy", "cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
+MAX_BALANCE = 1_000_000
+TOP_KEYS = ("engine", "fleet", "requests")
 REQUEST_KEYS = (
     "request_id",
     "prompt_len",
@@ -108,11 +118,12 @@ class RequestSpec:
 
 @dataclass(frozen=True)
 class Workload:
-    """A validated workload: every engine value (defaults filled in, optional ones only when given)
-    and the requests in list order."""
+    """A validated workload: every engine value (defaults filled in, optional ones only when given),
+    the requests in list order, and (m15) the fleet values given (none: one engine)."""
 
     engine: Mapping[str, int]
     requests: tuple[RequestSpec, ...]
+    fleet: Mapping[str, Any] = field(default_factory=dict)
 
 
 def synthetic_prompt(index: int, prompt_len: int) -> tuple[int, ...]:
@@ -190,7 +201,8 @@ def engine_value(name: str, value: object, where: str | None = None) -> int:
 
     Raises ``WorkloadError`` (naming ``where``, default ``engine.<name>``).
     """
-    return _integer(where or f"engine.{name}", value, _ENGINE_MINIMUM.get(name, 1), ENGINE_LIMITS[name])
+    least, most = setting_range(name)  # the range EngineConfig checks (api/config.py), in the workload's words
+    return _integer(where or f"engine.{name}", value, least, most)
 
 
 def switch_value(name: str, value: object, where: str | None = None) -> bool:
@@ -201,6 +213,19 @@ def switch_value(name: str, value: object, where: str | None = None) -> bool:
     if not isinstance(value, bool):
         raise WorkloadError(f"{where or f'engine.{name}'}: must be true or false, got {_show(value)}")
     return value
+
+
+def _check_switches(engine: Mapping[str, int], labels: Mapping[str, str]) -> None:
+    """Raises ``WorkloadError`` if a switch that acts only with prefix caching is true while
+    ``prefix_caching`` is false (it would be accepted and do nothing)."""
+    if engine.get("prefix_caching", True):
+        return
+    for name in _NEEDS_PREFIX_CACHING:
+        if engine.get(name):
+            raise WorkloadError(
+                f"{labels[name]}: true needs prefix caching, but {labels['prefix_caching']} is false "
+                f"(set {labels[name]} false or turn prefix caching on)"
+            )
 
 
 def _check_slots(engine: Mapping[str, int], labels: Mapping[str, str]) -> None:
@@ -219,7 +244,8 @@ def parse_engine(section: object) -> dict[str, int]:
     The optional admission settings (``ENGINE_OPTIONAL``) and switches
     (``ENGINE_SWITCHES``, JSON booleans) appear only when given and not null.
     Raises ``WorkloadError`` for a non-object, an unknown key, an invalid
-    value or a pool over ``MAX_SLOTS`` slots.
+    value, a pool over ``MAX_SLOTS`` slots, or ``hold_shared_prefix`` or
+    ``output_caching`` true with ``prefix_caching`` false.
     """
     if section is None:
         section = {}
@@ -230,8 +256,58 @@ def parse_engine(section: object) -> dict[str, int]:
         if name in (*ENGINE_OPTIONAL, *ENGINE_SWITCHES) and value is None:
             continue
         engine[name] = switch_value(name, value) if name in ENGINE_SWITCHES else engine_value(name, value)
-    _check_slots(engine, {name: f"engine.{name}" for name in ENGINE_KEYS})
+    labels = {name: f"engine.{name}" for name in (*ENGINE_KEYS, *ENGINE_SWITCHES)}
+    _check_slots(engine, labels)
+    _check_switches(engine, labels)
     return engine
+
+
+# m15: the fleet section.
+def fleet_value(name: str, value: object, where: str | None = None) -> Any:
+    """Validate one fleet value: ``replicas`` an integer in 1..MAX_REPLICAS, ``routing_policy`` one of
+    ``ROUTING_POLICIES``, ``cache_threshold`` a number in [0, 1], ``balance_abs_threshold`` an
+    integer >= 0 and ``balance_rel_threshold`` a number >= 0 (both at most ``MAX_BALANCE``).
+
+    Raises ``WorkloadError`` (naming ``where``, default ``fleet.<name>``).
+    """
+    where = where or f"fleet.{name}"
+    if name == "replicas":
+        return _integer(where, value, 1, MAX_REPLICAS)
+    if name == "balance_abs_threshold":
+        return _integer(where, value, 0, MAX_BALANCE)
+    if name == "routing_policy":
+        if value not in ROUTING_POLICIES:
+            raise WorkloadError(f"{where}: must be one of {', '.join(ROUTING_POLICIES)}, got {_show(value)}")
+        return value
+    high = 1.0 if name == "cache_threshold" else float(MAX_BALANCE)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= high:
+        raise WorkloadError(f"{where}: must be a number from 0 to {high:g}, got {_show(value)}")
+    return float(value)
+
+
+def parse_fleet(section: object) -> dict[str, Any]:
+    """The fleet section's given values (null means absent); a missing or null section means ``{}``.
+
+    Raises ``WorkloadError`` for a non-object, an unknown key or an invalid value.
+    """
+    if section is None:
+        return {}
+    section = _object("fleet", section)
+    _check_keys("fleet", section, FLEET_KEYS)
+    return {name: fleet_value(name, value) for name, value in section.items() if value is not None}
+
+
+def with_fleet(
+    workload: Workload, overrides: Mapping[str, object], labels: Mapping[str, str] | None = None
+) -> Workload:
+    """``workload`` with the given fleet values replaced (flags override the spec); ``labels`` name
+    them in errors (e.g. ``--replicas``).  Raises ``WorkloadError`` for an unknown name or a bad value."""
+    fleet = dict(workload.fleet)
+    for name, value in overrides.items():
+        if name not in FLEET_KEYS:
+            raise WorkloadError(f"unknown fleet value {_show(name)}")
+        fleet[name] = fleet_value(name, value, (labels or {}).get(name))
+    return dataclasses.replace(workload, fleet=fleet)
 
 
 def with_engine(
@@ -240,8 +316,9 @@ def with_engine(
     """``workload`` with the given engine values replaced (flags override the spec, even when 0).
 
     ``labels`` names each value in errors (e.g. ``--num-pages``).  Raises
-    ``WorkloadError`` for an unknown name, an invalid value or a pool over
-    ``MAX_SLOTS`` slots.
+    ``WorkloadError`` for an unknown name, an invalid value, a pool over
+    ``MAX_SLOTS`` slots, or a switch that needs prefix caching turned on
+    while it is off.
     """
     engine = dict(workload.engine)
     names = {name: f"engine.{name}" for name in (*ENGINE_KEYS, *ENGINE_SWITCHES)}
@@ -252,6 +329,7 @@ def with_engine(
         check = switch_value if name in ENGINE_SWITCHES else engine_value
         engine[name] = check(name, value, names[name])
     _check_slots(engine, names)
+    _check_switches(engine, names)
     return dataclasses.replace(workload, engine=engine)
 
 
@@ -419,7 +497,8 @@ def parse_workload(data: object) -> Workload:
     if not isinstance(data, dict):
         raise WorkloadError(f"the workload must be a JSON object at the top level, got {_show(data)}")
     _check_keys("workload", data, TOP_KEYS)
-    return Workload(parse_engine(data.get("engine")), parse_requests(data.get("requests")))
+    engine = parse_engine(data.get("engine"))
+    return Workload(engine, parse_requests(data.get("requests")), parse_fleet(data.get("fleet")))
 
 
 class _RepeatedKey(ValueError):
@@ -537,8 +616,17 @@ def _request_fields(rung: ModuleType) -> set[str]:
 _LATER_FEATURES = (("spec_len", 0, "speculative decoding", "m09"), ("world_size", 1, "parallelism", "m11"))
 _ADMISSION = "admission control"
 _ADMISSION_RUNG = "m12"
-# engine switch, the mechanism that uses it, the first rung that has it
-_LATER_SWITCHES = (("output_caching", "output caching", "m13"),)
+# engine switch, the mechanism that uses it, the first rung that has it (each is off below that rung)
+_LATER_SWITCHES = (
+    ("prefix_caching", "prefix caching", "m08"),
+    ("hold_shared_prefix", "shared-prefix hold", "m12"),
+    ("output_caching", "output caching", "m13"),
+)
+
+
+def has_routing(rung: ModuleType) -> bool:
+    """Whether ``rung`` has m15's fleet and router."""
+    return hasattr(rung, "Fleet")
 
 
 def has_admission_control(rung: ModuleType) -> bool:
@@ -553,10 +641,14 @@ def check_rung(rung: ModuleType, workload: Workload) -> None:
     (speculative decoding), ``world_size > 1`` before m11 (parallelism), and
     before m12 (admission control) any of ``max_waiting``, ``max_running``,
     ``max_model_len``, a non-empty ``stop_token_ids``, ``max_new_tokens`` 0
-    or an empty ``tokens`` list, ``output_caching`` true before m13, and a
-    non-empty ``forced_script`` before m14 (forced runs).  An empty
-    ``accept_script``, ``stop_token_ids`` or ``forced_script``, and a switch
-    set to false, behave like absent ones and are allowed.
+    or an empty ``tokens`` list, ``prefix_caching`` true before m08,
+    ``hold_shared_prefix`` true before m12, ``output_caching`` true before m13,
+    a non-empty ``forced_script`` before m14 (forced runs), and any fleet value
+    before m15 (routing).  From m09 on a non-empty ``accept_script`` with
+    ``spec_len`` 0 is refused too: with no guesses there is no verdict to
+    script.  An empty ``accept_script``, ``stop_token_ids`` or
+    ``forced_script``, and a switch set to false (what a rung without the
+    mechanism does), behave like absent ones and are allowed.
     """
     label, params = rung_label(rung), engine_params(rung)
     for name, neutral, what, first in _LATER_FEATURES:
@@ -574,6 +666,13 @@ def check_rung(rung: ModuleType, workload: Workload) -> None:
                     f"{label} has no speculative decoding: request {_show(req.request_id)} has an accept_script "
                     "(it needs m09 or later)"
                 )
+    elif workload.engine["spec_len"] == 0:
+        for req in workload.requests:
+            if req.accept_script:
+                raise WorkloadError(
+                    f"{label}: request {_show(req.request_id)} has an accept_script but engine.spec_len is 0, "
+                    "so no window drafts a guess to accept (set spec_len > 0 or remove accept_script)"
+                )
     if not has_admission_control(rung):
         _check_no_admission(label, workload)
     if "forced_script" not in _request_fields(rung):  # m14
@@ -583,6 +682,9 @@ def check_rung(rung: ModuleType, workload: Workload) -> None:
                     f"{label} has no forced runs: request {_show(req.request_id)} has a forced_script "
                     "(it needs m14 or later)"
                 )
+    if workload.fleet and not has_routing(rung):  # m15
+        given = ", ".join(f"fleet.{k} {_show(v)}" for k, v in workload.fleet.items())
+        raise WorkloadError(f"{label} has no routing: {given} need m15 or later (or drop the fleet section)")
 
 
 def _check_no_admission(label: str, workload: Workload) -> None:
@@ -627,8 +729,9 @@ def build_engine(rung: ModuleType, workload: Workload) -> Any:
 
     Only the engine values that rung's constructor takes are passed: m00 and
     m01 take none, m02 the budget, m03+ the page pool, m09+ ``spec_len``,
-    m11+ ``world_size``, m12+ the admission settings given and m13 the
-    output-caching switch given.  Rungs before
+    m11+ ``world_size``, m12+ the admission settings given, m08+ the
+    ``prefix_caching`` switch given, m12+ the ``hold_shared_prefix`` switch
+    given and m13+ the ``output_caching`` switch given.  Rungs before
     m08 know prompts only by length, so explicit ``tokens`` are reduced to
     their length there (the token ids themselves matter only to the prefix
     cache, which arrives in m08).  Raises ``WorkloadError`` if the workload
@@ -636,18 +739,38 @@ def build_engine(rung: ModuleType, workload: Workload) -> Any:
     ``ValueError`` propagates.
     """
     check_rung(rung, workload)
+    if workload.fleet:  # m15: a fleet section describes a Fleet, not one engine
+        raise WorkloadError(f"the fleet section ({', '.join(workload.fleet)}) builds a fleet: use build_fleet")
     params, fields = engine_params(rung), _request_fields(rung)
     requests = [_make_request(rung, req, fields) for req in workload.requests]
     kwargs = {name: value for name, value in workload.engine.items() if name in params}
     return rung.Engine(requests, **kwargs)
 
 
+def build_fleet(rung: ModuleType, workload: Workload) -> Any:
+    """m15: a fresh ``rung.Fleet`` for ``workload``: its fleet values (one replica and the rung's
+    default policy unless given), every engine value given to each replica, the requests in list order.
+
+    Raises ``WorkloadError`` for a rung without routing or a workload it cannot take; the fleet's
+    own ``ValueError`` propagates.
+    """
+    if not has_routing(rung):
+        raise WorkloadError(f"{rung_label(rung)} has no routing: a fleet needs m15 or later")
+    check_rung(rung, workload)
+    fields = _request_fields(rung)
+    requests = [_make_request(rung, req, fields) for req in workload.requests]
+    return rung.Fleet(requests, **workload.fleet, **workload.engine)
+
+
 def fit_rung(rung: ModuleType, workload: Workload) -> tuple[Workload, tuple[str, ...]]:
     """``workload`` without what ``rung`` lacks, and one note per mechanism left out.
 
-    Before m09 ``spec_len`` becomes 0 and accept scripts are dropped; before
+    Before m09 ``spec_len`` becomes 0 and accept scripts are dropped (from
+    m09 on they are dropped too when ``spec_len`` is 0); before
     m11 ``world_size`` becomes 1; before m12 the admission settings and stop
-    ids are dropped; before m13 the output-caching switch is; before m14 the forced scripts are.  ``mechserve demo --mech`` uses this so the fixed demo
+    ids are dropped; the prefix-caching switch before m08, the shared-prefix
+    hold before m12 and the output-caching switch before m13; before m14 the forced scripts are;
+    before m15 the fleet section is.  ``mechserve demo --mech`` uses this so the fixed demo
     runs on every rung; ``run`` reports the same things as errors
     (``check_rung``).  Zero-token requests and empty prompts are not dropped:
     ``build_engine`` still refuses them below m12.
@@ -658,6 +781,9 @@ def fit_rung(rung: ModuleType, workload: Workload) -> tuple[Workload, tuple[str,
     if ("spec_len" not in params and engine["spec_len"] != 0) or scripted:
         notes.append(f"{label} has no speculative decoding: running with spec_len 0 and no accept scripts")
         engine["spec_len"] = 0
+        requests = tuple(dataclasses.replace(r, accept_script=None) for r in requests)
+    elif engine["spec_len"] == 0 and any(r.accept_script for r in requests):
+        notes.append("spec_len is 0: running without accept scripts (no window drafts a guess to accept)")
         requests = tuple(dataclasses.replace(r, accept_script=None) for r in requests)
     if "world_size" not in params and engine["world_size"] != 1:
         notes.append(f"{label} has no parallelism: running with world_size 1")
@@ -674,4 +800,8 @@ def fit_rung(rung: ModuleType, workload: Workload) -> tuple[Workload, tuple[str,
     if "forced_script" not in _request_fields(rung) and any(r.forced_script for r in requests):  # m14
         notes.append(f"{label} has no forced runs: running without forced scripts")
         requests = tuple(dataclasses.replace(r, forced_script=None) for r in requests)
-    return Workload(engine, requests), tuple(notes)
+    fleet = workload.fleet
+    if fleet and not has_routing(rung):  # m15
+        notes.append(f"{label} has no routing: running one engine without {', '.join(f'fleet.{k}' for k in fleet)}")
+        fleet = {}
+    return Workload(engine, requests, fleet), tuple(notes)

@@ -34,4 +34,7 @@ for gguf in ggufs:
     costs = []
     for _ in range(3):
         costs.append((cpu_seconds([*base, "-n", "80"]) - cpu_seconds([*base, "-n", "16"])) / 64)
-    print(f"{Path(gguf).name}: CPU ms per token at depth {depth}: {', '.join(f'{c * 1e3:.1f}' for c in costs)}", flush=True)
+    print(
+        f"{Path(gguf).name}: CPU ms per token at depth {depth}: {', '.join(f'{c * 1e3:.1f}' for c in costs)}",
+        flush=True,
+    )

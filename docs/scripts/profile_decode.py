@@ -90,14 +90,14 @@ for mode in modes:
     with torch.inference_mode():
         for b in range(B):
             spans = [Span(0, 0, ctx, tables[b])]
-            batch = build_attention_batch(spans, [slot(b, p) for p in range(ctx)], page, g, m.distinct_windows)
+            batch = build_attention_batch(spans, [slot(b, p) for p in range(ctx)], page, g, m.distinct_sliding_windows)
             m.forward(torch.randint(100, 40000, (ctx,)), torch.arange(ctx), cache, batch, None)
         llama.linear, llama.paged_attention = timed_linear, timed_attention
         fused.attention_inputs, fused.attention_outputs = timed_inputs, timed_outputs
         for s in range(40):
             pos = ctx + s
             spans = [Span(b, pos, 1, tables[b]) for b in range(B)]
-            batch = build_attention_batch(spans, [slot(b, pos) for b in range(B)], page, g, m.distinct_windows)
+            batch = build_attention_batch(spans, [slot(b, pos) for b in range(B)], page, g, m.distinct_sliding_windows)
             if s == 8:
                 spent.update(dict.fromkeys(spent, 0.0))
                 read.update(dict.fromkeys(read, 0))

@@ -63,7 +63,10 @@ def step(kind, xs, n):
 
 # 30 layers of distinct weights, as a decode step reads them (66 MB of Q4_1: more than the L3 holds).
 weights = {
-    kind: [{name: quantize(torch.randn(n, k, generator=g) * 0.05, kind) for name, (n, k) in LAYER.items()} for _ in range(30)]
+    kind: [
+        {name: quantize(torch.randn(n, k, generator=g) * 0.05, kind) for name, (n, k) in LAYER.items()}
+        for _ in range(30)
+    ]
     for kind in ("q4_1", "q8_0")
 }
 head = quantize(torch.randn(*HEAD, generator=g) * 0.05, "q8_0")

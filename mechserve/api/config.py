@@ -22,7 +22,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from mechserve.api.limits import ENGINE_LIMITS, MAX_KV_MEMORY, MAX_SLOTS, MAX_SPEC_LEN
+from mechserve.api.limits import (
+    ENGINE_LIMITS,
+    MAX_KV_MEMORY,
+    MAX_SLOTS,
+    MAX_SPEC_LEN,
+    MAX_SUFFIX_CACHED_REQUESTS,
+    MAX_SUFFIX_TREE_DEPTH,
+)
+from mechserve.api.proposers import ALIASES as METHOD_ALIASES
+from mechserve.api.proposers import DEFAULT_METHOD, DEFAULT_MODEL_METHOD, METHOD_OPTIONS, METHODS, proposer_method
 
 # vLLM's chunked-prefill default; a smaller budget splits a long prompt into many slower steps.
 DEFAULT_MAX_STEP_TOKENS = 2048
@@ -30,8 +39,9 @@ DEFAULT_PAGE_SIZE = 16
 # At most this many requests run at once (vLLM's max_num_seqs); on a CPU a step of 64 decodes
 # already takes a third of a second, so more would only lengthen every request's steps.
 DEFAULT_MAX_RUNNING = 64
-# Cap on the KV cache when the pool is sized automatically (no num_pages, no kv_memory).
-DEFAULT_KV_BYTES = 2 << 30
+# Cap on the KV cache when the pool is sized automatically (no num_pages, no kv_memory): sensible beside a
+# quantized model on a 16 GiB laptop (engine/pool.py, AUTO_MAX_POSITIONS).
+DEFAULT_KV_BYTES = 1 << 30
 
 # dtype names -> the canonical name ("auto" is float32 on a CPU, the mode checked against transformers).
 DTYPES: Mapping[str, str] = {
@@ -50,7 +60,6 @@ DTYPES: Mapping[str, str] = {
 # as they are (``mechserve.model.quantized``, ``mechserve.model.linear``).
 QUANTIZATIONS = ("q4_1", "q8_0")
 
-METHODS = ("ngram", "draft")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)b?|(b)?)\s*", re.IGNORECASE)
 
@@ -144,9 +153,17 @@ def parse_draft_model(spec: str) -> tuple[str, int | None]:
 class SpeculativeConfig:
     """What speculates and how far (vLLM's ``speculative_config``).
 
-    ``method``: ``"ngram"`` (prompt lookup: the longest suffix n-gram, ``ngram_min`` <= n <=
-    ``ngram_max``, found earlier in the request's own tokens) or ``"draft"`` (``draft_model``, a
-    ``MODEL[:layers=N]`` spec, e.g. ``"smollm2:layers=4"``).  ``num_speculative_tokens`` is the
+    ``method``: a name of the registry of proposers (``mechserve.api.proposers``): ``"ngram"``
+    (prompt lookup: the longest suffix n-gram, ``ngram_min`` <= n <= ``ngram_max``, found earlier in
+    the request's own tokens), ``"suffix"`` (suffix decoding: suffix trees over the request's ids and
+    over past requests' outputs, ``mechserve.executor.proposers_suffix``, tuned by vLLM's
+    ``suffix_decoding_max_tree_depth`` (24: the longest substring the trees hold),
+    ``suffix_decoding_max_cached_requests`` (10000 requests' outputs in the global tree, oldest evicted
+    first; 0: none), ``suffix_decoding_max_spec_factor`` (1.0: a match of m ids drafts at most
+    m ids) and ``suffix_decoding_min_token_prob`` (0.1: a guess less likely than that ends the draft);
+    another method refuses them set) or ``"draft"`` (``draft_model``, a ``MODEL[:layers=N]`` spec, e.g.
+    ``"smollm2:layers=4"``); a method with a model of its own needs ``draft_model``, one without
+    refuses it.  ``num_speculative_tokens`` is the
     engine's ``spec_len``: the most guesses per decode window.  ``adaptive``: before each step the
     control side lowers ``spec_len`` (down to 0) to what the acceptance so far and the proposals at
     hand pay for (``mechserve.executor.governor.Governor``); off, every window carries
@@ -154,16 +171,19 @@ class SpeculativeConfig:
     value.
     """
 
-    method: str = "ngram"
+    method: str = DEFAULT_METHOD
     num_speculative_tokens: int = 3
     ngram_min: int = 1
     ngram_max: int = 3
     draft_model: str | None = None
     adaptive: bool = True
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        method = proposer_method(self.method)  # ValueError naming the registered methods
         if not _is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= MAX_SPEC_LEN:
             raise ValueError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPEC_LEN}], got {self.num_speculative_tokens!r}"
@@ -176,12 +196,39 @@ class SpeculativeConfig:
             )
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}")
-        if self.method == "draft" and not self.draft_model:
-            raise ValueError('method "draft" needs a draft_model, e.g. "smollm2:layers=4"')
-        if self.method == "ngram" and self.draft_model:
-            raise ValueError(f'draft_model {self.draft_model!r} is given but method is "ngram"; use method="draft"')
+        if method.needs_model and not self.draft_model:
+            raise ValueError(f'method "{method.name}" needs a draft_model, e.g. "smollm2:layers=4"')
+        if not method.needs_model and self.draft_model:
+            raise ValueError(
+                f'draft_model {self.draft_model!r} is given but method "{method.name}" ({method.summary}) uses no '
+                f'model; use method="{DEFAULT_MODEL_METHOD}"'
+            )
         if self.draft_model is not None:
             parse_draft_model(self.draft_model)
+        self._check_options(method.name)
+
+    def _check_options(self, method: str) -> None:
+        """Suffix decoding's options in range, and every method's own options (``ProposerMethod.options``) left at
+        their defaults by another method."""
+        depth, cached = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if not _is_int(depth) or not 2 <= depth <= MAX_SUFFIX_TREE_DEPTH:
+            raise ValueError(
+                f"suffix_decoding_max_tree_depth must be an integer in [2, {MAX_SUFFIX_TREE_DEPTH}], got {depth!r}"
+            )
+        if not _is_int(cached) or not 0 <= cached <= MAX_SUFFIX_CACHED_REQUESTS:
+            raise ValueError(
+                f"suffix_decoding_max_cached_requests must be an integer in [0, {MAX_SUFFIX_CACHED_REQUESTS}], "
+                f"got {cached!r}"
+            )
+        if not _is_number(factor) or not 0 < factor <= MAX_SPEC_LEN:
+            raise ValueError(f"suffix_decoding_max_spec_factor must be a number in (0, {MAX_SPEC_LEN}], got {factor!r}")
+        if not _is_number(prob) or not 0 <= prob <= 1:
+            raise ValueError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
+        for f in dataclasses.fields(self):
+            owner = METHOD_OPTIONS.get(f.name, method)
+            if owner != method and getattr(self, f.name) != f.default:
+                raise ValueError(f'{f.name} is an option of method "{owner}", but method is "{method}"')
 
     # vLLM's names for our fields.
     ALIASES: ClassVar[Mapping[str, str]] = {
@@ -193,7 +240,8 @@ class SpeculativeConfig:
     @classmethod
     def of(cls, config: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig | None:
         """A ``SpeculativeConfig`` from itself or a dict of its fields (vLLM's names too; a dict with a draft
-        model and no method means ``"draft"``, vLLM's method ``"draft_model"`` is ours ``"draft"``).
+        model and no method means the registry's model-based default, ``"draft"``; vLLM's method names are
+        read as ours, ``"draft_model"`` as ``"draft"``).
 
         Raises ``ValueError`` for another type, an unknown field or a bad value.
         """
@@ -205,10 +253,10 @@ class SpeculativeConfig:
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}")
-        if fields.get("method") == "draft_model":
-            fields["method"] = "draft"
+        if isinstance(fields.get("method"), str):
+            fields["method"] = METHOD_ALIASES.get(fields["method"], fields["method"])
         if fields.get("draft_model") and "method" not in fields:
-            fields["method"] = "draft"
+            fields["method"] = DEFAULT_MODEL_METHOD
         return cls(**fields)
 
 
@@ -227,8 +275,8 @@ class EngineConfig:
     * ``max_step_tokens``: the per-step token budget (vLLM's ``max_num_batched_tokens``), which is
       also the prefill chunk; ``page_size``: positions per KV page (``block_size``).
     * The pool: ``num_pages`` pages, else as many as ``kv_memory`` bytes hold (an int or a size such
-      as ``"512MiB"``), else automatic: enough for a full context and ``AUTO_MAX_POSITIONS`` positions,
-      capped at ``max_kv_bytes`` and half the available memory (``mechserve.engine.pool``).
+      as ``"512MiB"``), else automatic: ``AUTO_MAX_POSITIONS`` positions (8,192) or one full context if
+      longer, capped at ``max_kv_bytes`` (1 GiB) and half the available memory (``mechserve.engine.pool``).
       ``check_memory`` refuses a cache larger than the available memory.
     * ``max_model_len``: the longest prompt + output a request may have, at most the model's context (None: the model's
       ``max_position_embeddings``).
@@ -305,13 +353,13 @@ class EngineConfig:
                 raise ValueError(
                     f"quantization {self.quantization} runs with dtype float32 or bfloat16, not {self.dtype}"
                 )
-        _size("max_step_tokens", self.max_step_tokens, 1)
-        _size("page_size", self.page_size, 1)
-        _size("num_pages", self.num_pages, 1, optional=True)
+        _size("max_step_tokens", self.max_step_tokens)
+        _size("page_size", self.page_size)
+        _size("num_pages", self.num_pages, optional=True)
         if self.num_pages is not None and self.num_pages * self.page_size > MAX_SLOTS:
             raise ValueError(
                 f"num_pages {self.num_pages} x page_size {self.page_size} = {self.num_pages * self.page_size} slots, "
-                f"over mechserve's limit of {MAX_SLOTS}"
+                f"over mechserve's limit of {MAX_SLOTS} slots; lower one of them"
             )
         if isinstance(self.kv_memory, str):
             try:
@@ -325,11 +373,11 @@ class EngineConfig:
             )
         if not _is_int(self.max_kv_bytes) or self.max_kv_bytes <= 0:
             raise ValueError(f"max_kv_bytes must be an integer > 0, got {self.max_kv_bytes!r}")
-        _size("max_model_len", self.max_model_len, 1, optional=True)
-        _size("max_running", self.max_running, 1, optional=True)
-        _size("max_waiting", self.max_waiting, 1, optional=True)
-        _size("spec_len", self.spec_len, 0)
-        _size("world_size", self.world_size, 1)
+        _size("max_model_len", self.max_model_len, optional=True)
+        _size("max_running", self.max_running, optional=True)
+        _size("max_waiting", self.max_waiting, optional=True)
+        _size("spec_len", self.spec_len)
+        _size("world_size", self.world_size)
         object.__setattr__(self, "device", device_name(self.device))
         if self.device != "cpu" and self.world_size > 1:
             raise ValueError(
@@ -399,21 +447,53 @@ class EngineConfig:
         """``speculative``, or prompt lookup with ``spec_len`` guesses when only ``spec_len`` is set (None: off)."""
         if self.speculative is not None or self.spec_len == 0:
             return self.speculative
-        return SpeculativeConfig(method="ngram", num_speculative_tokens=self.spec_len)
+        return SpeculativeConfig(method=DEFAULT_METHOD, num_speculative_tokens=self.spec_len)
+
+
+def _is_number(x: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _size(name: str, value: object, minimum: int, *, optional: bool = False) -> None:
-    """Raise ``ValueError`` unless ``value`` is an integer in ``[minimum, ENGINE_LIMITS[name]]`` (or None)."""
+# The least value of an engine size (ENGINE_LIMITS bounds it above); every other size is at least 1.
+SETTING_MINIMUM: Mapping[str, int] = {"spec_len": 0}
+
+
+def setting_range(name: str) -> tuple[int, int]:
+    """``(least, most)`` values of the engine size ``name`` (a key of ``ENGINE_LIMITS``)."""
+    return SETTING_MINIMUM.get(name, 1), ENGINE_LIMITS[name]
+
+
+def check_setting(name: str, value: object) -> int:
+    """``value`` if it is an integer in ``setting_range(name)``: the one range check of an engine size, used by
+    ``EngineConfig``, the CLI's flags (``mechserve.cli.engine_args``) and the spec workloads' engine section.
+
+    Raises ``ValueError`` with a message that names no field (its caller prefixes the field or flag):
+    ``must be an integer > 0, got 'x'``, ``must be > 0, got 0`` or ``must be at most 65536 (mechserve's
+    limit), got 70000``."""
+    least, most = setting_range(name)
+    bound = "> 0" if least == 1 else f">= {least}"
+    if not _is_int(value):
+        raise ValueError(f"must be an integer {bound}, got {value!r}")
+    if value < least:  # type: ignore[operator]
+        raise ValueError(f"must be {bound}, got {value!r}")
+    if value > most:  # type: ignore[operator]
+        raise ValueError(f"must be at most {most} (mechserve's limit), got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def _size(name: str, value: object, *, optional: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is in its range (``check_setting``), or None."""
     if value is None and optional:
         return
-    limit = ENGINE_LIMITS[name]
-    if not _is_int(value) or not minimum <= value <= limit:  # type: ignore[operator]
-        bound = "> 0" if minimum == 1 else f">= {minimum}"
-        raise ValueError(f"{name} must be an integer {bound} and at most {limit}, got {value!r}")
+    try:
+        check_setting(name, value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 __all__ = [
@@ -424,11 +504,14 @@ __all__ = [
     "DTYPES",
     "METHODS",
     "QUANTIZATIONS",
+    "SETTING_MINIMUM",
     "EngineConfig",
     "SpeculativeConfig",
+    "check_setting",
     "device_name",
     "dtype_name",
     "format_bytes",
     "parse_draft_model",
     "parse_size",
+    "setting_range",
 ]

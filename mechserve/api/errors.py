@@ -6,10 +6,12 @@ HTTP server turns it into an OpenAI-style 4xx/5xx body::
     ValueError
       ParamError          a request field (a SamplingParams field, a prompt) is invalid; param names it
       RequestRejected     m12's door refused a request (reason: the spec's RejectReason)
+      RequestFailed       a request failed inside a step on its own account (its grammar); it alone ended
       KVMemoryError       the KV cache does not fit (the budget, the available memory, or allocation)
     ModelLoadError        a model could not be resolved or loaded
     RuntimeError
       EngineDeadError     the background stepper is not running (never started, shut down, dead)
+        EngineStoppedError  ... because its owner stopped it (a server shutting down): not a failure
       EngineStepError     an engine step raised; every request in flight ended with it
       RankError           a tensor-parallel rank crashed, hung or raised; the group was shut down
       NativeKernelError   a native kernel (paged attention, few-row linear) could not be built or loaded
@@ -41,6 +43,22 @@ class RequestRejected(ValueError):
         self.detail = detail
 
 
+class RequestFailed(ValueError):
+    """A request failed inside an engine step on its own account (its grammar's matcher raised, its logits
+    processing raised): it alone ended, returning its pages, and every other request goes on.
+
+    ``param`` names the request field behind it (``"structured_outputs"``) or is None; the HTTP server
+    answers a 400 naming that field (a 500 without one), a stream ends with an error event.
+    """
+
+    def __init__(self, request_id: str, param: str | None, message: str) -> None:
+        what = f"its {param} " if param else ""
+        super().__init__(f"request {request_id!r} failed: {what}failed inside an engine step: {message}")
+        self.request_id = request_id
+        self.param = param
+        self.detail = message
+
+
 class KVMemoryError(ValueError):
     """The KV cache would not fit: over the ``kv_memory`` budget, over the available memory, or its
     allocation failed.  ``sized_by`` says what chose ``num_pages``: ``"num_pages"``, ``"kv_memory"``
@@ -59,6 +77,11 @@ class ModelLoadError(Exception):
 
 class EngineDeadError(RuntimeError):
     """The background stepper is not running (never started, shut down, or dead after a failed step)."""
+
+
+class EngineStoppedError(EngineDeadError):
+    """The background stepper is not running because its owner stopped it (``AsyncLLM.drain``/``shutdown``: a
+    server shutting down), not because it failed; the HTTP server answers it with a 503 ``shutting_down``."""
 
 
 class EngineStepError(RuntimeError):
@@ -90,11 +113,13 @@ def is_allocation_failure(exc: BaseException) -> bool:
 __all__ = [
     "EngineDeadError",
     "EngineStepError",
+    "EngineStoppedError",
     "KVMemoryError",
     "ModelLoadError",
     "NativeKernelError",
     "ParamError",
     "RankError",
+    "RequestFailed",
     "RequestRejected",
     "first_line",
     "is_allocation_failure",

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from mechserve.api.errors import RequestFailed
 from mechserve.spec.m14_forced_runs import StepRecord
 
 LENGTH = "length"
@@ -199,14 +200,17 @@ class SampleDelta:
 class StepOutput:
     """One engine step: the spec's ``record``, the per-sample ``deltas`` and the requests that ``finished``.
 
-    For the serving metrics: ``prompt_tokens`` is the prompt length of each request the step
-    admitted with tokens to generate, ``prefix_hits`` the tokens of those prompts served from the
-    prefix cache, ``preemptions`` the victims that had computed state to drop.
+    ``failed``: the requests that failed inside this step on their own account (request id -> the
+    error; ``RequestFailed``), which end with that error instead of an output.  For the serving metrics:
+    ``prompt_tokens`` is the prompt length of each request the step admitted with tokens to generate,
+    ``prefix_hits`` the tokens of those prompts served from the prefix cache, ``preemptions`` the
+    victims that had computed state to drop.
     """
 
     record: StepRecord
     deltas: tuple[SampleDelta, ...] = ()
     finished: tuple[RequestOutput, ...] = field(default=())
+    failed: Mapping[str, RequestFailed] = field(default_factory=dict)
     prompt_tokens: Mapping[str, int] = field(default_factory=dict)
     prefix_hits: int = 0
     preemptions: int = 0

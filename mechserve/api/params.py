@@ -16,16 +16,20 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mechserve.api.errors import ParamError
+from mechserve.api.limits import (
+    MAX_BAD_WORDS,
+    MAX_CHOICES,
+    MAX_FILTER_IDS,
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS_IDS,
+    MAX_LOGPROBS,
+    MAX_STOP_CHARS,
+)
 
-MAX_LOGPROBS = 20
 # vLLM's _SAMPLING_EPS: a temperature below it is greedy.
 SAMPLING_EPS = 1e-5
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_PENALTY = 2.0  # OpenAI's (and vLLM's) range for presence/frequency penalties: [-2, 2]
-MAX_FILTER_IDS = 65_536  # ids in logit_bias / allowed_token_ids; bad words
-MAX_BAD_WORDS = 128  # vLLM's MAX_NUM_BAD_WORDS
-MAX_CHOICES = 1024  # strings in a structured_outputs choice
-MAX_GRAMMAR_CHARS = 1_000_000  # a schema's JSON text, a regex or a grammar
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +95,7 @@ class StructuredOutputsParams:
             ch = self.choice
             _so_check(
                 not isinstance(ch, str) and 0 < len(ch) <= MAX_CHOICES and all(isinstance(c, str) and c for c in ch),
-                f"structured_outputs.choice must be a list of 1..{MAX_CHOICES} non-empty strings, got {ch!r:.80}",
+                f"structured_outputs.choice must be a list of 1..{MAX_CHOICES} non-empty strings, got " + _summary(ch),
             )
 
     @property
@@ -133,6 +137,14 @@ class StructuredOutputsParams:
                 f"structured_outputs has unknown keys {unknown}; known: {sorted(known)}",
             )
         return cls(**{k: v for k, v in value.items() if v is not None})
+
+
+def _summary(value: Any) -> str:
+    """A list-like value as its length and first items, never the whole of it (at most ~80 characters)."""
+    if isinstance(value, list | tuple) and not isinstance(value, str):
+        head = repr(list(value[:3]))[:60]
+        return f"{len(value)} item(s): {head}{' ...' if len(value) > 3 or len(head) == 60 else ''}"
+    return f"{value!r:.80}"
 
 
 def _so_check(ok: bool, message: str) -> None:
@@ -242,10 +254,13 @@ class SamplingParams:
             _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
         )
-        _check(all(isinstance(s, str) and s for s in stop), f"stop must be non-empty strings, got {stop!r}")
+        _check(
+            all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop),
+            f"stop must be non-empty strings of at most {MAX_STOP_CHARS} characters, got {_summary(stop)}",
+        )
         _check(
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-            f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
+            f"stop_token_ids must be non-negative integers, got {_summary(self.stop_token_ids)}",
         )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -266,11 +281,11 @@ class SamplingParams:
         allowed = self.allowed_token_ids
         _check(
             allowed is None or (0 < len(allowed) <= MAX_FILTER_IDS and all(_is_int(t) and t >= 0 for t in allowed)),
-            f"allowed_token_ids must be a non-empty list of at most {MAX_FILTER_IDS} token ids, got {allowed!r}",
+            f"allowed_token_ids must be a non-empty list of at most {MAX_FILTER_IDS} token ids, got {_summary(allowed)}",
         )
         _check(
             len(bad) <= MAX_BAD_WORDS and all(isinstance(w, str) and w.strip() for w in bad),
-            f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings, got {bad!r}",
+            f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings, got {_summary(bad)}",
         )
         _check(
             self.truncate_prompt_tokens is None
@@ -318,8 +333,11 @@ def _is_finite(x: object) -> bool:
 def _logit_bias(value: Any) -> dict[int, float]:
     """``{id: bias}`` as a dict of ints to floats; ``ParamError`` for another shape or a bias out of range."""
     if not isinstance(value, Mapping):
-        raise ParamError("logit_bias", f"logit_bias must be a mapping of token id to bias, got {value!r}")
-    _check(len(value) <= MAX_FILTER_IDS, f"logit_bias must name at most {MAX_FILTER_IDS} token ids")
+        raise ParamError("logit_bias", f"logit_bias must be a mapping of token id to bias, got {value!r:.80}")
+    _check(
+        len(value) <= MAX_LOGIT_BIAS_IDS,
+        f"logit_bias must name at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(value)}",
+    )
     out: dict[int, float] = {}
     for key, bias in value.items():
         _check(_is_int(key) and key >= 0, f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
@@ -337,7 +355,7 @@ def _sequence(name: str, value: Any) -> tuple[Any, ...]:
     if value is None:
         return ()
     if isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence):
-        raise ParamError(name, f"{name} must be a list, got {type(value).__name__} {value!r}")
+        raise ParamError(name, f"{name} must be a list, got {type(value).__name__} {value!r:.80}")
     return tuple(value)
 
 

@@ -51,7 +51,11 @@ def _positive(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--model", default="smollm2", help="'smollm2' (embedded, default) or a local Hugging Face model directory")
+    add(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (embedded, default), a local Hugging Face model directory or a GGUF file",
+    )
     add("--batch", type=_int_list, default=[1, 8], help="comma-separated batch sizes (default 1,8)")
     add("--prompt-len", type=_positive, default=64, help="prompt tokens per request (default 64)")
     add("--output-len", type=_positive, default=32, help="generated tokens per request (default 32)")

@@ -18,6 +18,7 @@ import torch
 
 from mechserve.api.params import SamplingParams
 from mechserve.executor.forcing import ForcedSource, ScriptedForcer
+from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.model.loader import load_model
 from mechserve.spec import m14_forced_runs as m14
@@ -41,7 +42,7 @@ def run(
     ex = TorchExecutor(loaded.model, 256, 16)
     reqs = []
     for i, p in enumerate(prompts):
-        ex.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=new))
+        ex.add_request(ExecutorRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0, max_tokens=new)))
         if forcers:
             ex.set_forcer(f"r{i}", forcers[i])
         reqs.append(m14.Request(f"r{i}", list(p), new))

@@ -8,9 +8,13 @@
   with the system compiler: ``llama-server``, ``llama-quantize``, ``llama-perplexity``, ``llama-bench``.
   On a CPU with AMX, ggml's AMX path crashed on the Q4_1 file, so there the build adds
   ``-mno-amx-tile -mno-amx-int8 -mno-amx-bf16``.  Nothing is downloaded at run time.
-* **GGUFs** (``ensure_gguf``): the embedded model's own Q4_1 file as shipped, and F32, BF16 and Q8_0
-  files made from it once with ``llama-quantize --allow-requantize`` (the F32 one holds exactly the
-  float32 weights mechserve's exact mode runs).
+* **GGUFs** (``ensure_gguf``): the embedded model's own Q4_1 file as shipped, and F32, BF16, Q8_0,
+  Q4_K_M, Q5_K_M and Q6_K files made from it once with ``llama-quantize --allow-requantize`` (the F32
+  one holds exactly the float32 weights mechserve's exact mode runs; the K-quant ones are what
+  llama.cpp users download, which mechserve runs with ``--model FILE.gguf``).  SmolLM2's rows of 576
+  are not whole 256-weight blocks, so llama-quantize stores those matrices in its fallbacks (Q5_0 for
+  Q4_K_M, Q5_1 for Q5_K_M, Q8_0 for Q6_K) and only ffn_down (rows of 1536) in K-quants.
+  ``python -m mechserve.bench.llama_cpp gguf KIND`` prints a file's path (making it first).
 * **Requests** (``completion_body``): token-id prompts to ``/completion`` with ``n_predict``,
   ``ignore_eos``, ``temperature 0`` (greedy), ``cache_prompt false``, streamed; each event carries the
   ids it adds (``parse_event``).  ``ignore_eos`` makes the server ban the model's end-of-generation ids
@@ -47,12 +51,14 @@ from mechserve.api.env import cache_dir
 
 SDIST_VERSION = "0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-TOOLS = ("llama-server", "llama-quantize", "llama-perplexity", "llama-bench")
+TOOLS = ("llama-server", "llama-quantize", "llama-perplexity", "llama-bench", "llama-tokenize")
 SERVER_ENV = "LLAMA_SERVER"
 # Parallel sequences the server decodes together, as the issue's measurement ran it.
 SLOTS = 32
 # mechserve's mode -> the GGUF llama.cpp runs for it.
 MODE_GGUF = {"exact": "f32", "fast": "bf16", "q4_1": "q4_1", "q8_0": "q8_0"}
+# The embedded model's GGUFs ensure_gguf makes (llama-quantize's type names, lower-cased), the shipped q4_1 aside.
+GGUF_KINDS = ("f32", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k")
 AMX_FLAGS = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -215,22 +221,24 @@ def build(jobs: int = 2, log: Any = sys.stderr) -> Path:
 
 
 def ensure_gguf(kind: str) -> Path:
-    """The embedded model as a GGUF of ``kind`` (``"q4_1"``: the shipped file; ``"f32"``, ``"bf16"``,
-    ``"q8_0"``: made from it once with ``llama-quantize --allow-requantize`` into ``home()/models``).
+    """The embedded model as a GGUF of ``kind`` (``"q4_1"``: the shipped file; one of ``GGUF_KINDS``:
+    made from it once with ``llama-quantize --allow-requantize`` into ``home()/models``).
 
-    Raises ``OSError`` when ``llama-quantize`` is missing or fails.
+    Raises ``OSError`` when ``llama-quantize`` is missing or fails, ``ValueError`` for another kind.
     """
     from mechserve.model.checkpoint import embedded_gguf
 
     shipped = embedded_gguf()
     if kind == "q4_1":
         return shipped
+    if kind not in GGUF_KINDS:
+        raise ValueError(f"no GGUF kind {kind!r}; choose from q4_1, {', '.join(GGUF_KINDS)}")
     target = home() / "models" / f"smollm2-135m-instruct-{kind}.gguf"
     if target.is_file() and target.stat().st_size > 0:
         return target
     quantize = find_tool("llama-quantize")
     if quantize is None:
-        raise OSError("llama-quantize not found beside llama-server (needed to make the F32/BF16/Q8_0 GGUFs)")
+        raise OSError(f"llama-quantize not found beside llama-server (needed to make the {kind.upper()} GGUF)")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".gguf", dir=target.parent)
     os.close(fd)
@@ -452,10 +460,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help=f"build {', '.join(TOOLS)} from llama-cpp-python {SDIST_VERSION} into the cache")
     b.add_argument("--jobs", type=int, default=2)
-    b.add_argument("--ggufs", action="store_true", help="also make the F32, BF16 and Q8_0 GGUFs")
+    b.add_argument("--ggufs", action="store_true", help=f"also make the {', '.join(GGUF_KINDS)} GGUFs")
     sub.add_parser("where", help="print the llama-server that would be used, or why there is none")
+    g = sub.add_parser("gguf", help="print the path of one of the embedded model's GGUFs, making it first")
+    g.add_argument("kind", choices=("q4_1", *GGUF_KINDS))
     args = parser.parse_args(argv)
     try:
+        if args.command == "gguf":
+            print(ensure_gguf(args.kind))
+            return 0
         if args.command == "where":
             found = find_tool()
             try:
@@ -465,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if found else 1
         print(build(args.jobs))
         if args.ggufs:
-            for kind in ("f32", "bf16", "q8_0"):
+            for kind in GGUF_KINDS:
                 print(ensure_gguf(kind))
     except OSError as exc:
         print(f"llama.cpp: {exc}", file=sys.stderr)

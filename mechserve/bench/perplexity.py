@@ -6,16 +6,21 @@
                                [--rows N] [--text FILE] [--model M] [--out DIR]
 
 The text (default: the Declaration of Independence, public domain, shipped in ``bench/data``) is
-tokenized without special tokens and cut into chunks of ``ctx`` tokens.  As ``llama-perplexity`` does,
+tokenized as ``llama-perplexity`` tokenizes it (a BOS first if the tokenizer adds one, and then each chunk's
+first token replaced by BOS) and cut into chunks of ``ctx`` tokens.  As ``llama-perplexity`` does,
 each chunk is one forward from an empty context and only its second half is scored: the negative
 log-likelihood of token ``i + 1`` from the logits at ``i`` for ``ctx/2 <= i < ctx - 1``; the
 perplexity is ``exp`` of their mean over every chunk.  mechserve runs the chunk through its own
 forward (paged KV, the mode's kernels), in one forward or ``--rows`` tokens at a time: the row count
 picks the kernel path a decode step of that many rows takes (``linear.native_max_rows``; up to a
 format's few rows, 3, q4_1/q8_0 are multiplied on their exact blocks, above that in bfloat16 tiles, and
-above 256 rows dequantized for torch's GEMM).
-llama.cpp runs ``llama-perplexity -c ctx`` on the mode's GGUF (``llama_cpp.MODE_GGUF``) when it is found.  ``DIR/perplexity.json`` holds every number; one line per
-(engine, mode) goes to stdout.  The top level imports only the standard library.
+above 256 rows dequantized for torch's GEMM; a GGUF K-quant on its blocks up to 16 rows).
+llama.cpp runs ``llama-perplexity -c ctx`` on the mode's GGUF (``llama_cpp.MODE_GGUF``) when it is found.
+``--model FILE.gguf``: mechserve runs the file as it stores its weights (mode exact: float32 activations,
+fast: bfloat16) and llama.cpp the same file.  Where ``llama-tokenize`` is found, the text's ids from it and
+from mechserve's tokenizer are compared (``tokenizer`` in the JSON: both counts and the first difference).
+``DIR/perplexity.json`` holds every number; one line per (engine, mode) goes to stdout.  The top level
+imports only the standard library.
 """
 
 from __future__ import annotations
@@ -57,7 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per forward (default: the whole chunk): the kernels a decode step of that many rows uses",
     )
     add("--text", type=Path, default=DEFAULT_TEXT, help="a UTF-8 text file (default: the shipped public-domain text)")
-    add("--model", default="smollm2", help="'smollm2' (embedded, default) or a local Hugging Face model directory")
+    add(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (embedded, default), a local Hugging Face model directory or a GGUF file (modes exact, fast)",
+    )
     add("--out", type=Path, default=Path("bench-results"), help="directory for perplexity.json")
 
 
@@ -81,10 +90,13 @@ def chunk_pieces(ctx: int, rows: int | None) -> list[tuple[int, int]]:
     return [(s, min(step, ctx - s)) for s in range(0, ctx, step)]
 
 
-def mechserve_perplexity(model: Model, ids: list[int], ctx: int, rows: int | None = None) -> dict[str, Any]:
+def mechserve_perplexity(
+    model: Model, ids: list[int], ctx: int, rows: int | None = None, bos: int | None = None
+) -> dict[str, Any]:
     """Perplexity of ``ids`` under ``model`` (a ``model.protocol.Model``) in chunks of ``ctx`` (module docstring).
 
     ``rows``: tokens per forward, continuing the chunk's paged KV (None: the chunk in one forward).
+    ``bos``: each chunk's first token is this id (llama-perplexity's rule when the vocabulary adds a BOS).
     Each forward takes the path a step of that many rows takes (``linear.native_max_rows``), so a
     small ``rows`` scores the quantized modes on the kernels decode uses rather than on weights
     dequantized for torch's GEMM.
@@ -102,13 +114,21 @@ def mechserve_perplexity(model: Model, ids: list[int], ctx: int, rows: int | Non
     g = model.arch.num_heads // model.arch.num_kv_heads
     table = list(range(pages))  # identity page table: slot == position
     pieces = [
-        (s, n, build_attention_batch([Span(0, s, n, table)], list(range(s, s + n)), page, g, model.distinct_windows))
+        (
+            s,
+            n,
+            build_attention_batch(
+                [Span(0, s, n, table)], list(range(s, s + n)), page, g, model.distinct_sliding_windows
+            ),
+        )
         for s, n in chunk_pieces(ctx, rows)
     ]
     total, count = 0.0, 0
     start = time.perf_counter()
     for c in range(chunks):
         tokens = torch.tensor(ids[c * ctx : (c + 1) * ctx], dtype=torch.int64)
+        if bos is not None:
+            tokens[0] = bos
         cache = model.new_cache(pages, page)
         logits = torch.cat(
             [model.forward(tokens[s : s + n], torch.arange(s, s + n), cache, batch, None) for s, n, batch in pieces]
@@ -133,14 +153,15 @@ def parse_llama_perplexity(output: str) -> tuple[float, float] | None:
     return (float(m.group(1)), float(m.group(2))) if m else None
 
 
-def llama_perplexity(mode: str, text: Path, ctx: int, threads: int) -> dict[str, Any]:
-    """``llama-perplexity`` on the mode's GGUF; raises ``OSError`` when it is missing or fails."""
+def llama_perplexity(mode: str, text: Path, ctx: int, threads: int, gguf: Path | None = None) -> dict[str, Any]:
+    """``llama-perplexity`` on ``gguf`` (default the mode's GGUF of the embedded model); raises ``OSError`` when
+    it is missing or fails."""
     from mechserve.bench import llama_cpp
 
     tool = llama_cpp.find_tool("llama-perplexity")
     if tool is None:
         raise OSError("llama-perplexity not found beside llama-server (make llama-cpp builds it)")
-    gguf = llama_cpp.ensure_gguf(llama_cpp.MODE_GGUF[mode])
+    gguf = gguf or llama_cpp.ensure_gguf(llama_cpp.MODE_GGUF[mode])
     cmd = [str(tool), "-m", str(gguf), "-f", str(text), "-c", str(ctx), "-t", str(threads), "-b", str(ctx)]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -148,6 +169,35 @@ def llama_perplexity(mode: str, text: Path, ctx: int, threads: int) -> dict[str,
     if done.returncode or found is None:
         raise OSError(f"llama-perplexity failed ({done.returncode}): {(done.stderr or done.stdout)[-300:]}")
     return {"perplexity": found[0], "error": found[1], "gguf": gguf.name, "seconds": time.perf_counter() - start}
+
+
+def llama_tokenize(gguf: Path, text: Path) -> list[int]:
+    """The ids ``llama-tokenize`` gives ``text`` with ``gguf``'s vocabulary (a BOS first if it adds one, special
+    tokens parsed, as llama-perplexity tokenizes).  Raises ``OSError`` when it is missing or fails."""
+    from mechserve.bench import llama_cpp
+
+    tool = llama_cpp.find_tool("llama-tokenize")
+    if tool is None:
+        raise OSError("llama-tokenize not found beside llama-server (make llama-cpp builds it)")
+    cmd = [str(tool), "-m", str(gguf), "-f", str(text), "--ids", "--log-disable"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    if done.returncode or not lines:
+        raise OSError(f"llama-tokenize failed ({done.returncode}): {(done.stderr or done.stdout)[-300:]}")
+    return [int(t) for t in json.loads(lines[-1])]
+
+
+def compare_ids(ours: list[int], theirs: list[int]) -> dict[str, Any]:
+    """Both id lists' lengths, whether they are identical and where they first differ (None if nowhere)."""
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if first is None and len(ours) != len(theirs):
+        first = min(len(ours), len(theirs))
+    return {
+        "mechserve": len(ours),
+        "llama_tokenize": len(theirs),
+        "identical": ours == theirs,
+        "first_difference": first,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -179,21 +229,29 @@ def perplexities(args: argparse.Namespace, text: str) -> dict[str, Any]:
     from mechserve.bench.run import _loadavg, machine
     from mechserve.bench.runners import MODES as MODE_DTYPES
     from mechserve.engine.executors import configure_threads
+    from mechserve.model.gguf_file import is_gguf
     from mechserve.model.loader import load_model
 
     threads = configure_threads()
     doc: dict[str, Any] = {"machine": machine(), "text": str(args.text), "ctx": args.ctx, "runs": [], "skipped": []}
+    gguf = Path(args.model) if is_gguf(args.model) else None
+    if gguf is not None and any(MODE_DTYPES[m][1] is not None for m in args.mode):
+        raise ValueError("a GGUF file runs its weights as it stores them; choose --mode exact or fast")
     ids: list[int] | None = None
+    bos: int | None = None
     for mode in args.mode:
         dtype, quantization = MODE_DTYPES[mode]
         if "mechserve" in args.engine:
             loaded = load_model(str(args.model), dtype=dtype, quantization=quantization)
             if ids is None:
                 assert loaded.tokenizer is not None  # load_model(tokenizer=True)
-                ids = list(loaded.tokenizer(text, add_special_tokens=False).input_ids)
+                ids = list(loaded.tokenizer(text).input_ids)  # a BOS first if the vocabulary adds one
+                tok_bos = loaded.tokenizer.bos_token_id
+                bos = tok_bos if ids and tok_bos is not None and ids[0] == tok_bos else None
                 doc["tokens"] = len(ids)
+                _compare_tokenizers(doc, ids, args, gguf)
             with torch.inference_mode():
-                r = mechserve_perplexity(loaded.model, ids, args.ctx, args.rows)
+                r = mechserve_perplexity(loaded.model, ids, args.ctx, args.rows, bos)
             doc["runs"].append({"engine": "mechserve", "mode": mode, **r})
             print(
                 f"perplexity mechserve {mode:5s} {r['perplexity']:.4f} "
@@ -202,11 +260,13 @@ def perplexities(args: argparse.Namespace, text: str) -> dict[str, Any]:
             )
         if "llama-cpp" in args.engine:
             reason = (
-                llama_cpp.missing_message() if args.model == "smollm2" else "llama-cpp skipped: embedded model only"
+                llama_cpp.missing_message()
+                if args.model == "smollm2" or gguf is not None
+                else "llama-cpp skipped: the embedded model or a GGUF file only"
             )
             if reason is None:
                 try:
-                    r = llama_perplexity(mode, args.text, args.ctx, threads)
+                    r = llama_perplexity(mode, args.text, args.ctx, threads, gguf)
                 except OSError as exc:
                     reason = f"llama-cpp skipped: {exc}"
                 else:
@@ -217,3 +277,21 @@ def perplexities(args: argparse.Namespace, text: str) -> dict[str, Any]:
                 doc["skipped"].append({"engine": "llama-cpp", "reason": reason})
     doc["machine"]["load_average_at_end"] = _loadavg()
     return doc
+
+
+def _compare_tokenizers(doc: dict[str, Any], ids: list[int], args: argparse.Namespace, gguf: Path | None) -> None:
+    """``doc["tokenizer"]``: mechserve's ids of the text against ``llama-tokenize``'s with the GGUF llama.cpp runs
+    (the embedded model's shipped file, or ``gguf``), when llama.cpp is asked for and found; one line on stdout."""
+    from mechserve.bench import llama_cpp
+
+    if "llama-cpp" not in args.engine or (gguf is None and args.model != "smollm2"):
+        return
+    try:
+        theirs = llama_tokenize(gguf or llama_cpp.ensure_gguf("q4_1"), args.text)
+    except OSError as exc:
+        doc["tokenizer"] = {"skipped": str(exc)}
+        return
+    doc["tokenizer"] = compare_ids(ids, theirs)
+    t = doc["tokenizer"]
+    said = "identical" if t["identical"] else f"differ from index {t['first_difference']}"
+    print(f"tokenizer: mechserve {t['mechserve']} ids, llama-tokenize {t['llama_tokenize']} ids: {said}", flush=True)

@@ -204,7 +204,7 @@ def prefill_probe(
     table = list(range(1, pages + 1))
     slots = [table[p // page_size] * page_size + p % page_size for p in range(prompt_len)]
     g = model.arch.num_heads // model.arch.num_kv_heads
-    batch = build_attention_batch([Span(0, 0, prompt_len, table)], slots, page_size, g, model.distinct_windows)
+    batch = build_attention_batch([Span(0, 0, prompt_len, table)], slots, page_size, g, model.distinct_sliding_windows)
     ids = torch.randint(100, model.arch.vocab_size, (prompt_len,))
     pos = torch.arange(prompt_len)
     last = torch.tensor([prompt_len - 1])
@@ -239,7 +239,7 @@ def decode_probe(
         spans.append(Span(b, context, 1, table))
         slots.append(table[context // page_size] * page_size + context % page_size)
     g = model.arch.num_heads // model.arch.num_kv_heads
-    attn = build_attention_batch(spans, slots, page_size, g, model.distinct_windows)
+    attn = build_attention_batch(spans, slots, page_size, g, model.distinct_sliding_windows)
     ids = torch.randint(100, model.arch.vocab_size, (batch,))
     pos = torch.full((batch,), context, dtype=torch.int64)
     rows = torch.arange(batch)

@@ -9,8 +9,12 @@ Modes: ``exact`` (float32 weights and KV, the mode checked token for token again
 ``fast`` (bfloat16 weights and KV), and ``q4_1`` / ``q8_0`` (the weight matrices in GGUF blocks,
 multiplied as they are, bfloat16 activations and KV; q4_1 is the embedded model's own file).  Each
 run in a mode other than exact reports how far its greedy output stays equal to the same engine's
-exact run.  transformers has no quantized mode; llama.cpp runs F32, BF16, Q4_1 and Q8_0 GGUFs.  Every engine runs each workload of ``workloads`` (see there),
-after a warm-up, in this process; ``--engine`` names an optional engine that is not installed:
+exact run.  transformers has no quantized mode; llama.cpp runs F32, BF16, Q4_1 and Q8_0 GGUFs.
+``--model FILE.gguf`` runs a GGUF file as it stores its weights, in mode exact (float32 activations and
+KV) or fast (bfloat16), beside llama.cpp on the same file (transformers skipped).  Every engine runs
+each workload of ``workloads`` (see there) after a warm-up; mechserve's runs each in a fresh process
+(``fresh.run_fresh``: its peak RSS is that run's alone; ``--in-process`` runs them here, where every
+mode's model is loaded at once); ``--engine`` names an optional engine that is not installed:
 it is skipped with a line on stderr saying why.  The ``multiturn`` workload runs mechserve alone, in four
 configurations stepped in turn (output caching on and off, each with and without prompt lookup;
 ``_multiturn``).  Besides the runs, the machine's roofline
@@ -76,10 +80,20 @@ def _positive_int(text: str, limit: int | None = None) -> int:
 
 
 def _engine_int(name: str) -> Any:
-    """A positive integer no larger than the engine's limit for ``name`` (``ENGINE_LIMITS``)."""
-    from mechserve.api.limits import ENGINE_LIMITS
+    """An engine size ``name`` (``mechserve.cli.engine_args.setting``: the range ``EngineConfig`` checks); the
+    bench's ``--spec-len`` is a variant's guesses, at least 1."""
+    from mechserve.cli.engine_args import setting
 
-    return lambda text: _positive_int(text, ENGINE_LIMITS[name])
+    check = setting(name)
+    return lambda text: check(text) if name != "spec_len" else _positive_int(str(check(text)))
+
+
+def _engine_settings(args: argparse.Namespace) -> Any:
+    """mechserve's ``EngineConfig`` from the bench's flags (``engine_config``; ``--seed`` seeds the workload and
+    ``--spec-len`` names a variant, so the engine's seed is 0 and each run sets its own sizes)."""
+    from mechserve.cli.engine_args import engine_config
+
+    return engine_config(args, ignore=("seed", "spec_len"), seed=0)
 
 
 def _device(text: str) -> str:
@@ -125,8 +139,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["exact"],
         help="comma-separated: exact (fp32), fast (bf16), q4_1, q8_0 (GGUF blocks, bf16 activations); default exact",
     )
-    add("--model", default="smollm2", help="'smollm2' (embedded, default) or a local Hugging Face model directory")
+    add(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (embedded, default), a local Hugging Face model directory or a GGUF file (modes exact, fast)",
+    )
     add("--quick", action="store_true", help="small sizes: about a minute for everything on 2 CPU cores")
+    add(
+        "--in-process",
+        action="store_true",
+        help="run mechserve here instead of one fresh process per run (its peak RSS then counts every mode's model)",
+    )
     add(
         "--size",
         type=_size,
@@ -265,11 +288,13 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run everything ``args`` asks for; write ``results.json`` (and plots) into ``args.out``; return the document."""
     from mechserve.bench import runners as eng
+    from mechserve.bench.fresh import FreshRun, run_fresh
     from mechserve.bench.roofline import linear_params, roofline, roofline_line
     from mechserve.bench.timings import latency_summary, useful_flops
     from mechserve.bench.workloads import SIZES, make_workload
     from mechserve.engine.executors import configure_threads
     from mechserve.model.checkpoint import resolve_model
+    from mechserve.model.gguf_file import is_gguf
     from mechserve.model.loader import load_model, torch_device
 
     if not args.no_plots:
@@ -294,6 +319,14 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         threads = torch.get_num_threads()
     args.out.mkdir(parents=True, exist_ok=True)
     path = resolve_model(args.model)
+    gguf = is_gguf(path)
+    if gguf:
+        stored = [m for m in args.mode if eng.MODES[m][1] is not None]
+        if stored:
+            raise ValueError(
+                f"--mode {','.join(stored)}: a GGUF file runs its weights as it stores them; choose exact "
+                "(float32 activations and KV) or fast (bfloat16)"
+            )
     results: dict[str, Any] = {
         "machine": {**machine(), "torch_threads": threads},
         "versions": versions(),
@@ -367,6 +400,13 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             for ename in args.engine:
                 if ename in optional:
                     continue
+                if ename == "hf" and gguf:
+                    if "gguf" not in hf_skipped:
+                        hf_skipped.add("gguf")
+                        reason = "hf skipped: a GGUF file runs in mechserve and llama.cpp here"
+                        print(reason, file=sys.stderr)
+                        results["skipped"].append({"engine": "hf", "reason": reason})
+                    continue
                 if ename == "hf" and eng.MODES[mode][1] is not None:
                     if mode not in hf_skipped:
                         hf_skipped.add(mode)
@@ -381,16 +421,28 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         hf_runners[mode] = eng.HFRunner(path, mode, batch_size=args.hf_batch_size, device=args.device)
                     runner = hf_runners[mode]
                 else:
-                    runner = eng.MechserveRunner(
-                        loaded[mode],
-                        mode,
-                        max_step_tokens=args.max_step_tokens,
-                        spec_len=args.spec_len,
-                        device=args.device,
-                        compile=args.compile,
-                    )
+                    runner = eng.MechserveRunner(loaded[mode], mode, _engine_settings(args), spec_len=args.spec_len)
                 for variant in runner.variants(workload):
-                    res = runner.run(workload, variant)
+                    if ename == "mechserve" and not args.in_process:
+                        spec = FreshRun(
+                            model=str(args.model),
+                            mode=mode,
+                            workload=wname,
+                            variant=variant,
+                            threads=threads,
+                            quick=args.quick,
+                            seed=args.seed,
+                            sizes=sizes,
+                            runner={
+                                "max_step_tokens": args.max_step_tokens,
+                                "spec_len": args.spec_len,
+                                "device": args.device,
+                                "compile": args.compile,
+                            },
+                        )
+                        res = run_fresh(spec)
+                    else:
+                        res = runner.run(workload, variant)
                     metrics = latency_summary(res.timings, res.duration)
                     flops = sum(useful_flops(len(r.prompt_ids), r.max_tokens, *flops_args) for r in workload.requests)
                     record = {
@@ -400,6 +452,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         "settings": res.settings,
                         "metrics": metrics,
                         "peak_rss_bytes": res.peak_rss_bytes,
+                        "process_peak_rss_bytes": res.process_peak_rss_bytes,
                         "useful_gflops_per_s": flops / res.duration / 1e9,
                         "mfu": (flops / res.duration / 1e9 / peaks[mode]) if mode in peaks else None,
                         "engine_stats": res.engine_stats,
@@ -545,7 +598,7 @@ def _multiturn(args: argparse.Namespace, loaded: dict[str, Any], path: Path, siz
     (``runners.run_conversations``); per turn: prompt, new and computed prefill tokens, TTFT p50/p99."""
     import dataclasses
 
-    from mechserve.api.config import EngineConfig, SpeculativeConfig, dtype_name
+    from mechserve.api.config import SpeculativeConfig, dtype_name
     from mechserve.bench.runners import run_conversations
     from mechserve.bench.timings import turn_summary
     from mechserve.bench.workloads import make_conversations
@@ -567,17 +620,13 @@ def _multiturn(args: argparse.Namespace, loaded: dict[str, Any], path: Path, siz
     longest = 96 + turns * (conversations.max_tokens + 64)  # system prompt, then each turn's message and answer
     for mode in args.mode:
         model = dataclasses.replace(loaded[mode], tokenizer=tokenizer)
-        base = EngineConfig(
+        base = _engine_settings(args).replace(
             dtype=dtype_name(model.model.dtype),
-            max_step_tokens=args.max_step_tokens,
             page_size=page_size,
             num_pages=len(conversations.messages) * -(-longest // page_size) + 8,
             max_running=None,
-            seed=0,
-            device=args.device,
-            compile=args.compile,
         )
-        ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
+        ngram = SpeculativeConfig(num_speculative_tokens=k)  # the default method: prompt lookup
         configs = {
             "output-caching": base,
             "no-output-caching": base.replace(output_caching=False),

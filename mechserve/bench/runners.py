@@ -14,7 +14,8 @@ engine-side figures where the engine has them.
   the batch's longest request is done; a request's tokens are its first ``max_tokens`` of its batch
   (the rest is waste, as in static batching).  Its per-token times come from a streamer.
 * ``llama-cpp``: ``llama-server`` (``mechserve.bench.llama_cpp``) on the mode's GGUF (F32 for exact,
-  BF16 for fast, the shipped Q4_1 or a Q8_0 for the quantized modes), 32 parallel slots, the same
+  BF16 for fast, the shipped Q4_1 or a Q8_0 for the quantized modes; ``--model FILE.gguf``: that file in
+  every mode), 32 parallel slots, the same
   token-id prompts with ``n_predict``/``ignore_eos``/greedy/no prompt cache; per-token times are taken
   at the client from the streamed events.  Optional: ``available()`` says why it is skipped.
 * ``vllm``: optional; ``available()`` says why it is skipped.
@@ -36,6 +37,7 @@ from mechserve.bench import llama_cpp
 from mechserve.bench.llama_cpp import SLOTS
 from mechserve.bench.timings import RequestTiming, trace_stats
 from mechserve.bench.workloads import Workload
+from mechserve.model.gguf_file import is_gguf
 
 ENGINES = ("mechserve", "hf", "llama-cpp", "vllm")
 # mode -> (activation dtype, weight quantization): exact and fast are float32 and bfloat16 throughout;
@@ -50,7 +52,9 @@ MODES: dict[str, tuple[torch.dtype, str | None]] = {
 
 @dataclass(slots=True)
 class RunResult:
-    """One engine's run of one workload (times in seconds, memory in bytes)."""
+    """One engine's run of one workload (times in seconds, memory in bytes).  ``peak_rss_bytes``: the peak
+    resident set during the run (after the warm-up) of the process that ran it; ``process_peak_rss_bytes``:
+    that process's peak over its life, loading included, when it ran alone (``fresh.run_fresh``)."""
 
     engine: str
     variant: str
@@ -61,6 +65,7 @@ class RunResult:
     peak_rss_bytes: int | None
     engine_stats: dict[str, Any] | None = None
     settings: dict[str, Any] = field(default_factory=dict)
+    process_peak_rss_bytes: int | None = None
 
 
 def reset_peak_rss() -> bool:
@@ -124,26 +129,16 @@ class MechserveRunner(Runner):
 
     name = "mechserve"
 
-    def __init__(
-        self,
-        loaded: Any,
-        mode: str,
-        *,
-        max_step_tokens: int = 512,
-        page_size: int = 16,
-        spec_len: int | None = None,
-        device: str = "cpu",
-        compile: bool = False,
-    ) -> None:
-        """``spec_len``: also run the throughput and latency workloads with prompt-lookup speculation
-        (variant ``ngram-<spec_len>``); ``device`` and ``compile``: ``EngineConfig``'s."""
+    def __init__(self, loaded: Any, mode: str, config: Any, *, spec_len: int | None = None) -> None:
+        """``config``: the ``EngineConfig`` the bench's flags give (``mechserve.cli.engine_args.engine_config``);
+        each run replaces its sizes (dtype, pool, spec_len, prefix caching).  ``spec_len``: also run the
+        throughput and latency workloads with prompt-lookup speculation (variant ``ngram-<spec_len>``)."""
         self.loaded = loaded
-        self.device = device
-        self.compile = compile
         self.mode = mode
         self.spec_len = spec_len
-        self.max_step_tokens = max_step_tokens
-        self.page_size = page_size
+        self.config = config
+        self.max_step_tokens = config.max_step_tokens
+        self.page_size = config.page_size
 
     def variants(self, workload: Workload) -> list[str]:
         if workload.name == "prefix":
@@ -153,25 +148,20 @@ class MechserveRunner(Runner):
         return ["default"] + ([f"ngram-{self.spec_len}"] if self.spec_len else [])
 
     def _core(self, workload: Workload, variant: str) -> Any:
-        from mechserve.api.config import EngineConfig, dtype_name
+        from mechserve.api.config import dtype_name
         from mechserve.engine.core import EngineCore
 
         spec_len = int(variant.split("-")[1]) if variant.startswith("ngram-") else 0
         longest = max(len(r.prompt_ids) + r.max_tokens for r in workload.requests)
         batch = 1 if workload.sequential else len(workload.requests)
         pages = batch * -(-longest // self.page_size) + 8
-        config = EngineConfig(
+        config = self.config.replace(
             dtype=dtype_name(self.loaded.model.dtype),
             quantization=getattr(self.loaded.model, "quantization", None),
-            max_step_tokens=self.max_step_tokens,
-            page_size=self.page_size,
             num_pages=pages,
             spec_len=spec_len,
             prefix_caching=variant != "no-prefix-cache",
             max_running=None,  # every request of the workload may run at once, as in the static batches it is compared with
-            seed=0,
-            device=self.device,
-            compile=self.compile,
         )
         return EngineCore(self.loaded, config)
 
@@ -342,12 +332,16 @@ class LlamaCppRunner(Runner):
         self.slots = slots
 
     def available(self) -> str | None:
-        if self.model != "smollm2":
-            return f"llama-cpp skipped: it runs the embedded model's GGUFs only (--model smollm2), not {self.model}"
+        if self.model != "smollm2" and not is_gguf(self.model):
+            return (
+                f"llama-cpp skipped: it runs the embedded model's GGUFs (--model smollm2) or a GGUF file, "
+                f"not {self.model}"
+            )
         return llama_cpp.missing_message()
 
     def run(self, workload: Workload, variant: str) -> RunResult:
-        gguf = llama_cpp.ensure_gguf(llama_cpp.MODE_GGUF[self.mode])
+        # a GGUF file is run as it is in every mode (mechserve's mode chooses only its own activations)
+        gguf = Path(self.model) if is_gguf(self.model) else llama_cpp.ensure_gguf(llama_cpp.MODE_GGUF[self.mode])
         longest = max(len(r.prompt_ids) + r.max_tokens for r in workload.requests)
         context = -(-(longest + 8) // 256) * 256  # per slot, rounded up
         server = llama_cpp.LlamaServer(gguf, threads=self.threads, slots=self.slots, context=context)

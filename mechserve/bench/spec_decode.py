@@ -1,25 +1,24 @@
-"""Speculative decoding benchmark: speculation off, prompt lookup and a draft model, side by side in one run.
+"""Speculative decoding benchmark: speculation off and every proposer, side by side in one run.
 
-``python -m mechserve.bench.spec_decode`` (``--help`` for the knobs) runs two prompt sets through
-``LLM`` with greedy sampling:
+``mechserve bench spec-decode`` (``python -m mechserve.bench.spec_decode``; ``--help`` for the knobs)
+runs the shipped workloads of ``mechserve.bench.spec_workloads`` through ``LLM`` with greedy sampling:
+multi-turn chat (4 turns), an agent loop calling one JSON tool, code edits, summaries of a shipped text,
+novel writing, and the copy-heavy set.  A session's turns are sent one after another, each with the
+earlier answers in its conversation.  Each workload runs at batch 1 (one session at a time) and batch 8
+(8 sessions together, turn by turn), for every configuration (``off``; ``ngram`` and ``suffix``
+adaptive; ``ngram-fixed`` and ``suffix-fixed``; ``draft`` = the first ``--draft-layers`` layers of the
+model, fixed ``spec_len``; ``draft-adaptive``).  Configurations are interleaved (session by session at
+batch 1, round by round at batch 8) so that a noisy machine slows them alike.  Greedy speculation is
+exact, so every configuration must produce the same ids (``identical``).
 
-* ``copy``: tasks whose answer copies its input (repeat or lightly edit a passage, rename a variable,
-  edit a JSON object, reformat a list), where prompt lookup should find most of the answer;
-* ``novel``: open-ended questions, where it should find little and speculation must not cost much;
-
-each at batch 1 (one prompt at a time) and batch 8 (all prompts in one call), for every
-configuration (``off``, ``ngram`` adaptive, ``ngram-fixed``, ``draft`` = the first
-``--draft-layers`` layers of the model, fixed ``spec_len``).  Configurations are interleaved (prompt
-by prompt at batch 1, round by round at batch 8) so that a noisy machine slows them alike.  Greedy
-speculation is exact, so every configuration must produce the same ids (``identical``).
-
-Per (set, batch, configuration) the report has: ``wall_s``, ``output_tokens``, ``tok_s``,
+Per (workload, batch, configuration) the report has: ``wall_s``, ``output_tokens``, ``tok_s``,
 ``speedup`` (tok/s over ``off`` in the same run), ``target_forwards``, ``tokens_per_forward``
-(output tokens per target forward, prefill steps included), ``tokens_per_decode_step`` (ids a
-decode window appended, on average), ``proposed`` / ``accepted`` guesses (``acceptance``: their
-ratio) and the trace's ``drafted`` / ``spec_accepted`` (m09's counts: with the adaptive spec_len a
-window drafts only what the governor allows).  ``--json`` writes the whole report as one JSON object
-on stdout (the per-cell tables go to stderr as each cell finishes).
+(output tokens per target forward, prefill steps included), ``tokens_per_decode_step`` (the kept
+tokens per step: ids a decode window appended, on average), ``proposed`` / ``accepted`` guesses
+(``acceptance``: their ratio), ``acceptance_by_position`` (of the windows that drafted a guess at
+position j, the share that accepted it: m09's ``drafted``/``accepted`` per window) and the trace's
+``drafted`` / ``spec_accepted``.  ``--json`` writes the whole report as one JSON object on stdout (the
+per-cell tables go to stderr as each cell finishes).
 
 ``--costs`` instead measures what a target step of M rows costs (batch 1 and 8), the numbers
 behind ``speculative.Governor``'s cost model.
@@ -36,43 +35,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-PASSAGE = (
-    "The old lighthouse stood at the end of the pier for more than a hundred years. Every evening the keeper "
-    "climbed its narrow stairs, lit the lamp and watched the fishing boats come home before the storm."
-)
-CODE = (
-    "def average(values):\n"
-    "    total = 0\n"
-    "    for v in values:\n"
-    "        total = total + v\n"
-    "    return total / len(values)\n"
-)
-COPY_PROMPTS = [
-    f"Repeat the following text exactly, word for word.\n\n{PASSAGE}",
-    "Fix the spelling mistakes in this text and return the corrected text only.\n\n"
-    + PASSAGE.replace("lighthouse", "lighthuose").replace("evening", "evenning").replace("storm", "strom"),
-    f"Rename the variable `total` to `acc` in this Python function. Return only the code.\n\n{CODE}",
-    f"Add a docstring to this Python function. Return the full function.\n\n{CODE}",
-    'Change the city to "Lyon" in this JSON object and return the whole object.\n\n'
-    '{"name": "Alice Martin", "age": 34, "city": "Paris", "email": "alice.martin@example.com", '
-    '"languages": ["French", "English", "Spanish"]}',
-    "Rewrite the following text, replacing the word 'keeper' with 'guardian'.\n\n" + PASSAGE,
-    "Put each item of this list on its own line, keeping the order: apples, bananas, cherries, dates, "
-    "elderberries, figs, grapes, honeydew melons, kiwis, lemons.",
-    f"Copy the second sentence of this text.\n\n{PASSAGE}",
-]
-NOVEL_PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain why the sky is blue.",
-    "Give three tips for staying productive when working from home.",
-    "What are the health benefits of regular exercise?",
-    "Describe a sunset over the ocean.",
-    "How do airplanes stay in the air?",
-    "Suggest a name for a new coffee shop and explain your choice.",
-    "What should I pack for a weekend hiking trip?",
-]
-SETS = {"copy": COPY_PROMPTS, "novel": NOVEL_PROMPTS}
-CONFIGS = ("off", "ngram", "ngram-fixed", "draft", "draft-adaptive")
+from mechserve.bench.spec_workloads import WORKLOADS, Session, workloads
+
+CONFIGS = ("off", "ngram", "ngram-fixed", "suffix", "suffix-fixed", "draft", "draft-adaptive")
+DEFAULT_CONFIGS = ("off", "ngram", "suffix", "draft")
 
 
 @dataclass
@@ -89,6 +55,8 @@ class Tally:
     drafted: int = 0
     spec_accepted: int = 0
     outputs: list[list[int]] = field(default_factory=list)
+    drafted_at: list[int] = field(default_factory=list)  # [j]: windows that drafted a guess at position j + 1
+    accepted_at: list[int] = field(default_factory=list)  # [j]: windows that accepted it
 
     def report(self, off: Tally | None) -> dict[str, Any]:
         tok_s = self.output_tokens / self.wall_s if self.wall_s else 0.0
@@ -104,6 +72,7 @@ class Tally:
             "proposed": self.proposed,
             "accepted": self.accepted,
             "acceptance": round(self.accepted / self.proposed, 3) if self.proposed else None,
+            "acceptance_by_position": [round(a / d, 3) for a, d in zip(self.accepted_at, self.drafted_at) if d],
             "drafted": self.drafted,
             "spec_accepted": self.spec_accepted,
             "identical": off is None or self.outputs == off.outputs,
@@ -119,6 +88,8 @@ def configurations(args: argparse.Namespace) -> dict[str, Any]:
         "off": None,
         "ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=k),
         "ngram-fixed": SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=False),
+        "suffix": SpeculativeConfig(method="suffix", num_speculative_tokens=k),
+        "suffix-fixed": SpeculativeConfig(method="suffix", num_speculative_tokens=k, adaptive=False),
         "draft": SpeculativeConfig(
             method="draft",
             num_speculative_tokens=min(k, 3),
@@ -136,12 +107,12 @@ def configurations(args: argparse.Namespace) -> dict[str, Any]:
     return {name: every[name] for name in names}
 
 
-def one_call(llm: Any, prompts: Sequence[str], params: Any, tally: Tally) -> None:
-    """Generate ``prompts`` in one call (chat template) and add what it cost and did to ``tally``."""
+def one_call(llm: Any, conversations: Sequence[list[dict[str, str]]], params: Any, tally: Tally) -> list[str]:
+    """Answer ``conversations`` in one call (chat template); add what it cost and did to ``tally``; the answers."""
     stats = llm.core.stats(executor=True).executor
     before = (stats.forwards, stats.windows, stats.emitted, stats.proposed, stats.accepted)
     started = time.perf_counter()
-    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    outs = llm.chat(list(conversations), params, use_tqdm=False)
     tally.wall_s += time.perf_counter() - started
     stats = llm.core.stats(executor=True).executor
     after = (stats.forwards, stats.windows, stats.emitted, stats.proposed, stats.accepted)
@@ -157,6 +128,28 @@ def one_call(llm: Any, prompts: Sequence[str], params: Any, tally: Tally) -> Non
     for rec in llm.trace:
         tally.drafted += sum(rec.drafted.values())
         tally.spec_accepted += sum(rec.accepted.values())
+        for rid, drafted in rec.drafted.items():
+            while len(tally.drafted_at) < drafted:
+                tally.drafted_at.append(0)
+                tally.accepted_at.append(0)
+            for j in range(drafted):
+                tally.drafted_at[j] += 1
+                tally.accepted_at[j] += j < rec.accepted.get(rid, 0)
+    return [o.outputs[0].text for o in outs]
+
+
+def run_sessions(llm: Any, sessions: Sequence[Session], params: Any, tally: Tally) -> None:
+    """``sessions`` together, turn by turn: turn k of each (that has one) in one call, with its earlier answers."""
+    conversations: list[list[dict[str, str]]] = [
+        [{"role": "system", "content": s.system}] if s.system else [] for s in sessions
+    ]
+    for k in range(max(len(s.turns) for s in sessions)):
+        live = [i for i, s in enumerate(sessions) if k < len(s.turns)]
+        for i in live:
+            conversations[i].append({"role": "user", "content": sessions[i].turns[k]})
+        answers = one_call(llm, [conversations[i] for i in live], params, tally)
+        for i, answer in zip(live, answers):
+            conversations[i].append({"role": "assistant", "content": answer})
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -177,19 +170,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     for llm in llms.values():  # warm-up: first-call allocations, kernels
         llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     cells: dict[str, dict[str, Any]] = {}
+    every = workloads()
     for set_name in args.sets:
-        prompts = SETS[set_name][: args.prompts]
+        sessions = every[set_name][: args.prompts]
         for batch in args.batches:
             tallies = {name: Tally() for name in llms}
-            if batch == 1:
-                for p in prompts:
+            for _ in range(1 if batch == 1 else args.repeats):
+                for start in range(0, len(sessions), batch):
                     for name, llm in llms.items():
-                        one_call(llm, [p], params, tallies[name])
-            else:
-                for _ in range(args.repeats):
-                    for start in range(0, len(prompts), batch):
-                        for name, llm in llms.items():
-                            one_call(llm, prompts[start : start + batch], params, tallies[name])
+                        run_sessions(llm, sessions[start : start + batch], params, tallies[name])
             off = tallies["off"]
             cell = {name: t.report(None if name == "off" else off) for name, t in tallies.items()}
             cells[f"{set_name}/batch-{batch}"] = cell
@@ -210,7 +199,7 @@ def table(title: str, cell: dict[str, dict[str, Any]]) -> str:
     """One cell as a small text table."""
     head = (
         f"{'config':<15}{'tok/s':>8}{'speedup':>9}{'tok/fwd':>9}{'tok/step':>10}{'accept':>8}"
-        f"{'proposed':>10}{'forwards':>10}{'same':>6}"
+        f"{'proposed':>10}{'forwards':>10}{'same':>6}  accepted by position"
     )
     lines = [f"== {title}", head]
     for name, r in cell.items():
@@ -221,7 +210,8 @@ def table(title: str, cell: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"{name:<15}{fmt(r['tok_s'], '.1f'):>8}{fmt(r['speedup'], '.2f'):>9}{fmt(r['tokens_per_forward'], '.2f'):>9}"
             f"{fmt(r['tokens_per_decode_step'], '.2f'):>10}{fmt(r['acceptance'], '.2f'):>8}{r['proposed']:>10}"
-            f"{r['target_forwards']:>10}{'yes' if r['identical'] else 'NO':>6}"
+            f"{r['target_forwards']:>10}{'yes' if r['identical'] else 'NO':>6}  "
+            + " ".join(f"{a:.2f}" for a in r["acceptance_by_position"])
         )
     return "\n".join(lines)
 
@@ -255,7 +245,7 @@ def costs(args: argparse.Namespace) -> dict[str, Any]:
                 ids.append(100 + j)
                 pos.append(ctx + j)
         a = model.arch
-        batch = build_attention_batch(spans, slots, ps, a.num_heads // a.num_kv_heads, model.distinct_windows)
+        batch = build_attention_batch(spans, slots, ps, a.num_heads // a.num_kv_heads, model.distinct_sliding_windows)
         prepared[(b, m)] = (torch.tensor(ids), torch.tensor(pos), cache, batch, torch.arange(len(ids)))
     times: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
     for _ in range(args.repeats * 4):
@@ -289,17 +279,23 @@ def _count(low: int, high: int) -> Any:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags (``mechserve bench spec-decode --help``)."""
     add = parser.add_argument
-    add("--model", default="smollm2", help="'smollm2' (default) or a local model directory")
-    add("--sets", nargs="+", choices=sorted(SETS), default=["copy", "novel"], help="prompt sets (both)")
+    add("--model", default="smollm2", help="'smollm2' (default), a local model directory or a GGUF file")
+    add(
+        "--sets",
+        nargs="+",
+        choices=WORKLOADS,
+        default=[w for w in WORKLOADS if w != "copy"],
+        help=f"workloads ({', '.join(WORKLOADS)}; default: all but copy)",
+    )
     add("--batches", nargs="+", type=_count(1, 64), default=[1, 8], help="batch sizes (1 8)")
     add(
         "--configs",
         nargs="+",
         choices=CONFIGS,
-        default=["off", "ngram", "ngram-fixed", "draft"],
-        help="off, ngram, ngram-fixed, draft, draft-adaptive (default: all but draft-adaptive)",
+        default=list(DEFAULT_CONFIGS),
+        help=f"{', '.join(CONFIGS)} (default: {' '.join(DEFAULT_CONFIGS)}: no speculation and every proposer)",
     )
-    add("--prompts", type=_count(1, len(COPY_PROMPTS)), default=8, help="prompts per set (at most 8)")
+    add("--prompts", type=_count(1, 8), default=8, help="sessions per workload (at most 8)")
     add("--max-tokens", type=_count(1, 4096), default=128, help="new tokens per request (128)")
     add("--spec-len", type=_count(1, 16), default=4, help="guesses per window (4; the draft model uses at most 3)")
     add("--draft-layers", type=_count(1, 1024), default=4, help="layers the draft model keeps (4)")

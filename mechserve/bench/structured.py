@@ -261,7 +261,7 @@ def _count(lo: int, hi: int) -> Any:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags (``mechserve bench structured --help``)."""
     add = parser.add_argument
-    add("--model", default="smollm2", help="'smollm2' (default) or a local model directory")
+    add("--model", default="smollm2", help="'smollm2' (default), a local model directory or a GGUF file")
     add("--batches", nargs="+", type=_count(1, 256), default=[1, 32], help="batch sizes (1 32)")
     add("--max-tokens", type=_count(1, 4096), default=96, help="new tokens per request in the e2e part (96)")
     add("--rounds", type=_count(1, 100), default=1, help="e2e rounds per batch size (1)")

@@ -12,7 +12,7 @@ import argparse
 import importlib
 
 HELP = (
-    "benchmarks (run: engines side by side; spec: the spec engine at scale; serve: Poisson client; "
+    "benchmarks (run: engines side by side; spec: the spec engine at scale; fleet: routing on a simulated fleet; serve: Poisson client; "
     "spec-decode: speculative decoding; tp: tensor-parallel world sizes; perplexity: per mode, beside llama.cpp; "
     "structured: constrained decoding; compile: torch.compile's effect)"
 )
@@ -27,6 +27,12 @@ BENCHMARKS = (
         "spec",
         "mechserve.bench.spec_scale",
         "the top rung with the scripted executor on 1k/10k/100k requests: time, step-time profile, trace identity",
+    ),
+    (
+        "fleet",
+        "mechserve.bench.fleet",
+        "routing policies side by side on a simulated fleet (m15, 4-64 scripted replicas, 10k-100k requests): "
+        "prefill computed, hit rate, imbalance, queueing, TTFT under a cost model; JSON and plots",
     ),
     (
         "serve",

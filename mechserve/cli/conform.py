@@ -73,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         default="smollm2",
         help="the model the torch executor runs: 'smollm2' (the embedded SmolLM2-135M, default), "
-        "'tiny' (a built-in random 2-layer model: seconds) or a local Hugging Face model directory",
+        "'tiny' (a built-in random 2-layer model: seconds), a local Hugging Face model directory or a GGUF file "
+        "(its reference: transformers on the file's weights decoded to float32)",
     )
     parser.add_argument(
         "--workloads", type=count, default=10, metavar="N", help="random workloads per check (default 10)"

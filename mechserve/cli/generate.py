@@ -31,7 +31,16 @@ from rich.text import Text
 
 from mechserve.api import config as engine_settings
 from mechserve.api.config import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PAGE_SIZE
-from mechserve.api.limits import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_SAMPLES, MAX_SLOTS
+from mechserve.api.limits import (
+    MAX_LOGPROBS,
+    MAX_NEW_TOKENS,
+    MAX_SAMPLES,
+    MAX_SPEC_LEN,
+    MAX_SUFFIX_CACHED_REQUESTS,
+    MAX_SUFFIX_TREE_DEPTH,
+)
+from mechserve.api.proposers import DEFAULT_METHOD, DEFAULT_MODEL_METHOD, METHODS, PROPOSERS
+from mechserve.cli.engine_args import engine_config, setting
 from mechserve.cli.errors import CliError, engine_failure
 from mechserve.cli.parser import add_device_arguments
 from mechserve.cli.viz import VizOutputs, add_output_flags
@@ -79,7 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prompt", type=prompt_text, help="raw text to continue (with --chat: the user's message to answer)"
     )
     parser.add_argument(
-        "--model", default="smollm2", help="'smollm2' (embedded, default) or a local Hugging Face model directory"
+        "--model",
+        default="smollm2",
+        help="'smollm2' (embedded, default), a local Hugging Face model directory or a GGUF file",
     )
     add_dtype_argument(parser)
     add_device_arguments(parser)
@@ -92,21 +103,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-step-tokens",
-        type=integer(1, ENGINE_LIMITS["max_step_tokens"]),
+        type=setting("max_step_tokens"),
         default=DEFAULT_MAX_STEP_TOKENS,
         metavar="N",
         help=f"per-step token budget, the prefill chunk size (default {DEFAULT_MAX_STEP_TOKENS})",
     )
     parser.add_argument(
         "--page-size",
-        type=integer(1, ENGINE_LIMITS["page_size"]),
+        type=setting("page_size"),
         default=DEFAULT_PAGE_SIZE,
         metavar="N",
         help="KV positions per page (default 16)",
     )
     parser.add_argument(
         "--num-pages",
-        type=integer(1, ENGINE_LIMITS["num_pages"]),
+        type=setting("num_pages"),
         default=None,
         metavar="N",
         help="KV pages in the pool (default: sized from --kv-memory, else enough for the request)",
@@ -121,14 +132,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--spec-len",
-        type=integer(0, ENGINE_LIMITS["spec_len"]),
+        type=setting("spec_len"),
         default=None,
         metavar="K",
         help="speculative decoding: at most K guesses per decode step (default 0: off; 3 with --spec-method)",
     )
     parser.add_argument(
         "--world-size",
-        type=integer(1, ENGINE_LIMITS["world_size"]),
+        type=setting("world_size"),
         default=1,
         metavar="N",
         help="tensor-parallel rank processes, each holding a shard of the weights and KV (default 1); "
@@ -148,23 +159,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--spec-method``, ``--draft-model``, the n-gram bounds and ``--spec-fixed`` (with ``--spec-len``)."""
+    """``--spec-method``, ``--draft-model``, the n-gram bounds, suffix decoding's options and ``--spec-fixed``
+    (with ``--spec-len``)."""
     add = parser.add_argument
+    methods = ", ".join(
+        f"{m.name} ({m.summary}{', with --draft-model' if m.needs_model else ''})" for m in PROPOSERS.values()
+    )
     add(
         "--spec-method",
-        choices=("ngram", "draft"),
+        choices=METHODS,
         default=None,
-        help="what drafts the guesses: ngram (prompt lookup, the default with --spec-len) or draft (--draft-model)",
+        help=f"what drafts the guesses: {methods}; default {DEFAULT_METHOD} with --spec-len",
     )
     add(
         "--draft-model",
         type=draft_model,
         default=None,
         metavar="SPEC",
-        help="the draft model, MODEL[:layers=N] (e.g. smollm2:layers=4: the first 4 layers); implies --spec-method draft",
+        help="the model a model-based method drafts with, MODEL[:layers=N] (e.g. smollm2:layers=4: the first 4 "
+        f"layers); implies --spec-method {DEFAULT_MODEL_METHOD}",
     )
-    add("--ngram-min", type=integer(1, 64), default=1, metavar="N", help="shortest n-gram prompt lookup matches (1)")
-    add("--ngram-max", type=integer(1, 64), default=3, metavar="N", help="longest n-gram prompt lookup matches (3)")
+    add(
+        "--ngram-min",
+        type=integer(1, MAX_SPEC_LEN),
+        default=1,
+        metavar="N",
+        help="shortest n-gram prompt lookup matches (1)",
+    )
+    add(
+        "--ngram-max",
+        type=integer(1, MAX_SPEC_LEN),
+        default=3,
+        metavar="N",
+        help="longest n-gram prompt lookup matches (3)",
+    )
+    suffix = "suffix decoding (--spec-method suffix, vLLM's speculative_config field of the same name): "
+    add(
+        "--suffix-decoding-max-tree-depth",
+        type=integer(2, MAX_SUFFIX_TREE_DEPTH),
+        default=None,
+        metavar="N",
+        help=suffix + "the longest substring its suffix trees hold; a match is at most N - 1 ids (24)",
+    )
+    add(
+        "--suffix-decoding-max-cached-requests",
+        type=integer(0, MAX_SUFFIX_CACHED_REQUESTS),
+        default=None,
+        metavar="N",
+        help=suffix + "how many requests' outputs the global tree holds, oldest evicted first; 0: none (10000)",
+    )
+    add(
+        "--suffix-decoding-max-spec-factor",
+        type=number,
+        default=None,
+        metavar="X",
+        help=suffix + "a match of m ids drafts at most X * m ids (1.0)",
+    )
+    add(
+        "--suffix-decoding-min-token-prob",
+        type=number,
+        default=None,
+        metavar="P",
+        help=suffix + "a guess whose estimated probability falls below P ends the draft (0.1)",
+    )
     add(
         "--spec-fixed",
         action="store_true",
@@ -181,31 +238,6 @@ def draft_model(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
-
-
-def speculative_config(args: argparse.Namespace) -> Any:
-    """The ``SpeculativeConfig`` the flags ask for (None: no speculation); raises ``CliError`` naming the flag."""
-    method = args.spec_method or ("draft" if args.draft_model else None)
-    if method is None and not args.spec_len:
-        return None
-    if method == "draft" and not args.draft_model:
-        raise CliError("--spec-method draft needs --draft-model (e.g. --draft-model smollm2:layers=4)")
-    if method == "ngram" and args.draft_model:
-        raise CliError("--draft-model drafts with a model: use --spec-method draft (or leave --spec-method out)")
-    if args.spec_len == 0:
-        raise CliError(f"--spec-method {method} needs --spec-len >= 1 (or leave --spec-len out for 3)")
-    if args.ngram_min > args.ngram_max:
-        raise CliError(f"--ngram-min {args.ngram_min} is more than --ngram-max {args.ngram_max}")
-    from mechserve.api.config import SpeculativeConfig
-
-    return SpeculativeConfig(
-        method=method or "ngram",
-        num_speculative_tokens=args.spec_len or 3,
-        ngram_min=args.ngram_min,
-        ngram_max=args.ngram_max,
-        draft_model=args.draft_model,
-        adaptive=not args.spec_fixed,
-    )
 
 
 def number(text: str) -> float:
@@ -261,7 +293,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     add("--min-tokens", type=integer(0, MAX_NEW_TOKENS), default=0, metavar="N", help="no EOS or stop before N tokens")
     add(
         "--logprobs",
-        type=integer(0, 20),
+        type=integer(0, MAX_LOGPROBS),
         default=None,
         metavar="N",
         help="show each token's log-probability and the top N alternatives",
@@ -312,7 +344,7 @@ def sampling_params(args: argparse.Namespace) -> Any:
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-QUANTIZATIONS = ("q4_1", "q8_0")  # mechserve.api.config.QUANTIZATIONS (the CLI imports no config before it must)
+QUANTIZATIONS = engine_settings.QUANTIZATIONS
 
 
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
@@ -340,34 +372,23 @@ def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
 
 def load(model: str, dtype: str | None, world_size: int = 1, quantization: str | None = None) -> Any:
     """``load_model(model)`` in ``dtype`` (default float32) and ``quantization``, its weights only for one
-    rank (with more, the ranks load their shards); ``ModelLoadError`` propagates, and ``CliError`` for a
-    quantization the other flags exclude."""
+    rank (with more, the ranks load their shards); ``ModelLoadError`` propagates.  The flags' combination
+    is checked before (``engine_config``)."""
     import torch
 
     from mechserve.model.loader import load_model
 
-    if quantization is not None:
-        from mechserve.api.config import EngineConfig
-
-        try:
-            EngineConfig(dtype=dtype or "float32", quantization=quantization, world_size=world_size)
-        except ValueError as exc:
-            raise CliError(f"--quantization: {exc}") from None
     return load_model(
         model, dtype=getattr(torch, dtype or "float32"), weights=world_size == 1, quantization=quantization
     )
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """The checks that span several flags, before the model is loaded; raises ``CliError``."""
-    speculative_config(args)
+    """The checks that span several flags, before the model is loaded (the engine's settings as one
+    ``EngineConfig``: ``engine_config``); raises ``CliError``."""
+    engine_config(args, ignore=("seed",))
     if args.chat_template is not None and not args.chat:
         raise CliError("--chat-template applies to --chat (the prompt as a user message); add --chat")
-    if args.num_pages is not None and args.num_pages * args.page_size > MAX_SLOTS:
-        raise CliError(
-            f"--num-pages {args.num_pages} x --page-size {args.page_size} = {args.num_pages * args.page_size} "
-            f"slots, over mechserve's limit of {MAX_SLOTS} slots; lower one of them"
-        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -397,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
         loaded = load(args.model, args.dtype, args.world_size, args.quantization)
         apply_chat_template_flag(loaded.tokenizer, args.chat_template)
         prompt, ids = prompt_ids(loaded.tokenizer, args.prompt, args.chat)
-        core = EngineCore(loaded, engine_config(args, loaded.model, len(ids)), keep_finished=True)
+        core = EngineCore(loaded, sized_config(args, loaded.model, len(ids)), keep_finished=True)
         request_id = core.add_request(ids, params, request_id="r0", prompt=prompt)
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
@@ -413,9 +434,12 @@ def run(args: argparse.Namespace) -> int:
     console = Console(highlight=False, soft_wrap=True)
     show = (lambda record: None) if args.quiet else _print_json if args.json else _print_trace(console)
 
+    failed: dict[str, Exception] = {}
+
     def seen(out: Any) -> None:
         clock.step(out.record)
         show(out.record)
+        failed.update(out.failed)
         if recorder is not None:
             recorder(out.record)
 
@@ -425,6 +449,9 @@ def run(args: argparse.Namespace) -> int:
         core.close()
         raise CliError(step_failure(exc, core.step_counter)) from exc
     clock.stop()
+    if request_id in failed:  # it failed alone inside a step (its logits processing): one line, no traceback
+        core.close()
+        raise CliError(first_line(failed[request_id]))
     (done,) = [o for o in finished if o.request_id == request_id]
     try:
         print_result(args, console, core, done, clock, prompt)
@@ -441,28 +468,16 @@ def _decoder(tokenizer: Any) -> Callable[[Any], str] | None:
     return lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True))
 
 
-def engine_config(args: argparse.Namespace, model: Any, prompt_len: int) -> Any:
-    """The ``EngineConfig`` the flags ask for; without ``--num-pages`` or ``--kv-memory`` the pool is sized
-    for this request's samples (capped at ``DEFAULT_KV_BYTES``)."""
-    from mechserve.api.config import DEFAULT_KV_BYTES, EngineConfig
+def sized_config(args: argparse.Namespace, model: Any, prompt_len: int) -> Any:
+    """The ``EngineConfig`` the flags ask for (``engine_config``); without ``--num-pages`` or ``--kv-memory``
+    the pool is sized for this request's samples (capped at ``DEFAULT_KV_BYTES``)."""
+    from mechserve.api.config import DEFAULT_KV_BYTES
     from mechserve.engine.pool import auto_num_pages, model_context, page_bytes
 
     pages = auto_num_pages(
         [prompt_len] * args.n, args.max_tokens, args.page_size, model, DEFAULT_KV_BYTES, model_context(model)
     )
-    return EngineConfig(
-        dtype=args.dtype or "float32",
-        quantization=args.quantization,
-        max_step_tokens=args.max_step_tokens,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        kv_memory=args.kv_memory,
-        max_kv_bytes=pages * page_bytes(model, args.page_size),
-        speculative=speculative_config(args),
-        world_size=args.world_size,
-        device=args.device or "cpu",
-        compile=bool(args.compile),
-    )
+    return engine_config(args, ignore=("seed",), max_kv_bytes=pages * page_bytes(model, args.page_size))
 
 
 def prompt_ids(tokenizer: Any, text: str, chat: bool) -> tuple[str, list[int]]:

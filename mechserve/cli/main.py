@@ -1,4 +1,4 @@
-"""The ``mechserve`` command: ``mechs``, ``demo``, ``run``, ``diff``, ``generate``, ``conform``, ``viz``, ``serve`` and ``bench``.
+"""The ``mechserve`` command: ``mechs``, ``demo``, ``run``, ``diff``, ``generate``, ``conform``, ``viz``, ``serve``, ``router`` and ``bench``.
 
 Every problem, from a usage error to an engine exception part-way through a
 run, is printed as one ``mechserve: error: ...`` line on stderr with exit
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from mechserve import __version__
 from mechserve.api.env import attention_mode, linear_mode
-from mechserve.cli import bench, conform, demo, diff, lazy, mechs, run, serve, viz
+from mechserve.cli import bench, conform, demo, diff, lazy, mechs, router, run, serve, viz
 from mechserve.cli.errors import CliError, report
 from mechserve.cli.parser import Parser
 from mechserve.workload import WorkloadError
@@ -28,6 +28,7 @@ COMMANDS = (
     ("conform", conform, conform.HELP),
     ("viz", viz, viz.HELP),
     ("serve", serve, serve.HELP),
+    ("router", router, router.HELP),
     ("bench", bench, bench.HELP),
 )
 PASSTHROUGH = {"generate"}

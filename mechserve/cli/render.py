@@ -103,8 +103,11 @@ class TextView:
     Long values wrap under themselves; no line ends in spaces.
     """
 
+    columns: Sequence[tuple[str, str, str]] = ()  # the summary table's columns (SUMMARY_COLUMNS when empty)
+
     def __init__(self, explain: bool = False, console: Console | None = None) -> None:
         self.explain = explain
+        self.columns = self.columns or SUMMARY_COLUMNS
         self.console = console or Console(file=sys.stdout, highlight=False)
         self._idle: tuple[int, int, str] | None = None  # first step, last step, why: held back until it ends
         self._reasons: dict[str, list[str]] = {}  # request id -> rejection reasons, door order
@@ -163,7 +166,7 @@ class TextView:
             if entry["state"] == "REJECTED" and found:
                 entry = {**entry, "state": f"REJECTED ({found.pop(0)})"}
             shown.append(entry)
-        header, *rows = summary_lines(shown)
+        header, *rows = summary_lines(shown, self.columns)
         self._print(Text("\n").join([Text(header, style="bold"), Text("\n".join(rows))]))
         if outputs:
             self._print(Text(""))
@@ -207,14 +210,72 @@ SUMMARY_COLUMNS = (
 )
 
 
-def summary_lines(summary: Sequence[Mapping[str, Any]]) -> list[str]:
-    """A header and one aligned row per request: state, finish reason, generated, computed."""
-    rows = [[title for title, _, _ in SUMMARY_COLUMNS]]
-    rows += [[_cell(entry[key]) for _, key, _ in SUMMARY_COLUMNS] for entry in summary]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(SUMMARY_COLUMNS))]
-    aligns = [align for _, _, align in SUMMARY_COLUMNS]
+def summary_lines(
+    summary: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, str]] = SUMMARY_COLUMNS
+) -> list[str]:
+    """A header and one aligned row per request: state, finish reason, generated, computed (``columns``:
+    (title, key, alignment) each)."""
+    rows = [[title for title, _, _ in columns]]
+    rows += [[_cell(entry[key]) for _, key, _ in columns] for entry in summary]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    aligns = [align for _, _, align in columns]
     return ["  ".join(f"{cell:{a}{w}}" for cell, a, w in zip(row, aligns, widths)).rstrip() for row in rows]
 
 
 def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
+
+
+# m15: a fleet's run.  Its records hold a routing decision per arrived request and every replica's record.
+class FleetJsonView(JsonView):
+    """``JsonView`` for a fleet: one line per fleet step (``FleetRecord.to_json()``: ``step``,
+    ``routed`` decisions with their rule and reason, ``replicas`` with each record and its KV events),
+    then ``{"summary": [...]}`` with each request's ``replica``."""
+
+
+class FleetTextView(TextView):
+    """The readable view of a fleet: per step, ``routed`` (``request -> replica (rule)``), then each
+    replica with something in its record, its fields indented under it; with ``explain`` each
+    decision's reason and each replica's sentences.  Idle steps collapse as in ``TextView``; the
+    summary table gains a ``replica`` column."""
+
+    columns = (
+        ("request", "request_id", "<"),
+        ("replica", "replica", ">"),
+        ("state", "state", "<"),
+        ("finish", "finish_reason", "<"),
+        ("generated", "generated", ">"),
+        ("computed", "computed", ">"),
+    )
+
+    def step(self, record: Any, idle: str = IDLE) -> None:
+        doc = record.to_json()
+        replicas = []
+        for rep, rec in zip(doc["replicas"], record.replicas):
+            fields = {name: value for name, value in rep["record"].items() if name != "step" and value}
+            for request_id, reason in fields.get("rejected", ()):
+                self._reasons.setdefault(request_id, []).append(reason)
+            if fields or (self.explain and rec.explain):
+                replicas.append((rep["replica"], fields, rec.explain))
+        if not doc["routed"] and not replicas:
+            if self._idle is not None and self._idle[1] == record.step - 1 and self._idle[2] == idle:
+                self._idle = (self._idle[0], record.step, idle)
+            else:
+                self.flush()
+                self._idle = (record.step, record.step, idle)
+            return
+        self.flush()
+        lines = [Text(f"step {record.step}", style="bold cyan")]
+        if doc["routed"]:
+            routed = ", ".join(f"{d['request_id']} -> {d['replica']} ({d['rule']})" for d in doc["routed"])
+            lines.append(self._hanging("  routed  ", routed, "green"))
+            if self.explain:
+                lines += [self._hanging("    - ", d["reason"], "dim", style="italic") for d in doc["routed"]]
+        for index, fields, sentences in replicas:
+            lines.append(Text(f"  replica {index}", style="bold"))
+            width = max(map(len, fields), default=0)
+            for name, value in fields.items():
+                lines.append(self._hanging(f"    {name:<{width}}  ", format_field(name, value), "green"))
+            if self.explain:
+                lines += [self._hanging("      - ", sentence, "dim", style="italic") for sentence in sentences]
+        self._print(Text("\n").join(lines))

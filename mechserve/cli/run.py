@@ -1,7 +1,10 @@
 """``mechserve run``: run a workload (a JSON spec or ``--request`` flags) through one rung.
 
-``--backend spec`` (the default) runs it on the rung's scripted executor;
-``--backend torch`` runs it on a real model under the top rung (m14), through
+``--backend spec`` (the default) runs it on the rung's scripted executor; on
+m15 (``--mech m15``) it runs a fleet of such engines behind a router (the
+workload's ``fleet`` section and the ``--replicas``/``--routing-policy``/...
+flags) and prints one fleet record per step.  ``--backend torch`` runs it on a
+real model under the top engine rung (m14), through
 an ``EngineCore``: the same step trace, then each request's decoded text.
 A request's ``prompt_len`` becomes that many real token ids (its synthetic
 ids mapped onto the model's ordinary tokens, ``real_prompt``), explicit
@@ -21,32 +24,40 @@ from types import ModuleType
 from typing import Any
 
 from mechserve.api.limits import ENGINE_LIMITS
+from mechserve.cli.engine_args import engine_config
 from mechserve.cli.errors import CliError, engine_failure
 from mechserve.cli.lazy import GENERATE_MODULE
 from mechserve.cli.parser import add_device_arguments
-from mechserve.cli.render import IDLE, JsonView, TextView, View
+from mechserve.cli.render import IDLE, FleetJsonView, FleetTextView, JsonView, TextView, View
 from mechserve.cli.viz import VizOutputs, add_output_flags
-from mechserve.spec import TOP
+from mechserve.spec import ENGINE_TOP
 from mechserve.workload import (
     ENGINE_DEFAULTS,
     ENGINE_KEYS,
     ENGINE_SWITCHES,
+    FLEET_KEYS,
     REQUEST_FLAG,
+    ROUTING_POLICIES,
     RequestSpec,
     Workload,
     WorkloadError,
     build_engine,
+    build_fleet,
     engine_params,
+    has_routing,
     load_rung,
     load_workload,
     rung_label,
     rung_range,
     with_engine,
+    with_fleet,
     workload_from_flags,
 )
 
 # engine value -> its flag
 ENGINE_FLAGS = {name: "--" + name.replace("_", "-") for name in (*ENGINE_KEYS, *ENGINE_SWITCHES)}
+# m15: fleet value -> its flag (vllm-router's and sgl-router's names for the thresholds)
+FLEET_FLAGS = {name: "--" + name.replace("_", "-") for name in FLEET_KEYS}
 # Why a step with nothing in it did nothing, when some request is running (m02/m03's never-fits step).
 STUCK = "nothing could be scheduled for the running requests"
 BACKENDS = ("spec", "torch")
@@ -55,7 +66,11 @@ BACKENDS = ("spec", "torch")
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """``--mech``, ``--json``, ``--explain``, ``--viz`` and ``--plot``, shared by ``run`` and ``demo``."""
     parser.add_argument(
-        "--mech", metavar="mNN", default=TOP, help=f"the rung to run: {rung_range()} or a full name (default: {TOP})"
+        "--mech",
+        metavar="mNN",
+        default=ENGINE_TOP,
+        help=f"the rung to run: {rung_range()} or a full name (default: {ENGINE_TOP}, the top rung of one engine; "
+        "m15 runs a fleet)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object per step, then the summary")
     parser.add_argument("--explain", action="store_true", help="add the engine's own sentences to every step")
@@ -81,10 +96,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             text = f"set the engine's {name} (m12 or later; default: no limit"
         parser.add_argument(flag, type=int, metavar="N", help=f"{text}; at most {ENGINE_LIMITS[name]})")
     parser.add_argument(
+        ENGINE_FLAGS["prefix_caching"],
+        action=argparse.BooleanOptionalAction,
+        help="reuse and publish prompt pages through the prefix cache (m08 or later; default: the workload's "
+        "prefix_caching, else on)",
+    )
+    parser.add_argument(
+        ENGINE_FLAGS["hold_shared_prefix"],
+        action=argparse.BooleanOptionalAction,
+        help="admit a request only once the prompt prefix it shares with a running request is cached (m12 or "
+        "later, needs prefix caching; default: the workload's hold_shared_prefix, else off on the spec backend "
+        "and on with --backend torch)",
+    )
+    parser.add_argument(
         ENGINE_FLAGS["output_caching"],
         action=argparse.BooleanOptionalAction,
         help="publish generated blocks into the prefix cache too (m13 or later; default: the workload's "
         "output_caching, else off on the spec backend and on with --backend torch)",
+    )
+    fleet = parser.add_argument_group("fleet (m15)")
+    fleet.add_argument(FLEET_FLAGS["replicas"], type=int, metavar="N", help="replicas behind the router (default 1)")
+    fleet.add_argument(
+        FLEET_FLAGS["routing_policy"], choices=ROUTING_POLICIES, help="how the router places requests (default precise)"
+    )
+    fleet.add_argument(
+        FLEET_FLAGS["cache_threshold"], type=float, metavar="F", help="cache_aware's match threshold (default 0.3)"
+    )
+    fleet.add_argument(
+        FLEET_FLAGS["balance_abs_threshold"],
+        type=int,
+        metavar="N",
+        help="cache_aware's load rule and precise's load guard, absolute (default 64)",
+    )
+    fleet.add_argument(
+        FLEET_FLAGS["balance_rel_threshold"],
+        type=float,
+        metavar="F",
+        help="cache_aware's load rule and precise's load guard, relative (default 1.5)",
     )
     parser.add_argument(
         "--backend",
@@ -96,7 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         metavar="M",
-        help="with --backend torch: 'smollm2' (the embedded model, default) or a local Hugging Face directory",
+        help="with --backend torch: 'smollm2' (the embedded model, default), a local Hugging Face directory or a GGUF file",
     )
     parser.add_argument(
         "--dtype",
@@ -123,6 +171,11 @@ def run(args: argparse.Namespace) -> int:
     viz = VizOutputs.from_args(args)
     overrides = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
     workload = with_engine(read_workload(args.spec, args.request), overrides, ENGINE_FLAGS)
+    fleet = {name: getattr(args, name) for name in FLEET_FLAGS if getattr(args, name) is not None}
+    if fleet and not has_routing(rung):  # m15: one line naming every fleet flag given
+        named = ", ".join(f"{FLEET_FLAGS[name]} {value}" for name, value in fleet.items())
+        raise CliError(f"{rung_label(rung)} has no routing: {named} need --mech m15 (or drop them)")
+    workload = with_fleet(workload, fleet, FLEET_FLAGS)
     if args.backend == "torch":
         return execute_torch(
             rung,
@@ -177,9 +230,11 @@ def _read_text(path: str) -> str:
 
 
 def header(rung: ModuleType, workload: Workload) -> str:
-    """One line naming the rung, the engine values it takes and the number of requests."""
+    """One line naming the rung, the engine values it takes (m15: and the fleet values given) and the
+    number of requests."""
     params = engine_params(rung)
     used = [f"{name} {_shown(value)}" for name, value in workload.engine.items() if name in params]
+    used += [f"{name} {value}" for name, value in workload.fleet.items()]
     parts = [f"{rung_label(rung)} {rung.TITLE}", *used, f"{len(workload.requests)} request(s)"]
     return " · ".join(parts)
 
@@ -207,15 +262,22 @@ def execute(
     the pictures to write (``--viz``/``--plot``), also of a failed run's
     steps.
     """
+    fleet = has_routing(rung)
+    viz = viz or VizOutputs()
+    if fleet and (viz.viz or viz.plot):
+        raise CliError(f"--viz and --plot draw one engine's pool; {rung_label(rung)} runs a fleet (use --mech m14)")
     try:
-        engine = build_engine(rung, workload)
+        engine = build_fleet(rung, workload) if fleet else build_engine(rung, workload)
     except WorkloadError:
         raise
     except ValueError as exc:
         raise CliError(f"the {rung_label(rung)} engine rejected the workload: {exc}") from exc
-    view: View = JsonView(explain) if as_json else TextView(explain)
+    view: View
+    if fleet:
+        view = FleetJsonView(explain) if as_json else FleetTextView(explain)
+    else:
+        view = JsonView(explain) if as_json else TextView(explain)
     view.start(header(rung, workload), notes)
-    viz = viz or VizOutputs()
     recorder = viz.recorder(engine, header(rung, workload))
 
     def show(record: object) -> None:
@@ -237,11 +299,15 @@ def execute(
 
 
 def check_torch_workload(rung: ModuleType, workload: Workload) -> None:
-    """Raise ``CliError`` for what a real model cannot run: a rung below the top, scripted verdicts."""
-    if rung.__name__.rsplit(".", 1)[-1] != TOP:
+    """Raise ``CliError`` for what a real model cannot run: a rung other than the top engine rung, a
+    fleet, scripted verdicts."""
+    if rung.__name__.rsplit(".", 1)[-1] != ENGINE_TOP:
         raise CliError(
-            f"--backend torch runs the top rung ({TOP[:3]}); drop --mech {rung_label(rung)} or use --backend spec"
+            f"--backend torch runs the top engine rung ({ENGINE_TOP[:3]}); drop --mech {rung_label(rung)} or use --backend spec"
         )
+    if workload.fleet:
+        given = ", ".join(f"fleet.{name}" for name in workload.fleet)
+        raise CliError(f"--backend torch runs one engine; {given} need --backend spec --mech m15")
     for req in workload.requests:
         if req.accept_script:
             raise CliError(
@@ -310,7 +376,6 @@ def execute_torch(
     """
     check_torch_workload(rung, workload)
     try:
-        from mechserve.api.config import EngineConfig
         from mechserve.api.errors import KVMemoryError, ModelLoadError, RankError, RequestRejected, first_line
         from mechserve.api.params import SamplingParams
         from mechserve.engine.core import EngineCore
@@ -320,26 +385,34 @@ def execute_torch(
     generate = importlib.import_module(GENERATE_MODULE)  # its error wording and model loading are shared
     e = workload.engine
     try:
+        flags = argparse.Namespace(dtype=dtype, quantization=quantization, device=device, compile=compile)
+        names = (
+            "max_step_tokens",
+            "page_size",
+            "num_pages",
+            "spec_len",
+            "world_size",
+            "prefix_caching",
+            "hold_shared_prefix",
+            "output_caching",
+        )
+        sizes: dict[str, Any] = {name: e[name] for name in names if name in e}
+        if (
+            sizes.get("prefix_caching") is False
+        ):  # the hold acts only through the prefix cache (D9's loader refuses true)
+            sizes.setdefault("hold_shared_prefix", False)
+        config = engine_config(
+            flags,
+            **sizes,
+            max_model_len=e.get("max_model_len"),
+            max_running=e.get("max_running"),  # a workload without max_running runs every request at once
+            max_waiting=e.get("max_waiting"),
+        )
         configure_threads()
         loaded = generate.load(model, dtype, e["world_size"], quantization)
         vocab = loaded.model.arch.vocab_size
         ordinary = ordinary_ids(vocab, loaded.tokenizer, loaded.eos_token_ids)
         prompts = [real_prompt(req, vocab, ordinary) for req in workload.requests]
-        config = EngineConfig(
-            dtype=dtype or "float32",
-            quantization=quantization,
-            max_step_tokens=e["max_step_tokens"],
-            page_size=e["page_size"],
-            num_pages=e["num_pages"],
-            spec_len=e["spec_len"],
-            max_model_len=e.get("max_model_len"),
-            max_running=e.get("max_running"),
-            max_waiting=e.get("max_waiting"),
-            world_size=e["world_size"],
-            output_caching=bool(e.get("output_caching", EngineConfig().output_caching)),
-            device=device,
-            compile=compile,
-        )
         core = EngineCore(loaded, config, keep_finished=True)
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None

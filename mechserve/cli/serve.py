@@ -3,7 +3,9 @@
 Importing this module is cheap (no torch, no FastAPI); ``run`` imports them.
 The model is loaded and the KV cache allocated before the socket is bound,
 so a bad model, size or address is one ``mechserve: error: ...`` line and
-exit status 2, never a half-started server.  Ctrl-C (SIGINT) or SIGTERM
+exit status 2, never a half-started server.  An engine that dies while serving (a tensor-parallel
+rank killed) makes ``/health`` and new requests 503 and the server stop with exit status 1, so that
+a supervisor restarts it.  Ctrl-C (SIGINT) or SIGTERM
 stops it: new requests are refused and every request in flight is aborted at
 once, so that each response still ends as the protocol says (a stream with a
 ``finish_reason: "abort"`` chunk and ``data: [DONE]``, a non-streaming request
@@ -19,22 +21,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import gc
 import os
 import signal
 import sys
 from typing import Any
 
 from mechserve.api.config import DEFAULT_MAX_RUNNING, DEFAULT_MAX_STEP_TOKENS, DEFAULT_PAGE_SIZE
-from mechserve.api.limits import ENGINE_LIMITS, MAX_NEW_TOKENS, MAX_REQUEST_BYTES, MAX_SLOTS
-from mechserve.cli.errors import CliError
-from mechserve.cli.generate import (
-    add_dtype_argument,
-    add_speculative_arguments,
-    integer,
-    kv_message,
-    parse_size,
-    speculative_config,
+from mechserve.api.limits import (
+    CLIENT_TIMEOUT_S,
+    MAX_REQUEST_BYTES,
+    RENDER_MEMORY_BYTES,
+    RENDER_TIMEOUT_S,
 )
+from mechserve.api.proposers import proposer_method
+from mechserve.cli.engine_args import engine_config, setting
+from mechserve.cli.errors import CliError
+from mechserve.cli.generate import add_dtype_argument, add_speculative_arguments, integer, kv_message, parse_size
 from mechserve.cli.parser import add_device_arguments
 from mechserve.cli.vllm_names import (
     add_aliased,
@@ -58,7 +62,7 @@ MAX_STORED_RESPONSES_LIMIT = 1_000_000
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's flags; sizes are checked by their ``type=`` before anything is loaded."""
     add = parser.add_argument
-    add_model_argument(parser, "'smollm2' (embedded, default) or a local Hugging Face model directory")
+    add_model_argument(parser, "'smollm2' (embedded, default), a local Hugging Face model directory or a GGUF file")
     add("--served-model-name", default=None, metavar="NAME", help="the name clients use (default: --model)")
     add_dtype_argument(parser)
     add_device_arguments(parser)
@@ -91,13 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--max-num-seqs",),
         dest="max_running",
         default=DEFAULT_MAX_RUNNING,
-        type=integer(1, ENGINE_LIMITS["max_running"]),
+        type=setting("max_running"),
         metavar="N",
         help=f"requests running at once (default {DEFAULT_MAX_RUNNING}); the rest wait",
     )
     add(
         "--max-waiting",
-        type=integer(1, ENGINE_LIMITS["max_waiting"]),
+        type=setting("max_waiting"),
         default=DEFAULT_MAX_WAITING,
         metavar="N",
         help=f"requests that may wait (default {DEFAULT_MAX_WAITING}); beyond it requests get 429 and Retry-After",
@@ -108,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--max-num-batched-tokens",),
         dest="max_step_tokens",
         default=SERVE_MAX_STEP_TOKENS,
-        type=integer(1, ENGINE_LIMITS["max_step_tokens"]),
+        type=setting("max_step_tokens"),
         metavar="N",
         help=f"per-step token budget, the prefill chunk (default {SERVE_MAX_STEP_TOKENS}; generate's is "
         f"{DEFAULT_MAX_STEP_TOKENS})",
@@ -119,11 +123,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--block-size",),
         dest="page_size",
         default=DEFAULT_PAGE_SIZE,
-        type=integer(1, ENGINE_LIMITS["page_size"]),
+        type=setting("page_size"),
         metavar="N",
         help=f"KV positions per page (default {DEFAULT_PAGE_SIZE})",
     )
-    add("--num-pages", type=integer(1, ENGINE_LIMITS["num_pages"]), default=None, metavar="N", help="KV pages")
+    add("--num-pages", type=setting("num_pages"), default=None, metavar="N", help="KV pages")
     add(
         "--kv-memory",
         type=parse_size,
@@ -133,13 +137,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--spec-len",
-        type=integer(0, ENGINE_LIMITS["spec_len"]),
+        type=setting("spec_len"),
         default=None,
         metavar="K",
         help="speculative decoding: at most K guesses per decode step (default 0: off; 3 with --spec-method)",
     )
     add_speculative_arguments(parser)
-    add("--max-model-len", type=integer(1, MAX_NEW_TOKENS), default=None, metavar="N", help="longest prompt + output")
+    add("--max-model-len", type=setting("max_model_len"), default=None, metavar="N", help="longest prompt + output")
     add_prefix_caching_arguments(parser)
     add(
         "--no-output-caching",
@@ -160,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--tensor-parallel-size", "-tp"),
         dest="world_size",
         default=1,
-        type=integer(1, ENGINE_LIMITS["world_size"]),
+        type=setting("world_size"),
         metavar="N",
         help="tensor-parallel rank processes (default 1)",
     )
@@ -173,6 +177,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_chat_template_argument(parser, "/v1/chat/completions and chat /tokenize")
     add(
+        "--kv-events-endpoint",
+        type=kv_events_endpoint,
+        default=None,
+        metavar="ENDPOINT",
+        help="publish the prefix cache's changes as vLLM's KV events (KVEventBatch, msgpack) on a ZeroMQ PUB "
+        "socket bound here, e.g. tcp://*:5557 (docs/kv-events.md); default: off",
+    )
+    add("--kv-events-topic", default="", metavar="TOPIC", help="the KV events' ZeroMQ topic (vLLM's default '')")
+    add(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat_template sent with a request (vLLM's flag; by default such a request is a 400), in a "
+        f"sandbox process bounded to {RENDER_TIMEOUT_S:g} s and {RENDER_MEMORY_BYTES >> 20} MiB",
+    )
+    add(
+        "--allow-special-tokens-in-content",
+        action="store_true",
+        help="encode special-token strings in chat messages (<|im_end|>) as the special tokens, as vLLM and "
+        "llama-server do; by default they are text, so a message cannot forge a turn",
+    )
+    add(
+        "--client-timeout",
+        type=_seconds,
+        default=CLIENT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="close a connection whose request (head and body) has not arrived within this time, or whose "
+        f"response the client has not read for this long (default {CLIENT_TIMEOUT_S:g})",
+    )
+    add(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
         default="warning",
@@ -180,15 +213,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def kv_events_endpoint(text: str) -> str:
+    """An argparse ``type=``: a ZeroMQ endpoint to bind, ``tcp://HOST:PORT`` (``*`` for every address) or
+    ``ipc://PATH``."""
+    scheme, _, rest = text.partition("://")
+    host, _, port = rest.rpartition(":")
+    if (scheme == "tcp" and host and port.isdigit() and 0 < int(port) < 65536) or (scheme == "ipc" and rest):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a ZeroMQ endpoint such as tcp://*:5557")
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the model, bind, serve until stopped; returns 0.  Raises ``CliError`` for anything that stops it
     from starting (missing extra, bad model or size, a KV cache that does not fit, an address in use)."""
     resolve(args)
-    if args.num_pages is not None and args.num_pages * args.page_size > MAX_SLOTS:
-        raise CliError(f"--num-pages x --page-size is over mechserve's limit of {MAX_SLOTS} slots; lower one")
-    speculative_config(args)  # a bad combination of flags fails before anything loads
+    engine_config(args)  # a bad value or combination of flags fails before anything loads
     uvicorn, server_module = _imports()
-    llm = _engine(args)
+    events = _kv_events(args)
+    try:
+        return _serve(args, uvicorn, server_module, events)
+    finally:
+        if events is not None:
+            events.publisher.close()
+
+
+def _kv_events(args: argparse.Namespace) -> Any:
+    """The ``on_step`` hook publishing KV events (``mechserve.kv_events``), or None without the flag."""
+    if args.kv_events_endpoint is None:
+        return None
+    try:
+        from mechserve.kv_events import EnginePublisher, KVEventPublisher
+    except ModuleNotFoundError as exc:
+        raise CliError(f"--kv-events-endpoint needs {exc.name!r}: pip install 'mechserve[serve]'") from None
+    try:
+        publisher = KVEventPublisher(args.kv_events_endpoint, args.kv_events_topic)
+    except ValueError as exc:
+        raise CliError(f"--kv-events-endpoint: {exc}") from None
+    return EnginePublisher(publisher)
+
+
+def _serve(args: argparse.Namespace, uvicorn: Any, server_module: Any, events: Any) -> int:
+    llm = _engine(args, events)
+    if events is not None:
+        events.attach(llm.core)
+    # What startup built (torch, transformers, the model) stays for the process's life: frozen out of the
+    # collector, it is neither scanned by every full collection while serving (pauses) nor at exit, where
+    # that scan took ~5 s on a loaded machine after the server had stopped (as vLLM does after startup).
+    gc.collect()
+    gc.freeze()
     name = args.served_model_name or args.model
     try:
         sock = server_module.bind_socket(args.host, args.port)
@@ -200,15 +272,20 @@ def run(args: argparse.Namespace) -> int:
         model_name=name,
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
         max_stored_responses=args.max_stored_responses,
     )
     config = uvicorn.Config(
-        app, lifespan="on", log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS
+        app,
+        lifespan="on",
+        log_level=args.log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        http=server_module.guarded_protocol(args.client_timeout),
     )
     core = llm.core
     print(
-        f"mechserve: serving {name!r} on http://{host}:{port} (OpenAI API under /v1; {core.num_pages} KV pages of "
-        f"{core.config.page_size} positions, max_running {args.max_running}, max_waiting {args.max_waiting}"
+        f"mechserve: serving {name!r} on http://{host}:{port} (OpenAI API under /v1; {_memory(core)}, "
+        f"max_running {args.max_running}, max_waiting {args.max_waiting}"
         f"{_speculation(core)}{', API key required' if args.api_key else ''}); Ctrl-C stops",
         file=sys.stderr,
         flush=True,
@@ -217,17 +294,51 @@ def run(args: argparse.Namespace) -> int:
     # flight ends, a stream with an "abort" chunk and [DONE], a plain request with a 503), restores the
     # handlers it found and raises the signal again: to this one, so that SIGTERM, like Ctrl-C, ends here.
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    server = server_module.Server(config)
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            server_module.Server(config).run(sockets=[sock])
+            server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if server.engine_error is not None:
+        # a supervisor (systemd, Kubernetes) restarts a process that exits non-zero
+        print(f"mechserve: error: the engine died ({server.engine_error}); exiting with status 1", file=sys.stderr)
+        return 1
     print("mechserve: server stopped", file=sys.stderr, flush=True)
     return 0
 
 
+def _seconds(text: str) -> float:
+    """An argparse ``type=``: a number of seconds in (0, 86400]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value <= 86_400:
+        raise argparse.ArgumentTypeError(f"must be in (0, 86400] seconds, got {text}")
+    return value
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
+
+
+def _memory(core: Any) -> str:
+    """issue 30: what the engine holds, for the startup line: ``weights 92.3 MiB (q4_1 64.0 MiB, ...), KV pool
+    180.0 MiB: 720 pages of 16 positions (auto)`` (weights held by rank processes are not counted here)."""
+    from mechserve.api.config import format_bytes
+    from mechserve.model.memory import formats
+
+    by_format = formats(core.model) if core.world_size == 1 else {}
+    if by_format:
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(by_format.items(), key=lambda kv: -kv[1]))
+        weights = f"weights {format_bytes(sum(by_format.values()))} ({parts})"
+    else:
+        weights = f"weights on {core.world_size} ranks"
+    return (
+        f"{weights}, KV pool {format_bytes(core.kv_bytes)}: {core.num_pages} pages of {core.config.page_size} "
+        f"positions ({core.sized_by})"
+    )
 
 
 def _speculation(core: Any) -> str:
@@ -235,7 +346,8 @@ def _speculation(core: Any) -> str:
     spec = core.speculative
     if spec is None:
         return ""
-    how = f"draft model {spec.draft_model}" if spec.method == "draft" else "prompt lookup"
+    method = proposer_method(spec.method)
+    how = f"{method.summary} {spec.draft_model}" if method.needs_model else method.summary
     fixed = "" if spec.adaptive else ", fixed"
     return f", speculative decoding: {how}, up to {spec.num_speculative_tokens} guesses{fixed}"
 
@@ -252,34 +364,16 @@ def _imports() -> tuple[Any, Any]:
     return uvicorn, server_module
 
 
-def _engine(args: argparse.Namespace) -> Any:
-    """The ``AsyncLLM`` the flags describe (model loaded, KV cache allocated, engine thread not started)."""
+def _engine(args: argparse.Namespace, on_step: Any = None) -> Any:
+    """The ``AsyncLLM`` the flags describe (model loaded, KV cache allocated, engine thread not started);
+    ``on_step`` sees every step on the engine thread (the KV event publisher)."""
     from mechserve.api.errors import KVMemoryError, ModelLoadError, NativeKernelError
     from mechserve.entrypoints.async_llm import AsyncLLM
 
     resolve(args)
     try:
         llm = AsyncLLM(
-            args.model,
-            dtype=args.dtype or "float32",
-            quantization=args.quantization,
-            max_step_tokens=args.max_step_tokens,
-            page_size=args.page_size,
-            num_pages=args.num_pages,
-            kv_memory=args.kv_memory,
-            prefix_caching=args.prefix_caching,
-            hold_shared_prefix=not args.no_hold_shared_prefix,
-            output_caching=not args.no_output_caching,
-            speculative_config=speculative_config(args),
-            max_running=args.max_running,
-            max_waiting=args.max_waiting,
-            max_model_len=args.max_model_len,
-            seed=args.seed,
-            model_name=args.served_model_name or args.model,
-            world_size=args.world_size,
-            device=args.device or "cpu",
-            compile=bool(args.compile),
-            allow_additional_properties=args.allow_additional_properties,
+            args.model, config=engine_config(args), model_name=args.served_model_name or args.model, on_step=on_step
         )
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
@@ -288,4 +382,6 @@ def _engine(args: argparse.Namespace) -> Any:
     except (ValueError, NativeKernelError) as exc:
         raise CliError(str(exc)) from None
     apply_chat_template_flag(llm.core.tokenizer, args.chat_template)
+    if args.allow_special_tokens_in_content:
+        llm.prompt_policy = dataclasses.replace(llm.prompt_policy, special_tokens_in_content=True)
     return llm

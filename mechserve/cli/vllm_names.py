@@ -27,6 +27,7 @@ from typing import Any
 from mechserve.cli.errors import CliError
 
 _SUFFIX = "_vllm"
+MAX_TEMPLATE_BYTES = 1 << 20  # a --chat-template file (real ones are a few KiB; /dev/zero never ends)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +105,16 @@ def _register(parser: argparse.ArgumentParser, alias: Alias) -> None:
 
 def chat_template(text: str) -> str:
     """An argparse ``type=`` for ``--chat-template``: the Jinja text of a file, or the value itself when it is
-    an inline template (it has ``{{`` or ``{%``); ``ArgumentTypeError`` for a path that names no file."""
+    an inline template (it has ``{{`` or ``{%``); ``ArgumentTypeError`` for a path that names no file, or a
+    file over ``MAX_TEMPLATE_BYTES`` (read no further: ``/dev/zero`` ends there)."""
     path = Path(text)
     if "{{" not in text and "{%" not in text:
         try:
-            return path.read_text(encoding="utf-8")
+            with open(path, "rb") as f:
+                data = f.read(MAX_TEMPLATE_BYTES + 1)
+            if len(data) > MAX_TEMPLATE_BYTES:
+                raise ValueError(f"it is over {MAX_TEMPLATE_BYTES >> 20} MiB, the most a chat template may be")
+            return data.decode("utf-8")
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise argparse.ArgumentTypeError(

@@ -17,7 +17,8 @@ with exactly the reference ids and finish reason::
                              so the answer's published blocks are reused (and the pool re-sized to fit)
     spec_len 0 / 3           no speculation / up to 3 guesses per decode window (rollback)
     world size 1 / 2         one rank / two ranks (each its own executor over shared weights; they must agree)
-    reversed order           the request list reversed (priority, anchor and victims change)
+    reversed order           the request list reversed (priority among requests arriving together, and
+                             with it anchor and victims, change: m12+ serve first come, first served, D9)
     staggered / together     request i arrives at step i / everyone at step 0
     one at a time            max_running 1: each request alone in the engine (the batch mix changes)
 """

@@ -3,7 +3,8 @@
 For every rung ``m01`` … ``m13`` and a workload drawn by ``strategies.mechanism_idle(rung)`` (the knobs
 under which that rung's mechanism changes nothing: a covering budget for m02/m04, an ample pool for
 m03/m05, no shared first blocks and an ample pool for m08, ``spec_len`` 0 for m09, requests that all
-pass the door for m12, output caching off for m13, nothing at all for the purely structural rungs),
+pass the door and arrive in list order for m12 (whose first-come-first-served order, D9, is then m11's
+list order), output caching off for m13, nothing at all for the purely structural rungs),
 the rung and the rung below
 run the same workload with their built-in scripted executors.  They must agree on every field the
 lower rung has, and end the same way (the same error type at the same step, or none).  Where the

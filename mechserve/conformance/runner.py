@@ -7,9 +7,10 @@ This is the "real run" every check starts from::
                  engine.executor (the rank group) is wrapped by a Recorder: (step, plan, joined outcomes)
     after each step: on_step(run, record); finished/aborted ids are released on every executor
 
-A rank executor that has ``add_request(request_id, prompt_ids)`` is told every accepted request's
-prompt before the run (so a drafter sees prompts it never computed after a prefix-cache hit), and one
-with ``release(request_id)`` is told when a request has finished or was aborted.  Standard library only.
+A rank executor that has ``add_request(request)`` is told every accepted request's record before the
+run (an ``ExecutorRequest`` with its prompt and greedy params, so a drafter sees prompts it never
+computed after a prefix-cache hit), and one with ``release(request_id)`` is told when a request has
+finished or was aborted.  Standard library only.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from mechserve.conformance.errors import ConformanceError
 from mechserve.conformance.strategies import engine_of, prompt_len
+from mechserve.executor.request import ExecutorRequest
 from mechserve.spec import m14_forced_runs as m14
 from mechserve.workload import ENGINE_KEYS
 
@@ -142,7 +144,7 @@ def run_workload(
             for ex in executors:
                 add = getattr(ex, "add_request", None)
                 if add is not None:
-                    add(r.request_id, list(r.tokens))
+                    add(ExecutorRequest(r.request_id, tuple(r.tokens)))
     recorder = Recorder(engine.executor, engine)
     engine.executor = recorder
     run = RealRun(dict(workload), engine, executors, ranks, exchanges=recorder.exchanges)

@@ -19,13 +19,18 @@ test ask for the situation it needs:
 * ``prompts``: ``"length"`` (``prompt_len`` only, so the synthetic prompts of 4.2 never share a
   block), ``"shared"`` (explicit ``tokens`` drawn from a few shared stems over a tiny alphabet, so
   prefix reuse, eviction and D2 adoption happen), ``"mixed"`` (either, per request);
-* ``spec_len`` (a range), ``scripts`` (``True``: accept scripts, on about half the requests, with
-  entries from -2 to ``spec_len + 2``, i.e. negatives and values above the draft; ``"rollback"``: a
-  script on every request with entries from -1 to ``spec_len - 1``, so nearly every decode window
+* ``spec_len`` (a range), ``scripts`` (none when ``spec_len`` is 0, which the loader refuses with a script
+  from m09 on, issue 31; ``True``: accept scripts, on about half the requests, with
+  entries from -2 to ``spec_len + 2``, i.e. negatives and values above the draft; ``"rollback"``: ``spec_len``
+  at least 1 and a script on every request with entries from -1 to ``spec_len - 1``, so nearly every decode window
   that drafts rolls guesses back, and with pages no larger than the window, back across a page
   boundary, freeing tail pages; a request drafts only with ``max_new_tokens >= 3``, which ``min_new``
   can ask for), ``eos``, ``world_size`` (a range), ``negatives`` (negative
   ``arrival_step``/``eos_after``: legal for the engines, rejected by the CLI loader, D4);
+* ``arrivals``: ``"any"`` (each request's ``arrival_step`` drawn on its own, so a request may arrive
+  before one listed ahead of it) or ``"list_order"`` (the same values, sorted along the list by the
+  step they arrive at, a negative one counting as 0: no request arrives before one listed ahead of
+  it, so m12's first-come-first-served order, D9, is list order, the order of every rung below);
 * ``admission`` (m12 only): the engine section may carry ``max_waiting``, ``max_running`` and
   ``max_model_len``, and requests may ask for 0 tokens, have an empty prompt (``"tokens": []``) or
   carry ``stop_token_ids`` (mostly ids the scripted model will sample), so the door rejects for
@@ -37,7 +42,8 @@ test ask for the situation it needs:
   (the default) leaves it out, so that m13 runs as m12.
 
 ``mechanism_idle(rung)`` presets the knobs under which a rung's mechanism changes nothing relative to
-the rung below, for ladder-consistency checks.  ``build(rung_module, workload)`` turns a workload into
+the rung below, for ladder-consistency checks (for m12, arrivals in list order as well as a door that
+refuses nothing: D9 reorders the others).  ``build(rung_module, workload)`` turns a workload into
 that rung's ``Engine``, passing only what the rung takes (through the CLI's own loader,
 ``mechserve.workload``, unless told not to validate): m12's admission settings and stop ids reach
 m12 and later only, m13's output-caching switch m13 and later, m14's forced scripts m14 only.
@@ -214,6 +220,7 @@ def workloads(
     negatives: bool = False,
     admission: bool = False,
     output_caching: bool | str = False,
+    arrivals: str = "any",
 ) -> dict[str, Any]:
     """A random workload in the 4.2 JSON shape; see the module docstring for the knobs.
 
@@ -232,10 +239,19 @@ def workloads(
         raise ValueError(f"scripts must be True, False or 'rollback', not {scripts!r}")
     if output_caching not in (True, False, "any"):
         raise ValueError(f"output_caching must be True, False or 'any', not {output_caching!r}")
+    if arrivals not in ("any", "list_order"):
+        raise ValueError(f"arrivals must be any or list_order, not {arrivals!r}")
     if admission and budget == "covering":
         raise ValueError("a covering budget is measured on m01, which cannot build an admission workload")
     n = draw(st.integers(min_requests, max_requests))
-    k = draw(st.integers(*spec_len))
+    # A rollback script needs guesses to judge: spec_len at least 1 (issue 31: the loader refuses a script
+    # with spec_len 0 from m09 on).
+    k = draw(
+        st.integers(
+            max(spec_len[0], 1) if scripts == "rollback" else spec_len[0],
+            max(spec_len[1], 1) if scripts == "rollback" else spec_len[1],
+        )
+    )
     low = -2 if negatives else 0
     requests: list[dict[str, Any]] = []
     for i, prompt in enumerate(draw(_prompts(n, prompts, max_prompt))):
@@ -250,7 +266,10 @@ def workloads(
             req["arrival_step"] = draw(st.integers(low, max_arrival))
         if eos and draw(st.integers(0, 2)) == 0:
             req["eos_after"] = draw(st.integers(low, max_new + 1))
-        if scripts == "rollback":
+        # An accept_script needs guesses to judge: with spec_len 0 the loader refuses it from m09 on (issue 31).
+        if k == 0:
+            pass
+        elif scripts == "rollback":
             req["accept_script"] = draw(st.lists(st.integers(-1, max(0, k - 1)), min_size=1, max_size=8))
         elif scripts and draw(st.booleans()):
             req["accept_script"] = draw(st.lists(st.integers(-2, k + 2), max_size=6))
@@ -260,6 +279,14 @@ def workloads(
             stops = st.sampled_from(chain) | st.integers(1, 2**31 - 1)
             req["stop_token_ids"] = draw(st.lists(stops, min_size=1, max_size=2))
         requests.append(req)
+    if arrivals == "list_order":
+        # m12 (D9): FCFS admits by arrival step, a negative one counting as 0; sorted, it is list order.
+        steps = sorted((r.get("arrival_step") for r in requests), key=lambda a: max(0, a or 0))
+        for i, step in enumerate(steps):
+            req = {k: v for k, v in requests[i].items() if k != "arrival_step"}
+            at = list(req).index("max_new_tokens") + 1  # where the key is drawn: after max_new_tokens
+            items = list(req.items())
+            requests[i] = dict(items[:at] + ([("arrival_step", step)] if step is not None else []) + items[at:])
     ps = draw(st.integers(*page_size))
     workload: dict[str, Any] = {"engine": {"page_size": ps, "spec_len": k}, "requests": requests}
     alone = [alone_pages(r, ps) for r in requests]
@@ -311,12 +338,17 @@ IDLE_KNOBS: dict[str, dict[str, Any]] = {
     "m10_executor_boundary": {},
     "m11_parallelism": {},
     # N21: every request passes the door (each fits the pool on its own; no limit, no stop id, no
-    # empty prompt, no zero-token request): m12's trace is m11's plus empty rejected/aborted.
-    "m12_admission_control": {"pool": "fits", "admission": False},
+    # empty prompt, no zero-token request) and none arrives before one listed ahead of it (D9: m12
+    # admits and walks in arrival order, m11 in list order): m12's trace is m11's plus empty
+    # rejected/aborted.
+    "m12_admission_control": {"pool": "fits", "admission": False, "arrivals": "list_order"},
     # N1 of m13: with output caching off, m13 is m12 field for field (the door's workloads included).
     "m13_output_caching": {"output_caching": False},
     # N1 of m14: no request has a forced_script, so no outcome forces an id: m14 is m13, either switch.
     "m14_forced_runs": {"output_caching": "any"},
+    # m15's engine is m14's: its records add KV events, which are no JSON field (N11); the fleet is
+    # checked against m14 fed at arrival by tests/property/test_m15_properties.py (N1).
+    "m15_routing": {"output_caching": "any", "prompts": "mixed"},
 }
 """Per rung, the knobs under which its mechanism is idle, so its trace equals the rung below's."""
 

@@ -203,7 +203,7 @@ def own_dense_kv(model: Model) -> Callable[[Sequence[int]], KV]:
         cache = model.new_cache(1, n)
         a = model.arch
         batch = build_attention_batch(
-            [Span(0, 0, n, [0])], list(range(n)), n, a.num_heads // a.num_kv_heads, model.distinct_windows
+            [Span(0, 0, n, [0])], list(range(n)), n, a.num_heads // a.num_kv_heads, model.distinct_sliding_windows
         )
         positions = torch.arange(n, dtype=torch.int64)
         model.forward(torch.tensor(list(ids), dtype=torch.int64), positions, cache, batch, positions[-1:])
@@ -222,7 +222,7 @@ def own_greedy(model: Model, eos_token_ids: Sequence[int] = ()) -> Callable[[Seq
         for _ in range(n):
             m = len(seq)
             batch = build_attention_batch(
-                [Span(0, 0, m, [0])], list(range(m)), m, a.num_heads // a.num_kv_heads, model.distinct_windows
+                [Span(0, 0, m, [0])], list(range(m)), m, a.num_heads // a.num_kv_heads, model.distinct_sliding_windows
             )
             positions = torch.arange(m, dtype=torch.int64)
             logits = model.forward(
@@ -302,9 +302,10 @@ def tiny_target(seed: int = 0, **executor_kwargs: Any) -> Target:
 
 
 def load_target(model: str = "smollm2", **executor_kwargs: Any) -> Target:
-    """``"tiny"``, ``"smollm2"`` (the embedded model) or a local Hugging Face directory, as a ``Target``.
+    """``"tiny"``, ``"smollm2"`` (the embedded model), a local Hugging Face directory or a GGUF file, as a ``Target``.
 
-    References come from transformers loading the same (converted) checkpoint in float32.  Raises
+    References come from transformers loading the same (converted) checkpoint in float32 (a GGUF file's
+    weights decoded to float32).  Raises
     ``ModelLoadError`` (``mechserve.model.checkpoint``) when the model cannot be loaded.
     """
     if model == TINY:
@@ -315,9 +316,13 @@ def load_target(model: str = "smollm2", **executor_kwargs: Any) -> Target:
     from mechserve.model.loader import load_model
 
     loaded = load_model(model, tokenizer=False)
+    # issue 30: a GGUF file's reference is transformers on its weights decoded to float32 (its GGUF loader)
+    where = {"gguf_file": loaded.path.name} if loaded.path.is_file() else {}
     try:
         with _quiet_transformers():
-            hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
+            hf = AutoModelForCausalLM.from_pretrained(
+                loaded.path.parent if where else loaded.path, dtype=torch.float32, **where
+            ).eval()
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"transformers cannot load {loaded.path} as a reference: {exc}") from None
     return torch_target(

@@ -15,6 +15,7 @@ import torch
 
 from mechserve.api.config import EngineConfig, SpeculativeConfig, format_bytes
 from mechserve.api.errors import KVMemoryError, first_line, is_allocation_failure
+from mechserve.api.proposers import proposer_method
 from mechserve.engine.pool import page_bytes
 from mechserve.executor.protocol import Executor
 from mechserve.executor.sampling import Sampler
@@ -51,9 +52,10 @@ def place_model(model: ModelShape, config: EngineConfig) -> ModelShape:
 
 
 def load_draft(loaded: Any, speculative: SpeculativeConfig | None) -> Model | None:
-    """The draft model ``speculative`` names next to ``loaded``'s model (None unless its method is
-    ``"draft"``).  Raises ``ValueError``/``ModelLoadError`` for a draft that cannot serve it."""
-    if speculative is None or speculative.method != "draft" or speculative.draft_model is None:
+    """The model of its own that ``speculative``'s method proposes with (``speculative.draft_model``), loaded
+    next to ``loaded``'s model; None for a method without one (the registry's ``needs_model``).  Raises
+    ``ValueError``/``ModelLoadError`` for a draft that cannot serve it."""
+    if speculative is None or speculative.draft_model is None or not proposer_method(speculative.method).needs_model:
         return None
     from mechserve.model.draft import load_draft_model
 

@@ -26,8 +26,11 @@ from mechserve.spec.m14_forced_runs import pages_for
 if TYPE_CHECKING:  # torch stays out of this module's imports
     from mechserve.model.protocol import ModelShape
 
-# A long-lived engine's automatic pool holds at most this many positions (or one full context, if larger).
-AUTO_MAX_POSITIONS = 16_384
+# A long-lived engine's automatic pool holds at most this many positions (or one full context, if larger):
+# on a laptop, llama-server's default context (4096) twice over.  SmolLM2-135M: 180 MiB of bfloat16 KV
+# (360 MiB float32); an 8B Llama: 1 GiB of bfloat16 KV (DEFAULT_KV_BYTES caps it there).  issue 30: was
+# 16,384, twice what a 135M model's engine held beside its 92 MiB of Q4_1 weights.
+AUTO_MAX_POSITIONS = 8_192
 MEMINFO = "/proc/meminfo"
 
 
@@ -37,11 +40,6 @@ def page_bytes(model: ModelShape, page_size: int, dtype: Any | None = None) -> i
     a = model.arch
     itemsize = (dtype or model.dtype).itemsize
     return 2 * a.num_layers * page_size * a.num_kv_heads * a.head_dim * itemsize
-
-
-def draft_page_bytes(draft: ModelShape | None, page_size: int, dtype: Any | None = None) -> int:
-    """Bytes a draft model's KV adds to one page (0 without a draft model): its pages mirror the target's."""
-    return 0 if draft is None else page_bytes(draft, page_size, dtype)
 
 
 def available_memory(meminfo: str | None = None) -> int | None:
@@ -154,7 +152,6 @@ __all__ = [
     "available_memory",
     "check_kv_memory",
     "device_memory",
-    "draft_page_bytes",
     "max_pages",
     "model_context",
     "page_bytes",

@@ -6,16 +6,17 @@ for numbers and give orders; they never read its queues, pool or cache::
 
     add(...)                    offer a request to m12's door -> None, or the RejectReason
     abort(id)                   the request leaves now (the next record lists it under ``aborted``)
-    finish(id, kept)            a finish decided outside the step (a stop string): ends the request
-                                with STOP, not as an abort, keeping ``kept`` of this step's ids
-    trim(id, kept)              a request m14 just finished keeps only ``kept`` of this step's ids
-                                (a prompt-logprobs request with max_tokens 0 keeps none)
     drafting()                  the requests about to draft and their caps (m09's rule)
-    step(spec_len) -> Step      one m14 step, and what it means for metrics (prompt tokens admitted,
-                                prefix-cache hits, preemptions that dropped computed state)
-    cut(record)                 this step's record with every stop-string finish applied
+    schedule(spec_len) -> plan  open a step: m14's admission, reuse, drafts, schedule, residency, plan
+    commit(outcomes, stop)      close it with the executor's outcomes -> Step: m14's record (with every
+      -> Step                   stop decided on text applied: m12 N26) and what it means for metrics
     counts() / page_usage()     running and waiting requests, pages free/cached/private: O(1)
     summary() / check()         the end-of-run summary; m14's invariants plus the leak check
+
+A stop decided outside the engine (a stop string, a failed request) is an input of ``commit``,
+``stop(request_id, ids, finish_reason) -> None | keep``, asked once per request that appended ids
+in the step, right after they are appended: the record ``commit`` returns is already the final one,
+so nothing rewrites it afterwards.
 
 ``spec_engine`` is the m14 engine itself, for the two tools whose job is to read the spec's own
 state: the trace pictures (``mechserve.viz``) and the conformance audits.  Nothing writes to it
@@ -24,8 +25,7 @@ from outside this class.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,14 +71,21 @@ class Step:
     preemptions: int
 
 
+# A stop decided on text, asked by ``commit`` for each request that appended ids in the step:
+# (request id, the ids it appended, m14's finish reason if the step ended it) -> None, or the ids it keeps.
+StopHook = Callable[[str, tuple[int, ...], m14.FinishReason | None], int | None]
+
+
 class Scheduler:
     """The m14 engine for one ``EngineCore``: ``num_pages`` pages of ``config.page_size``.
 
-    ``executors`` are the rank executors m14 joins (one per rank); ``eos_token_ids`` end a request
-    (unless it ignores EOS); ``max_model_len`` bounds prompt + output.  With ``keep_finished``,
-    requests that left stay in ``summary()`` (a finite run printing its summary at the end);
-    without it a request is dropped once its leaving has been reported, so a long-lived engine's
-    memory follows its live requests.  Raises ``ValueError`` for sizes m14 refuses.
+    ``executors`` are the rank executors m14's own group joins when the spec engine steps itself
+    (one per rank; the runtime runs each plan through ``Executor.execute`` instead, which joins the
+    same ranks the same way); ``eos_token_ids`` end a request (unless it ignores EOS);
+    ``max_model_len`` bounds prompt + output.  With ``keep_finished``, requests that left stay in
+    ``summary()`` (a finite run printing its summary at the end); without it a request is dropped
+    once its leaving has been reported, so a long-lived engine's memory follows its live requests.
+    Raises ``ValueError`` for sizes m14 refuses.
     """
 
     def __init__(
@@ -110,12 +117,8 @@ class Scheduler:
             max_running=config.max_running,
             max_model_len=max_model_len,
         )
-        self._stopped: dict[str, int] = {}  # stopped by a string, not yet out of a record's `aborted`: kept ids
-        self._cuts: dict[str, int] = {}  # this step's stop-string finishes: ids kept of what the step appended
-        self._trims: dict[str, int] = {}  # this step's trims of a finished request's ids (finish reason kept)
-        self._trimmed: set[str] = set()  # trimmed requests, for the summary (their kept length is in _outputs)
-        self._outputs: dict[str, int] = {}  # a stopped request's kept output length, for the summary
-        self._arriving: dict[str, tuple[int, int]] = {}  # accepted, not yet admitted: (prompt length, max_new)
+        self._requests: dict[str, m14.Request] = {}  # accepted and not yet dropped, by id
+        self._computed_before: dict[str, int] = {}  # the open step's running requests' computed tokens
 
     @property
     def spec_engine(self) -> m14.Engine:
@@ -151,34 +154,12 @@ class Scheduler:
         )
         reason = self._engine.add_request(request)
         if reason is None:
-            self._arriving[request_id] = (len(request.tokens), max_new_tokens)
+            self._requests[request_id] = request
         return reason
 
     def abort(self, request_id: str) -> bool:
         """Take a waiting or running request out now (its private pages return); False if not live."""
-        self._arriving.pop(request_id, None)
         return self._engine.abort(request_id)
-
-    def finish(self, request_id: str, kept: int, generated: int) -> None:
-        """End ``request_id`` with STOP after the step that just ran: a stop string matched in its text.
-
-        ``kept``: how many of the ids this step appended to it stay (the rest are cut, and the
-        record from ``cut`` says so); ``generated``: its output length after the cut.  The spec
-        has one way to take a live request out between steps, ``abort``, which is used here; the
-        record and the summary report a finish with status STOP instead of an abort.
-        """
-        if request_id in self._engine.live:
-            self._engine.abort(request_id)
-            self._stopped[request_id] = kept
-        self._cuts[request_id] = kept
-        self._outputs[request_id] = generated
-
-    def trim(self, request_id: str, kept: int) -> None:
-        """Keep only ``kept`` of the ids this step appended to ``request_id``, which m14 finished in it
-        (its finish reason stays); the record from ``cut`` and the summary say so."""
-        self._trims[request_id] = kept
-        self._outputs[request_id] = kept
-        self._trimmed.add(request_id)
 
     def drafting(self, max_k: int) -> list[tuple[str, int]]:
         """``(request_id, cap)`` for each request about to draft in the next step (m09: caught up except
@@ -189,63 +170,52 @@ class Scheduler:
             if r.generated >= 1 and r.computed == r.target - 1
         ]
 
-    # One step -----------------------------------------------------------------------------------------------------
+    # One step: schedule, (the executor runs the plan), commit ----------------------------------------------------
 
-    def step(self, spec_len: int | None = None) -> Step:
-        """Run one m14 step (with ``spec_len`` guesses per decode window, if given); engine errors propagate."""
+    def schedule(self, spec_len: int | None = None) -> tuple[m14.PlanItem, ...]:
+        """Open a step with ``spec_len`` guesses per decode window (if given); return its plan (m10 N21).
+
+        Requests whose end was already reported are dropped first (unless ``keep_finished``).
+        ``m14.OutOfPages`` propagates."""
         engine = self._engine
         if not self.keep_finished:
             for gone in engine.drop_finished():
-                self._outputs.pop(gone.request_id, None)
-                self._trimmed.discard(gone.request_id)
+                if self._requests.get(gone.request_id) is gone:
+                    del self._requests[gone.request_id]
         if spec_len is not None:
             engine.spec_len = spec_len
-        computed_before = {r.request_id: r.computed for r in engine.running if r.computed}
-        record = engine.step()
-        if self._stopped:  # finished by a stop string between steps: a finish, not an abort
-            record = dataclasses.replace(
-                record, aborted=tuple(rid for rid in record.aborted if self._stopped.pop(rid, None) is None)
-            )
+        self._computed_before = {r.request_id: r.computed for r in engine.running if r.computed}
+        return engine.schedule()
+
+    def commit(self, outcomes: Sequence[m14.Outcome], stop: StopHook | None = None) -> Step:
+        """Close the open step with one outcome per plan item (m14's ``commit``); return its record and
+        its metrics facts.
+
+        ``stop(request_id, ids, finish_reason)`` is asked for each request that appended ``ids`` in
+        this step, right after they were appended, with the finish reason m14 gave it in this step
+        (None while it runs on): None changes nothing; ``k`` keeps the first ``k`` ids and ends the
+        request with STOP (m12 N26: the ids after them are cut from its output and the record, a decode
+        window's ``accepted`` counts only the guesses kept, a running request's private pages return).
+        Raises what m14's ``commit`` raises (``BoundaryViolation``, ``RuntimeError`` without an open step).
+        """
+        requests = self._requests
+
+        def check(request_id: str, ids: tuple[int, ...]) -> int | None:
+            assert stop is not None
+            return stop(request_id, ids, requests[request_id].finish_reason)
+
+        record = self._engine.commit(outcomes, None if stop is None else check)
         prompt_tokens = {}
         for rid in record.admitted:
-            prompt_len, max_new = self._arriving.pop(rid, (0, 0))
-            if max_new > 0:
-                prompt_tokens[rid] = prompt_len
+            r = requests.get(rid)
+            if r is not None and r.max_new_tokens > 0:
+                prompt_tokens[rid] = r.prompt_len
+        computed_before, self._computed_before = self._computed_before, {}
         return Step(
             record,
             prompt_tokens,
             prefix_hits=sum(record.reused.get(rid, 0) for rid in prompt_tokens),
             preemptions=sum(1 for rid in record.preempted if computed_before.get(rid, 0) > 0),
-        )
-
-    def cut(self, record: m14.StepRecord) -> m14.StepRecord:
-        """``record`` with this step's stop-string finishes applied: each such request's ``tokens`` cut to
-        what it kept, its decode window's ``accepted``/``rolled_back`` counted on the kept ids, and
-        ``finished`` STOP."""
-        if not self._cuts and not self._trims:
-            return record
-        cuts, self._cuts = self._cuts, {}
-        trims, self._trims = self._trims, {}
-        tokens = dict(record.tokens)
-        accepted = dict(record.accepted)
-        rolled_back = dict(record.rolled_back)
-        finished = dict(record.finished)
-        for rid, kept in [*cuts.items(), *trims.items()]:
-            if rid in tokens and kept:
-                tokens[rid] = tokens[rid][:kept]
-            else:
-                tokens.pop(rid, None)  # a request appears in ``tokens`` only with ids
-            if rid in accepted:
-                accepted[rid] = min(accepted[rid], max(kept - 1, 0))
-                rolled_back[rid] = record.drafted[rid] - accepted[rid]
-            if rid in cuts:
-                finished[rid] = m14.FinishReason.STOP
-        return dataclasses.replace(
-            record,
-            tokens=_frozen(tokens),
-            accepted=_frozen(accepted),
-            rolled_back=_frozen(rolled_back),
-            finished=_frozen(finished),
         )
 
     # Reading ------------------------------------------------------------------------------------------------------
@@ -268,16 +238,9 @@ class Scheduler:
         return bool(self._engine.live)
 
     def summary(self) -> list[dict[str, Any]]:
-        """m14's summary, with a stop-string finish reported as ``FINISHED``/``STOP`` (and its kept output
-        length as ``generated``) instead of ``ABORTED``."""
-        entries = self._engine.summary()
-        for entry in entries:
-            rid = entry["request_id"]
-            if rid in self._trimmed:
-                entry.update(generated=self._outputs[rid])
-            elif rid in self._outputs and entry["state"] in ("ABORTED", "FINISHED"):
-                entry.update(state="FINISHED", finish_reason="STOP", generated=self._outputs[rid])
-        return entries
+        """m14's summary (``request_id``, ``state``, ``generated``, ``computed``, ``finish_reason``); a stop
+        decided on text is a FINISHED request with finish reason STOP and the output it kept."""
+        return self._engine.summary()
 
     def check(self) -> None:
         """Raise ``AssertionError`` unless m14's invariants hold and, with no live request, every page is
@@ -288,10 +251,4 @@ class Scheduler:
             assert usage.private == 0, f"pages leaked: {usage}"
 
 
-def _frozen(d: dict[str, Any]) -> Mapping[str, Any]:
-    from types import MappingProxyType
-
-    return MappingProxyType(d)
-
-
-__all__ = ["PageUsage", "Scheduler", "Step"]
+__all__ = ["PageUsage", "Scheduler", "Step", "StopHook"]

@@ -17,6 +17,13 @@ that gave it text or tokens, the last one carrying its ``RequestOutput``.
 ``abort`` (or leaving a ``stream`` early) takes it out of the engine before
 the next step: its private pages return, its cached prompt pages stay cached,
 the step record lists it under ``aborted``.
+
+Request input never runs on the engine thread nor on the event loop: prompts are checked against
+``prompt_policy`` (its ``max_prompt_chars`` before any tokenization), rendered and tokenized in a
+worker thread (a request's own chat template, where the policy allows it, in a ``TemplateSandbox``
+child process), and grammars are compiled in a worker thread too; the engine thread only admits
+ids.  ``error`` tells a dead engine: a failed step it could not recover from, or a rank that died
+(``EngineDeadError`` for every request after).
 """
 
 from __future__ import annotations
@@ -33,13 +40,15 @@ from typing import Any, TypeVar
 
 from mechserve.api.config import EngineConfig
 from mechserve.api.errors import EngineDeadError, EngineStepError, RequestRejected
+from mechserve.api.limits import MIN_PROMPT_CHARS
 from mechserve.api.outputs import RequestOutput, SampleDelta, StepOutput
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore, EngineStats
 from mechserve.entrypoints.events import Admission, StreamEvent
 from mechserve.entrypoints.llm import engine_config
 from mechserve.entrypoints.metrics import ServingMetrics
-from mechserve.entrypoints.prompts import Chat, PromptInput, tokenize
+from mechserve.entrypoints.prompts import Chat, PromptInput, PromptPolicy, parse_prompt, tokenize
+from mechserve.entrypoints.sandbox import TemplateSandbox
 from mechserve.entrypoints.stepper import AddCommand, Stepper
 from mechserve.model.checkpoint import EMBEDDED
 from mechserve.model.loader import LoadedModel
@@ -53,6 +62,7 @@ __all__ = [
     "RequestStream",
     "StreamEvent",
     "merge_events",
+    "prompt_char_limit",
 ]
 
 T = TypeVar("T")
@@ -63,7 +73,8 @@ class RequestStream:
 
     ``prompt``, ``prompt_token_ids`` and ``params`` (with ``max_tokens``
     as fitted) are set on acceptance; ``output`` once the last event has
-    been read.  Iterating raises ``EngineStepError`` / ``EngineDeadError`` if
+    been read.  Iterating raises ``RequestFailed`` if the request failed alone
+    inside a step (its grammar), ``EngineStepError`` / ``EngineDeadError`` if
     the engine failed or shut down under the request.
     """
 
@@ -170,6 +181,16 @@ def _join(a: SampleDelta, b: SampleDelta) -> SampleDelta:
     )
 
 
+def prompt_char_limit(tokenizer: Any, max_model_len: int | None) -> int | None:
+    """The most characters a prompt can have and still fit ``max_model_len`` tokens: the longest vocabulary
+    entry (for byte-level and SentencePiece vocabularies, at least as many characters as its text) times
+    ``max_model_len``, and at least ``MIN_PROMPT_CHARS``; None without a tokenizer or a context length."""
+    if tokenizer is None or not max_model_len or not hasattr(tokenizer, "get_vocab"):
+        return None
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return max(longest * max_model_len, MIN_PROMPT_CHARS)
+
+
 class AsyncLLM:
     """A model served by the m13 engine to requests that arrive while it runs; an async context manager.
 
@@ -179,7 +200,10 @@ class AsyncLLM:
     ``max_running`` requests run at once (the rest wait) and at most ``max_waiting`` wait, beyond
     which a request is refused ``OVERLOADED`` (None lifts a limit).  ``trace=True`` keeps every
     step record in ``trace``; ``on_step`` sees every ``StepOutput`` on the engine thread.
-    ``model_name`` names the model in metrics and in the server.
+    ``model_name`` names the model in metrics and in the server.  ``prompt_policy`` (a ``PromptPolicy``)
+    says how far prompts are trusted; by default a conversation's own template is rendered in process
+    (the caller is trusted: ``build_app`` makes the server refuse them) and text over
+    ``prompt_char_limit`` (its longest token times ``max_model_len`` characters) is refused.
 
     The model is loaded and the KV cache allocated here; the engine thread starts with
     ``start()`` or ``async with`` and stops with ``shutdown()`` (or leaving the block), which
@@ -194,6 +218,7 @@ class AsyncLLM:
         on_step: Callable[[StepOutput], None] | None = None,
         model_name: str | None = None,
         config: EngineConfig | None = None,
+        prompt_policy: PromptPolicy | None = None,
         **engine_args: Any,
     ) -> None:
         self.core = EngineCore.open(model, engine_config(config, engine_args))
@@ -201,6 +226,9 @@ class AsyncLLM:
         self.model_name = model_name or loaded_name
         self.metrics = ServingMetrics(self.model_name, self.core.max_model_len)
         self._stepper = Stepper(self.core, self.metrics, on_step=on_step, keep_trace=trace)
+        limit = prompt_char_limit(self.core.tokenizer, self.core.max_model_len)
+        self.prompt_policy = prompt_policy or PromptPolicy(max_prompt_chars=limit)
+        self._sandbox: TemplateSandbox | None = None
 
     # Lifecycle ----------------------------------------------------------------------------------------------------
 
@@ -212,11 +240,17 @@ class AsyncLLM:
         """Refuse new requests (``EngineDeadError``) and abort every live one, then stop the engine thread;
         returns once the aborts' last events (finish reason ``"abort"``) are on their way to their streams.
         A server calls it when it begins to shut down, so that every response in flight can still end
-        properly; ``shutdown`` then only releases what is left."""
+        properly; ``shutdown`` then only releases what is left.  A request template being rendered in the
+        sandbox is stopped too (its request is refused at once)."""
+        if self._sandbox is not None:
+            self._sandbox.close()
         await asyncio.to_thread(self._stepper.stop)
 
     async def shutdown(self) -> None:
-        """Abort every live request and stop the engine thread (joined off the event loop)."""
+        """Abort every live request and stop the engine thread (joined off the event loop); end the template
+        sandbox."""
+        if self._sandbox is not None:
+            self._sandbox.close()
         await self.drain()
         self.core.close()
 
@@ -276,14 +310,19 @@ class AsyncLLM:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if not self.running:
+            raise self._stepper.refusal()
         if params.structured_outputs is not None:
             # Compile (or find cached) here, in a worker thread, so that the engine thread's add_request
             # only hits the cache: a new schema never stalls the step loop (ParamError: a 400).
-            await asyncio.to_thread(self.core.compile_grammar, params.structured_outputs)
+            await self.compile_grammar(params)
+        # Render and tokenize here too: the engine thread only admits ids.
+        text, ids = await asyncio.to_thread(self.encode, prompt)
         request_id = f"req-{uuid.uuid4().hex}" if request_id is None else str(request_id)
         stream = RequestStream(request_id, self._stepper)
+        encoded = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
         command = AddCommand(
-            request_id, prompt, params, stream._put, asyncio.get_running_loop(), fit_max_tokens=fit_max_tokens
+            request_id, encoded, params, stream._put, asyncio.get_running_loop(), fit_max_tokens=fit_max_tokens
         )
         future = self._stepper.add(command)
         try:
@@ -332,18 +371,44 @@ class AsyncLLM:
         """
         return asyncio.wrap_future(self._stepper.abort(request_id))
 
+    # Request input, off the engine thread and the event loop ------------------------------------------------------
+
+    def encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """``(text or None, ids)`` of one prompt under ``prompt_policy`` (``parse_prompt``); blocking, for a
+        worker thread (``add_request`` runs it in one).  Raises what ``parse_prompt`` raises."""
+        return parse_prompt(prompt, self.core.tokenizer, self.prompt_policy, self._template_sandbox())
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile ``params.structured_outputs`` in a worker thread (cached: the engine's admission then finds
+        it); ``ParamError("structured_outputs")`` when it cannot be compiled or served."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.core.compile_grammar, params.structured_outputs)
+
+    def _template_sandbox(self) -> TemplateSandbox | None:
+        if self.prompt_policy.request_templates != "sandbox":
+            return None
+        if self._sandbox is None:
+            limit = self.prompt_policy.max_prompt_chars
+            self._sandbox = TemplateSandbox(max_chars=limit) if limit is not None else TemplateSandbox()
+        return self._sandbox
+
     # The tokenizer ------------------------------------------------------------------------------------------------
 
     async def tokenize(self, prompt: str | Chat, *, add_special_tokens: bool | None = None) -> list[int]:
         """The ids the engine would run for ``prompt`` (text, or a ``Chat`` through the chat template);
-        ``add_special_tokens`` as ``mechserve.entrypoints.prompts.tokenize``.  Runs on the engine thread,
-        which owns the tokenizer.  Raises ``ValueError`` for a prompt that cannot be encoded."""
-        return await self.run_in_engine(lambda core: tokenize(core.tokenizer, prompt, add_special_tokens))
+        ``add_special_tokens`` as ``mechserve.entrypoints.prompts.tokenize``, under ``prompt_policy``.  Runs in
+        a worker thread.  Raises ``ValueError`` for a prompt that cannot be encoded (``ParamError`` naming
+        the field for one too long or a refused chat template)."""
+        sandbox = self._template_sandbox()
+        return await asyncio.to_thread(
+            tokenize, self.core.tokenizer, prompt, add_special_tokens, self.prompt_policy, sandbox
+        )
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids`` (special tokens kept); ``ValueError`` for an id outside the vocabulary."""
+        core = self.core
 
-        def decode(core: EngineCore) -> str:
+        def decode() -> str:
             ids = list(token_ids)
             bad = next(
                 (t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < core.vocab_size), None
@@ -354,13 +419,12 @@ class AsyncLLM:
                 raise ValueError("detokenizing needs a tokenizer; this model was loaded without one")
             return str(core.tokenizer.decode(ids))
 
-        return await self.run_in_engine(decode)
+        return await asyncio.to_thread(decode)
 
     async def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """The tokenizer's string for each id (``convert_ids_to_tokens``: byte-level pieces, not decoded text)."""
-        return await self.run_in_engine(
-            lambda core: [str(t) for t in core.tokenizer.convert_ids_to_tokens(list(token_ids))]
-        )
+        tokenizer = self.core.tokenizer
+        return await asyncio.to_thread(lambda: [str(t) for t in tokenizer.convert_ids_to_tokens(list(token_ids))])
 
     # The engine, between steps ------------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mechserve.api.config import EngineConfig, SpeculativeConfig
-from mechserve.api.errors import KVMemoryError, RequestRejected
+from mechserve.api.errors import KVMemoryError, RequestFailed, RequestRejected
 from mechserve.api.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
@@ -47,18 +47,20 @@ __all__ = [
 
 
 class RequestsRejected(ValueError):
-    """Some prompts of one ``generate``/``chat`` call were rejected at submission; the others completed.
+    """Some prompts of one ``generate``/``chat`` call were rejected at submission, or failed alone inside a
+    step (``RequestFailed``: their grammar); the others completed.
 
-    ``errors`` maps each rejected prompt's index to its ``ValueError`` (a
-    ``RequestRejected`` when m12's door refused it); ``outputs`` is the call's
-    result in input order, None at the rejected indices.
+    ``errors`` maps each such prompt's index to its ``ValueError`` (a ``RequestRejected`` when m12's door
+    refused it); ``outputs`` is the call's result in input order, None at those indices.
     """
 
     def __init__(self, errors: dict[int, ValueError], outputs: list[RequestOutput | None]) -> None:
         lines = "; ".join(f"prompt {i}: {exc}" for i, exc in errors.items())
         ran = len(outputs) - len(errors)
+        failed = sum(isinstance(exc, RequestFailed) for exc in errors.values())
+        how = "rejected at submission" if not failed else f"rejected at submission or failed ({failed} failed)"
         super().__init__(
-            f"{len(errors)} of {len(outputs)} prompt(s) rejected at submission ({lines}); "
+            f"{len(errors)} of {len(outputs)} prompt(s) {how} ({lines}); "
             f"the other {ran} ran to completion (their outputs are in .outputs)"
         )
         self.errors = errors
@@ -69,7 +71,9 @@ class LLM:
     """A model served by the m14 engine on a paged KV cache, for offline batches.
 
     ``model``: ``"smollm2"`` (the embedded SmolLM2-135M-Instruct), a local Hugging Face
-    directory, or an already loaded ``LoadedModel``.  Every other keyword is an engine setting,
+    directory, a GGUF file (``"path/to/model.Q4_K_M.gguf"``: llama, qwen2 or qwen3, its weights run
+    as the file stores them, tokenizer and chat template from its metadata), or an already loaded
+    ``LoadedModel``.  Every other keyword is an engine setting,
     the same for ``LLM`` and ``AsyncLLM`` with the same defaults: a field of ``EngineConfig``
     (``dtype``, ``max_step_tokens``, ``page_size``, ``num_pages`` or ``kv_memory`` (bytes or
     ``"512MiB"``), ``max_model_len``, ``prefix_caching``, ``hold_shared_prefix``,
@@ -139,8 +143,9 @@ class LLM:
 
         A prompt that cannot be served (empty, a token id outside the
         vocabulary, a stop token id outside it, too long for the model, never
-        fitting the KV pool) is rejected when it is submitted; the others run
-        to completion, then ``RequestsRejected`` (a ``ValueError`` that
+        fitting the KV pool) is rejected when it is submitted, and one whose
+        grammar fails inside a step ends alone (``RequestFailed``); the others
+        run to completion, then ``RequestsRejected`` (a ``ValueError`` that
         carries their outputs) is raised.  Raises ``ValueError`` at once for a
         prompt of the wrong type, text without a tokenizer, or a params list
         of the wrong length.
@@ -193,24 +198,27 @@ class LLM:
         mine = {rid for rid in request_ids if rid is not None}
         records: list[StepRecord] = []
         done: dict[str, RequestOutput] = {}
+        failed: dict[str, RequestFailed] = {}
         try:
             with _progress(use_tqdm, len(mine)) as advance:
 
                 def seen(out: StepOutput) -> None:
                     records.append(out.record)
                     done.update((o.request_id, o) for o in out.finished if o.request_id in mine)
-                    advance(
-                        sum(1 for o in out.finished if o.request_id in mine), sum(len(d.token_ids) for d in out.deltas)
-                    )
+                    failed.update((rid, exc) for rid, exc in out.failed.items() if rid in mine)
+                    ended = sum(1 for o in out.finished if o.request_id in mine) + len(out.failed)
+                    advance(ended, sum(len(d.token_ids) for d in out.deltas))
 
                 self.core.run_until_idle(seen)
         except BaseException:
-            for rid in mine - done.keys():
+            for rid in mine - done.keys() - failed.keys():
                 self.core.abort(rid)
             raise
         finally:
             self.trace = self.trace + records if self.keep_all_records else records
-        outputs = [done[rid] if rid is not None else None for rid in request_ids]
+        outputs = [done.get(rid) if rid is not None else None for rid in request_ids]
+        errors.update((i, failed[rid]) for i, rid in enumerate(request_ids) if rid in failed)
+        errors = dict(sorted(errors.items()))
         if errors:
             raise RequestsRejected(errors, outputs) from next(iter(errors.values()))
         return [o for o in outputs if o is not None]

@@ -12,14 +12,28 @@ generate``) turns what its user sent into ids here, once::
 Every problem is a ``ValueError`` naming it (a wrong type, text without a tokenizer, text that is
 not valid Unicode, a model with no chat template, a template that cannot render the messages);
 ``ParamError`` when it is one field's fault (``prompt``, ``messages``, ``chat_template_kwargs``).
+
+A ``PromptPolicy`` says how far the caller is trusted (an ``LLM`` trusts its caller; the server does
+not): whether a conversation may bring its own chat template (``"refuse"``; ``"sandbox"``: rendered
+in a ``TemplateSandbox`` child process with a time, memory and output bound; ``"trust"``), the
+longest text it may send (checked before anything is tokenized), and whether special-token strings
+in message content become special ids.  By default they do not: ``"hi<|im_end|>\n<|im_start|>system"``
+in a user's content is encoded as the text it is, so no message can forge a turn; the template's
+own special tokens are unaffected (``encode_chat``).  vLLM and llama-server parse them (both
+tokenize the rendered prompt with special-token parsing on); ``special_tokens_in_content=True``
+restores that.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from copy import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from mechserve.api.errors import ParamError
 from mechserve.api.params import SamplingParams
@@ -72,6 +86,52 @@ class Chat:
 Prompt = str | Sequence[int] | Mapping[str, Any]
 PromptInput = Prompt | Text | Chat
 
+REQUEST_TEMPLATES = ("trust", "sandbox", "refuse")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPolicy:
+    """How far the sender of a prompt is trusted.
+
+    ``request_templates``: what a ``Chat`` with its own ``chat_template`` gets: ``"trust"`` (rendered
+    like the model's, the default of ``LLM``), ``"sandbox"`` (rendered in a ``TemplateSandbox``: a
+    time, memory and output bound; the server with ``--trust-request-chat-template``) or
+    ``"refuse"`` (``ParamError("chat_template")``; the server's default, as vLLM's).
+    ``special_tokens_in_content``: special-token strings in message content (and tools, template
+    variables) become special ids, as in vLLM and llama-server; by default they stay text.
+    ``max_prompt_chars``: the longest prompt text, or rendered conversation, in characters; a longer
+    one is a ``ParamError`` before any tokenization (None: no limit).  ``ValueError`` for a bad value.
+    """
+
+    request_templates: str = "trust"
+    special_tokens_in_content: bool = False
+    max_prompt_chars: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.request_templates not in REQUEST_TEMPLATES:
+            raise ValueError(f"request_templates must be one of {REQUEST_TEMPLATES}, got {self.request_templates!r}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1 or None, got {self.max_prompt_chars}")
+
+
+TRUSTED = PromptPolicy()
+TRUST_FLAG = "--trust-request-chat-template"
+
+
+class Renderer(Protocol):
+    """Renders a chat template outside the process (``mechserve.entrypoints.sandbox.TemplateSandbox``)."""
+
+    def render(
+        self,
+        conversation: Sequence[Mapping[str, Any]],
+        template: str,
+        variables: Mapping[str, Any],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+    ) -> str: ...
+
 
 def apply_chat_template(
     tokenizer: Any,
@@ -117,39 +177,215 @@ def apply_chat_template(
     return str(text)
 
 
-def encode_chat(tokenizer: Any, chat: Chat) -> tuple[str, list[int]]:
-    """``(templated text, its ids)``: the template adds the special tokens, so by default the tokenizer adds none."""
+def encode_chat(
+    tokenizer: Any, chat: Chat, policy: PromptPolicy = TRUSTED, sandbox: Renderer | None = None
+) -> tuple[str, list[int]]:
+    """``(templated text, its ids)``: the template adds the special tokens, so by default the tokenizer adds none.
+
+    ``policy`` (``PromptPolicy``) decides whether ``chat.chat_template`` may be used and how (``sandbox``
+    renders it when the policy says ``"sandbox"``), the longest text, and whether special-token
+    strings in the messages become special ids (by default they are encoded as text).  Raises
+    ``ParamError`` naming ``chat_template`` (refused, or its render failed a bound), ``messages``
+    (too long, not renderable) and what ``apply_chat_template`` raises."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer; this model was loaded without one")
     for i, message in enumerate(chat.messages):
         for key, value in message.items() if isinstance(message, Mapping) else ():
             check_unicode(value, f"messages[{i}].{key}", "messages")
-    template = chat.chat_template
+    limit = policy.max_prompt_chars
+    if limit is not None:
+        check_length(_chars(chat.messages) + _chars(chat.tools), limit, "messages", "the messages")
+    own = chat.chat_template
+    if own is not None and policy.request_templates == "refuse":
+        raise ParamError(
+            "chat_template",
+            f"chat_template: this server does not render chat templates sent with a request (the operator can "
+            f"allow it with {TRUST_FLAG}); leave it out to use the model's template",
+        )
+    template = own
     if chat.tools or history_has_tools(chat.messages):
-        own = template if template is not None else getattr(tokenizer, "chat_template", None)
-        template = template_for_tools(own, "tools" if chat.tools else "messages") or template
-    text = apply_chat_template(
-        tokenizer,
-        chat.messages,
-        chat.add_generation_prompt,
-        template,
-        continue_final_message=chat.continue_final_message,
-        template_kwargs=chat.template_kwargs,
-        tools=chat.tools,
+        model_template = template if template is not None else getattr(tokenizer, "chat_template", None)
+        template = template_for_tools(model_template, "tools" if chat.tools else "messages") or template
+    sandboxed = own is not None and template == own and policy.request_templates == "sandbox"
+    if sandboxed and sandbox is None:
+        raise ValueError("a sandboxed chat template needs a TemplateSandbox")
+
+    def render(messages: Sequence[Mapping[str, Any]], tools: Any, kwargs: Mapping[str, Any] | None) -> str:
+        if sandboxed:
+            assert sandbox is not None and template is not None
+            return sandbox.render(
+                messages,
+                template,
+                {**template_variables(tokenizer), **(kwargs or {})},
+                add_generation_prompt=chat.add_generation_prompt,
+                continue_final_message=chat.continue_final_message,
+                tools=tools,
+            )
+        return apply_chat_template(
+            tokenizer,
+            messages,
+            chat.add_generation_prompt,
+            template,
+            continue_final_message=chat.continue_final_message,
+            template_kwargs=kwargs,
+            tools=tools,
+        )
+
+    text = render(chat.messages, chat.tools, chat.template_kwargs)
+    if limit is not None:
+        check_length(len(text), limit, "messages", "the templated conversation")
+    ids = list(tokenizer(text, add_special_tokens=chat.add_special_tokens).input_ids)
+    if not policy.special_tokens_in_content:
+        ids = _content_as_text(tokenizer, text, ids, chat, render)
+    return text, ids
+
+
+def template_variables(tokenizer: Any) -> dict[str, Any]:
+    """What ``apply_chat_template`` gives every template besides the messages: the special tokens' strings."""
+    return {k: v for k, v in dict(getattr(tokenizer, "special_tokens_map", {}) or {}).items() if isinstance(v, str)}
+
+
+def check_length(chars: int, limit: int, param: str, what: str) -> None:
+    """``ParamError(param)`` when ``chars`` is over ``limit``: no longer text can fit the model's context."""
+    if chars > limit:
+        raise ParamError(
+            param,
+            f"{what}: {chars} characters; this server takes at most {limit} (no longer text fits the model's "
+            "context: its longest token times max_model_len)",
+        )
+
+
+def _chars(value: Any) -> int:
+    """How many characters the strings in ``value`` (strings, lists and dicts of them) hold together."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(_chars(k) + _chars(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return sum(_chars(v) for v in value)
+    return 0
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
+
+
+def _masked(value: Any, specials: Sequence[str], fill: str) -> Any:
+    """``value`` with every special-token string in its strings replaced by ``fill`` characters of its length."""
+    if isinstance(value, str):
+        for s in specials:
+            if s in value:
+                value = value.replace(s, fill * len(s))
+        return value
+    if isinstance(value, Mapping):
+        return {k: _masked(v, specials, fill) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_masked(v, specials, fill) for v in value]
+    return value
+
+
+def _content_as_text(
+    tokenizer: Any,
+    text: str,
+    ids: list[int],
+    chat: Chat,
+    render: Callable[[Sequence[Mapping[str, Any]], Any, Mapping[str, Any] | None], str],
+) -> list[int]:
+    """``ids`` with every special token that came from the caller's strings (messages, tools, template
+    variables) replaced by the ids of its text.
+
+    The tokenizer splits the text at special tokens before anything else, so the ids around one are
+    those of the text before and after it either way: swapping the special's id for the ids of its
+    string (encoded with special tokens off) changes nothing else.  Which occurrences are the caller's:
+    the conversation is rendered once more with those strings masked (same length, no special token);
+    the two texts differ exactly there.  When the template changes the masked strings' length (an
+    escaping filter), the two cannot be lined up: ``ParamError("messages")``, never a silent forge.
+    """
+    text_ids = special_text_ids(tokenizer)
+    if not text_ids:
+        return ids
+    specials = sorted({s for s, _ in text_ids.values()}, key=len, reverse=True)
+    data = (chat.messages, chat.tools, chat.template_kwargs)
+    if not any(s in u for u in _strings(data) for s in specials):
+        return ids  # the common case: nothing to tell apart
+    fill = next(c for c in "x#~@" if all(c not in s for s in specials))
+    masked = render(
+        _masked(chat.messages, specials, fill),
+        _masked(chat.tools, specials, fill),
+        _masked(chat.template_kwargs, specials, fill),
     )
-    return text, list(tokenizer(text, add_special_tokens=chat.add_special_tokens).input_ids)
+    found = [s for s in specials if s in text]
+    if len(masked) != len(text):
+        raise ParamError(
+            "messages",
+            f"the messages hold special-token text ({', '.join(found[:3])}) that this chat template changes, so it "
+            "cannot be kept apart from the template's own tokens; remove it",
+        )
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
+    shift = len(ids) - len(offsets)  # a BOS the tokenizer added in front
+    out: list[int] = ids[:shift]
+    for token, (start, end) in zip(ids[shift:], offsets):
+        entry = text_ids.get(token)
+        if entry is not None and end > start and masked[start:end] != text[start:end]:
+            out += entry[1]
+        else:
+            out.append(token)
+    return out
 
 
-def parse_prompt(prompt: PromptInput, tokenizer: Any) -> tuple[str | None, list[int]]:
+_TEXT_IDS: weakref.WeakKeyDictionary[Any, dict[int, tuple[str, list[int]]]] = weakref.WeakKeyDictionary()
+_TEXT_IDS_LOCK = threading.Lock()
+
+
+def special_text_ids(tokenizer: Any) -> dict[int, tuple[str, list[int]]]:
+    """``{special id: (its string, the ids of that string as text)}`` for the tokenizer's special added tokens
+    (a fast tokenizer's backend copy with ``encode_special_tokens`` on; computed once per tokenizer)."""
+    with _TEXT_IDS_LOCK:
+        try:
+            cached = _TEXT_IDS.get(tokenizer)
+        except TypeError:  # not weak-referenceable
+            cached = None
+        if cached is not None:
+            return cached
+        found: dict[int, tuple[str, list[int]]] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        if backend is not None:
+            plain = copy(backend)
+            plain.no_padding()
+            plain.no_truncation()
+            plain.encode_special_tokens = True
+            for token_id, token in added.items():
+                content = getattr(token, "content", None)
+                if getattr(token, "special", False) and content:
+                    text_ids = list(plain.encode(content, add_special_tokens=False).ids)
+                    if text_ids and token_id not in text_ids:
+                        found[int(token_id)] = (content, text_ids)
+        with contextlib.suppress(TypeError):
+            _TEXT_IDS[tokenizer] = found
+        return found
+
+
+def parse_prompt(
+    prompt: PromptInput, tokenizer: Any, policy: PromptPolicy = TRUSTED, sandbox: Renderer | None = None
+) -> tuple[str | None, list[int]]:
     """``(text or None, token ids)`` of one prompt; ``ValueError`` for a wrong type, text without a
-    tokenizer, or text that is not valid Unicode (``ParamError`` naming ``prompt``)."""
+    tokenizer, or text that is not valid Unicode (``ParamError`` naming ``prompt``); ``policy`` and
+    ``sandbox`` as for ``encode_chat`` (text over ``policy.max_prompt_chars`` is a ``ParamError``)."""
     if isinstance(prompt, Chat):
-        return encode_chat(tokenizer, prompt)
+        return encode_chat(tokenizer, prompt, policy, sandbox)
     if isinstance(prompt, Mapping):
         if "prompt_token_ids" in prompt:
             return prompt.get("prompt"), _ids(prompt["prompt_token_ids"])
         if "prompt" in prompt:
-            return parse_prompt(str(prompt["prompt"]), tokenizer)
+            return parse_prompt(str(prompt["prompt"]), tokenizer, policy, sandbox)
         raise ValueError(f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
     if isinstance(prompt, str):
         prompt = Text(prompt)
@@ -157,28 +393,35 @@ def parse_prompt(prompt: PromptInput, tokenizer: Any) -> tuple[str | None, list[
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer; this model was loaded without one (give token ids)")
         check_unicode(prompt.text, "prompt")
+        if policy.max_prompt_chars is not None:
+            check_length(len(prompt.text), policy.max_prompt_chars, "prompt", "the prompt")
         return prompt.text, list(tokenizer(prompt.text, add_special_tokens=prompt.add_special_tokens).input_ids)
     return None, _ids(prompt)
 
 
-def tokenize(tokenizer: Any, prompt: str | Chat, add_special_tokens: bool | None = None) -> list[int]:
+def tokenize(
+    tokenizer: Any,
+    prompt: str | Chat,
+    add_special_tokens: bool | None = None,
+    policy: PromptPolicy = TRUSTED,
+    sandbox: Renderer | None = None,
+) -> list[int]:
     """The ids the engine runs for a text or a conversation (as ``parse_prompt`` encodes them);
     ``add_special_tokens`` (default: True for text, the conversation's own setting, off, for a chat,
     whose template writes them) adds the tokenizer's special tokens (a BOS) on top.
 
     Raises ``ValueError`` without a tokenizer, for a conversation the template cannot render, and
     ``ParamError`` (a ``ValueError``) for text that is not valid Unicode (a lone UTF-16 surrogate
-    such as ``"\\ud800"``).
+    such as ``"\\ud800"``) or longer than ``policy.max_prompt_chars``.
     """
     if tokenizer is None:
         raise ValueError("tokenizing needs a tokenizer; this model was loaded without one")
     if isinstance(prompt, Chat):
         if add_special_tokens is not None:
             prompt = dataclasses.replace(prompt, add_special_tokens=add_special_tokens)
-        return encode_chat(tokenizer, prompt)[1]
-    check_unicode(prompt, "prompt")
+        return encode_chat(tokenizer, prompt, policy, sandbox)[1]
     special = True if add_special_tokens is None else add_special_tokens
-    return list(tokenizer(prompt, add_special_tokens=special).input_ids)
+    return parse_prompt(Text(prompt, special), tokenizer, policy, sandbox)[1]
 
 
 def set_chat_template(tokenizer: Any, template: str) -> None:
@@ -255,18 +498,26 @@ def _is_int(x: object) -> bool:
 
 
 __all__ = [
+    "REQUEST_TEMPLATES",
     "TEMPLATE_ARGUMENTS",
+    "TRUSTED",
+    "TRUST_FLAG",
     "Chat",
     "Prompt",
     "PromptInput",
+    "PromptPolicy",
+    "Renderer",
     "Text",
     "apply_chat_template",
+    "check_length",
     "check_unicode",
     "encode_chat",
     "params_list",
     "parse_prompt",
     "prompt_list",
     "set_chat_template",
+    "special_text_ids",
+    "template_variables",
     "tokenize",
     "unicode_problem",
 ]

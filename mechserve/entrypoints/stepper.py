@@ -16,14 +16,22 @@ A command answers through a ``concurrent.futures.Future`` (``asyncio.wrap_future
 makes it awaitable, ``.result()`` waits for it from any other thread).  An
 accepted request's events go to the ``deliver`` callback it came with, on the
 event loop it came from, in step order; its last event carries its
-``RequestOutput``.  A step that raises ends every request in flight with an
-``EngineStepError``; if the engine cannot then be brought back to a
-consistent, empty state it is dead (``error``) and refuses everything after.
+``RequestOutput``.  A request that fails inside a step on its own account
+(its grammar) ends alone with its ``RequestFailed``; a step that raises ends
+every request in flight with an ``EngineStepError``; if the engine cannot then
+be brought back to a consistent, empty state it is dead (``error``) and
+refuses everything after.
+A step that fails because the executor itself is gone (a tensor-parallel rank
+died: ``RankError``, or the executor says it is ``closed``) kills the engine at
+once: every request in flight ends with an ``EngineDeadError`` and the failure
+is logged once, with one traceback (vLLM's ``EngineDeadError``); whoever runs
+the engine (the server) then stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -33,7 +41,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from mechserve.api.errors import EngineDeadError, EngineStepError
+from mechserve.api.errors import EngineDeadError, EngineStepError, EngineStoppedError, RankError
 from mechserve.api.outputs import SampleDelta, StepOutput
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
@@ -45,6 +53,7 @@ __all__ = ["AddCommand", "Stepper", "fitted"]
 
 log = logging.getLogger("mechserve.engine")
 T = TypeVar("T")
+IDLE_CHECK_S = 0.5  # while idle, the engine thread asks its executor this often whether it is still whole
 
 
 Deliver = Callable[[StreamEvent | BaseException], None]
@@ -158,11 +167,19 @@ class Stepper:
     def _submit(self, command: AddCommand | _Command) -> None:
         with self._cv:
             if self._stopping or self.error is not None or not self._thread.is_alive():
-                why = "is dead after a failed step" if self.error is not None else "is not running"
-                command.future.set_exception(EngineDeadError(f"the engine {why}"))
+                command.future.set_exception(self.refusal())
                 return
             self._commands.append(command)
             self._cv.notify()
+
+    def refusal(self) -> EngineDeadError:
+        """Why a request is refused now: ``EngineStoppedError`` once its owner stopped the engine (``stop``), else
+        ``EngineDeadError`` (dead after a failure, or never started)."""
+        if self.error is None and self._stopping:
+            return EngineStoppedError("the engine is not running: it was stopped (the server is shutting down)")
+        if self.error is not None:
+            return EngineDeadError("the engine is dead after a failed step")
+        return EngineDeadError("the engine is not running")
 
     # The engine thread --------------------------------------------------------------------------------------------
 
@@ -183,10 +200,14 @@ class Stepper:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._commands or self._stopping or self._has_work()):
-                    self._cv.wait()
+                idle = not (self._commands or self._stopping or self._has_work())
+                if idle:
+                    self._cv.wait(IDLE_CHECK_S)
                 commands, stopping = list(self._commands), self._stopping
                 self._commands.clear()
+            if idle and not (commands or stopping):
+                self._check_executor()
+                continue
             for command in commands:
                 self._apply(command)
             if stopping:
@@ -194,6 +215,17 @@ class Stepper:
                 return
             if self._has_work():
                 self._step()
+
+    def _check_executor(self) -> None:
+        """Between steps, while idle: an executor that can tell it lost a part (a rank group whose process died,
+        ``check_alive``) kills the engine now, not at the next request."""
+        check = getattr(self.core.executor, "check_alive", None)
+        if self.error is not None or check is None:
+            return
+        try:
+            check()
+        except Exception as exc:
+            self._fail(exc, idle=True)
 
     def _has_work(self) -> bool:
         return self.error is None and self.core.has_unfinished()
@@ -209,7 +241,7 @@ class Stepper:
             return
         try:
             if self._stopping or self.error is not None:
-                raise EngineDeadError("the engine is shutting down")
+                raise self.refusal()
             admission = self._admit(command)
         except Exception as exc:
             command.future.set_exception(exc)
@@ -244,13 +276,19 @@ class Stepper:
         self._gauges()
         self._deliver(events)  # last: whoever reads an event sees the metrics of its step
 
-    def _events(self, out: StepOutput, now: float) -> list[tuple[_Live, StreamEvent]]:
-        """One event per request the step touched; timings to the metrics; ended requests forgotten."""
+    def _events(self, out: StepOutput, now: float) -> list[tuple[_Live, StreamEvent | BaseException]]:
+        """One event per request the step touched (its error for a request that failed alone); timings to the
+        metrics; ended requests forgotten."""
+        events: list[tuple[_Live, StreamEvent | BaseException]] = []
+        for request_id, error in out.failed.items():
+            failed = self._live.get(request_id)
+            if failed is not None:
+                self._forget(request_id)
+                events.append((failed, error))
         deltas: dict[str, list[SampleDelta]] = {}
         for d in out.deltas:
             deltas.setdefault(d.request_id, []).append(d)
         finished = {o.request_id: o for o in out.finished}
-        events = []
         for request_id in dict.fromkeys([*deltas, *finished]):
             live = self._live.get(request_id)
             if live is None:
@@ -299,10 +337,24 @@ class Stepper:
         """The engine's state after the step: requests running and waiting, pages by owner."""
         self.metrics.observe_engine(self.core.stats())
 
-    def _fail(self, exc: Exception) -> None:
-        """A step raised: end every request in flight with the error, then try to get back to an empty engine."""
+    def _fail(self, exc: Exception, idle: bool = False) -> None:
+        """A step raised (``idle``: the executor failed its check between steps): end every request in flight
+        with the error, then try to get back to an empty engine (unless the executor is gone: then the engine
+        is dead at once)."""
         step = self.core.step_counter
-        log.error("engine step %d failed", step, exc_info=exc)
+        what = "the executor failed its check while idle" if idle else f"engine step {step} failed"
+        log.error("%s", what, exc_info=exc)
+        if isinstance(exc, RankError) or getattr(self.core.executor, "closed", False):
+            dead = EngineDeadError(f"the engine is dead: {what} ({type(exc).__name__}: its executor is gone)")
+            dead.__cause__ = exc
+            self.error = dead
+            self._deliver([(live, dead) for live in self._live.values()])
+            for request_id in list(self._live):  # their pages go back to the (driver's) pool
+                with contextlib.suppress(Exception):
+                    self.core.abort(request_id)
+            self._live.clear()
+            self._gauges()
+            return
         error = EngineStepError(f"engine step {step} failed: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
         ended = list(self._live.items())
@@ -330,7 +382,8 @@ class Stepper:
                 self.core.abort(request_id)
             while self._has_work():  # one step records the aborts (a failing step ends them with its error)
                 self._step()
-        leftover = [(live, EngineDeadError("the engine shut down")) for live in self._live.values()]
+        ended = EngineStoppedError("the engine shut down") if self.error is None else self.refusal()
+        leftover = [(live, ended) for live in self._live.values()]
         self._deliver(leftover)
         self._live.clear()
 

@@ -18,7 +18,8 @@ A chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` become o
                           closing tag; ``required``: a list of one)
 
 A reply with calls has ``finish_reason: "tool_calls"`` (when the model stopped by itself; a reply cut
-by ``max_tokens`` keeps ``"length"``), ``tool_calls`` in OpenAI's shape (``id``, ``type: "function"``,
+by ``max_tokens`` keeps ``"length"``, and a forced call it cut is a call with the arguments written so
+far, as OpenAI returns it, never a JSON fragment in ``content``), ``tool_calls`` in OpenAI's shape (``id``, ``type: "function"``,
 ``function.name``, ``function.arguments`` a JSON string) and ``content`` the text around the calls
 (null if none).  ``ToolStream`` parses a reply as it streams and gives OpenAI's chunk deltas; the
 whole reply is the same parse fed at once, so a streamed reply and a non-streamed one agree.
@@ -342,7 +343,8 @@ class ToolStream:
         content, _ = self.feed(text)
         more, _ = self.finish()
         text_out = content + more
-        return Reply(text_out if text_out or not self.calls else None, list(self.calls))
+        plain = not self.calls and not self.plan.forced  # a forced reply is calls only, even when cut short
+        return Reply(text_out if text_out or plain else None, list(self.calls))
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         return _split(self.feed_ordered(text))
@@ -366,11 +368,13 @@ class ToolStream:
             return []
         if self.plan.mode == "required":
             pieces: list[Piece] = list(self._required_items(final=True))
-            rest = self._text[self._pos :].strip()
-            # what the grammar did not get to close (max_tokens cut it) is shown, not dropped; a separator
-            # alone (the "," before a call that never began) is the list's punctuation, not text
-            if rest.lstrip(",").strip() not in ("", "]"):
-                pieces.append(self._text[self._pos :])
+            # A call the grammar did not get to close (max_tokens cut it) is never content: as OpenAI does,
+            # it is a call whose arguments are the text so far (not valid JSON; finish_reason stays "length"),
+            # once its name is whole; before that it is nothing.
+            cut = _CUT_CALL.match(self._text, self._pos)
+            if cut is not None and self.plan.tool(json.loads(f'"{cut.group(1)}"')) is not None:
+                pieces += self._emit(ToolCall(json.loads(f'"{cut.group(1)}"'), cut.group(2)))
+                self._pos = len(self._text)
             return pieces
         pieces = self._scan(final=True)
         if not self.calls and self._space:
@@ -500,6 +504,10 @@ class ToolStream:
 def _split(pieces: list[Piece]) -> tuple[str, list[dict[str, Any]]]:
     """Ordered pieces as chat's ``(content, tool call entries)``."""
     return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, dict)]
+
+
+# required: the call a max_tokens cut left open, ``{"name": "f", "arguments": <the rest>``
+_CUT_CALL = re.compile(r'[\s\[,]*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(.*)\Z', re.DOTALL)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -41,20 +41,32 @@ from mechserve.model.protocol import Model
 
 @dataclass(slots=True)
 class _Record:
-    """Decayed counts of one request's accepted and rejected guesses."""
+    """Decayed counts of one request's accepted and rejected guesses; its windows in a row whose guesses were
+    all rejected (``misses``) and the windows it still sits out (``wait``)."""
 
     accepted: float = 0.0
     rejected: float = 0.0
+    misses: int = 0
+    wait: int = 0
 
 
 class Acceptance:
-    """Per-request acceptance estimates: ``alpha``, the chance that the next guess is accepted.
+    """Per-request acceptance estimates: ``alpha``, the chance that the next guess is accepted, and a back-off.
 
     ``(accepted + 1) / (accepted + rejected + 2)`` over counts that decay by ``decay`` per decode
     window (a window's first rejection counts once; guesses after it were never judged).  A window
     with nothing proposed only decays them, so a request that stopped proposing drifts back to 0.5
     and is tried again.
+
+    That estimate never falls below about ``1 - decay`` / 2 (0.14 with the defaults), which at batch > 1,
+    where a guess row costs little, still looks worth a guess, and at batch 1 brings a probe every ~11
+    steps.  So a request whose windows keep failing also backs off exponentially: after ``misses >=
+    GRACE`` windows in a row with every guess rejected it sits out ``2 ** (misses - GRACE + 1)`` windows
+    (at most ``2 ** MAX_BACKOFF``; ``waiting``), and the first accepted guess ends the back-off.
     """
+
+    GRACE = 2
+    MAX_BACKOFF = 8
 
     def __init__(self, decay: float = 0.8) -> None:
         self.decay = decay
@@ -64,11 +76,24 @@ class Acceptance:
         r = self._records.get(request_id)
         return 0.5 if r is None else (r.accepted + 1.0) / (r.accepted + r.rejected + 2.0)
 
+    def waiting(self, request_id: str) -> bool:
+        """Whether the request sits out the coming window (its guesses kept failing)."""
+        r = self._records.get(request_id)
+        return r is not None and r.wait > 0
+
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         """One decode window's verdict: ``accepted`` of the ``proposed`` guesses."""
         r = self._records.setdefault(request_id, _Record())
         r.accepted = r.accepted * self.decay + accepted
         r.rejected = r.rejected * self.decay + (1.0 if accepted < proposed else 0.0)
+        if r.wait > 0:
+            r.wait -= 1
+        if proposed and accepted:
+            r.misses = r.wait = 0
+        elif proposed:
+            r.misses += 1
+            if r.misses >= self.GRACE:
+                r.wait = 2 ** min(r.misses - self.GRACE + 1, self.MAX_BACKOFF)
 
     def release(self, request_id: str) -> None:
         self._records.pop(request_id, None)

@@ -14,8 +14,10 @@ computed)::
     DraftModelProposer   a second Llama-family model with the same vocabulary: ``slots``
                          autoregressive rounds over its own paged KV (below)
 
-``available(history, cap)`` says, before a step, how many guesses the proposer would have for a
-request (the control side sizes windows with it); ``release`` forgets a request.
+``available(request, history, cap)`` says, before a step, how many guesses the proposer would have for
+a request (the control side sizes windows with it); ``release(request, output_ids)`` tells it a request
+left, with the output the executor knew (a proposer that learns across requests, such as suffix
+decoding's global tree, learns from it); the registry of methods is ``mechserve.api.proposers``.
 
 The draft model's KV (``DraftModelProposer``) has the target's geometry in pages (``num_pages`` x
 ``page_size``, its own layers and heads) and is read and written through the plan's page tables, so
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -49,6 +51,10 @@ from mechserve.executor.sampling import STREAM_DRAFT, Row, Sampler, sampling_log
 from mechserve.kv.paged import Span, build_attention_batch
 from mechserve.model.protocol import Model
 from mechserve.spec.m14_forced_runs import PlanItem
+
+if TYPE_CHECKING:
+    from mechserve.api.proposers import ProposerContext
+    from mechserve.executor.request import ExecutorRequest
 
 
 def propose_ngram(history: Sequence[int], num: int, max_ngram: int = 3, filler: int | None = None) -> list[int]:
@@ -84,15 +90,28 @@ class Window:
     """One plan item as a proposer sees it.
 
     ``history``: the request's ids by position, ending at the item's last known id (-1 =
-    unknown); ``slots``: the guess positions of the window (``num_tokens - len(token_ids)``, 0 for
-    an item that is not a decode window); ``row``: the sampling row of the first guess (its params, token
-    index ``item.generated`` and min_tokens bans; guess ``j`` has token index ``generated + j``).
+    unknown): its prompt (``request.prompt_ids``, the first ``request.prompt_len`` of them) then its
+    output so far (``output``); ``slots``: the guess positions of the window (``num_tokens -
+    len(token_ids)``, 0 for an item that is not a decode window); ``row``: the sampling row of the first
+    guess (its params, token index ``item.generated``, min_tokens bans and the request's record; guess
+    ``j`` has token index ``generated + j``).
     """
 
     item: PlanItem
     history: list[int]
     slots: int
     row: Row
+
+    @property
+    def request(self) -> ExecutorRequest:
+        """The request's record (prompt ids, params, end ids)."""
+        assert self.row.request is not None, "a window's row carries its request's record"
+        return self.row.request
+
+    @property
+    def output(self) -> list[int]:
+        """The request's output ids so far (``history`` after the prompt)."""
+        return self.history[self.request.prompt_len :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,13 +127,30 @@ NO_DRAFT = Draft()
 
 
 class Proposer(Protocol):
-    """Guesses for each window of a step (``len(draft.tokens) <= window.slots``)."""
+    """What proposes a decode window's guesses; built by its registry entry's ``build(ProposerContext)``
+    (``mechserve.api.proposers``).
+
+    ``propose(windows)``: one ``Draft`` per window of the step, in plan order (``len(draft.tokens) <=
+    window.slots``; every window of the plan is given, its ``history`` ending at its last known id, so a
+    proposer can keep per-request state in step with it); ``available(request, history, cap)``: before a
+    step, how many of ``cap`` guesses it would have now (the governor sizes windows with it);
+    ``release(request, output_ids)``: the request left, with the output ids the executor last knew (a
+    stop string cut after the step may leave a few past the kept end).
+
+    A proposer with a model fed the target's hidden states (EAGLE, Medusa) is not built yet; it would get
+    them so: the target forward (``Model.forward``, ``mechserve.model.protocol``) would also return the
+    final hidden states ([rows, hidden] float32, after the last norm, before the LM head) at each sampling
+    row when the
+    registry entry asks for them, and after the verdicts the executor would hand each request's rows of
+    the ids it kept to the proposer (a ``observe(request, hidden)`` hook), whose next ``propose`` starts
+    from them; the head's KV would live in the pool's pages like the draft model's (``page_bytes``).
+    """
 
     def propose(self, windows: Sequence[Window]) -> list[Draft]: ...
 
-    def available(self, history: Sequence[int], cap: int) -> int: ...
+    def available(self, request: ExecutorRequest, history: Sequence[int], cap: int) -> int: ...
 
-    def release(self, request_id: str) -> None: ...
+    def release(self, request: ExecutorRequest, output_ids: Sequence[int]) -> None: ...
 
 
 def lookup_ngram(history: Sequence[int], num: int, min_n: int = 1, max_n: int = 3) -> list[int]:
@@ -148,16 +184,21 @@ class NgramProposer:
     def __init__(self, min_n: int = 1, max_n: int = 3) -> None:
         self.min_n, self.max_n = min_n, max_n
 
+    @classmethod
+    def build(cls, ctx: ProposerContext) -> NgramProposer:
+        """The registry's factory: the n-gram bounds of ``ctx.speculative``."""
+        return cls(ctx.speculative.ngram_min, ctx.speculative.ngram_max)
+
     def propose(self, windows: Sequence[Window]) -> list[Draft]:
         return [
             Draft(tuple(found)) if (found := lookup_ngram(w.history, w.slots, self.min_n, self.max_n)) else NO_DRAFT
             for w in windows
         ]
 
-    def available(self, history: Sequence[int], cap: int) -> int:
+    def available(self, request: ExecutorRequest, history: Sequence[int], cap: int) -> int:
         return len(lookup_ngram(history, cap, self.min_n, self.max_n))
 
-    def release(self, request_id: str) -> None:
+    def release(self, request: ExecutorRequest, output_ids: Sequence[int]) -> None:
         pass
 
 
@@ -174,7 +215,7 @@ class CallableProposer:
             drafts.append(Draft(tuple(ids)) if ids else NO_DRAFT)
         return drafts
 
-    def available(self, history: Sequence[int], cap: int) -> int:
+    def available(self, request: ExecutorRequest, history: Sequence[int], cap: int) -> int:
         return len(self._ids(history, cap))
 
     def _ids(self, history: Sequence[int], num: int) -> list[int]:
@@ -182,7 +223,7 @@ class CallableProposer:
         cut = next((j for j, t in enumerate(ids) if t < 0), len(ids))
         return ids[:cut]
 
-    def release(self, request_id: str) -> None:
+    def release(self, request: ExecutorRequest, output_ids: Sequence[int]) -> None:
         pass
 
 
@@ -215,15 +256,20 @@ class DraftModelProposer:
         # page -> offsets whose target KV a step wrote but this draft did not (a window's last guess)
         self._stale: dict[int, set[int]] = {}
 
+    @classmethod
+    def build(cls, ctx: ProposerContext) -> DraftModelProposer:
+        """The registry's factory: ``ctx.draft`` over pages of the pool's geometry."""
+        return cls(ctx.draft, ctx.num_pages, ctx.page_size, ctx.sampler, kv_dtype=ctx.kv_dtype)
+
     def valid(self, request_id: str) -> int | None:
         """Leading positions of ``request_id`` whose draft KV is valid (None: not seen yet)."""
         return self._valid.get(request_id)
 
-    def available(self, history: Sequence[int], cap: int) -> int:
+    def available(self, request: ExecutorRequest, history: Sequence[int], cap: int) -> int:
         return cap
 
-    def release(self, request_id: str) -> None:
-        self._valid.pop(request_id, None)
+    def release(self, request: ExecutorRequest, output_ids: Sequence[int]) -> None:
+        self._valid.pop(request.request_id, None)
 
     def propose(self, windows: Sequence[Window]) -> list[Draft]:
         caps = [w.slots for w in windows]
@@ -333,7 +379,7 @@ class DraftModelProposer:
                         del self._stale[slot // self.page_size]
         arch = self.model.arch
         batch = build_attention_batch(
-            spans, slots, self.page_size, arch.num_heads // arch.num_kv_heads, self.model.distinct_windows
+            spans, slots, self.page_size, arch.num_heads // arch.num_kv_heads, self.model.distinct_sliding_windows
         )
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.int64),

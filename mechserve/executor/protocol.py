@@ -3,24 +3,33 @@
 The spec (m10) fixes the data plane: one frozen plan per step in, one outcome per plan item out,
 validated by the engine's commit (``mechserve.spec.m14_forced_runs.Executor``).  A real
 executor also keeps per-request state that the spec does not model (sampling params, token
-history for proposers, logprobs); ``EngineCore`` drives it through the control methods below and
-through nothing else, so any class with these methods can stand behind the engine::
+history for proposers, logprobs, a grammar); ``EngineCore`` drives it through the control methods
+below and through nothing else, so any class with these methods can stand behind the engine::
 
     EngineCore                                   Executor
     ──────────                                   ────────
-    building m14 ──────────── rank_executors() -> the executors m14's group joins (m11):
-                                                   [self] for one rank, one proxy per rank process
-    add_request (after the door) ─ add_request(id, prompt_ids, params, eos_token_ids=..., bad_words_ids=...,
-                                   [grammar=CompiledGrammar: only for params.structured_outputs])
+    building m14 ──────────── rank_executors() -> the executors of its ranks (m11): [self] for one rank,
+                                                   one proxy per rank process
+    add_request (after the door) ─ add_request(ExecutorRequest): the request record (id, prompt ids,
+                                   params, EOS ids, bad-word ids, compiled grammar; executor/request.py)
     before a step ──────────────── advise(caps, max_k) -> spec_len for the coming step
-    m14.step() ──────────────────── execute(plan) -> outcomes            (through rank_executors)
-    after a step ───────────────── take_logprobs(id) -> one TokenLogprobs per appended id
+    the step ───────────────────── execute(plan) -> outcomes: every rank's report, joined as m11 joins
+                                   them (m14.ExecutorGroup: GroupViolation unless all agree)
+                                   take_failures() -> the requests that failed inside it (below)
+      m14 commits the outcomes; for each request that appended ids:
+                                   take_logprobs(id) -> one TokenLogprobs per appended id
                                    take_prompt_logprobs(id) -> one per prompt position recorded
-                                   settle(windows): the accepted guesses each decode window kept
-                                   after every cut (EOS or stop id, stop string, max_tokens)
+    after the step ─────────────── settle(windows): the accepted guesses each decode window kept after
+                                   every cut (EOS or stop id, stop string, max_tokens: the record's accepted)
     a request leaves ───────────── release(id)      (after the step's settle)
     stats() ───────────────────── ExecutorStats (forwards, rows, speculation counts)
     close() ───────────────────── stop rank processes (nothing for one rank)
+
+A request that fails inside a step on its own account (its grammar's matcher raises, its logits
+processing raises) must not fail the step: the executor isolates it, still returns a valid outcome
+for its item (the boundary holds for every other request), and reports it from ``take_failures``
+(a ``RequestFailure``); ``EngineCore`` then ends that request alone, keeping none of the ids it
+appended in that step.
 
 ``TorchExecutor`` (one process) and ``RankGroup`` (tensor-parallel rank processes) implement it;
 ``docs/executors.md`` shows a third, written from scratch.
@@ -33,8 +42,18 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from mechserve.api.outputs import TokenLogprobs
-from mechserve.api.params import SamplingParams
+from mechserve.executor.request import ExecutorRequest
 from mechserve.spec import m14_forced_runs as m14
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailure:
+    """A request that failed inside a step on its own account: ``param`` names the request field behind it
+    (``"structured_outputs"`` for its grammar) or is None; ``message`` is one line (never a whole grammar)."""
+
+    request_id: str
+    param: str | None
+    message: str
 
 
 @dataclass(slots=True)
@@ -66,24 +85,22 @@ class Executor(Protocol):
     """Anything ``EngineCore`` can drive: m14's ``execute`` plus the control methods (module docstring)."""
 
     def execute(self, plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
-        """One step: an outcome per plan item, in item order (every rank's, joined, for a group)."""
+        """One step: an outcome per plan item, in item order; with several ranks, every rank's report joined
+        as m11 joins them (``m14.ExecutorGroup``: ``GroupViolation`` unless all are equal)."""
         ...
 
     def rank_executors(self) -> Sequence[m14.Executor]:
-        """The per-rank executors m14's group fans each plan out to and joins (m11)."""
+        """The per-rank executors (m11): m14 is built with one per rank, and a group joins their reports."""
         ...
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int] | None = None,
-        params: SamplingParams = ...,
-        *,
-        eos_token_ids: Sequence[int] = (),
-        bad_words_ids: Sequence[Sequence[int]] = (),
-    ) -> None:
-        """Register a request the door accepted: how it samples, its end ids, its prompt (for drafting,
-        penalties and prompt logprobs) and its bad words as token ids."""
+    def add_request(self, request: ExecutorRequest) -> None:
+        """Register a request the door accepted (its record: how it samples, its end ids, its prompt for
+        drafting, penalties and prompt logprobs, its bad words as token ids, its compiled grammar)."""
+        ...
+
+    def take_failures(self) -> list[RequestFailure]:
+        """The requests that failed inside the last ``execute`` on their own account (module docstring),
+        then forget them; each still got a valid outcome."""
         ...
 
     def release(self, request_id: str) -> None:
@@ -121,4 +138,4 @@ class Executor(Protocol):
         ...
 
 
-__all__ = ["Executor", "ExecutorStats"]
+__all__ = ["Executor", "ExecutorRequest", "ExecutorStats", "RequestFailure"]

@@ -112,17 +112,16 @@ class RankServer:
         )
 
     def handle(self, command: tuple[Any, ...]) -> Any:
-        """Run one command: ``("execute", plan)``, ``("add", request_id, prompt_ids, params, eos, stop, bad)``,
-        ``("release", request_id)``, ``("settle", windows)``, ``("logprobs", request_id)``,
-        ``("prompt_logprobs", request_id)``, ``("advise", caps, max_k)``,
-        ``("stats",)``, ``("params",)``, ``("fault", kind)``.  Raises ``ValueError`` for anything else."""
+        """Run one command: ``("execute", plan)`` (answers ``(outcomes, failures)``), ``("add", request)`` (an
+        ``ExecutorRequest``), ``("release", request_id)``, ``("settle", windows)``, ``("logprobs", request_id)``,
+        ``("prompt_logprobs", request_id)``, ``("advise", caps, max_k)``, ``("stats",)``, ``("params",)``,
+        ``("fault", kind)``.  Raises ``ValueError`` for anything else."""
         name, args = command[0], command[1:]
         ex = self.executor
         if name == "execute":
-            return ex.execute(args[0])
+            return ex.execute(args[0]), ex.take_failures()
         if name == "add":
-            rid, prompt_ids, params, eos, stop, bad = args
-            return ex.add_request(rid, prompt_ids, params, eos_token_ids=eos, stop_token_ids=stop, bad_words_ids=bad)
+            return ex.add_request(args[0])
         if name == "release":
             return ex.release(args[0])
         if name == "settle":

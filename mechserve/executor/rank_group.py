@@ -34,6 +34,7 @@ Backend: ``gloo`` (CPU).  The torch backend computes on the CPU only, so ``nccl`
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import time
 import weakref
@@ -48,13 +49,20 @@ import torch.distributed as dist
 from mechserve.api.env import rank_timeout
 from mechserve.api.errors import RankError, first_line
 from mechserve.api.outputs import TokenLogprobs
-from mechserve.api.params import GREEDY, SamplingParams
-from mechserve.executor.protocol import ExecutorStats
+from mechserve.executor.protocol import ExecutorStats, RequestFailure
 from mechserve.executor.rank import FAULTS, RankServer, RankSpec, _DistChannel, _spawned_rank, serve_rank
+from mechserve.executor.request import ExecutorRequest
 from mechserve.spec import m14_forced_runs as m14
 
 # Seconds the ranks may take to start (load their shards).
 DEFAULT_START_TIMEOUT_S = 300.0
+# A spawned rank that finds itself importing a script without a main guard exits with this, quietly.
+NO_MAIN_GUARD_EXIT = 87
+NO_MAIN_GUARD = (
+    "the rank processes could not start: the script that asks for world_size > 1 has no "
+    '`if __name__ == "__main__":` guard, so each rank (started with spawn, which imports the script again) ran '
+    "it and asked for ranks of its own; put the script's code under that guard (docs/parallelism.md)"
+)
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -71,10 +79,11 @@ class _RankProxy:
 class RankGroup:
     """The driver's handle on ``world_size`` ranks; the executor API ``EngineCore`` uses, once for all.
 
-    ``rank_executors()`` are the m14 rank executors; ``add_request``/``release``/``settle`` reach every rank
-    (queued until the next round trip); ``take_logprobs``, ``take_prompt_logprobs``, ``advise`` and ``stats``
-    ask rank 0 (every rank
-    holds the same).  Any failure raises ``RankError`` and shuts the group down.
+    ``rank_executors()`` are the m14 rank executors and ``execute`` joins their reports as m11 does;
+    ``add_request`` (the request's record), ``release`` and ``settle`` reach every rank (queued until the
+    next round trip); ``take_logprobs``, ``take_prompt_logprobs``, ``advise`` and ``stats`` ask rank 0
+    (every rank holds the same); ``take_failures`` gives what rank 0 reported with its last outcomes
+    (rank 0 samples for all).  Any failure of a rank raises ``RankError`` and shuts the group down.
     """
 
     world_size: int
@@ -83,6 +92,7 @@ class RankGroup:
         self._queues: list[list[tuple[Any, ...]]] = [[] for _ in range(self.world_size)]
         self._plan: tuple[m14.PlanItem, ...] | None = None
         self._reports: dict[int, tuple[m14.Outcome, ...]] = {}
+        self._failures: list[RequestFailure] = []
         self.closed = False
 
     # m14's side
@@ -100,7 +110,9 @@ class RankGroup:
             return ()
         if plan is not self._plan:
             self._plan = plan
-            self._reports = dict(enumerate(self._round(("execute", plan))))
+            answers = self._round(("execute", plan))
+            self._reports = {rank: outcomes for rank, (outcomes, _) in enumerate(answers)}
+            self._failures += answers[0][1]
         report = self._reports.pop(rank, None)
         if report is None:
             raise RankError(f"rank {rank}'s report for this plan was asked for twice")
@@ -109,19 +121,13 @@ class RankGroup:
         return tuple(report)
 
     # the executor API EngineCore uses
-    def add_request(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int] | None = None,
-        params: SamplingParams = GREEDY,
-        *,
-        eos_token_ids: Sequence[int] = (),
-        stop_token_ids: Sequence[int] = (),
-        bad_words_ids: Sequence[Sequence[int]] = (),
-    ) -> None:
-        ids = None if prompt_ids is None else list(prompt_ids)
-        bad = tuple(tuple(w) for w in bad_words_ids)
-        self._queue(("add", request_id, ids, params, tuple(eos_token_ids), tuple(stop_token_ids), bad))
+    def add_request(self, request: ExecutorRequest) -> None:
+        self._queue(("add", request))
+
+    def take_failures(self) -> list[RequestFailure]:
+        """The failures rank 0 reported with the last plan's outcomes (no round trip)."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def release(self, request_id: str) -> None:
         if not self.closed:
@@ -249,6 +255,13 @@ class SpawnGroup(RankGroup):
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
+    def check_alive(self) -> None:
+        """``RankError`` (and the group shut down) if a rank's process has exited: what the engine asks between
+        steps, so that a rank killed while the engine is idle is found before the next request meets it."""
+        if self.closed:
+            raise RankError("the rank group is shut down")
+        self._check_alive("the next step")
+
     def _ask(self, command: tuple[Any, ...]) -> Any:
         if self.closed:
             raise RankError("the rank group is shut down")
@@ -274,10 +287,14 @@ class SpawnGroup(RankGroup):
         """``RankError`` naming the first rank whose process has exited (with ``crashed_only``: with a
         non-zero code or a signal), if any."""
         for r, p in enumerate(self.procs):
+            if p.exitcode == NO_MAIN_GUARD_EXIT:
+                raise self._fail(NO_MAIN_GUARD)
             if p.exitcode is not None and not (crashed_only and p.exitcode == 0):
                 raise self._fail(f"rank {r} (pid {p.pid}) exited with code {p.exitcode} before {what!r}")
 
     def _exited(self, rank: int, what: str) -> RankError:
+        if self.procs[rank].exitcode == NO_MAIN_GUARD_EXIT:
+            return self._fail(NO_MAIN_GUARD)
         return self._fail(
             f"rank {rank} (pid {self.procs[rank].pid}) exited with code {self.procs[rank].exitcode} during {what!r}"
         )
@@ -395,11 +412,17 @@ def start_group(spec: RankSpec, world_size: int, *, timeout_s: float | None = No
     """The rank group for ``world_size`` ranks: a ``DistGroup`` under ``torchrun``, else a ``SpawnGroup``.
 
     Under ``torchrun`` the ranks other than 0 never return: they serve, then exit with status 0
-    when rank 0 closes the group.  Raises ``ValueError`` when ``torchrun``'s ``WORLD_SIZE``
+    when rank 0 closes the group.  Spawned ranks import the caller's script again (Python's spawn), so
+    a script without an ``if __name__ == "__main__":`` guard would ask for ranks inside each rank: such
+    a rank exits at once and the driver raises one ``RankError`` that says to add the guard.  Raises ``ValueError`` when ``torchrun``'s ``WORLD_SIZE``
     differs from ``world_size``, ``RankError`` when a rank cannot start.
     """
     timeout = timeout_s if timeout_s is not None else rank_timeout()
     if not under_torchrun():
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # This is a spawned rank importing a script that has no main guard: the script asked for ranks
+            # again.  Leave at once and quietly; the driver names the problem (NO_MAIN_GUARD).
+            os._exit(NO_MAIN_GUARD_EXIT)
         return SpawnGroup(spec, world_size, timeout_s=timeout)
     env_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if env_size != world_size:

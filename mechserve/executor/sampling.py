@@ -57,13 +57,16 @@ log-softmax of the logits before min_tokens, temperature and the masks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from mechserve.api.outputs import TokenLogprobs
 from mechserve.api.params import GREEDY, SamplingParams
+
+if TYPE_CHECKING:
+    from mechserve.executor.request import ExecutorRequest
 
 _MASK64 = (1 << 64) - 1
 # Independent random streams per token index (see the module docstring).
@@ -84,11 +87,13 @@ class Row(NamedTuple):
     ignores EOS).  For a request with penalties or token filters
     (``params.filtered``): ``history`` is every token before this row's
     position (the prompt, then the output so far, a decode window's earlier
-    guesses included), of which the first ``prompt_len`` are the prompt, and
-    ``bad_words`` the token ids of its bad words.  ``allowed``: for a constrained request
+    guesses included), of which the first ``prompt_len`` are the prompt.
+    ``allowed``: for a constrained request
     (``params.structured_outputs``), bool ``[V]``, the ids its grammar allows at this row (the
     grammar's mask is applied after every other filter; should the filters leave none of them,
-    min_tokens bans first, the grammar's mask alone applies to the raw logits).
+    min_tokens bans first, the grammar's mask alone applies to the raw logits).  ``request``: the
+    request's record (``ExecutorRequest``), where the filters find what was derived from the
+    tokenizer (``bad_words_ids``); None for a row of no registered request.
     """
 
     params: SamplingParams
@@ -96,8 +101,8 @@ class Row(NamedTuple):
     banned: tuple[int, ...] = ()
     history: Sequence[int] = ()
     prompt_len: int = 0
-    bad_words: tuple[tuple[int, ...], ...] = ()
     allowed: torch.Tensor | None = None
+    request: ExecutorRequest | None = None
 
     @property
     def processed(self) -> bool:
@@ -287,12 +292,23 @@ def sampling_logits(logits: torch.Tensor, rows: Sequence[Row], *, host: bool = F
     return logits.cpu()
 
 
+class RowError(Exception):
+    """Processing ``row`` (its request's filters, penalties or grammar mask) raised ``cause``: the request's
+    own failure, which the executor isolates to that request (``TorchExecutor``)."""
+
+    def __init__(self, row: Row, cause: Exception) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.row = row
+        self.cause = cause
+
+
 def process_logits(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     """``logits`` [R, V] float32 after each row's token filters and penalties (module docstring).
 
     Returns ``logits`` itself when no row needs processing (the hot path: no copy), else a copy in
     which the rows that do were processed, one row at a time, in vLLM v1's order.  Ids outside
-    the vocabulary are ignored (they are refused at submission).
+    the vocabulary are ignored (they are refused at submission).  Raises ``RowError`` naming the
+    first row whose processing raised.
     """
     todo = [i for i, row in enumerate(rows) if row.processed]
     if not todo:
@@ -302,9 +318,12 @@ def process_logits(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     out = torch.from_numpy(logits.detach().numpy().copy()) if logits.device.type == "cpu" else logits.clone()
     for i in todo:
         row = rows[i]
-        _process_row(out[i], row)
-        if row.allowed is not None:
-            _mask_row(out[i], logits[i], row.allowed)
+        try:
+            _process_row(out[i], row)
+            if row.allowed is not None:
+                _mask_row(out[i], logits[i], row.allowed)
+        except Exception as exc:
+            raise RowError(row, exc) from exc
     return out
 
 
@@ -330,7 +349,7 @@ def _process_row(x: torch.Tensor, row: Row) -> None:
         kept = x[keep]
         x.fill_(inf)
         x[keep] = kept
-    for word in row.bad_words:
+    for word in row.request.bad_words_ids if row.request is not None else ():
         # vLLM's rule: the last token is banned when the output so far ends with the others
         prefix = len(word) - 1
         if prefix <= len(output) and (prefix == 0 or list(output[-prefix:]) == list(word[:-1])) and word[-1] < vocab:
@@ -423,6 +442,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequ
 __all__ = [
     "GREEDY",
     "Row",
+    "RowError",
     "Sampler",
     "SamplingParams",
     "apply_min_p",

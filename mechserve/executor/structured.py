@@ -28,6 +28,20 @@ A mask is llguidance's int32 bitmask ``[R, ceil(V / 32)]`` (bit ``t % 32`` of wo
 token ``t`` allowed); ``allowed_rows`` unpacks it to bool ``[R, V]`` with numpy (no ``torch.compile``:
 llguidance's own kernel compiles for ~50 s on first use on CPU).
 
+Hostile constraints are refused at compile time, never met in the step: a constraint's text is at most
+``MAX_GRAMMAR_CHARS`` characters; llguidance runs on a thread of its own with a large stack
+(``COMPILE_STACK_BYTES``: a 3,000-rule chain overflows an 8 MiB stack and crashes the process); and
+``compile`` *probes* the grammar the way the step will use it (the first mask, then a few seeded
+walks of sampled tokens, each computing masks, forced tokens and consuming) under llguidance's
+default resource limits (``PROBE_LIMITS``), while the step's matchers get twice those limits
+(``STEP_LIMITS``), so a grammar that passed has headroom.  Each llguidance call is bounded by its
+fuel and item limits; between calls the probe stops after ``COMPILE_CPU_SECONDS`` of CPU time.
+What this catches, each a ``ParamError`` that says why: an empty language (a ``$ref`` that only
+refers to itself, ``[^\\x00-\\U0010FFFF]``: llguidance's ``NoExtensionBias`` at the first mask), a
+grammar too complex for the parser (a 2,001-way alternative: a row of 2,002 Earley items after
+the first token), a lexer that runs out of fuel.  A failed key is remembered, so resending it costs
+nothing.  Errors never carry the grammar (llguidance's ``verbose_errors`` is off).
+
 JSON defaults: no free whitespace (``whitespace_flexible: false``, separators ``,`` and ``:``), so a
 small model cannot loop on whitespace and the forced runs are long; a schema's own ``x-guidance``
 object overrides these (llguidance's option order: defaults, then ``x-guidance``); ``\\uXXXX``
@@ -49,19 +63,37 @@ they are: closing each would forbid the properties the others add.
 from __future__ import annotations
 
 import json
+import random
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from mechserve.api.errors import ParamError
-from mechserve.api.params import StructuredOutputsParams
+from mechserve.api.params import MAX_GRAMMAR_CHARS, StructuredOutputsParams
 
-# Compiled grammars kept per engine (an LRU by the constraint's key).
+T = TypeVar("T")
+
+# Compiled grammars kept per engine (an LRU by the constraint's key), and refused keys with their reason.
 GRAMMAR_CACHE_SIZE = 256
+# llguidance's LLParserLimits for the compile-time probe: its own defaults for the work of one call.
+PROBE_LIMITS: dict[str, int] = {
+    "max_items_in_row": 2_000,  # Earley items in one row
+    "step_lexer_fuel": 200_000,  # lexer work per mask (~14k/ms)
+    "step_max_items": 50_000,  # Earley items per mask (~20k/ms)
+    "max_lexer_states": 50_000,  # lexer states (1-2 kB each; llguidance's default is 250,000)
+}
+# ... and for the matchers the step runs: twice as much, so a grammar the probe passed has headroom.
+STEP_LIMITS: dict[str, int] = {name: 2 * value for name, value in PROBE_LIMITS.items()}
+PROBE_WALKS = 4  # seeded walks from the start
+PROBE_TOKENS = 16  # tokens consumed per walk (each after a mask and the forced tokens)
+COMPILE_CPU_SECONDS = 2.0  # CPU time one compile (build and probe) may take, checked between llguidance calls
+COMPILE_STACK_BYTES = 512 << 20  # the compile thread's stack: llguidance recurses once per nesting level
+MAX_COMPILES = 2  # compiles running at once (the rest wait): hostile ones cannot take every core
 JSON_DEFAULTS: Any = {  # llguidance's JsonCompileOptions
     "whitespace_flexible": False,
     "item_separator": ",",
@@ -140,7 +172,9 @@ def grammar_text(so: StructuredOutputsParams, *, allow_additional_properties: bo
         assert so.grammar is not None
         return llg.grammar_from("grammar", so.grammar)  # Lark, or GBNF converted to Lark
     except ValueError as e:
-        raise ParamError("structured_outputs", f"structured_outputs.{so.kind} cannot be compiled: {e}") from None
+        raise ParamError(
+            "structured_outputs", f"structured_outputs.{so.kind} cannot be compiled: {_line(str(e))}"
+        ) from None
 
 
 class CompiledGrammar:
@@ -190,7 +224,9 @@ class GrammarCompiler:
         self.allow_additional_properties = allow_additional_properties
         self._lltok: Any = None
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
+        self._refused: OrderedDict[tuple[str, str], str] = OrderedDict()  # key -> the refusal's message
         self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(MAX_COMPILES)
         self.compiled = 0  # grammars built (cache misses)
 
     def _tokenizer(self) -> Any:
@@ -206,36 +242,165 @@ class GrammarCompiler:
         return self._lltok
 
     def compile(self, so: StructuredOutputsParams) -> CompiledGrammar:
-        """The compiled grammar of ``so`` (cached by ``so.key``).
+        """The compiled grammar of ``so`` (cached by ``so.key``), checked the way the step will use it.
 
-        Raises ``ParamError("structured_outputs", ...)`` naming the problem: an unsupported JSON-schema
-        keyword (llguidance reports ``Unimplemented keys: ["not"]``), an unknown name in a grammar with
-        its line and column, a bad regex."""
-        import llguidance as llg
-
+        Raises ``ParamError("structured_outputs", ...)`` naming the problem: a constraint over
+        ``MAX_GRAMMAR_CHARS`` characters, an unsupported JSON-schema keyword (llguidance reports
+        ``Unimplemented keys: ["not"]``), an unknown name in a grammar with its line and column, a bad
+        regex, an empty language, a grammar too complex for llguidance's limits, or a compile over
+        ``COMPILE_CPU_SECONDS`` of CPU time.  A refused key is remembered and refused again at once."""
         key = so.key
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            lltok = self._tokenizer()
-        text = grammar_text(so, allow_additional_properties=self.allow_additional_properties)
-        bad, messages = llg.LLMatcher.validate_grammar_with_warnings(text, lltok)
-        if bad:
-            raise ParamError("structured_outputs", f"structured_outputs.{so.kind} cannot be compiled: {messages[0]}")
-        template = llg.LLMatcher(lltok, text, log_level=0)
-        if template.is_error():
+            refused = self._refused.get(key)
+        if refused is not None:
+            raise ParamError("structured_outputs", refused)
+        if len(key[1]) > MAX_GRAMMAR_CHARS:
             raise ParamError(
-                "structured_outputs", f"structured_outputs.{so.kind} cannot be compiled: {template.get_error()}"
+                "structured_outputs",
+                f"structured_outputs.{so.kind} is {len(key[1])} characters; at most {MAX_GRAMMAR_CHARS} are compiled",
             )
-        compiled = CompiledGrammar(key, template, lltok.eos_token, self.vocab_size)
+        with self._slots:
+            try:
+                compiled = on_large_stack(lambda: self._build(so))
+            except ParamError as exc:
+                with self._lock:
+                    self._refused[key] = str(exc)
+                    while len(self._refused) > self.cache_size:
+                        self._refused.popitem(last=False)
+                raise
         with self._lock:
             self.compiled += 1
             self._cache[key] = compiled
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _build(self, so: StructuredOutputsParams) -> CompiledGrammar:
+        """Build, probe, then build the step's template (on the compile thread)."""
+        import llguidance as llg
+
+        deadline = time.thread_time() + COMPILE_CPU_SECONDS
+        with self._lock:
+            lltok = self._tokenizer()
+        text = grammar_text(so, allow_additional_properties=self.allow_additional_properties)
+        probe_limits = _limits(PROBE_LIMITS)
+        bad, messages = llg.LLMatcher.validate_grammar_with_warnings(text, lltok, limits=probe_limits)
+        if bad:
+            raise _refusal(so, "cannot be compiled", _line(messages[0]))
+        probe = llg.LLMatcher(lltok, text, log_level=0, limits=probe_limits)
+        problem = probe_grammar(probe, lltok.eos_token, self.vocab_size, deadline)
+        if problem is not None:
+            raise _refusal(so, "cannot be served", problem)
+        template = llg.LLMatcher(lltok, text, log_level=0, limits=_limits(STEP_LIMITS))
+        if template.is_error():
+            raise _refusal(so, "cannot be compiled", _line(template.get_error()))
+        return CompiledGrammar(so.key, template, lltok.eos_token, self.vocab_size)
+
+
+def _limits(values: dict[str, int]) -> Any:
+    """llguidance's ``LLParserLimits`` with ``values``; its errors never carry the grammar (``verbose_errors``)."""
+    import llguidance as llg
+
+    return llg.LLParserLimits(
+        max_items_in_row=values["max_items_in_row"],
+        step_lexer_fuel=values["step_lexer_fuel"],
+        step_max_items=values["step_max_items"],
+        max_lexer_states=values["max_lexer_states"],
+        verbose_errors=False,
+    )
+
+
+def _line(text: str, limit: int = 300) -> str:
+    """An llguidance message on one line, at most ``limit`` characters (it may quote the grammar)."""
+    flat = " ".join(text.replace("<non-verbose/>", "").split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _refusal(so: StructuredOutputsParams, what: str, why: str) -> ParamError:
+    return ParamError("structured_outputs", f"structured_outputs.{so.kind} {what}: {why}")
+
+
+def probe_grammar(matcher: Any, eos_token: int, vocab_size: int, deadline: float) -> str | None:
+    """Run ``matcher`` (a fresh llguidance ``LLMatcher``) as the step will: ``PROBE_WALKS`` seeded walks of up
+    to ``PROBE_TOKENS`` tokens, each position computing the mask and the forced tokens, then consuming a
+    sampled allowed token (never the end while anything else is allowed).  Returns why the grammar cannot
+    be served (llguidance's error in words), or None.  ``deadline``: ``time.thread_time()`` to stop at."""
+    mask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
+    for walk in range(PROBE_WALKS):
+        rng = random.Random(walk)
+        for position in range(PROBE_TOKENS):
+            if time.thread_time() > deadline:
+                return f"checking it took more than {COMPILE_CPU_SECONDS:g} s of CPU time"
+            matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            if matcher.is_error():
+                return _matcher_problem(matcher)
+            allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab_size])
+            if position == 0 and walk == 0 and not len(allowed):
+                return _EMPTY
+            choices = allowed[allowed != eos_token]
+            if not len(choices):
+                break  # complete: only the end may follow
+            matcher.compute_ff_tokens()
+            if not matcher.is_error():
+                matcher.consume_token(int(choices[rng.randrange(len(choices))]))
+            if matcher.is_error():
+                return _matcher_problem(matcher)
+            if matcher.is_stopped():
+                break
+        matcher.reset()
+    return None
+
+
+_EMPTY = (
+    "it allows no output at all (nothing can match it: e.g. a $ref that only refers to itself, or a "
+    "character class that matches no character)"
+)
+
+
+def _matcher_problem(matcher: Any) -> str:
+    """An llguidance matcher's error state in words (never the grammar: its errors are not verbose)."""
+    reason = str(matcher.stop_reason())  # "InternalError" for most: the error's text names the cause
+    detail = _line(matcher.get_error())
+    if detail.startswith(("NoExtension", "NoExtensionBias")):
+        return _EMPTY
+    if reason == "ParserTooComplex" or detail.startswith("Parser Error"):
+        return f"it is too complex for the grammar engine ({detail})"
+    if reason == "LexerTooComplex" or "lexer" in detail.lower():
+        return f"its regular expressions are too complex for the grammar engine ({detail})"
+    return detail
+
+
+_STACK_LOCK = threading.Lock()
+
+
+def on_large_stack(fn: Callable[[], T]) -> T:
+    """``fn()`` on a fresh thread with a ``COMPILE_STACK_BYTES`` stack (llguidance recurses once per nesting
+    level of a grammar: an 8 MiB stack overflows, killing the process, at ~3,000 levels); returns its result
+    or raises its exception in the caller."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    with _STACK_LOCK:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="mechserve-grammar", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    result: T = box["result"]
+    return result
 
 
 class GrammarMatcher:
@@ -440,8 +605,11 @@ def is_allowed(bitmask: torch.Tensor, row: int, token: int) -> bool:
 
 
 __all__ = [
+    "COMPILE_CPU_SECONDS",
     "GRAMMAR_CACHE_SIZE",
     "JSON_DEFAULTS",
+    "PROBE_LIMITS",
+    "STEP_LIMITS",
     "CompiledGrammar",
     "GrammarCompiler",
     "GrammarMatcher",
@@ -450,5 +618,7 @@ __all__ = [
     "grammar_text",
     "is_allowed",
     "new_bitmask",
+    "on_large_stack",
+    "probe_grammar",
     "set_bit",
 ]

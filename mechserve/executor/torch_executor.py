@@ -35,11 +35,21 @@ shorter than its window is padded with the last known id (a pad is verified like
 Proposing fewer guesses than the window holds therefore saves nothing here; the control side
 avoids it by sizing the windows (``advise``, used by ``EngineCore``; see ``speculative``).
 
-The executor keeps each request's token history (known ids from the plans, plus its own accepted
-outputs) for the proposer.  A plan may begin mid-prompt after a prefix-cache hit: positions it never
-saw are kept as unknown (-1) unless the prompt was registered with ``add_request``.  The control
-side decides what stays (rollback, EOS, stop ids, freeing pages).  Requests that ask for
-``logprobs`` get one ``TokenLogprobs`` per appended id on a side channel, ``take_logprobs``.
+Each registered request has one state object (``_RequestState``): its record (``ExecutorRequest``:
+prompt, params, end ids, bad-word ids, compiled grammar), its token history (known ids from the plans,
+plus its own accepted outputs) for the proposer and the filters, its logprobs not yet taken, its
+prompt-logprobs progress, its grammar matcher and its source of forced ids.  A plan may begin
+mid-prompt after a prefix-cache hit: positions it never saw are kept as unknown (-1) unless the prompt
+was registered with ``add_request``.  The control side decides what stays (rollback, EOS, stop ids,
+freeing pages).  Requests that ask for ``logprobs`` get one ``TokenLogprobs`` per appended id on a
+side channel, ``take_logprobs``.
+
+A request that fails on its own account inside ``execute`` fails alone (the protocol's
+``take_failures``): its grammar matcher raising while its rows are masked or its forced ids are found
+(the request's rows are then unmasked, it forces nothing), or its row's logits processing raising
+(``RowError``: its rows are chosen again as plain greedy rows).  Its item still gets a valid outcome,
+every other request's outcome is the one it would have had, and the control side ends it keeping
+nothing of this step.
 ``stats()`` counts target forwards, proposed and accepted guesses (``ExecutorStats``).  A decode
 window's guesses are counted, and fed to the acceptance estimates, only when the control side says
 how many of them the request kept (``settle``, after the step's cuts at an EOS or stop id or a stop
@@ -66,27 +76,22 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from typing import Any, TypeVar
 
 import torch
 
 from mechserve.api.config import SpeculativeConfig
+from mechserve.api.errors import first_line
 from mechserve.api.outputs import TokenLogprobs
-from mechserve.api.params import GREEDY, SamplingParams
+from mechserve.api.params import GREEDY
+from mechserve.api.proposers import DEFAULT_MODEL_METHOD, ProposerContext, ProposerMethod, proposer_method
 from mechserve.executor.forcing import ForcedSource
-from mechserve.executor.governor import Acceptance, Candidate, Governor, draft_governor
-from mechserve.executor.proposers import (
-    CallableProposer,
-    Draft,
-    DraftModelProposer,
-    NgramProposer,
-    Window,
-    propose_ngram,
-)
-from mechserve.executor.proposers import Proposer as DraftProposer
-from mechserve.executor.protocol import ExecutorStats
-from mechserve.executor.sampling import Row, Sampler, sampling_logits, token_logprobs
-from mechserve.executor.structured import CompiledGrammar, GrammarMatcher, allowed_rows, new_bitmask
+from mechserve.executor.governor import Acceptance, Candidate, Governor
+from mechserve.executor.proposers import CallableProposer, Draft, Proposer, Window
+from mechserve.executor.protocol import ExecutorStats, RequestFailure
+from mechserve.executor.request import ExecutorRequest
+from mechserve.executor.sampling import Row, RowError, Sampler, sampling_logits, token_logprobs
+from mechserve.executor.structured import GrammarMatcher, allowed_rows, new_bitmask
 from mechserve.executor.verify import verify_draft
 from mechserve.kv.paged import AttentionBatch, Span, build_attention_batch
 from mechserve.model.protocol import Model
@@ -94,29 +99,7 @@ from mechserve.spec.m14_forced_runs import Outcome, PlanItem
 
 # (history, num) -> up to num point-mass guesses; the executor pads a short proposal with the last known id.
 ProposerFn = Callable[[Sequence[int], int], Sequence[int]]
-# For callers that import the old name.
-Proposer = ProposerFn
-
-
-@dataclass(frozen=True, slots=True)
-class _Sampling:
-    """What sampling needs of one request: its params, the ids min_tokens bans, its prompt length
-    and its bad words' token ids (for penalties and filters)."""
-
-    params: SamplingParams
-    banned: tuple[int, ...]
-    prompt_len: int = 0
-    bad_words: tuple[tuple[int, ...], ...] = ()
-
-    def row(self, token_index: int, history: Sequence[int]) -> Row:
-        """The sampling row of output token ``token_index``; ``history``: every id before it (only kept
-        when the params need it)."""
-        if not self.params.filtered:
-            return Row(self.params, token_index, self.banned)
-        return Row(self.params, token_index, self.banned, tuple(history), self.prompt_len, self.bad_words)
-
-
-_DEFAULT = _Sampling(GREEDY, ())
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -138,7 +121,54 @@ class _PromptLogprobs:
         return self.next < self.prompt_len
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
+class _RequestState:
+    """Everything this executor keeps for one request (module docstring), built from its record.
+
+    ``banned``: the ids min_tokens bans (its end ids, while the output is shorter than min_tokens);
+    ``history``: its ids by position (-1 = unknown); ``logprobs``: recorded, not yet taken;
+    ``prompt_logprobs``: with ``params.prompt_logprobs`` and a prompt; ``matcher``: its grammar's
+    matcher (a constrained request); ``forcer``: another source of forced ids (m14; ``set_forcer``);
+    ``failed``: it failed in this step (its hooks are skipped until it leaves).
+    """
+
+    record: ExecutorRequest
+    banned: tuple[int, ...] = ()
+    history: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: _PromptLogprobs | None = None
+    matcher: GrammarMatcher | None = None
+    forcer: ForcedSource | None = None
+    failed: bool = False
+
+    @classmethod
+    def of(cls, record: ExecutorRequest) -> _RequestState:
+        """A registered request's state: its prompt as the first ids of its history."""
+        p = record.params
+        state = cls(record, record.end_ids() if p.min_tokens > 0 else (), list(record.prompt_ids))
+        if p.prompt_logprobs is not None and record.prompt_ids:
+            state.prompt_logprobs = _PromptLogprobs(p.prompt_logprobs, record.prompt_ids)
+        if record.grammar is not None:
+            if not record.prompt_ids:
+                raise ValueError(f"{record.request_id}: a constrained request must be registered with its prompt")
+            state.matcher = record.grammar.matcher(record.eos_token_ids)
+        return state
+
+    @property
+    def output(self) -> list[int]:
+        """The output ids this executor knows (``history`` after the prompt)."""
+        return self.history[self.record.prompt_len :]
+
+    def row(self, token_index: int, history: Sequence[int]) -> Row:
+        """The sampling row of output token ``token_index``; ``history``: every id before it (only kept
+        when the params need it)."""
+        r = self.record
+        if not r.params.filtered:
+            return Row(r.params, token_index, self.banned, request=r)
+        return Row(r.params, token_index, self.banned, tuple(history), r.prompt_len, request=r)
+
+
+@dataclass(slots=True)
 class _Step:
     """One step's flat batch.
 
@@ -148,7 +178,8 @@ class _Step:
     per item, the indices into the R rows whose logprobs are recorded (empty for items that do not
     ask), and ``num_logprobs`` the N of each of those rows; ``prompt_rows``: per request recording
     prompt logprobs this step, ``(request_id, first prompt position, count)``, whose logits follow
-    the R sampling rows in order (``logit_rows`` holds them after the R).
+    the R sampling rows in order (``logit_rows`` holds them after the R).  ``rows`` is replaced in
+    place for a request that fails (``_isolated``).
     """
 
     input_ids: torch.Tensor
@@ -171,14 +202,14 @@ class TorchExecutor:
 
     The cache geometry must equal the engine's (the engine's page ids index this cache).
     ``kv_dtype`` defaults to the model's dtype; ``sampler`` chooses tokens (default: a ``Sampler``
-    with a fresh seed for unseeded requests).  Guesses come from, in this order: ``draft_model`` (a
-    ``Model`` with the target's vocabulary, its KV in its own pages of the same geometry),
-    ``proposer`` (a ``(history, num) -> ids`` function), prompt lookup with the n-gram bounds of
-    ``speculative`` (``NgramProposer``), or without ``speculative`` the original ``propose_ngram``
-    (``max_ngram``, the most recent match).  ``governor`` prices guesses for ``advise``
-    (default: the CPU costs, with the draft model's own rounds).  Raises ``ValueError`` for a
-    draft model with another vocabulary, or a ``speculative`` method that does not match
-    ``draft_model``.
+    with a fresh seed for unseeded requests).  Guesses come from ``proposer`` (a ``(history, num) ->
+    ids`` function; tests rig drafts with it), else from the method of ``speculative`` (default:
+    prompt lookup with ``SpeculativeConfig``'s n-gram bounds), built by its entry in the registry of
+    proposers (``mechserve.api.proposers``) with ``draft_model`` when the method has a model (a
+    ``Model`` with the target's vocabulary, its KV in its own pages of the same geometry).
+    ``governor`` prices guesses for ``advise`` (default: the method's, e.g. the draft model's own
+    rounds).  Raises ``ValueError`` for a draft model with another vocabulary, a model given to a
+    model-free method, or a method that needs a model without one.
     """
 
     def __init__(
@@ -188,7 +219,6 @@ class TorchExecutor:
         page_size: int,
         *,
         kv_dtype: torch.dtype | None = None,
-        max_ngram: int = 3,
         sampler: Sampler | None = None,
         proposer: ProposerFn | None = None,
         speculative: SpeculativeConfig | None = None,
@@ -199,55 +229,55 @@ class TorchExecutor:
         self.page_size = page_size
         self.kv_dtype = kv_dtype
         self.cache = model.new_cache(num_pages, page_size, kv_dtype)
-        self.max_ngram = max_ngram
         self.sampler = sampler or Sampler()
         self.speculative = speculative
-        self.proposer: DraftProposer = self._new_proposer(num_pages, kv_dtype, proposer, draft_model)
-        max_k = speculative.num_speculative_tokens if speculative is not None else 8
-        self.governor = governor or (draft_governor(draft_model, model, max_k) if draft_model else Governor())
+        spec = speculative or SpeculativeConfig()
+        # without a config, a draft model given means the model-based method
+        method = proposer_method(DEFAULT_MODEL_METHOD if speculative is None and draft_model else spec.method)
+        self.proposer: Proposer = self._new_proposer(method, spec, num_pages, proposer, draft_model)
+        if governor is None:
+            governor = (
+                Governor()
+                if proposer is not None
+                else method.new_governor(draft_model, model, spec.num_speculative_tokens)
+            )
+        self.governor = governor
         self.acceptance = Acceptance()
         self.counters = ExecutorStats()
         self._proposed: list[int] = []  # this step's proposal lengths, per item (before padding)
         self._windows: dict[str, tuple[int, int]] = {}  # this step's decode windows: (slots, proposed), until settled
-        self._history: dict[str, list[int]] = {}
-        self._sampling: dict[str, _Sampling] = {}
-        self._logprobs: dict[str, list[TokenLogprobs]] = {}
-        self._prompt_logprobs: dict[str, _PromptLogprobs] = {}
-        self._forcers: dict[str, ForcedSource] = {}  # m14: per request, where its forced ids come from
-        self._matchers: dict[str, GrammarMatcher] = {}
+        self._requests: dict[str, _RequestState] = {}
+        self._failures: list[RequestFailure] = []
         # Structured outputs' cost on the step: seconds spent syncing matchers and filling and unpacking
-        # masks (``_mask_rows``), and the sampling rows masked (read by ``mechserve bench structured``).
+        # masks (``_mask_rows``; read by ``mechserve bench structured``).
         self.grammar_mask_s = 0.0
-        self.grammar_rows = 0
 
     def _new_proposer(
-        self, num_pages: int, kv_dtype: torch.dtype | None, fn: ProposerFn | None, draft: Model | None
-    ) -> DraftProposer:
-        spec = self.speculative
+        self,
+        method: ProposerMethod,
+        spec: SpeculativeConfig,
+        num_pages: int,
+        fn: ProposerFn | None,
+        draft: Model | None,
+    ) -> Proposer:
         if draft is not None:
-            if spec is not None and spec.method != "draft":
-                raise ValueError(f'a draft model was given but the speculative method is "{spec.method}"')
+            if not method.needs_model:
+                raise ValueError(f'a draft model was given but the speculative method "{method.name}" uses none')
             if draft.arch.vocab_size != self.model.arch.vocab_size:
                 raise ValueError(
                     f"the draft model's vocabulary ({draft.arch.vocab_size} ids) differs from the target's "
                     f"({self.model.arch.vocab_size})"
                 )
-            return DraftModelProposer(draft, num_pages, self.page_size, self.sampler, kv_dtype=kv_dtype)
-        if spec is not None and spec.method == "draft":
-            raise ValueError('speculative method "draft" needs a draft_model')
+        elif method.needs_model:
+            raise ValueError(f'speculative method "{method.name}" needs a draft_model')
         if fn is not None:
             return CallableProposer(fn)
-        if spec is None:  # the original prompt lookup: most recent match, padded by the proposer itself
-            return CallableProposer(partial(propose_ngram, max_ngram=self.max_ngram))
-        return NgramProposer(spec.ngram_min, spec.ngram_max)
-
-    @property
-    def draft_cache(self) -> object | None:
-        """The draft model's paged KV cache (None without a draft model)."""
-        return getattr(self.proposer, "cache", None)
+        context = ProposerContext(spec, self.model, draft, num_pages, self.page_size, self.sampler, self.kv_dtype)
+        proposer: Proposer = method.builder()(context)
+        return proposer
 
     def rank_executors(self) -> list[TorchExecutor]:
-        """One rank: m14's group joins this executor alone."""
+        """One rank: this executor alone."""
         return [self]
 
     def stats(self) -> ExecutorStats:
@@ -257,47 +287,30 @@ class TorchExecutor:
     def close(self) -> None:
         """Nothing to stop: the model and the KV cache live in this process."""
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int] | None = None,
-        params: SamplingParams = GREEDY,
-        *,
-        eos_token_ids: Sequence[int] = (),
-        stop_token_ids: Sequence[int] = (),
-        bad_words_ids: Sequence[Sequence[int]] = (),
-        grammar: CompiledGrammar | None = None,
-    ) -> None:
-        """Register a request's sampling params, its end ids and (optionally) its prompt, for drafting,
-        penalties and prompt logprobs.
+    # Requests -----------------------------------------------------------------------------------------------------
 
-        ``grammar``: the compiled ``params.structured_outputs`` (``GrammarCompiler.compile``, done by
-        the caller before admission); the request gets its own matcher, and every sampling row of it
-        is masked by the grammar.  A constrained request needs ``prompt_ids``.
+    def add_request(self, request: ExecutorRequest) -> None:
+        """Register a request's record (``ExecutorRequest``): its sampling params, end ids, prompt (for
+        drafting, penalties and prompt logprobs), bad words as token ids and compiled grammar.
 
-        While fewer than ``params.min_tokens`` tokens exist, the stop ids
-        (``stop_token_ids`` and ``params.stop_token_ids``) and, unless
-        ``params.ignore_eos``, the ``eos_token_ids`` are never chosen.
-        ``bad_words_ids``: ``params.bad_words`` as token ids (the control side tokenizes them).
-        Penalties, bad words and ``params.prompt_logprobs`` need ``prompt_ids``.  An unregistered
-        request is greedy with no min_tokens.
+        A constrained request (``request.grammar``) gets its own matcher, and every sampling row of it is
+        masked by the grammar; it needs its prompt.  While fewer than ``params.min_tokens`` tokens exist,
+        its stop ids and, unless ``params.ignore_eos``, its EOS ids are never chosen.  An unregistered
+        request is greedy with no min_tokens.  Raises ``ValueError`` for a constrained request without a
+        prompt.
         """
-        ends = [*stop_token_ids, *params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]
-        banned = tuple(dict.fromkeys(ends)) if params.min_tokens > 0 else ()
-        prompt_len = len(prompt_ids) if prompt_ids is not None else 0
-        bad = tuple(tuple(w) for w in bad_words_ids if w)
-        self._sampling[request_id] = _Sampling(params, banned, prompt_len, bad)
-        self._logprobs.pop(request_id, None)
-        self._prompt_logprobs.pop(request_id, None)
-        if params.prompt_logprobs is not None and prompt_ids is not None:
-            self._prompt_logprobs[request_id] = _PromptLogprobs(params.prompt_logprobs, tuple(prompt_ids))
-        if prompt_ids is not None:
-            self._history[request_id] = list(prompt_ids)
-        self._matchers.pop(request_id, None)
-        if grammar is not None:
-            if prompt_ids is None:
-                raise ValueError(f"{request_id}: a constrained request must be registered with its prompt")
-            self._matchers[request_id] = grammar.matcher(eos_token_ids)
+        state = _RequestState.of(request)
+        earlier = self._requests.get(request.request_id)
+        if earlier is not None:  # a source of forced ids given before the request was registered stays
+            state.forcer = earlier.forcer
+        self._requests[request.request_id] = state
+
+    def _state(self, request_id: str) -> _RequestState:
+        """The state of ``request_id``, made (greedy, no prompt) for a request never registered."""
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._requests[request_id] = _RequestState(ExecutorRequest(request_id))
+        return state
 
     def matcher(self, request_id: str) -> GrammarMatcher | None:
         """The grammar matcher of a constrained request (None for another), e.g. for its ``forced_tokens()``.
@@ -305,15 +318,16 @@ class TorchExecutor:
         Its state is synced to the request's output at each of its sampling rows; between steps it is
         the state after the ids this executor last saw kept (call ``sync_matcher`` for the current
         output)."""
-        return self._matchers.get(request_id)
+        state = self._requests.get(request_id)
+        return None if state is None else state.matcher
 
     def sync_matcher(self, request_id: str) -> GrammarMatcher | None:
         """The matcher of ``request_id`` brought to the state after every output id this executor knows."""
-        m = self._matchers.get(request_id)
-        if m is not None:
-            s = self._sampling[request_id]
-            m.sync(self._history[request_id][s.prompt_len :])
-        return m
+        state = self._requests.get(request_id)
+        if state is None or state.matcher is None:
+            return None
+        state.matcher.sync(state.output)
+        return state.matcher
 
     def set_forcer(self, request_id: str, source: ForcedSource | None) -> None:
         """Give ``request_id`` a source of forced ids (m14; its grammar's matcher), or take it away (None).
@@ -323,21 +337,28 @@ class TorchExecutor:
         A request that asks for logprobs is not forced: a forced id has no logits when it is
         appended, and the grammar's mask gives the same id one step later.
         """
-        if source is None:
-            self._forcers.pop(request_id, None)
-        else:
-            self._forcers[request_id] = source
+        self._state(request_id).forcer = source
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's history, params, drafting state and untaken logprobs (take them first)."""
-        self._forcers.pop(request_id, None)
-        self._history.pop(request_id, None)
-        self._sampling.pop(request_id, None)
-        self._logprobs.pop(request_id, None)
-        self._prompt_logprobs.pop(request_id, None)
-        self._matchers.pop(request_id, None)
-        self.proposer.release(request_id)
+        """Forget a request that left: its state (history, params, untaken logprobs: take them first), its
+        drafting state and acceptance estimate; the proposer is told its output (``Proposer.release``)."""
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            self.proposer.release(state.record, state.output)
         self.acceptance.release(request_id)
+
+    def take_failures(self) -> list[RequestFailure]:
+        """The requests that failed on their own account in the last ``execute`` (module docstring), then
+        forget them."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def _fail(self, request_id: str, param: str | None, exc: BaseException) -> None:
+        """``request_id`` failed inside this step: report it once (one line), skip its hooks from now on."""
+        state = self._state(request_id)
+        if not state.failed:
+            state.failed = True
+            self._failures.append(RequestFailure(request_id, param, f"{type(exc).__name__}: {first_line(exc)}"))
 
     def settle(self, windows: Mapping[str, int]) -> None:
         """Count this step's decode windows by what each request kept: ``windows[id]`` accepted guesses.
@@ -362,7 +383,8 @@ class TorchExecutor:
 
     def history(self, request_id: str) -> list[int]:
         """The ids this executor knows for ``request_id``, by position (-1 = unknown)."""
-        return list(self._history.get(request_id, ()))
+        state = self._requests.get(request_id)
+        return [] if state is None else list(state.history)
 
     def take_logprobs(self, request_id: str) -> list[TokenLogprobs]:
         """What was recorded for ``request_id`` since the last call, then forget it.
@@ -373,7 +395,11 @@ class TorchExecutor:
         were appended (an EOS or stop id inside an accepted run, a length
         cap): cut to the step record's ``tokens``.
         """
-        return self._logprobs.pop(request_id, [])
+        state = self._requests.get(request_id)
+        if state is None:
+            return []
+        found, state.logprobs = state.logprobs, []
+        return found
 
     def take_prompt_logprobs(self, request_id: str) -> list[TokenLogprobs]:
         """The prompt logprobs recorded for ``request_id`` since the last call, then forget them.
@@ -383,10 +409,10 @@ class TorchExecutor:
         ``params.prompt_logprobs`` and its prompt.  Every position is recorded by the end of the
         step that samples the request's first token.
         """
-        state = self._prompt_logprobs.get(request_id)
-        if state is None:
+        state = self._requests.get(request_id)
+        if state is None or state.prompt_logprobs is None:
             return []
-        found, state.found = state.found, []
+        found, state.prompt_logprobs.found = state.prompt_logprobs.found, []
         return found
 
     def advise(self, caps: Sequence[tuple[str, int]], max_k: int) -> int:
@@ -395,14 +421,18 @@ class TorchExecutor:
         ``caps``: ``(request_id, cap)`` per caught-up request, ``cap`` the guesses the spec allows it
         (``min(max_k, max_new_tokens - generated - 1)``).  Asks the proposer how many guesses it has
         for each (from the ids this executor knows) and weighs them with each request's acceptance so
-        far (``Governor.choose``).
+        far (``Governor.choose``); a request backing off (``Acceptance.waiting``) counts as having none.
         """
-        candidates = [
-            Candidate(cap, self.proposer.available(self._history.get(rid, ()), cap), self.acceptance.rate(rid))
-            for rid, cap in caps
-            if cap > 0 and self._history.get(rid)
-        ]
+        candidates = []
+        for rid, cap in caps:
+            state = self._requests.get(rid)
+            if cap > 0 and state is not None and state.history:
+                waiting = self.acceptance.waiting(rid)  # its guesses kept failing: it sits this one out
+                found = 0 if waiting else self.proposer.available(state.record, state.history, cap)
+                candidates.append(Candidate(cap, found, self.acceptance.rate(rid)))
         return self.governor.choose(candidates, max_k)
+
+    # One step -----------------------------------------------------------------------------------------------------
 
     def execute(self, plan: tuple[PlanItem, ...]) -> tuple[Outcome, ...]:
         """Run one step: drafts, one target forward over all items, then verdicts and sampled ids per item."""
@@ -410,7 +440,7 @@ class TorchExecutor:
         if not plan:
             return ()
         windows = [self._window(item) for item in plan]
-        proposed = self.proposer.propose(windows)
+        proposed = self._isolated(windows, lambda: self.proposer.propose(windows))
         self._proposed = [len(d.tokens) for d in proposed]
         step = self._flatten(plan, [self._fill(d, w) for d, w in zip(proposed, windows)])
         self._recompute_prompt_logprobs(plan)
@@ -421,16 +451,35 @@ class TorchExecutor:
         sampling = logits[: len(step.rows)]
         if step.prompt_rows:
             self._record_prompt_logprobs(step.prompt_rows, logits[len(step.rows) :])
-        targets = self._targets(step, sampling)
+        targets = self._isolated(step.rows, lambda: self._targets(step, sampling))
         recorded = self._record_logprobs(step, sampling, targets) if step.num_logprobs else None
         return self._verdicts(plan, step.guesses, targets, recorded)
+
+    def _isolated(self, rows: list[Any], call: Callable[[], T]) -> T:
+        """``call()``, with a request whose row processing raises (``RowError``) failed alone: its rows among
+        ``rows`` (sampling ``Row``s, or proposer ``Window``s and their first rows) become plain greedy rows and
+        the call runs again.  Processing happens before any random draw, so the other rows draw what they
+        would have."""
+        while True:
+            try:
+                return call()
+            except RowError as e:
+                request = e.row.request
+                if request is None or self._state(request.request_id).failed:
+                    raise e.cause from e
+                self._fail(request.request_id, None, e.cause)
+                for j, x in enumerate(rows):
+                    row: Row = x.row if isinstance(x, Window) else x
+                    if row.request is not None and row.request.request_id == request.request_id:
+                        plain = Row(GREEDY, row.token_index, request=row.request)
+                        rows[j] = dataclasses.replace(x, row=plain) if isinstance(x, Window) else plain
 
     def _recompute_prompt_logprobs(self, plan: tuple[PlanItem, ...]) -> None:
         """Record the prompt logprobs a request needs at positions this step does not compute for it
         (served from the prefix cache): one forward of its prompt up to its first computed position,
         alone, into a scratch KV cache."""
         for item in plan:
-            state = self._prompt_logprobs.get(item.request_id)
+            state = self._requests[item.request_id].prompt_logprobs
             if state is None or not state.pending or item.start_position < state.next:
                 continue
             upto = item.start_position  # positions [0, upto) are cached; their rows give tokens 1 .. upto
@@ -443,7 +492,7 @@ class TorchExecutor:
                 list(range(upto)),
                 ps,
                 arch.num_heads // arch.num_kv_heads,
-                self.model.distinct_windows,
+                self.model.distinct_sliding_windows,
             )
             first = state.next  # the prompt position whose logprob the first recomputed row gives
             rows = torch.arange(first - 1, upto, dtype=torch.int64)
@@ -462,13 +511,14 @@ class TorchExecutor:
         """Record ``(request_id, first position, count)`` prompt logprobs from ``logits`` (their rows, in order)."""
         targets: list[int] = []
         tops: list[int] = []
-        for rid, first, count in prompt_rows:
-            state = self._prompt_logprobs[rid]
+        states = [self._requests[rid].prompt_logprobs for rid, _, _ in prompt_rows]
+        for state, (_, first, count) in zip(states, prompt_rows):
+            assert state is not None
             targets += state.prompt[first : first + count]
             tops += [state.num_top] * count
         found = iter(token_logprobs(logits[: len(targets)], targets, tops))
-        for rid, first, count in prompt_rows:
-            state = self._prompt_logprobs[rid]
+        for state, (_, first, count) in zip(states, prompt_rows):
+            assert state is not None
             state.found += [next(found) for _ in range(count)]
             state.next = first + count
 
@@ -493,9 +543,9 @@ class TorchExecutor:
             raise ValueError(
                 f"{item.request_id}: page table does not back position {item.start_position + item.num_tokens - 1}"
             )
-        hist = self._observe(item)
-        s = self._sampling.get(item.request_id, _DEFAULT)
-        return Window(item, hist, item.num_tokens - known, s.row(item.generated, hist))
+        state = self._state(item.request_id)
+        hist = self._observe(state, item)
+        return Window(item, hist, item.num_tokens - known, state.row(item.generated, hist))
 
     def _flatten(self, plan: tuple[PlanItem, ...], drafts: list[Draft]) -> _Step:
         """Lay the items out as one flat batch: known ids then guesses per item, in plan order."""
@@ -511,7 +561,9 @@ class TorchExecutor:
         prompt_rows: list[tuple[str, int, int]] = []
         prompt_logit_rows: list[int] = []
         ps = self.page_size
+        constrained: list[tuple[_RequestState, PlanItem, int, list[int]]] = []  # (state, item, first row, guesses)
         for item, d in zip(plan, drafts):
+            state = self._requests[item.request_id]
             known = len(item.token_ids)
             row = len(input_ids)
             spans.append(Span(row, item.start_position, item.num_tokens, item.page_table))
@@ -522,30 +574,32 @@ class TorchExecutor:
             if item.sample:
                 # the last known row predicts the first guess; each guess row predicts the next
                 logit_rows += range(row + known - 1, row + item.num_tokens)
-                s = self._sampling.get(item.request_id, _DEFAULT)
+                params = state.record.params
                 windows.append((len(rows), d))
-                before = self._history.get(item.request_id, []) if s.params.filtered else []
-                rows += [s.row(item.generated + j, [*before, *d.tokens[:j]]) for j in range(len(d.tokens) + 1)]
-                if s.params.logprobs is not None:
-                    num_logprobs += [s.params.logprobs] * len(span)
+                if state.matcher is not None and not state.failed:
+                    constrained.append((state, item, len(rows), list(d.tokens)))
+                before = state.history if params.filtered else []
+                rows += [state.row(item.generated + j, [*before, *d.tokens[:j]]) for j in range(len(d.tokens) + 1)]
+                if params.logprobs is not None:
+                    num_logprobs += [params.logprobs] * len(span)
                 else:
                     span = range(0)
             logprob_rows.append(span)
-            state = self._prompt_logprobs.get(item.request_id)
-            if state is not None and state.pending:
+            pl = state.prompt_logprobs
+            if pl is not None and pl.pending:
                 # position p's row gives prompt position p + 1's logprob; the recompute covered the rest
-                first = max(state.next, item.start_position + 1)
-                last = min(item.start_position + known, state.prompt_len - 1)  # inclusive
+                first = max(pl.next, item.start_position + 1)
+                last = min(item.start_position + known, pl.prompt_len - 1)  # inclusive
                 if first <= last:
                     prompt_rows.append((item.request_id, first, last - first + 1))
                     prompt_logit_rows += range(row + first - 1 - item.start_position, row + last - item.start_position)
-        if self._matchers:
+        if constrained:
             began = time.perf_counter()
-            self._mask_rows(plan, drafts, rows)
+            self._mask_rows(constrained, rows)
             self.grammar_mask_s += time.perf_counter() - began
         arch = self.model.arch
         batch = build_attention_batch(
-            spans, slots, ps, arch.num_heads // arch.num_kv_heads, self.model.distinct_windows
+            spans, slots, ps, arch.num_heads // arch.num_kv_heads, self.model.distinct_sliding_windows
         )
         return _Step(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
@@ -560,45 +614,41 @@ class TorchExecutor:
             prompt_rows=prompt_rows,
         )
 
-    def _mask_rows(self, plan: tuple[PlanItem, ...], drafts: list[Draft], rows: list[Row]) -> None:
+    def _mask_rows(self, constrained: list[tuple[_RequestState, PlanItem, int, list[int]]], rows: list[Row]) -> None:
         """Give each sampling row of a constrained request its grammar mask (``Row.allowed``), in place.
 
-        The request's matcher is first synced to its output so far (``hist[prompt_len:]``, which the
+        ``constrained``: per constrained sampling item, its state, the item, its first row and its guesses.  The
+        request's matcher is first synced to its output so far (``history[prompt_len:]``, which the
         item's known ids end: a rejected guess, a stop cut or a recompute after preemption rolls it
         back or rebuilds it); row ``j`` of a decode window gets the state after the window's first
-        ``j`` guesses (``GrammarMatcher.window_masks``)."""
-        todo: list[tuple[GrammarMatcher, int, list[int]]] = []
-        first = 0
-        for item, d in zip(plan, drafts):
-            if not item.sample:
-                continue
-            m = self._matchers.get(item.request_id)
-            if m is not None:
-                s = self._sampling[item.request_id]
-                hist = self._history[item.request_id]
-                output = hist[s.prompt_len :]
+        ``j`` guesses (``GrammarMatcher.window_masks``).  A request whose matcher raises fails alone
+        (``_fail``): its rows stay unmasked."""
+        bitmask = new_bitmask(sum(len(g) + 1 for _, _, _, g in constrained), self.model.arch.vocab_size)
+        masked: list[tuple[int, int, int]] = []  # (first row, rows, first bitmask row)
+        at = 0
+        for state, item, first, guesses in constrained:
+            m = state.matcher
+            assert m is not None
+            try:
+                output = state.output
                 if len(output) != item.generated or -1 in output:
                     raise ValueError(
                         f"{item.request_id}: the executor knows {len(output)} output id(s) of {item.generated} "
                         "(a constrained request needs its whole output)"
                     )
                 m.sync(output)
-                todo.append((m, first, list(d.tokens)))
-            first += len(d.tokens) + 1
-        if not todo:
-            return
-        bitmask = new_bitmask(sum(len(g) + 1 for _, _, g in todo), self.model.arch.vocab_size)
-        at = 0
-        for m, _, guesses in todo:
-            m.window_masks(guesses, bitmask, at)
+                m.window_masks(guesses, bitmask, at)
+            except Exception as exc:
+                self._fail(state.record.request_id, "structured_outputs", exc)
+                continue
+            masked.append((first, len(guesses) + 1, at))
             at += len(guesses) + 1
-        allowed = allowed_rows(bitmask, self.model.arch.vocab_size)  # [C, V] bool
-        self.grammar_rows += allowed.shape[0]
-        at = 0
-        for _, first, guesses in todo:
-            for j in range(len(guesses) + 1):
-                rows[first + j] = rows[first + j]._replace(allowed=allowed[at])
-                at += 1
+        if not masked:
+            return
+        allowed = allowed_rows(bitmask[:at], self.model.arch.vocab_size)  # [C, V] bool
+        for first, count, mask_at in masked:
+            for j in range(count):
+                rows[first + j] = rows[first + j]._replace(allowed=allowed[mask_at + j])
 
     def _targets(self, step: _Step, logits: torch.Tensor) -> list[int]:
         """One id per sampling row, such that accepting each window's guesses while they equal the ids is the verdict.
@@ -651,17 +701,18 @@ class TorchExecutor:
             ids: tuple[int, ...] = ()
             forced: tuple[int, ...] = ()  # m14
             if item.sample:
+                state = self._requests[item.request_id]
                 t = targets[offset : offset + len(g) + 1]
                 offset += len(g) + 1
                 if item.decode:
                     while accepted < len(g) and g[accepted] == t[accepted]:
                         accepted += 1
                 ids = (*g[:accepted], t[accepted])
-                self._history[item.request_id] += ids
-                forced = self._forced(item.request_id, ids)
+                state.history += ids
+                forced = self._forced(state, ids)
                 if recorded is not None and recorded[n]:
                     # accepted guesses equal the targets, so the appended ids are t0 .. t_a
-                    self._logprobs.setdefault(item.request_id, []).extend(recorded[n][: accepted + 1])
+                    state.logprobs.extend(recorded[n][: accepted + 1])
             if item.decode:  # counted once the control side says what was kept (settle)
                 self._windows[item.request_id] = (len(g), self._proposed[n])
             outcomes.append(
@@ -669,40 +720,47 @@ class TorchExecutor:
             )
         return tuple(outcomes)
 
-    def _forced(self, request_id: str, ids: tuple[int, ...]) -> tuple[int, ...]:
-        """m14: tell the request's forced-id source what was appended; the ids it forces next (often none)."""
-        source = self._forcers.get(request_id)
-        if self._sampling.get(request_id, _DEFAULT).params.logprobs is not None:
+    def _forced(self, state: _RequestState, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """m14: tell the request's forced-id source what was appended; the ids it forces next (often none).
+
+        A source that raises fails the request alone (it forces nothing)."""
+        if state.failed or state.record.params.logprobs is not None:
             return ()
-        if source is None:
-            return self._grammar_forced(request_id)
-        source.consume_tokens(ids)
-        forced = tuple(source.forced_tokens())
+        try:
+            if state.forcer is None:
+                forced = self._grammar_forced(state)
+            else:
+                state.forcer.consume_tokens(ids)
+                forced = tuple(state.forcer.forced_tokens())
+                if forced:
+                    state.forcer.consume_tokens(forced)
+        except Exception as exc:
+            self._fail(state.record.request_id, "structured_outputs" if state.matcher else None, exc)
+            return ()
         if forced:
-            source.consume_tokens(forced)
-            self._history[request_id] += forced
+            state.history += forced
             self.counters.forced += len(forced)
         return forced
 
-    def _grammar_forced(self, request_id: str) -> tuple[int, ...]:
+    def _grammar_forced(self, state: _RequestState) -> tuple[int, ...]:
         """m14 for a constrained request: the ids its grammar's mask allows alone, one after another (at
-        most ``MAX_FORCED_RUN``), consumed by its matcher and appended to its history."""
-        m = self.sync_matcher(request_id)
+        most ``MAX_FORCED_RUN``), consumed by its matcher."""
+        m = state.matcher
+        if m is None:
+            return ()
+        m.sync(state.output)
         forced: list[int] = []
-        while m is not None and len(forced) < MAX_FORCED_RUN:
+        while len(forced) < MAX_FORCED_RUN:
             token = m.only_token()
             if token is None:
                 break
             m.accept([token])
             forced.append(token)
-        if forced:
-            self._history[request_id] += forced
-            self.counters.forced += len(forced)
         return tuple(forced)
 
-    def _observe(self, item: PlanItem) -> list[int]:
+    def _observe(self, state: _RequestState, item: PlanItem) -> list[int]:
         """Update the request's history with the item's known ids; it then ends at the first guess."""
-        hist = self._history.setdefault(item.request_id, [])
+        hist = state.history
         start = item.start_position
         if len(hist) < start:
             hist.extend([-1] * (start - len(hist)))
@@ -711,4 +769,4 @@ class TorchExecutor:
         return hist
 
 
-__all__ = ["Proposer", "ProposerFn", "TorchExecutor"]
+__all__ = ["ProposerFn", "TorchExecutor"]

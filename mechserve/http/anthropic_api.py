@@ -35,7 +35,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError
+from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError, RequestFailed
 from mechserve.api.outputs import ABORT, LENGTH, RequestOutput
 from mechserve.entrypoints.tools import CLOSE
 from mechserve.http.anthropic_protocol import CountTokensRequest, MessagesRequest
@@ -166,7 +166,10 @@ def anthropic_routes(app: FastAPI, path: ChatPath) -> None:
         state = MessageState(body, run, message_id)
         if body.stream:
             return NamedEventStream(_stream(state), run.handles)
-        outputs = await path.wait(request, run.handles)
+        try:
+            outputs = await path.wait(request, run)
+        except APIError as exc:
+            raise _named(body, exc) from None
         return JSONResponse(state.whole(outputs[0]))
 
     @app.post("/v1/messages/count_tokens")
@@ -184,8 +187,9 @@ def anthropic_routes(app: FastAPI, path: ChatPath) -> None:
             ids = await path.llm.tokenize(prompt)
         except EngineDeadError as exc:
             raise engine_error(exc) from None
-        except ValueError as exc:
-            raise _named(body, APIError(400, str(exc), param="messages", code="invalid_value")) from None
+        except ValueError as exc:  # the field a ParamError names (chat_template refused), else the messages
+            named = exc.param if isinstance(exc, ParamError) and exc.param != "prompt" else "messages"
+            raise _named(body, APIError(400, str(exc), param=named, code="invalid_value")) from None
         return JSONResponse({"input_tokens": len(ids)})
 
 
@@ -223,8 +227,8 @@ async def _stream(state: MessageState) -> AsyncGenerator[dict[str, Any], None]:
             if event.output is not None:
                 for e in state.end(event.output):
                     yield e
-    except (EngineStepError, EngineDeadError) as exc:
-        yield engine_error(exc).anthropic_body()
+    except (EngineStepError, EngineDeadError, RequestFailed) as exc:
+        yield _named(state.body, engine_error(exc, constraint=state.run.constraint)).anthropic_body()
     except APIError as exc:  # aborted by a shutdown
         yield exc.anthropic_body()
 

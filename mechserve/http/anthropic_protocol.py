@@ -18,6 +18,8 @@ extra keys and ``check_supported`` answers a non-neutral value with ``Unsupporte
     output_config.format            chat's response_format json_schema
     max_tokens, stop_sequences,     max_tokens, stop, temperature, top_p, top_k
       temperature, top_p, top_k
+    chat_template                   chat's chat_template (mechserve's; refused unless the server trusts
+                                    request templates)
 
 Errors name this API's fields: ``ParamError`` / ``UnsupportedField`` raised here, and ``rename`` maps what
 the chat path reports (``tools.0.function.parameters`` is ``tools.0.input_schema``).
@@ -33,9 +35,10 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import ConfigDict, Field, ValidationError
 
 from mechserve.api.errors import ParamError
+from mechserve.api.limits import MAX_NEW_TOKENS
 from mechserve.entrypoints.tools import MAX_TOOLS
 from mechserve.http.fields import COUNT_TOKENS, MESSAGES, refused_field
-from mechserve.http.protocol import MAX_STOP, MAX_TOKENS, ChatCompletionRequest, UnsupportedField, _Body
+from mechserve.http.protocol import MAX_STOP, ChatCompletionRequest, UnsupportedField, _Body
 
 MEDIA_BLOCKS = ("image", "document", "search_result")
 THINKING_BLOCKS = ("thinking", "redacted_thinking")
@@ -80,6 +83,7 @@ class _AnthropicBody(_Body):
     cache_control: CacheControl | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
+    chat_template: str | None = None  # vLLM's chat field (refused unless --trust-request-chat-template)
 
     def check_supported(self) -> None:
         """Raises ``UnsupportedField`` for a refused field (the table's) or an honoured field's refused value."""
@@ -172,6 +176,7 @@ class _AnthropicBody(_Body):
             "response_format": self.response_format(),
             "add_generation_prompt": False if prefill else None,
             "continue_final_message": True if prefill else None,
+            "chat_template": self.chat_template,
             **self.sampling(),
         }
         try:
@@ -210,7 +215,7 @@ class MessagesRequest(_AnthropicBody):
 
     endpoint: ClassVar[str] = MESSAGES
 
-    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)]
     stop_sequences: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
     stream: bool | None = None
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import secrets
 import time
 import uuid
@@ -40,7 +41,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mechserve import __version__
-from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError
+from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError, RequestFailed
 from mechserve.api.limits import MAX_REQUEST_BYTES
 from mechserve.api.outputs import ABORT, RequestOutput
 from mechserve.api.params import SamplingParams
@@ -73,17 +74,24 @@ def build_app(
     model_name: str | None = None,
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    trust_request_chat_template: bool = False,
     max_stored_responses: int = MAX_STORED_RESPONSES,
 ) -> FastAPI:
     """The server's app over ``llm``, answering to ``model_name`` (default ``llm.model_name``).
 
     With ``api_key`` every path but ``/health`` needs ``Authorization:
     Bearer <api_key>`` (or Anthropic's ``x-api-key: <api_key>``).  A request body over
-    ``max_request_bytes`` (default 4 MiB) is a 413 before anything reads it.  ``/v1/responses`` keeps
-    at most ``max_stored_responses`` responses (the oldest go first).  The app's lifespan starts
-    ``llm``'s engine thread if it is not running yet, and then also stops it.
+    ``max_request_bytes`` (default 4 MiB) is a 413 before anything reads it.  A chat template sent
+    with a request is refused (400 naming ``chat_template``) unless ``trust_request_chat_template``
+    (vLLM's ``--trust-request-chat-template``): then it is rendered in a sandbox process
+    (``llm.prompt_policy``, which every endpoint's prompts go through: chat, ``/tokenize``, and the
+    Responses and Messages requests translated into chat).  ``/v1/responses`` keeps at most
+    ``max_stored_responses`` responses (the oldest go first).  The app's lifespan starts ``llm``'s
+    engine thread if it is not running yet, and then also stops it.
     """
     name = model_name or llm.model_name
+    templates = "sandbox" if trust_request_chat_template else "refuse"
+    llm.prompt_policy = dataclasses.replace(llm.prompt_policy, request_templates=templates)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -114,6 +122,8 @@ def build_app(
 def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
+        if llm.error is not None:
+            raise APIError(503, "the engine is dead; the server is shutting down", code="engine_dead")
         if not llm.running:
             raise APIError(503, "the engine is not running", headers={"Retry-After": "5"})
         return JSONResponse({"status": "ok"})
@@ -143,8 +153,8 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         shown = [_prompt(h, params, render) for h in handles]
         stream = CompletionStream(handles, response_id, model_name, params, body.include_usage, render, prompts=shown)
         if body.stream:
-            return EventStream(stream.chunks(), handles)
-        outputs = await _unless_disconnected(request, _drain(llm, handles), handles)
+            return EventStream(stream.chunks(), handles, body.constraint_field)
+        outputs = await _unless_disconnected(request, _drain(llm, handles, body.constraint_field), handles)
         shown = [dataclasses.replace(p, logprobs=o.prompt_logprobs) for p, o in zip(shown, outputs)]
         choices = r.completion_choices(outputs, shown, params.n, render)
         result = r.envelope("text_completion", response_id, stream.created, model_name, choices)
@@ -158,8 +168,8 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         handles, params, tools, render = run.handles, run.params, run.tools, run.render
         stream = ChatStream(handles, response_id, run.model, params, body.include_usage, render, tools=tools)
         if body.stream:
-            return EventStream(stream.chunks(), handles)
-        outputs = await _unless_disconnected(request, _drain(llm, handles), handles)
+            return EventStream(stream.chunks(), handles, run.constraint)
+        outputs = await _unless_disconnected(request, _drain(llm, handles, run.constraint), handles)
         choices = r.chat_choices(outputs[0], render, tools)
         result = r.envelope("chat.completion", response_id, stream.created, run.model, choices)
         if render.prompt_logprobs:
@@ -189,7 +199,8 @@ async def _start_chat(llm: AsyncLLM, name: str, body: ChatCompletionRequest, res
                 code="invalid_value",
             ) from None
         raise
-    return ChatRun(handles, params, tools, model_name, _render(body, params, llm))
+    constraint = "tools" if tools.forced else body.constraint_field
+    return ChatRun(handles, params, tools, model_name, _render(body, params, llm), constraint)
 
 
 def _chat_path(llm: AsyncLLM, name: str) -> ChatPath:
@@ -198,8 +209,8 @@ def _chat_path(llm: AsyncLLM, name: str) -> ChatPath:
     async def start(body: ChatCompletionRequest, response_id: str) -> ChatRun:
         return await _start_chat(llm, name, body, response_id)
 
-    async def wait(request: Request, handles: Sequence[RequestStream]) -> list[RequestOutput]:
-        return await _unless_disconnected(request, _drain(llm, handles), handles)
+    async def wait(request: Request, run: ChatRun) -> list[RequestOutput]:
+        return await _unless_disconnected(request, _drain(llm, run.handles, run.constraint), run.handles)
 
     return ChatPath(llm, start, wait, lambda requested: _check_model(requested, name))
 
@@ -304,10 +315,12 @@ async def _compile(body: Any, params: SamplingParams, llm: AsyncLLM) -> None:
     if params.structured_outputs is None:
         return
     try:
-        await asyncio.to_thread(llm.core.compile_grammar, params.structured_outputs)
+        await llm.compile_grammar(params)
     except ParamError as exc:
         field = body.constraint_field or exc.param
-        message = str(exc).replace("structured_outputs", field, 1) if field != exc.param else str(exc)
+        # the body's field is the whole constraint: "structured_outputs.json cannot ..." reads "response_format
+        # cannot ..." (Anthropic's messages must start with the field: "output_config.format.json" is no field)
+        message = re.sub(r"^structured_outputs(\.\w+)?", field, str(exc), count=1) if field != exc.param else str(exc)
         raise APIError(400, message, param=field, code="invalid_value") from None
 
 
@@ -359,13 +372,16 @@ async def _submit(
     raise engine_error(failure, param="messages" if isinstance(prompts[0], Chat) else "prompt")
 
 
-async def _drain(llm: AsyncLLM, handles: Sequence[RequestStream]) -> list[RequestOutput]:
+async def _drain(llm: AsyncLLM, handles: Sequence[RequestStream], constraint: str | None = None) -> list[RequestOutput]:
     """Every request's final output; a 503 if the server aborted them because it is shutting down (a
-    stream says so with its ``"abort"`` chunk)."""
+    stream says so with its ``"abort"`` chunk); a 400 naming ``constraint`` (the body's field) when one
+    failed alone inside a step on its grammar (the others are aborted: the response is one)."""
     try:
         outputs = [await handle.result() for handle in handles]
-    except (EngineStepError, EngineDeadError) as exc:
-        raise engine_error(exc) from None
+    except (EngineStepError, EngineDeadError, RequestFailed) as exc:
+        for handle in handles:
+            handle.abort()
+        raise engine_error(exc, constraint=constraint) from None
     if not llm.running and any(c.finish_reason == ABORT for o in outputs for c in o.outputs):
         raise APIError(
             503, "the server is shutting down; the request was aborted before it finished", code="shutting_down"

@@ -11,7 +11,7 @@ shapes, parsing tool calls with the same ``ToolStream``.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -27,13 +27,16 @@ from mechserve.http.responses import Render
 @dataclass(frozen=True, slots=True)
 class ChatRun:
     """A chat request the engine accepted: its ``handles`` (one: a chat has one conversation), the
-    ``params`` it runs with, its ``tools`` plan, the served ``model`` name, and how logprobs are shown."""
+    ``params`` it runs with, its ``tools`` plan, the served ``model`` name, how logprobs are shown, and the
+    chat body's ``constraint`` field (``response_format``, ``tools`` for a forced call, ...; None without
+    one): what an error names when the request's grammar fails inside an engine step."""
 
     handles: list[RequestStream]
     params: SamplingParams
     tools: ToolPlan
     model: str
     render: Render
+    constraint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,14 +45,15 @@ class ChatPath:
 
     ``start(body, request_id)`` checks, renders, compiles and submits (raising ``APIError`` with
     OpenAI's field names: a 400 for a bad body or a prompt the engine refuses, a 404 for another
-    model, a 429 when overloaded); ``wait(request, handles)`` returns the final outputs unless the client
-    disconnects first (then it aborts them and raises a 499), a 503 if the server shut down under them;
+    model, a 429 when overloaded); ``wait(request, run)`` returns the final outputs of ``run.handles`` unless
+    the client disconnects first (then it aborts them and raises a 499), a 503 if the server shut down under
+    them, a 400 naming ``run.constraint`` if the request failed alone inside a step on its grammar;
     ``check_model(name)`` is the served name, or a 404 for another.
     """
 
     llm: AsyncLLM
     start: Callable[[ChatCompletionRequest, str], Awaitable[ChatRun]]
-    wait: Callable[[Request, Sequence[RequestStream]], Awaitable[list[RequestOutput]]]
+    wait: Callable[[Request, ChatRun], Awaitable[list[RequestOutput]]]
     check_model: Callable[[str | None], str]
 
 

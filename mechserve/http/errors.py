@@ -11,10 +11,15 @@ Status codes, so that bad input never reads as a server fault::
     404 invalid_request_error   an unknown model (code model_not_found) or path
     405, 413                    wrong method, body over --max-request-bytes (before anything reads it)
     429 overloaded_error        max_waiting requests already wait (m12's OVERLOADED); Retry-After is set
-    500 server_error            an engine step failed under the request (a bug or out of memory)
-    503 server_error            the engine is not running (shutting down, or dead after a failure), or a
-                                non-streaming request was aborted because the server is shutting down
-                                (code shutting_down; a stream ends with a finish_reason "abort" chunk)
+    400 invalid_value           a request whose own constraint failed inside an engine step (it alone ended;
+                                param: the body's constraint field)
+    500 server_error            an engine step failed under the request (a bug or out of memory); the body
+                                names the step and the kind of failure, never its text (which may hold a
+                                rank's pid or a grammar): the server's log has that, once
+    503 server_error            the engine is not running: code shutting_down once the server is stopping
+                                (a request that arrives then, or a non-streaming request aborted by it;
+                                a stream ends with a finish_reason "abort" chunk), code engine_dead when
+                                it died after a failure
 
 Under ``/v1/messages`` (Anthropic's Messages API) the same statuses carry Anthropic's error body,
 ``{"type": "error", "error": {"type", "message"}}``, whose message starts with the field it names
@@ -34,7 +39,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError, RequestRejected
+from mechserve.api.errors import (
+    EngineDeadError,
+    EngineStepError,
+    EngineStoppedError,
+    ParamError,
+    RequestFailed,
+    RequestRejected,
+)
 from mechserve.spec.m14_forced_runs import RejectReason
 
 log = logging.getLogger("mechserve.http")
@@ -110,8 +122,14 @@ def is_anthropic(path: str) -> bool:
     return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
-def engine_error(exc: Exception, param: str | None = "prompt") -> APIError:
-    """What ``AsyncLLM.add_request`` (or a stream) raised, as an ``APIError``."""
+def engine_error(exc: Exception, param: str | None = "prompt", constraint: str | None = None) -> APIError:
+    """What ``AsyncLLM.add_request`` (or a stream) raised, as an ``APIError``; ``constraint``: the body field
+    that gave the request its ``structured_outputs`` (``response_format``, ``guided_json``, ``tools``, ...)."""
+    if isinstance(exc, RequestFailed):
+        if exc.param is None:
+            return APIError(500, str(exc))
+        named = constraint if exc.param == "structured_outputs" and constraint else exc.param
+        return APIError(400, str(exc).replace(exc.param, named, 1), param=named, code="invalid_value")
     if isinstance(exc, RequestRejected):
         status, code = _REJECT.get(exc.reason, (400, None))
         if exc.reason is RejectReason.OVERLOADED:
@@ -123,10 +141,12 @@ def engine_error(exc: Exception, param: str | None = "prompt") -> APIError:
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             )
         return APIError(status, _reject_text(exc.reason, exc.detail), param=param, code=code)
+    if isinstance(exc, EngineStoppedError):
+        return APIError(503, f"the server is shutting down: {exc}", code="shutting_down", headers={"Retry-After": "5"})
     if isinstance(exc, EngineDeadError):
-        return APIError(503, f"the engine is not available: {exc}", headers={"Retry-After": "5"})
+        return APIError(503, f"the engine is not available: {exc}", code="engine_dead", headers={"Retry-After": "5"})
     if isinstance(exc, EngineStepError):
-        return APIError(500, str(exc))
+        return APIError(500, _step_failure(exc), code="engine_step_failed")
     if isinstance(exc, ParamError):
         named = exc.param
         if param == "messages" and named == "prompt":  # a chat's prompt is its messages
@@ -136,6 +156,14 @@ def engine_error(exc: Exception, param: str | None = "prompt") -> APIError:
         return APIError(400, str(exc), param=param, code="invalid_value")
     log.exception("unexpected error", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}")
+
+
+def _step_failure(exc: EngineStepError) -> str:
+    """What a client learns of a failed step: which step and what kind of error, not its message."""
+    cause = exc.__cause__
+    step = str(exc).split(":", 1)[0]  # "engine step N failed"
+    kind = f" ({type(cause).__name__})" if cause is not None else ""
+    return f"{step}{kind} while running this request; the request ended, the server's log has the details"
 
 
 def _reject_text(reason: RejectReason, detail: str) -> str:

@@ -19,7 +19,7 @@ the two agree.  Another test checks that the pydantic models
 have exactly the honoured fields of the table, and walks the table sending each row's ``bad``
 value to check that the 400 names the row's field.
 
-Standard library only.
+Standard library only (and ``mechserve.api.limits``, whose numbers the rows quote).
 """
 
 from __future__ import annotations
@@ -27,6 +27,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from mechserve.api.limits import (
+    MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS_IDS,
+    MAX_RENDER_CHARS,
+    MAX_STOP_CHARS,
+    MIN_PROMPT_CHARS,
+    RENDER_MEMORY_BYTES,
+    RENDER_TIMEOUT_S,
+)
 
 COMPLETIONS = "completions"
 CHAT = "chat"
@@ -127,6 +138,27 @@ _NO_PENALTY = _unset(
 _SP = "SamplingParams."
 
 
+_PROMPT_CHARS = (
+    "text longer than `max_model_len` x the longest vocabulary entry's characters (at least "
+    f"{MIN_PROMPT_CHARS}) is refused before it is tokenized"
+)
+_CONSTRAINT = (
+    f"at most {MAX_GRAMMAR_CHARS} characters; compiled and checked as the step will use it before the request is "
+    "admitted, so a constraint with no possible output or over the grammar engine's limits is a 400 saying why"
+)
+_SPECIALS_AS_TEXT = (
+    "special-token strings in them (`<|im_end|>`) are encoded as text, so no message can forge a turn (vLLM and "
+    "llama-server parse them; `--allow-special-tokens-in-content` does too)"
+)
+_REQUEST_TEMPLATE = (
+    "a Jinja chat template for this request instead of the model's, only when the server runs with "
+    "`--trust-request-chat-template` (vLLM's flag; also on chat `/tokenize`): rendered in a sandbox process, "
+    f"at most {RENDER_TIMEOUT_S:g} s, {RENDER_MEMORY_BYTES >> 20} MiB and {MAX_RENDER_CHARS} characters "
+    "(and the prompt's own limit)"
+)
+_REQUEST_TEMPLATE_REFUSED = "any template, with a 400 naming the flag, unless the server trusts request templates"
+
+
 def _f(name: str, endpoints: tuple[str, ...], origin: str, **kw: Any) -> Field:
     kw.setdefault("bad", {})
     return Field(name, endpoints, origin, **kw)
@@ -145,7 +177,7 @@ FIELDS: tuple[Field, ...] = (
         "prompt",
         (COMPLETIONS,),
         OPENAI,
-        honoured="text, token ids, or a list of either (at most 256 prompts; `n` samples each)",
+        honoured="text, token ids, or a list of either (at most 256 prompts; `n` samples each); " + _PROMPT_CHARS,
         bad={"prompt": {"text": "w1"}},
     ),
     _f(
@@ -155,7 +187,10 @@ FIELDS: tuple[Field, ...] = (
         honoured="the conversation, through the model's chat template: roles `system`, `developer` (as system), "
         "`user`, `assistant`, `tool`; content a string or text parts; `name` is passed to the template; an "
         "assistant's `tool_calls` and `tool` messages (with `tool_call_id`) are rendered by a template that "
-        "renders tools (as with `tools`)",
+        "renders tools (as with `tools`); "
+        + _SPECIALS_AS_TEXT
+        + "; their strings and the rendered conversation: "
+        + _PROMPT_CHARS,
         refused_values="an assistant's `function_call` (the deprecated functions API), a call's `arguments` that "
         "are not the JSON text of an object, a tool message without `tool_call_id`, an assistant's `refusal` "
         "(give it as content), image and audio parts",
@@ -209,7 +244,14 @@ FIELDS: tuple[Field, ...] = (
         "(vLLM's and llama.cpp's convention)",
         bad={"seed": "x"},
     ),
-    _f("stop", BOTH, OPENAI, honoured=_SP + "stop: a string or at most 16 strings, never in the text", bad={"stop": 5}),
+    _f(
+        "stop",
+        BOTH,
+        OPENAI,
+        honoured=_SP + f"stop: a string or at most 16 strings of at most {MAX_STOP_CHARS} characters, never in "
+        "the text",
+        bad={"stop": 5},
+    ),
     _f(
         "presence_penalty",
         BOTH,
@@ -228,8 +270,8 @@ FIELDS: tuple[Field, ...] = (
         "logit_bias",
         BOTH,
         OPENAI,
-        honoured=_SP + "logit_bias: {token id: bias in [-100, 100]} added to the logits; ids checked against the "
-        "vocabulary",
+        honoured=_SP + f"logit_bias: at most {MAX_LOGIT_BIAS_IDS} {{token id: bias in [-100, 100]}} added to the "
+        "logits; ids checked against the vocabulary",
         refused_values="llama.cpp's array form `[[id, bias]]`",
         bad={"logit_bias": {"5": 101}},
     ),
@@ -295,7 +337,7 @@ FIELDS: tuple[Field, ...] = (
         honoured='`{"type": "text"}` (unconstrained), `{"type": "json_object"}` (any JSON object) or '
         '`{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` (the output follows `schema`, '
         "enforced token by token, with `strict` true or false) -> " + _SP + "structured_outputs; a schema that "
-        "does not compile is a 400 naming the problem (on completions, a vLLM extension)",
+        "does not compile is a 400 naming the problem (on completions, a vLLM extension); " + _CONSTRAINT,
         bad={"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
     ),
     _f(
@@ -568,7 +610,8 @@ FIELDS: tuple[Field, ...] = (
         VLLM,
         honoured="exactly one of `json` (a JSON schema), `regex`, `choice` (a list of strings), `grammar` "
         "(Lark/EBNF, or llama.cpp's GBNF) or `json_object: true` -> " + _SP + "structured_outputs (llguidance); "
-        "one constraint field per request (this, `response_format`, `guided_*`, `json_schema`, `grammar`)",
+        "one constraint field per request (this, `response_format`, `guided_*`, `json_schema`, `grammar`); "
+        + _CONSTRAINT,
         bad={"structured_outputs": {"regex": "(w"}},
     ),
     _f(
@@ -585,7 +628,13 @@ FIELDS: tuple[Field, ...] = (
         honoured="-> " + _SP + "structured_outputs.regex (the whole output matches)",
         bad={"guided_regex": "(w"},
     ),
-    _f("guided_choice", BOTH, VLLM, honoured="-> " + _SP + "structured_outputs.choice", bad={"guided_choice": []}),
+    _f(
+        "guided_choice",
+        BOTH,
+        VLLM,
+        honoured="-> " + _SP + f"structured_outputs.choice (at most {MAX_CHOICES} strings)",
+        bad={"guided_choice": []},
+    ),
     _f(
         "guided_grammar",
         BOTH,
@@ -620,7 +669,8 @@ FIELDS: tuple[Field, ...] = (
         "chat_template",
         (CHAT,),
         VLLM,
-        why="not supported per request: the server uses the model's template",
+        honoured=_REQUEST_TEMPLATE,
+        refused_values=_REQUEST_TEMPLATE_REFUSED,
         bad={"chat_template": "{{ x }}"},
     ),
     _f(
@@ -849,7 +899,8 @@ RESPONSES_FIELDS: tuple[Field, ...] = (
         honoured="a string (one user message) or a list of items, rendered by the chat template: messages (roles "
         "`user`, `assistant`, `system`, `developer` as system; content a string or `input_text`/`output_text` "
         "parts), `function_call` items (an assistant's tool calls) and `function_call_output` items (the tools' "
-        "results, by `call_id`)",
+        "results, by `call_id`); " + _SPECIALS_AS_TEXT + "; with `instructions` and a continued response's "
+        "conversation: " + _PROMPT_CHARS,
         refused_values="image, file and audio parts, `refusal` parts, `item_reference`, `reasoning` and built-in "
         "tool items, a call whose `arguments` are not the JSON text of an object",
         bad={"input": 5},
@@ -960,7 +1011,8 @@ RESPONSES_FIELDS: tuple[Field, ...] = (
         _R,
         OPENAI,
         honoured='`format`: `{"type": "text"}`, `{"type": "json_object"}` or `{"type": "json_schema", "name", '
-        '"schema", "strict"}` -> ' + _SP + "structured_outputs, as chat's `response_format`; `verbosity: medium`",
+        '"schema", "strict"}` -> ' + _SP + "structured_outputs, as chat's `response_format` (" + _CONSTRAINT + "); "
+        "`verbosity: medium`",
         refused_values="`verbosity` low or high",
         bad={"text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": {}}}}},
     ),
@@ -1072,7 +1124,13 @@ RESPONSES_FIELDS: tuple[Field, ...] = (
     _f("min_p", _R, VLLM, honoured=_SP + "min_p in [0, 1]", bad={"min_p": 2}),
     _f("repetition_penalty", _R, VLLM, honoured=_SP + "repetition_penalty > 0", bad={"repetition_penalty": 0}),
     _f("seed", _R, VLLM, honoured=_SP + "seed (-1: unseeded)", bad={"seed": "x"}),
-    _f("stop", _R, VLLM, honoured=_SP + "stop: a string or at most 16", bad={"stop": 5}),
+    _f(
+        "stop",
+        _R,
+        VLLM,
+        honoured=_SP + f"stop: a string or at most 16, of at most {MAX_STOP_CHARS} characters",
+        bad={"stop": 5},
+    ),
     _f("ignore_eos", _R, VLLM, honoured=_SP + "ignore_eos", bad={"ignore_eos": "x"}),
     _f("skip_special_tokens", _R, VLLM, honoured=_SP + "skip_special_tokens", bad={"skip_special_tokens": 1}),
     _f(
@@ -1088,6 +1146,14 @@ RESPONSES_FIELDS: tuple[Field, ...] = (
         VLLM,
         honoured="the response id's suffix (`resp_<request_id>`) and the engine's request id",
         bad={"request_id": 5},
+    ),
+    _f(
+        "chat_template",
+        _R,
+        VLLM,
+        honoured="chat's field, on the chat request this body becomes: " + _REQUEST_TEMPLATE,
+        refused_values=_REQUEST_TEMPLATE_REFUSED,
+        bad={"chat_template": "{{ x }}"},
     ),
     _f("priority", _R, VLLM, why="not supported: first come, first served (m12)", neutral=(0,), bad={"priority": 1}),
     _f("cache_salt", _R, VLLM, why="not supported: one prefix cache for every request", bad={"cache_salt": "x"}),
@@ -1135,7 +1201,10 @@ MESSAGES_FIELDS: tuple[Field, ...] = (
         honoured="the conversation, through the chat template: `user` and `assistant` turns (consecutive turns of one "
         "role are one turn, as Anthropic's), content a string or blocks: `text`, an assistant's `tool_use` (its "
         "tool calls) and a user's `tool_result` (by `tool_use_id`; text content; `is_error` shown as `Error: ` "
-        "before it); a last `assistant` turn is continued (prefill)",
+        "before it); a last `assistant` turn is continued (prefill); "
+        + _SPECIALS_AS_TEXT
+        + "; with `system`: "
+        + _PROMPT_CHARS,
         refused_values="`image`, `document`, `search_result`, `thinking`/`redacted_thinking` and server-tool "
         "blocks; an empty list",
         bad={"messages": []},
@@ -1159,8 +1228,8 @@ MESSAGES_FIELDS: tuple[Field, ...] = (
         "stop_sequences",
         _M,
         ANTHROPIC,
-        honoured=_SP + "stop (at most 16); a matched one is the reply's `stop_sequence` with `stop_reason: "
-        "stop_sequence`",
+        honoured=_SP + f"stop (at most 16, of at most {MAX_STOP_CHARS} characters); a matched one is the reply's "
+        "`stop_sequence` with `stop_reason: stop_sequence`",
         bad={"stop_sequences": 5},
     ),
     _f(
@@ -1216,7 +1285,7 @@ MESSAGES_FIELDS: tuple[Field, ...] = (
         ANTHROPIC_BOTH,
         ANTHROPIC,
         honoured='`format: {"type": "json_schema", "schema"}` -> ' + _SP + "structured_outputs (the text is JSON "
-        "valid under the schema)",
+        "valid under the schema; " + _CONSTRAINT + ")",
         refused_values="`effort` (the models served do not reason)",
         bad={"output_config": {"effort": "high"}},
     ),
@@ -1291,6 +1360,14 @@ MESSAGES_FIELDS: tuple[Field, ...] = (
         why="not supported: no context editing",
         bad={"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
     ),
+    _f(
+        "chat_template",
+        ANTHROPIC_BOTH,
+        VLLM,
+        honoured="vLLM's chat field, on the chat request this body becomes: " + _REQUEST_TEMPLATE,
+        refused_values=_REQUEST_TEMPLATE_REFUSED,
+        bad={"chat_template": "{{ x }}"},
+    ),
 )
 
 FIELDS = FIELDS + RESPONSES_FIELDS + MESSAGES_FIELDS
@@ -1341,6 +1418,8 @@ def render_markdown() -> str:
         (ANTHROPIC, "Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`)", ANTHROPIC_BOTH),
     )
     for origin, title, endpoints in sections:
+        # the Anthropic section also lists vLLM's fields these endpoints take (marked as such)
+        origins = (ANTHROPIC, VLLM) if origin == ANTHROPIC else (origin,)
         lines += [
             f"## {title}",
             "",
@@ -1348,9 +1427,10 @@ def render_markdown() -> str:
             "|---|---|---|---|---|",
         ]
         for f in FIELDS:
-            if (origin is not None and f.origin != origin) or not set(f.endpoints) & set(endpoints):
+            if (origin is not None and f.origin not in origins) or not set(f.endpoints) & set(endpoints):
                 continue
-            where = ", ".join(f.endpoints) + ("" if origin is not None or f.origin == OPENAI else f" ({f.origin})")
+            home = f.origin == OPENAI or (origin is not None and f.origin == origin)
+            where = ", ".join(f.endpoints) + ("" if home else f" ({f.origin})")
             honoured = f.honoured + (f"; refused: {f.refused_values}" if f.refused_values else "")
             neutral = "—"
             if not f.honoured:

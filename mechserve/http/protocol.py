@@ -15,23 +15,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from mechserve.api.errors import ParamError
-from mechserve.api.limits import MAX_LOGPROBS
+from mechserve.api.limits import MAX_FILTER_IDS, MAX_LOGPROBS, MAX_NEW_TOKENS, MAX_SAMPLES
 from mechserve.api.params import SamplingParams, StructuredOutputsParams
 from mechserve.entrypoints.prompts import Chat, PromptInput, Text, unicode_problem
 from mechserve.entrypoints.tools import MAX_TOOLS, ToolPlan, history_message, parse_tool_choice, parse_tools
 from mechserve.http.fields import CHAT, COMPLETIONS, refused_field
 
-MAX_N = 64
 MAX_STOP = 16
-MAX_TOKENS = 1_000_000_000  # the engine's own limit (m12's door then names the model's context)
 INT64 = 2**63
 MAX_DETOKENIZE = 1_000_000  # ids in one /detokenize request
-MAX_LIST = 65_536  # token ids in stop_token_ids / allowed_token_ids / logit_bias
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
@@ -96,8 +94,8 @@ class _Request(_Body):
     endpoint: ClassVar[str] = ""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
-    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = None
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     seed: Annotated[int, Field(ge=-INT64, lt=INT64)] | None = None
@@ -106,27 +104,27 @@ class _Request(_Body):
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LIST)] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_FILTER_IDS)] | None = None
     user: str | None = None
     # vLLM's extensions
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
-    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)] | None = None
     ignore_eos: bool | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LIST)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_FILTER_IDS)] | None = None
     bad_words: Annotated[list[str], Field(max_length=128)] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=MAX_TOKENS)] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=MAX_NEW_TOKENS)] | None = None
     add_special_tokens: bool | None = None
     request_id: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
     # llama.cpp's name for max_tokens
-    n_predict: Annotated[int, Field(ge=-1, le=MAX_TOKENS)] | None = None
+    n_predict: Annotated[int, Field(ge=-1, le=MAX_NEW_TOKENS)] | None = None
     # Structured outputs: vLLM's, OpenAI's and llama.cpp's spellings (``constraint``)
     structured_outputs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
@@ -194,7 +192,7 @@ class _Request(_Body):
                 return StructuredOutputsParams(choice=tuple(value))
             return StructuredOutputsParams(grammar=value)
         except ParamError as exc:
-            raise ParamError(name, str(exc).replace("structured_outputs", name, 1)) from None
+            raise ParamError(name, re.sub(r"^structured_outputs(\.\w+)?", name, str(exc), count=1)) from None
 
     @property
     def samples(self) -> int:
@@ -269,7 +267,7 @@ class CompletionRequest(_Request):
     prompt: Prompt
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = None
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -294,7 +292,9 @@ class CompletionRequest(_Request):
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo and self.logprobs is not None:
             prompt_logprobs = self.logprobs  # vLLM's rule: echo with logprobs scores the prompt too
-        return self.sampling_params(MAX_TOKENS if max_tokens is None else max_tokens, self.logprobs, prompt_logprobs)
+        return self.sampling_params(
+            MAX_NEW_TOKENS if max_tokens is None else max_tokens, self.logprobs, prompt_logprobs
+        )
 
     @property
     def fit_max_tokens(self) -> bool:
@@ -392,7 +392,7 @@ class ChatCompletionRequest(_Request):
     endpoint: ClassVar[str] = CHAT
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=0, le=MAX_NEW_TOKENS)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     metadata: dict[str, str] | None = None
@@ -401,6 +401,7 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused unless the server trusts request templates (PromptPolicy)
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -426,7 +427,9 @@ class ChatCompletionRequest(_Request):
     def to_params(self) -> SamplingParams:
         requested = self.requested_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        params = self.sampling_params(MAX_TOKENS if requested is None else requested, logprobs, self.prompt_logprobs)
+        params = self.sampling_params(
+            MAX_NEW_TOKENS if requested is None else requested, logprobs, self.prompt_logprobs
+        )
         plan = self.tool_plan()
         if plan.stop():
             params = dataclasses.replace(params, stop=(*params.stop, *plan.stop()))
@@ -448,6 +451,7 @@ class ChatCompletionRequest(_Request):
         return Chat(
             [m.as_template_message() for m in self.messages],
             add_generation_prompt=True if self.add_generation_prompt is None else self.add_generation_prompt,
+            chat_template=self.chat_template,
             continue_final_message=bool(self.continue_final_message),
             template_kwargs=self.chat_template_kwargs,
             add_special_tokens=bool(self.add_special_tokens),

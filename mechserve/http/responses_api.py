@@ -46,7 +46,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError
+from mechserve.api.errors import EngineDeadError, EngineStepError, ParamError, RequestFailed
 from mechserve.api.outputs import ABORT, LENGTH, RequestOutput, SampleDelta
 from mechserve.http import responses as r
 from mechserve.http.chat_path import ChatPath, ChatRun
@@ -117,12 +117,20 @@ class ResponseState:
         return [*events, {"type": terminal, "response": self.response()}]
 
     def fail(self, error: APIError) -> list[dict[str, Any]]:
-        """The events of a failure: open items closed incomplete, then ``error`` and ``response.failed``."""
+        """The events of a failure: open items closed incomplete, then ``error`` and ``response.failed``.
+
+        A server fault is a ``server_error``; a request that failed on its own account (its ``text.format`` or
+        forced tool's grammar, inside an engine step: a 4xx ``error``) is an ``invalid_prompt`` naming the
+        field (``param``), the error event carrying the chat path's code (``invalid_value``)."""
         events = self._render(self._blocks.finish(), "incomplete")
         self.status = "failed"
-        self.error = {"code": "server_error", "message": error.message}
+        server = error.status >= 500
+        self.error = {"code": "server_error" if server else "invalid_prompt", "message": error.message}
+        if not server and error.param is not None:
+            self.error["param"] = error.param
         self._finish(None)
-        failed = {"type": "error", "code": "server_error", "message": error.message, "param": None}
+        code = "server_error" if server else (error.code or "invalid_request_error")
+        failed = {"type": "error", "code": code, "message": error.message, "param": None if server else error.param}
         return [*events, failed, {"type": "response.failed", "response": self.response()}]
 
     def whole(self, output: RequestOutput) -> None:
@@ -381,13 +389,14 @@ def responses_routes(app: FastAPI, path: ChatPath, *, max_stored: int = MAX_STOR
         if body.stream:
             return NamedEventStream(_stream(state), run.handles)
         try:
-            outputs = await path.wait(request, run.handles)
+            outputs = await path.wait(request, run)
         except APIError as exc:
+            exc = _renamed(exc)
             if exc.status == 499:  # the client went away: the response stops there, as a stream's does
                 state.gone()
             else:
                 state.fail(exc)
-            raise
+            raise exc from None
         state.whole(outputs[0])
         return JSONResponse(state.response())
 
@@ -495,8 +504,13 @@ async def _start(path: ChatPath, chat: Any, response_id: str) -> ChatRun:
     try:
         return await path.start(chat, response_id)
     except APIError as exc:
-        param, message = rename(exc.param, exc.message)
-        raise APIError(exc.status, message, type=exc.type, param=param, code=exc.code, headers=exc.headers) from None
+        raise _renamed(exc) from None
+
+
+def _renamed(exc: APIError) -> APIError:
+    """A chat path error in this API's field names (``rename``)."""
+    param, message = rename(exc.param, exc.message)
+    return APIError(exc.status, message, type=exc.type, param=param, code=exc.code, headers=exc.headers)
 
 
 async def _stream(state: ResponseState) -> AsyncGenerator[dict[str, Any], None]:
@@ -518,8 +532,8 @@ async def _stream(state: ResponseState) -> AsyncGenerator[dict[str, Any], None]:
                 if event.output is not None:
                     for e in state.end(event.output):
                         yield numbered(e)
-        except (EngineStepError, EngineDeadError) as exc:
-            for e in state.fail(engine_error(exc)):
+        except (EngineStepError, EngineDeadError, RequestFailed) as exc:
+            for e in state.fail(_renamed(engine_error(exc, constraint=state.run.constraint))):
                 yield numbered(e)
     finally:
         state.gone()
@@ -533,8 +547,8 @@ async def _drive(state: ResponseState) -> None:
                 state.step(d)
             if event.output is not None:
                 state.end(event.output)
-    except (EngineStepError, EngineDeadError) as exc:
-        state.fail(engine_error(exc))
+    except (EngineStepError, EngineDeadError, RequestFailed) as exc:
+        state.fail(_renamed(engine_error(exc, constraint=state.run.constraint)))
 
 
 __all__ = ["MAX_STORED_RESPONSES", "ResponseState", "ResponseStore", "responses_routes"]

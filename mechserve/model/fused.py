@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from mechserve.model import kquants
 from mechserve.model.layer import LayerWeights, Matrix
-from mechserve.model.linear import TYPES, enabled, library, native_max_rows
+from mechserve.model.linear import TYPES, enabled, external_formats, library, native_max_rows
 from mechserve.model.quantized import QuantizedMatrix
 
 
@@ -49,6 +50,8 @@ def weights_apply(w: LayerWeights, dtype: torch.dtype) -> bool:
     for m in (w.qkv, w.o, w.gate_up, w.down):
         if not isinstance(m, QuantizedMatrix) and (m.dtype != dtype or not m.is_contiguous()):
             return False
+        if isinstance(m, QuantizedMatrix) and m.kind in kquants.NATIVE_KINDS and not external_formats():
+            return False  # issue 30 hook: GGUF's other formats, once registered with linear.cpp
     for t in (w.input_norm, w.post_norm, w.qkv_bias, w.o_bias, w.gate_up_bias, w.down_bias):
         if t is not None and (t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu"):
             return False

@@ -7,6 +7,7 @@
     bfloat16            native kernel                                 torch (oneDNN)
     QuantizedMatrix     native kernel on the blocks                   blocks dequantized a slice at a time
                                                                       into a reused buffer, then torch
+    (a GGUF K-quant: csrc/kquants.cpp's product, up to 16 rows)
 
 The kernel (``csrc/gemm.h``; formats in ``csrc/formats.h``) multiplies a few rows in a format's own
 kernel on its stored blocks and more rows in register-blocked tiles, each weight read from memory
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from mechserve.api.env import linear_mode
+from mechserve.model import kquants
 from mechserve.model.quantized import QuantizedMatrix, dequantize
 from mechserve.native.build import Kernel, usable
 
@@ -47,6 +49,10 @@ KERNEL = Kernel(
 # Row counts up to which each weight kind goes to the kernel (measured on SmolLM2's shapes against torch,
 # docs/benchmarks.md); a kind not listed (a block format added later) always does.
 NATIVE_MAX_ROWS: dict[object, int] = {torch.float32: 1 << 62, torch.bfloat16: 128, "q4_1": 256, "q8_0": 256}
+# issue 30 hook: GGUF's other formats (csrc/kquants.cpp: per-row dot products, no tiles) up to 16 rows, the
+# limit every kind had when issue 30 measured them (not re-measured since); more rows are dequantized a slice
+# at a time, then torch.
+NATIVE_MAX_ROWS.update(dict.fromkeys(kquants.NATIVE_KINDS, 16))
 # torch's matrix-matrix kernels are slower at 2 or 3 rows than at MIN_GEMM_ROWS (MKL's small-M path):
 # F.linear of 2 or 3 rows took 1.1-1.4x the time of 4 on SmolLM2's shapes (2 threads).
 MIN_GEMM_ROWS = 4
@@ -54,6 +60,10 @@ MIN_GEMM_ROWS = 4
 DEQUANT_SLICE = 1 << 21
 
 TYPES = {torch.float32: 0, torch.bfloat16: 1, "q4_1": 2, "q8_0": 3}
+# issue 30 hook: GGUF's other formats (kquants.py) by their native numbers: f32/bf16 blocks are linear.cpp's
+# dense types 0/1, the rest (>= 16) are multiplied by csrc/kquants.cpp (here and, once registered with
+# ``external_formats``, inside linear.cpp's fused blocks).
+TYPES.update(kquants.NATIVE_TYPES)
 
 
 def native_max_rows(weight: torch.Tensor | QuantizedMatrix) -> int:
@@ -74,6 +84,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "mechserve_linear_isa": "s",
         "mechserve_few_rows": "il",
         "mechserve_bf16_tiles": "i",
+        "mechserve_set_external_product": "p-",  # issue 30 hook
     }
     kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_int64, "f": ctypes.c_float, "s": ctypes.c_char_p}
     for name, letters in signatures.items():
@@ -95,6 +106,17 @@ def library() -> ctypes.CDLL:
 def isa() -> str:
     """The instruction-set path the kernel was built with: ``avx512+bf16``, ``avx512``, ``avx2`` or ``portable``."""
     return library().mechserve_linear_isa().decode()
+
+
+@cache
+def external_formats() -> bool:
+    """issue 30 hook: whether ``linear.cpp``'s products (its fused blocks included) take the formats of
+    ``kquants.NATIVE_KINDS``: registers ``csrc/kquants.cpp``'s product with it, once, when both kernels are
+    enabled."""
+    if not (enabled() and kquants.enabled()):
+        return False
+    library().mechserve_set_external_product(kquants.product_function())
+    return True
 
 
 @cache
@@ -130,6 +152,10 @@ def native_linear(
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"x has {k} features but the weight expects {weight.shape[1]}")
+    if isinstance(weight, QuantizedMatrix) and weight.kind in kquants.NATIVE_KINDS:  # issue 30 hook
+        if not kquants.enabled():
+            return F.linear(x, dequantize(weight, x.dtype), bias).to(out_dtype)
+        return kquants.native_linear(x, weight.kind, weight.blocks, n, bias, out_dtype)
     x = x.contiguous()
     data = weight.blocks if isinstance(weight, QuantizedMatrix) else weight.contiguous()
     y = torch.empty(m, n, dtype=out_dtype)
@@ -154,6 +180,8 @@ def dequantize_rows(matrix: QuantizedMatrix, ids: torch.Tensor, dtype: torch.dty
 
     The kernel when enabled, else ``quantized.dequantize`` of the selected rows (the same values).
     """
+    if matrix.kind in kquants.FORMATS or matrix.segments:  # issue 30 hook: GGUF's other formats
+        return kquants.dequantize_rows(matrix.kind, matrix.blocks, matrix.in_features, ids, dtype)
     if not enabled():
         return dequantize(matrix.rows(ids), dtype)
     ids = ids.to(torch.int64).contiguous()
@@ -227,6 +255,7 @@ __all__ = [
     "bind",
     "dequantize_rows",
     "enabled",
+    "external_formats",
     "isa",
     "library",
     "linear",

@@ -168,7 +168,7 @@ class LlamaModel:
         self.layers, self.embed, self.lm_head = on_huge_pages(self.layers, self.embed, self.lm_head)
         self.inv_freq, self.rope_scaling = rope_inv_freq(config, arch.head_dim)
         self.scale = arch.head_dim**-0.5
-        self.distinct_windows = tuple(dict.fromkeys(arch.windows))
+        self.distinct_sliding_windows = tuple(dict.fromkeys(arch.sliding_windows))
         self.device = self.norm.device  # the embedding may be quantized blocks
         # Whether every layer's weights suit the native blocks (model/fused.py).
         self.native_layers = all(fused.weights_apply(w, self.dtype) for w in self.layers)
@@ -212,9 +212,9 @@ class LlamaModel:
         if not 1 <= num_layers <= self.arch.num_layers:
             raise ValueError(f"num_layers must be in [1, {self.arch.num_layers}], got {num_layers}")
         draft = copy.copy(self)
-        draft.arch = replace(self.arch, num_layers=num_layers, windows=self.arch.windows[:num_layers])
+        draft.arch = replace(self.arch, num_layers=num_layers, sliding_windows=self.arch.sliding_windows[:num_layers])
         draft.layers = self.layers[:num_layers]
-        draft.distinct_windows = tuple(dict.fromkeys(draft.arch.windows))
+        draft.distinct_sliding_windows = tuple(dict.fromkeys(draft.arch.sliding_windows))
         return draft
 
     def compiled(self) -> LlamaModel:
@@ -291,7 +291,7 @@ class LlamaModel:
                 q, k, v = before(
                     x, w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, sin, a.rms_norm_eps, h, kv, d
                 )
-            paged_attention(q, k, v, cache, i, batch, self.scale, a.windows[i], out=attn_out)
+            paged_attention(q, k, v, cache, i, batch, self.scale, a.sliding_windows[i], out=attn_out)
             if i == len(self.layers) - 1 and logit_rows is not None:
                 # past the last attention only the rows whose logits are wanted matter (llama.cpp's
                 # output-row pruning): a prefill chunk runs its last block for one row, not for all

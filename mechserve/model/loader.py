@@ -1,6 +1,8 @@
 """A ready model from a name: the checkpoint, its family's forward, tokenizer and EOS ids.
 
-``load_model("smollm2")`` (the embedded model) or ``load_model(directory)``; with ``weights=False``
+``load_model("smollm2")`` (the embedded model), ``load_model(directory)`` or ``load_model(file.gguf)``
+(a GGUF file: ``gguf_model`` checks it and reads its config and tokenizer, ``formats.GGUFTensors`` its
+weights as it stores them); with ``weights=False``
 only the model's shape (what the driver of tensor-parallel ranks needs: each rank reads its own
 shard, ``load_shard``).  Loading is three steps, each in the module its name says::
 
@@ -22,6 +24,7 @@ from typing import Any, Generic, Literal, TypeVar, overload
 import torch
 
 from mechserve.api.config import device_name, dtype_name
+from mechserve.api.errors import ModelLoadError
 from mechserve.model.arch import LlamaArch
 from mechserve.model.checkpoint import (
     EMBEDDED,
@@ -31,8 +34,10 @@ from mechserve.model.checkpoint import (
     load_tokenizer,
     resolve_model,
 )
-from mechserve.model.formats import QuantizedSafetensors, SafetensorsFiles, gguf_matrices
+from mechserve.model.formats import GGUFTensors, QuantizedSafetensors, SafetensorsFiles, gguf_matrices
+from mechserve.model.gguf_file import is_gguf
 from mechserve.model.llama import rope_inv_freq
+from mechserve.model.memory import release_freed
 from mechserve.model.protocol import Model, ModelShape
 from mechserve.model.registry import find_family, load_config
 from mechserve.model.sharded import ShardedLlama
@@ -82,9 +87,15 @@ def load_model(
     shards.  ``quantization`` (``"q4_1"``, ``"q8_0"``): the weight matrices in GGUF blocks,
     activations in ``dtype`` (``formats.QuantizedSafetensors``); the embedded SmolLM2's Q4_1 blocks
     come from its own GGUF file.  Every failure is a ``ModelLoadError`` naming the problem
-    (``ValueError`` for an unknown ``quantization``).
+    (``ValueError`` for an unknown ``quantization``).  A GGUF file (``model`` a path to one) keeps its
+    matrices in the formats it stores, in one process (``quantization`` and ``weights=False`` are
+    refused), with activations in ``dtype`` (float32 or bfloat16).
     """
     path = resolve_model(model)
+    if is_gguf(path):  # issue 30
+        loaded = _load_gguf(path, dtype, tokenizer, weights, quantization)
+        release_freed()
+        return loaded
     family, config = load_config(path)
     if not weights:
         tok = load_tokenizer(path) if tokenizer else None
@@ -99,7 +110,41 @@ def load_model(
             source = QuantizedSafetensors(files, quantization, stored)
         forward = family.build(config, source, quantization)
     tok = load_tokenizer(path) if tokenizer else None
+    release_freed()  # issue 30: the load's freed buffers out of the resident set
     return LoadedModel(path, forward, tok, eos_token_ids(path, config, tok))
+
+
+def _load_gguf(
+    path: Path, dtype: torch.dtype, tokenizer: bool, weights: bool, quantization: str | None
+) -> LoadedModel[Any]:
+    """A GGUF file's model: every check (the file, its architecture, tensor names and types, its settings)
+    before the tokenizer and the weights are read, then the registry's family builds it."""
+    from mechserve.model import gguf_model
+
+    if quantization is not None:
+        raise ModelLoadError(
+            f"quantization {quantization} applies to Hugging Face directories; a GGUF file's matrices run in the "
+            f"formats it stores ({path.name})"
+        )
+    if not weights:
+        raise ModelLoadError(f"a GGUF model runs in one process (world_size 1), not on tensor-parallel ranks: {path}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ModelLoadError(f"a GGUF model runs with dtype float32 or bfloat16, not {dtype_name(dtype)}")
+    f = gguf_model.open_model(path)
+    config = gguf_model.gguf_config(f)
+    tok = gguf_model.gguf_tokenizer(f) if tokenizer else None
+    forward = gguf_model.family(f).build(config, GGUFTensors(f, config, dtype))
+    gguf_model.apply_rope_freqs(forward, gguf_model.rope_freqs(f))
+    return LoadedModel(path, forward, tok, gguf_model.gguf_eos_ids(f))
+
+
+def tokenizer_of(path: Path) -> Any:
+    """The tokenizer of a resolved model path: a GGUF file's (from its metadata) or a directory's."""
+    if is_gguf(path):
+        from mechserve.model import gguf_model
+
+        return gguf_model.gguf_tokenizer(gguf_model.open_model(path))
+    return load_tokenizer(path)
 
 
 def load_shard(
@@ -167,6 +212,7 @@ __all__ = [
     "load_model",
     "load_shard",
     "model_from_checkpoint",
+    "tokenizer_of",
     "torch_device",
     "torch_dtype",
 ]

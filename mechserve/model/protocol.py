@@ -33,8 +33,8 @@ class ModelArch(Protocol):
     ``num_heads``/``num_kv_heads``: query and KV heads (their ratio is the GQA group the attention
     batch folds); ``head_dim``: elements per head; ``vocab_size``: logits per row;
     ``max_position_embeddings``: the model's context in positions (None when its config has none;
-    ``max_model_len`` may not exceed it); ``windows``: one entry per layer, None for full causal
-    attention or the sliding-window length in positions.
+    ``max_model_len`` may not exceed it); ``sliding_windows``: one entry per layer, None for full causal
+    attention or the sliding-window length in positions (a decode window is speculation's term, not this).
     """
 
     @property
@@ -50,7 +50,7 @@ class ModelArch(Protocol):
     @property
     def max_position_embeddings(self) -> int | None: ...
     @property
-    def windows(self) -> tuple[int | None, ...]: ...
+    def sliding_windows(self) -> tuple[int | None, ...]: ...
 
 
 class ModelShape(Protocol):
@@ -75,14 +75,14 @@ class Model(ModelShape, Protocol):
     ``isinstance(x, Model)`` tells a model from a ``ModelShape`` (one loaded without weights).
 
     ``device``: where its weights are, its caches are made and its forward computes (each step's
-    index tensors are moved there by ``forward``).  ``distinct_windows``: ``arch.windows`` without
-    repeats, in first-seen order (the attention batch builds one mask per distinct window).
+    index tensors are moved there by ``forward``).  ``distinct_sliding_windows``: ``arch.sliding_windows``
+    without repeats, in first-seen order (the attention batch builds one mask per distinct sliding window).
     """
 
     @property
     def device(self) -> torch.device: ...
     @property
-    def distinct_windows(self) -> tuple[int | None, ...]: ...
+    def distinct_sliding_windows(self) -> tuple[int | None, ...]: ...
 
     def forward(
         self,
@@ -97,7 +97,7 @@ class Model(ModelShape, Protocol):
         ``input_ids``, ``positions``: [T] int64 (on any device); ``cache``: a cache this model made
         (``new_cache``); ``batch``: the step's slot mapping and attention groups
         (``kv.paged.build_attention_batch`` with ``arch.num_heads // arch.num_kv_heads`` and
-        ``distinct_windows``); ``logit_rows``: [R] int64, the rows whose logits are wanted (None: all
+        ``distinct_sliding_windows``); ``logit_rows``: [R] int64, the rows whose logits are wanted (None: all
         T).  Writes every row's K/V at ``batch.slot_mapping`` before any row reads it; returns
         [R, arch.vocab_size] float32 logits on ``device``.
         """

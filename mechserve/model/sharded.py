@@ -178,7 +178,7 @@ class ShardedLlama(LlamaModel):
         self.embed, self.norm, self.lm_head, self.layers = weights.embed, weights.norm, weights.lm_head, weights.layers
         self.inv_freq, self.rope_scaling = rope
         self.scale = full.head_dim**-0.5
-        self.distinct_windows = tuple(dict.fromkeys(full.windows))
+        self.distinct_sliding_windows = tuple(dict.fromkeys(full.sliding_windows))
         self._slots = None if hs.slots is None else torch.tensor(hs.slots, dtype=torch.int64)
 
     def truncated(self, num_layers: int) -> LlamaModel:
@@ -230,10 +230,10 @@ class ShardedLlama(LlamaModel):
         """Paged attention over this rank's heads: ``q`` [T, Q_r, D] -> [T, Q_r * D] (padded groups undone)."""
         t, d = q.shape[0], q.shape[2]
         if self._slots is None:
-            return paged_attention(q, k, v, cache, i, batch, self.scale, self.full_arch.windows[i])
+            return paged_attention(q, k, v, cache, i, batch, self.scale, self.full_arch.sliding_windows[i])
         padded = q.new_zeros(t, self.arch.num_heads, d)
         padded.index_copy_(1, self._slots, q)
-        out = paged_attention(padded, k, v, cache, i, batch, self.scale, self.full_arch.windows[i])
+        out = paged_attention(padded, k, v, cache, i, batch, self.scale, self.full_arch.sliding_windows[i])
         return out.view(t, -1, d).index_select(1, self._slots).reshape(t, -1)
 
     @torch.inference_mode()

@@ -33,11 +33,11 @@ embedding and LM head by vocabulary rows; norms and the ``o``/``down`` biases ar
 a file format is one class with ``has(name)`` and ``read(name, rows, cols, role)`` under Hugging
 Face names (``model/formats.py``: safetensors whole or by rank slice, safetensors quantized into GGUF
 blocks; ``model/checkpoint.Checkpoint``: tensors in memory).  Every part's shape is checked against
-the one ``arch`` implies before it is used.  A GGUF loader plugs in the same way: a ``TensorSource``
-whose ``read`` finds the GGUF tensor of a Hugging Face name through ``gguf_to_hf`` (the table's
-second column), returns Q4_1/Q8_0 blocks as ``QuantizedMatrix`` for the ``matrix``/``embedding``
-roles and dequantized floats for the rest, and puts back the row order of ``rotary`` tensors where
-llama.cpp's converter permuted them (``formats.gguf_matrices`` does this for the embedded file).
+the one ``arch`` implies before it is used.  A GGUF file is one more source (``formats.GGUFTensors``):
+it finds the GGUF tensor of a Hugging Face name through ``gguf_to_hf`` (the table's second column),
+returns its blocks as ``QuantizedMatrix`` for the ``matrix``/``embedding`` roles and floats for the
+rest, and puts back the row order of ``rotary`` tensors where llama.cpp's converter permuted them
+(``formats.gguf_matrices`` does the same for the embedded file's Q4_1/Q8_0 blocks).
 """
 
 from __future__ import annotations

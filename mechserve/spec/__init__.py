@@ -20,5 +20,9 @@ RUNGS = (
     "m12_admission_control",
     "m13_output_caching",
     "m14_forced_runs",
+    "m15_routing",
 )
 TOP = RUNGS[-1]
+ENGINE_TOP = "m14_forced_runs"
+"""The top rung of one engine: what the runtime schedules with, and what ``run`` and ``demo`` drive by
+default.  The rung above it, m15, puts several such engines behind a router (a fleet)."""

@@ -16,7 +16,11 @@ must protect everyone already inside from the one that cannot be served::
 The door rejects an empty prompt, a negative ``max_new_tokens``, a live
 duplicate id, a request longer than ``max_model_len``, one whose prompt and
 output can never fit the whole pool, and, when the waiting queue already holds
-``max_waiting`` requests, anything more (overload).  ``max_new_tokens == 0``
+``max_waiting`` requests, anything more (overload).  Accepted requests are
+served first come, first served (departure D9): they are admitted in the order
+they arrive and walked in the order they were admitted, whatever their places
+in the request list, so a request listed later cannot overtake one that came
+before it.  ``max_new_tokens == 0``
 is legal and finishes at admission with zero tokens.  A sampled id in the
 request's ``stop_token_ids`` finishes it with STOP, beside EOS, and so does a
 stop decided outside the engine (a stop string found in the text): the caller's
@@ -30,7 +34,6 @@ that it reuses all of it.  The rules are in
 
 from __future__ import annotations
 
-import bisect
 import heapq
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -579,7 +582,11 @@ class Engine:
 
     Requests, given here or to
     ``add_request`` later, pass the door; a refused one is recorded, not
-    raised.  Raises ``ValueError`` if ``spec_len < 0``,
+    raised.  First come, first served (D9): due requests are admitted in
+    arrival order (list order among those arriving in the same step) and
+    running ones are walked in admission order, so the request admitted
+    first is the anchor and the one admitted last the first victim;
+    ``requests`` and the summary stay in list order.  Raises ``ValueError`` if ``spec_len < 0``,
     ``max_step_tokens <= 0``, ``num_pages <= 0`` or ``page_size <= 0``
     (checked in that order), then if ``world_size <= 0``, the number of
     ``executors`` is not ``world_size``, or a given ``max_waiting``,
@@ -627,12 +634,12 @@ class Engine:
         self.namespace = "engine" if namespace is None else namespace
         self.prefix_caching = prefix_caching
         self.requests: list[Request] = []
-        # Queues in list order: a step costs what is running or due, not every request ever seen.
+        # Queues, not the request list: a step costs what is running or due, not every request ever seen.
         self._position: dict[int, int] = {}
         self._next_position = 0  # m12: list order is the order requests reach the door
         self.waiting: list[tuple[int, int, Request]] = []
-        self.due: list[Request] = []  # m12: arrived, waiting for a running slot, list order
-        self.running: list[Request] = []
+        self.due: list[Request] = []  # m12: arrived, waiting for a running slot, arrival order (D9)
+        self.running: list[Request] = []  # m12 (D9): admission order; every walk over them follows it
         self.live: dict[str, Request] = {}  # m12: WAITING or RUNNING requests by id
         self.max_step_tokens = max_step_tokens
         self.spec_len = spec_len
@@ -869,7 +876,7 @@ class Engine:
         return records
 
     def _admit(self, finished: dict[str, FinishReason]) -> list[str]:
-        """Admit due requests in list order while a running slot is free (``max_running``).
+        """Admit due requests in arrival order while a running slot is free (``max_running``).
 
         A request with ``max_new_tokens == 0`` finishes at admission (LENGTH,
         zero tokens, no page) and is recorded in ``finished``.  With
@@ -877,10 +884,14 @@ class Engine:
         running request is still computing stays due (``_holder``) and the
         walk goes on past it.
         """
+        # m12 (D9): first come, first served: a request that arrives joins the due list behind those
+        # that arrived before it (list order among the requests arriving in the same step).
+        arrived: list[Request] = []
         while self.waiting and self.waiting[0][0] <= self.step_counter:
-            bisect.insort(self.due, heapq.heappop(self.waiting)[2], key=self._list_position)
+            arrived.append(heapq.heappop(self.waiting)[2])
+        self.due += sorted(arrived, key=self._list_position)
         admitted = []
-        kept: list[Request] = []  # m12: due requests left for a later step, list order
+        kept: list[Request] = []  # m12: due requests left for a later step, arrival order
         held = 0
         pending: dict[PrefixKey, Request] | None = None
         for i, r in enumerate(self.due):
@@ -904,7 +915,7 @@ class Engine:
                 self._why.append(f"{r.request_id} asked for 0 tokens and finished at once.")
                 continue
             r.state = RequestState.RUNNING
-            bisect.insort(self.running, r, key=self._list_position)
+            self.running.append(r)  # m12 (D9): running requests in admission order
             if pending is not None:
                 for key in r.prompt_keys:  # it computes nothing before the later due requests are judged
                     pending.setdefault(key, r)
@@ -917,7 +928,8 @@ class Engine:
 
     # m12: the shared-prefix hold (SGLang's in-batch prefix caching).
     def _uncomputed_blocks(self) -> dict[PrefixKey, Request]:
-        """Each prompt block some RUNNING request has not computed yet, with the first such request.
+        """Each prompt block some RUNNING request has not computed yet, with the first such request
+        (admission order, D9).
 
         Block ``j`` of ``p`` is uncomputed while ``p.computed < (j + 1) * page_size``;
         a request past its prompt adds nothing, so this costs the running prefills' blocks.
@@ -957,7 +969,7 @@ class Engine:
         return self._position[id(r)]
 
     def _reuse(self) -> dict[str, int]:
-        """Cold requests adopt their longest cached prompt prefix; returns tokens reused."""
+        """Cold requests, in admission order (D9), adopt their longest cached prompt prefix; returns tokens reused."""
         # m08: at most (target-1)//page_size blocks, so one position is always computed; a preempted
         # request, whose target runs past its prompt, reuses every cached prompt block (D7).
         reused: dict[str, int] = {}
@@ -980,7 +992,7 @@ class Engine:
         return reused
 
     def _draft(self) -> None:
-        """Set ``draft_len`` for every running request (list order)."""
+        """Set ``draft_len`` for every running request (admission order, D9)."""
         # m09 (D1): only a request caught up except for its last sampled token drafts.
         for r in self.running:
             if r.generated >= 1 and r.computed == r.target - 1:
@@ -994,6 +1006,7 @@ class Engine:
     def _schedule(self) -> list[tuple[Request, int]]:
         # m01: the batch is a temporary of the step, rebuilt from request states.
         # m04: each request gets min(remaining, what is left); only the last is cut.
+        # m12 (D9): walked in admission order, so the request admitted first is the anchor.
         work = []
         budget = self.max_step_tokens
         for r in self.running:
@@ -1049,7 +1062,7 @@ class Engine:
                 raise OutOfPages(f"step {self.step_counter} needs {need} page(s), only {len(self.pool.free)} free")
             self._why.append(
                 f"{need} page(s) needed but only {len(self.pool.free)} free and {evictable} evictable cache page(s): "
-                f"{victim.request_id} (the last eligible request in the list) was preempted."
+                f"{victim.request_id} (the eligible request admitted last) was preempted."
             )
             self._preempt(victim, work)
             preempted.append(victim.request_id)
@@ -1094,7 +1107,8 @@ class Engine:
         return freed
 
     def _choose_victim(self, anchor: Request, work: list[tuple[Request, int]]) -> Request | None:
-        """The last RUNNING request, not the anchor, that holds pages or has work."""
+        """The last RUNNING request in admission order (the one admitted last, D9), not the anchor, that
+        holds pages or has work."""
         in_work = {id(r) for r, _ in work}
         for r in reversed(self.running):
             if r is anchor:

@@ -50,12 +50,12 @@ def test_speculative_config_as_a_dict_with_vllm_names() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("max_step_tokens", 0, "max_step_tokens must be an integer > 0"),
-        ("page_size", 10**9, "page_size must be an integer > 0 and at most 65536"),
-        ("num_pages", True, "num_pages must be"),
-        ("spec_len", 65, "spec_len must be an integer >= 0 and at most 64"),
-        ("world_size", 0, "world_size must be"),
-        ("max_running", -1, "max_running must be"),
+        ("max_step_tokens", 0, "max_step_tokens: must be > 0, got 0"),
+        ("page_size", 10**9, r"page_size: must be at most 65536 \(mechserve's limit\)"),
+        ("num_pages", True, "num_pages: must be an integer > 0, got True"),
+        ("spec_len", 65, "spec_len: must be at most 64"),
+        ("world_size", 0, "world_size: must be"),
+        ("max_running", -1, "max_running: must be"),
         ("dtype", "int8", "dtype must be one of"),
         ("prefix_caching", "yes", "prefix_caching must be True or False"),
         ("seed", 1.5, "seed must be an integer or None"),

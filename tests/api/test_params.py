@@ -87,3 +87,24 @@ def test_a_list_field_given_something_else_is_a_param_error_naming_it(name: str,
     with pytest.raises(ParamError) as caught:
         SamplingParams(**{name: value})
     assert caught.value.param == name and name in str(caught.value)
+
+
+def test_input_the_engine_pays_for_every_step_is_bounded_and_never_echoed_whole() -> None:
+    """Issue 31: a stop string's held-back suffix is searched every step and a logit_bias is applied to every
+    sampled row, so both have limits; a refusal names the field and shows a list by its length and head
+    (the choice 400 echoed the whole list)."""
+    from mechserve.api.limits import MAX_CHOICES, MAX_LOGIT_BIAS_IDS, MAX_STOP_CHARS
+
+    SamplingParams(stop=["s" * MAX_STOP_CHARS], logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS_IDS)})
+    with pytest.raises(ParamError, match=f"at most {MAX_STOP_CHARS} characters") as info:
+        SamplingParams(stop=["ok", "s" * (MAX_STOP_CHARS + 1)])
+    assert info.value.param == "stop" and len(str(info.value)) < 200
+    with pytest.raises(ParamError, match=f"at most {MAX_LOGIT_BIAS_IDS} token ids, got {MAX_LOGIT_BIAS_IDS + 1}"):
+        SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS_IDS + 1)})
+    for value in ({"choice": [f"c{i}" for i in range(2 * MAX_CHOICES)]}, {"choice": ["x" * 10_000, ""]}):
+        with pytest.raises(ParamError) as info:
+            SamplingParams(structured_outputs=value)
+        assert len(str(info.value)) < 200 and "c1500" not in str(info.value)
+    with pytest.raises(ParamError) as info:
+        SamplingParams(allowed_token_ids=[-1] * 50_000)
+    assert len(str(info.value)) < 200

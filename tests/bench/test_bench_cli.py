@@ -56,7 +56,7 @@ def test_bench_run_quick_end_to_end(tmp_path: Path, tiny_dir: Path, capsys: pyte
     )
     said = capsys.readouterr()
     err = said.err
-    assert "llama-cpp skipped: it runs the embedded model's GGUFs only" in err
+    assert "llama-cpp skipped: it runs the embedded model's GGUFs (--model smollm2) or a GGUF file" in err
     assert doc["skipped"][0]["engine"] == "llama-cpp"
     assert {"cpu", "cpus", "torch_threads"} <= doc["machine"].keys()
     assert doc["versions"]["torch"] and "commit" in doc["git"]
@@ -82,6 +82,8 @@ def test_bench_run_quick_end_to_end(tmp_path: Path, tiny_dir: Path, capsys: pyte
     assert line["measured_over_roofline"] == pytest.approx(line["measured_s"] / line["roofline_s"])
     assert f"roofline throughput/exact/default: decode step at batch {line['batch']}, context" in said.out
     assert all("roofline" not in r for r in runs if r["engine"] == "hf")
+    # each mechserve run in a process of its own (issue 30): its peaks are its own, loading included
+    assert 0 < ms["peak_rss_bytes"] <= ms["process_peak_rss_bytes"]
     # continuous batching under the spec computes exactly transformers' greedy ids (fp32)
     cmp = doc["workloads"]["throughput"]["comparisons"]
     assert cmp["mechserve[exact,default] vs hf[exact] greedy agreement"]["identical_requests"] == 1.0

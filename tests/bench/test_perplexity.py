@@ -106,7 +106,9 @@ def test_cli_writes_every_mode_and_skips_llama_cpp_with_one_line(
     assert [(r["engine"], r["mode"]) for r in doc["runs"]] == [("mechserve", "exact"), ("mechserve", "fast")]
     assert doc["tokens"] == 40 and all(r["chunks"] == 2 and r["rows_per_forward"] == 4 for r in doc["runs"])
     assert all(math.isfinite(r["perplexity"]) and r["perplexity"] > 1 for r in doc["runs"])
-    assert doc["skipped"] == [{"engine": "llama-cpp", "reason": "llama-cpp skipped: embedded model only"}]
+    assert doc["skipped"] == [
+        {"engine": "llama-cpp", "reason": "llama-cpp skipped: the embedded model or a GGUF file only"}
+    ]
     assert "perplexity mechserve exact" in captured.out
 
 

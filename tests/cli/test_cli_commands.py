@@ -20,7 +20,7 @@ def test_mechs_prints_one_aligned_line_per_rung(cli) -> None:
     result = cli("mechs")
     assert result.code == 0
     lines = result.lines
-    assert len(lines) == len(RUNGS) == 15
+    assert len(lines) == len(RUNGS) == 16
     rungs = [load_rung(name) for name in RUNGS]
     note_width = max(len(r.NOTE) for r in rungs)
     title_width = max(len(r.TITLE) for r in rungs)
@@ -64,6 +64,12 @@ def test_diff_m11_m12_shows_admission_control(cli) -> None:
     added = [line for line in cli("diff", "m11", "m12").lines if line.startswith("+")]
     assert any("def add_request" in line for line in added)
     assert any("def abort" in line for line in added)
+    # ... plus departure D9 (first come, first served): m11's list-order insertion gives way to arrival
+    # and admission order
+    removed = [line for line in cli("diff", "m11", "m12").lines if line.startswith("-")]
+    assert any("bisect.insort(self.running, r, key=self._list_position)" in line for line in removed)
+    assert any("self.running.append(r)  # m12 (D9): running requests in admission order" in line for line in added)
+    assert any("self.due += sorted(arrived, key=self._list_position)" in line for line in added)
 
 
 def test_diff_m12_m13_shows_exactly_output_caching(cli) -> None:
@@ -87,7 +93,7 @@ def test_diff_m12_m13_shows_exactly_output_caching(cli) -> None:
         'NOTE = "12-admission-control.md"',
         "scripted ``eos_after`` trigger still applies).",
         '"""The complete engine as of m12.',
-        '"""Cold requests adopt their longest cached prompt prefix; returns tokens reused."""',
+        '"""Cold requests, in admission order (D9), adopt their longest cached prompt prefix; returns tokens reused."""',
         'f"{r.request_id} found {len(hit)} cached block(s) of its prompt and reused {usable} "',
         "A block whose key is already resident with another page is adopted:",
         "the request's table points at the resident page and its own copy is",
@@ -128,6 +134,37 @@ def test_diff_m13_m14_shows_exactly_forced_runs(cli) -> None:
     ], gone
     hunks = "\n".join(lines).split("\n@@ ")[1:]
     assert all("m14" in hunk or "forced" in hunk.lower() for hunk in hunks), hunks
+
+
+def test_diff_m14_m15_shows_exactly_routing(cli) -> None:
+    """m15 is m14's engine plus KV events (a record field, the block hash, reset_prefix_cache) and,
+    after the engine, the router and the fleet: every hunk is marked ``m15`` or is about events,
+    hashes or routing, and the only lines of m14's code the diff removes are the rung's name and the
+    engine's docstring lines that name the rung or gained a sentence, and the line that computed a
+    request's keys (a routed request brings them)."""
+    lines = cli("diff", "m14", "m15").lines
+    assert lines[:2] == ["--- mechserve/spec/m14_forced_runs.py", "+++ mechserve/spec/m15_routing.py"]
+    body = lines[lines.index('+"""m15 — Routing across replicas.') :]
+    added = [line[1:] for line in body if line.startswith("+")]
+    removed = [line[1:] for line in body if line.startswith("-")]
+    assert any(line.startswith("def choose(") for line in added) and any(
+        line.startswith("class Fleet") for line in added
+    )
+    assert sum("# m15" in line for line in added) >= 8
+    code = removed[removed.index('TITLE = "Forced runs"') :]
+    back = {line.strip() for line in added}
+    gone = [line.strip() for line in code if line.strip() not in back]
+    assert gone == [
+        'TITLE = "Forced runs"',
+        'KEY_QUESTION = "When the output\'s next tokens are already known, why compute them one per step?"',
+        'NOTE = "14-forced-runs.md"',
+        "appends.",
+        '"""The complete engine as of m14.',
+        "r.prompt_keys = prefix_keys(r.tokens, self.pool.page_size, self.namespace)",
+    ], gone
+    hunks = "\n".join(lines).split("\n@@ ")[1:]
+    words = ("m15", "hash", "event", "route", "fleet", "replica", "BlockStored")
+    assert all(any(w in hunk for w in words) for hunk in hunks), hunks
 
 
 def test_diff_unknown_rung(cli) -> None:

@@ -235,7 +235,7 @@ def test_missing_spec_file(cli, tmp_path) -> None:
 
 @pytest.mark.parametrize("command", [["run", "--request", "a:1:1"], ["demo"]])
 def test_unknown_rung(cli, command: list[str]) -> None:
-    assert_one_error_line(cli(*command, "--mech", "m15"), "unknown rung", '"m15"', "m00 .. m14", RUNGS[-1])
+    assert_one_error_line(cli(*command, "--mech", "m16"), "unknown rung", '"m16"', "m00 .. m15", RUNGS[-1])
 
 
 @pytest.mark.parametrize(
@@ -250,10 +250,42 @@ def test_unknown_rung(cli, command: list[str]) -> None:
         ("m11", {"requests": [request(stop_token_ids=[3])]}, "stop_token_ids"),
         ("m12", {"engine": {"output_caching": True}, "requests": [request()]}, "output_caching true needs m13"),
         ("m03", {"engine": {"output_caching": True}, "requests": [request()]}, "m03 has no output caching"),
+        # issue 31: a script for a verifier that never runs (spec_len 0) was silently ignored from m09 on
+        (
+            "m09",
+            {"requests": [request(accept_script=[1])]},
+            'request "a" has an accept_script but engine.spec_len is 0',
+        ),
+        ("m14", {"requests": [request(accept_script=[0, 1])]}, "accept_script but engine.spec_len is 0"),
+        ("m07", {"engine": {"prefix_caching": True}, "requests": [request()]}, "prefix_caching true needs m08"),
+        ("m02", {"engine": {"prefix_caching": True}, "requests": [request()]}, "m02 has no prefix caching"),
+        ("m11", {"engine": {"hold_shared_prefix": True}, "requests": [request()]}, "hold_shared_prefix true needs m12"),
+        ("m08", {"engine": {"hold_shared_prefix": True}, "requests": [request()]}, "m08 has no shared-prefix hold"),
     ],
 )
 def test_rung_cannot_take_the_workload(cli, spec_file, mech: str, workload: Any, needle: str) -> None:
     assert_one_error_line(run_spec(cli, spec_file, workload, "--mech", mech), mech, needle)
+
+
+@pytest.mark.parametrize(
+    ("engine", "needle"),
+    [
+        (
+            {"prefix_caching": False, "hold_shared_prefix": True},
+            "engine.hold_shared_prefix: true needs prefix caching, but engine.prefix_caching is false",
+        ),
+        (
+            {"prefix_caching": False, "output_caching": True},
+            "engine.output_caching: true needs prefix caching, but engine.prefix_caching is false",
+        ),
+        ({"prefix_caching": 1}, "engine.prefix_caching: must be true or false, got 1"),
+        ({"hold_shared_prefix": "on"}, 'engine.hold_shared_prefix: must be true or false, got "on"'),
+    ],
+)
+def test_prefix_cache_switches_are_booleans_that_need_prefix_caching(cli, spec_file, engine, needle: str) -> None:
+    """A switch that acts only with prefix caching (the hold, output caching) given true beside
+    ``prefix_caching`` false would do nothing: refused on every rung, like a switch that is not a boolean."""
+    assert_one_error_line(run_spec(cli, spec_file, {"engine": engine, "requests": [request()]}), needle)
 
 
 def test_engine_error_part_way_prints_completed_steps(cli, spec_file) -> None:
@@ -495,3 +527,16 @@ def test_bad_kernel_mode_fails_the_engine_at_construction(monkeypatch, env: str)
 def test_an_argument_that_is_not_utf8_is_one_line(cli, argv: list[str], needles: list[str]) -> None:
     """An undecodable byte reaches Python as a lone surrogate, which no tokenizer takes: refused before any work."""
     assert_one_error_line(cli(*argv), "not valid UTF-8", *needles)
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--no-prefix-caching", "--hold-shared-prefix"], "--hold-shared-prefix: true needs prefix caching"),
+        (["--no-prefix-caching", "--output-caching"], "but --prefix-caching is false"),
+        (["--mech", "m07", "--prefix-caching"], "m07 has no prefix caching: prefix_caching true needs m08"),
+        (["--mech", "m11", "--hold-shared-prefix"], "m11 has no shared-prefix hold"),
+    ],
+)
+def test_switch_flags_refused_where_they_cannot_act(cli, flags: list[str], needle: str) -> None:
+    assert_one_error_line(cli("run", "--request", "a:4:2", *flags), needle)

@@ -224,7 +224,7 @@ def test_run_torch_spec_file_with_tokens_rejections_and_stop_ids(tiny_dir, tmp_p
     ("argv", "message"),
     [
         (["--request", "a:4:2:0:1"], "eos_after: a real model ends on its own EOS"),
-        (["--request", "a:4:2", "--mech", "m05"], "--backend torch runs the top rung (m14)"),
+        (["--request", "a:4:2", "--mech", "m05"], "--backend torch runs the top engine rung (m14)"),
         (["--request", "a:4:2", "--world-size", "8"], "world size 8 exceeds the model's 4 attention heads"),
     ],
 )
@@ -312,3 +312,37 @@ def test_device_flag_is_checked_and_an_absent_device_is_one_error_line(tiny_dir,
     assert "--device needs --backend torch" in error_line(rc, err)
     rc, _, err = call(["run", "--request", "a:6:2", "--compile"], capsys)
     assert "--compile needs --backend torch" in error_line(rc, err)
+
+
+def test_run_torch_honours_prefix_caching_and_the_hold(tiny_dir, tmp_path: Path, capsys) -> None:
+    """The engine section's prefix_caching and hold_shared_prefix reach the real engine (EngineConfig): with
+    prefix caching off nothing is reused or published; the hold (on by default with --backend torch) admits
+    the second of two requests sharing a prompt block only once the first has published it."""
+    path, hf = tiny_dir
+
+    def run_torch(**engine: object) -> list[dict[str, Any]]:
+        spec = {
+            "engine": {"max_step_tokens": 16, "page_size": 2, "num_pages": 16, **engine},
+            "requests": [
+                {"request_id": "p", "tokens": PROMPT_IDS, "max_new_tokens": 2},
+                {"request_id": "r", "tokens": [*PROMPT_IDS[:4], 7, 8], "max_new_tokens": 2},
+            ],
+        }
+        file = tmp_path / "w.json"
+        file.write_text(json.dumps(spec))
+        rc, out, err = call(["run", "--backend", "torch", "--model", str(path), "--spec", str(file), "--json"], capsys)
+        assert rc == 0, err
+        final = final_json(out)
+        assert [o["token_ids"] for o in final["outputs"]] == [
+            hf_greedy(hf, PROMPT_IDS, 2),
+            hf_greedy(hf, [*PROMPT_IDS[:4], 7, 8], 2),
+        ]
+        return [json.loads(line) for line in out.splitlines()[:-1]]
+
+    held = run_torch()
+    assert held[0]["admitted"] == ["p"] and held[1]["admitted"] == ["r"] and held[1]["reused"] == {"r": 4}
+    unheld = run_torch(hold_shared_prefix=False)
+    assert unheld[0]["admitted"] == ["p", "r"]
+    off = run_torch(prefix_caching=False)
+    assert off[0]["admitted"] == ["p", "r"]  # the hold waits for cached blocks: off with the cache
+    assert not any(step["reused"] or step["published"] for step in off)

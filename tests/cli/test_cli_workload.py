@@ -87,14 +87,14 @@ def test_load_rung_spellings(spelling: str) -> None:
     assert rung_label(rung) == "m05"
 
 
-@pytest.mark.parametrize("spelling", ["m15", "15", "preemption", "", "m05_preempt", "-1"])
+@pytest.mark.parametrize("spelling", ["m16", "16", "preemption", "", "m05_preempt", "-1"])
 def test_load_rung_unknown(spelling: str) -> None:
-    with pytest.raises(UnknownRung, match=r"m00 \.\. m14: m00_engine_loop.*m13_output_caching, m14_forced_runs"):
+    with pytest.raises(UnknownRung, match=r"m00 \.\. m15: m00_engine_loop.*m14_forced_runs, m15_routing"):
         load_rung(spelling)
 
 
 def test_load_rung_top() -> None:
-    assert load_rung("m14") is load_rung(RUNGS[-1]) is load_rung("14")
+    assert load_rung("m15") is load_rung(RUNGS[-1]) is load_rung("15")
 
 
 def test_unknown_rung_is_a_workload_error() -> None:
@@ -288,3 +288,144 @@ def test_total_prompt_tokens_are_bounded_while_parsing() -> None:
     assert len(workload_from_flags(flags).requests) == len(flags)
     with pytest.raises(WorkloadError, match=r"--request \"x:1:1\": .*total more than"):
         workload_from_flags([*flags, "x:1:1"])
+
+
+def spec_rungs(first: str) -> list[str]:
+    """The rungs from ``first`` (``mNN``) to the top."""
+    return [name for name in RUNGS if name[:3] >= first]
+
+
+def shared_prefix_workload(**engine: object) -> dict:
+    """p and r share two 4-token prompt blocks and arrive together; budget 16, pages of 4, pages for both."""
+    return {
+        "engine": {"max_step_tokens": 16, "page_size": 4, "num_pages": 16, **engine},
+        "requests": [
+            {"request_id": "p", "tokens": [1, 2, 3, 4, 5, 6, 7, 8, 9], "max_new_tokens": 2},
+            {"request_id": "r", "tokens": [1, 2, 3, 4, 5, 6, 7, 8, 10], "max_new_tokens": 2},
+            {"request_id": "q", "tokens": [1, 2, 3, 4, 5, 6, 7, 8, 11], "max_new_tokens": 2, "arrival_step": 3},
+        ],
+    }
+
+
+def test_accept_script_with_spec_len_0_is_refused_from_m09() -> None:
+    """Issue 31: from m09 on an accept_script with spec_len 0 was accepted and never read (no window drafts);
+    it is refused now, naming the request and the field, as m00-m08 refuse any accept_script."""
+    scripted = {"request_id": "a", "prompt_len": 2, "max_new_tokens": 3, "accept_script": [1, 0]}
+    workload = parse_workload({"requests": [scripted]})
+    for name in spec_rungs("m09"):
+        with pytest.raises(WorkloadError, match=r'request "a" has an accept_script but engine\.spec_len is 0'):
+            build_engine(load_rung(name), workload)
+        # spec_len > 0 takes the script; an empty script is no script
+        build_engine(load_rung(name), with_engine(workload, {"spec_len": 1})).run()
+        empty = parse_workload({"requests": [{**scripted, "accept_script": []}]})
+        build_engine(load_rung(name), empty).run()
+        # the demo path (fit_rung) drops it with a note instead, as it does below m09
+        fitted, notes = fit_rung(load_rung(name), workload)
+        assert fitted.requests[0].accept_script is None and notes == (
+            "spec_len is 0: running without accept scripts (no window drafts a guess to accept)",
+        )
+    with pytest.raises(WorkloadError, match="m08 has no speculative decoding"):
+        build_engine(load_rung("m08"), workload)
+
+
+def reused_tokens(engine) -> int:
+    return sum(sum(t.reused.values()) for t in engine.run())
+
+
+def test_the_prefix_caching_switch_is_honoured_from_m08_and_refused_below() -> None:
+    """``prefix_caching`` (m08's constructor switch, default on): absent unless given, a JSON boolean; false
+    turns reuse and publishing off on m08 and every rung above; true below m08 is refused, naming the key and
+    m08; false there is what those rungs do and is allowed."""
+    default = parse_workload(shared_prefix_workload())
+    assert "prefix_caching" not in default.engine
+    off = parse_workload(shared_prefix_workload(prefix_caching=False))
+    on = parse_workload(shared_prefix_workload(prefix_caching=True))
+    for name in spec_rungs("m08"):
+        rung = load_rung(name)
+        assert build_engine(rung, default).prefix_caching is True and build_engine(rung, on).prefix_caching is True
+        assert reused_tokens(build_engine(rung, on)) == reused_tokens(build_engine(rung, default)) > 0
+        engine = build_engine(rung, off)
+        assert engine.prefix_caching is False
+        records = engine.run()
+        assert sum(sum(t.reused.values()) for t in records) == 0 and not any(t.published for t in records)
+    for name in RUNGS[: RUNGS.index("m08_cache_aware_scheduling")]:
+        with pytest.raises(WorkloadError, match=f"{name[:3]} has no prefix caching: prefix_caching true needs m08"):
+            build_engine(load_rung(name), on)
+        build_engine(load_rung(name), off).run()
+        fitted, notes = fit_rung(load_rung(name), on)
+        assert (
+            "prefix_caching" not in fitted.engine
+            and notes[-1] == f"{name[:3]} has no prefix caching: running without prefix_caching"
+        )
+    with pytest.raises(WorkloadError, match=r"engine\.prefix_caching: must be true or false"):
+        parse_workload({"engine": {"prefix_caching": "no"}})
+    assert with_engine(default, {"prefix_caching": False}).engine["prefix_caching"] is False
+
+
+def test_the_hold_shared_prefix_switch_is_honoured_from_m12_and_refused_below() -> None:
+    """``hold_shared_prefix`` (m12's constructor switch, default off): true holds r until p has published the
+    blocks they share, then r reuses them; below m12 true is refused, naming the key and m12."""
+    plain = parse_workload(shared_prefix_workload())
+    held = parse_workload(shared_prefix_workload(hold_shared_prefix=True))
+    for name in spec_rungs("m12"):
+        rung = load_rung(name)
+        assert build_engine(rung, plain).hold_shared_prefix is False
+        without = build_engine(rung, plain).run()
+        assert without[0].admitted == ("p", "r")
+        engine = build_engine(rung, held)
+        assert engine.hold_shared_prefix is True
+        records = engine.run()
+        assert records[0].admitted == ("p",) and any("held" in line for line in records[0].explain)
+        assert records[1].admitted == ("r",) and records[1].reused == {"r": 8}
+        unheld = build_engine(rung, plain)
+        unheld.run()
+        assert [r.output_ids for r in engine.requests] == [r.output_ids for r in unheld.requests]  # N25
+    for name in RUNGS[: RUNGS.index("m12_admission_control")]:
+        with pytest.raises(
+            WorkloadError, match=f"{name[:3]} has no shared-prefix hold: hold_shared_prefix true needs m12"
+        ):
+            build_engine(load_rung(name), held)
+    build_engine(load_rung("m11"), parse_workload(shared_prefix_workload(hold_shared_prefix=False))).run()
+    for switch in ("hold_shared_prefix", "output_caching"):
+        with pytest.raises(WorkloadError, match=f"engine\\.{switch}: true needs prefix caching"):
+            parse_workload(shared_prefix_workload(prefix_caching=False, **{switch: True}))
+        with pytest.raises(WorkloadError, match=f"--{switch.replace('_', '-')}: true needs prefix caching"):
+            labels = {switch: f"--{switch.replace('_', '-')}"}
+            with_engine(parse_workload(shared_prefix_workload(prefix_caching=False)), {switch: True}, labels)
+
+
+def test_run_honours_the_switches_in_the_spec_and_as_flags(cli, spec_file) -> None:
+    path = spec_file(shared_prefix_workload())
+    plain = cli("run", "--spec", path, "--json").json_lines()
+    assert plain[0]["admitted"] == ["p", "r"] and any(step["reused"] for step in plain[:-1])
+    for argv in (
+        ["--spec", spec_file(shared_prefix_workload(prefix_caching=False))],
+        ["--spec", path, "--no-prefix-caching"],
+    ):
+        steps = cli("run", *argv, "--json").json_lines()[:-1]
+        assert not any(step["reused"] or step["published"] for step in steps)
+    for argv in (
+        ["--spec", spec_file(shared_prefix_workload(hold_shared_prefix=True))],
+        ["--spec", path, "--hold-shared-prefix"],
+    ):
+        result = cli("run", *argv, "--json", "--mech", "m12")
+        assert result.code == 0, result.err
+        steps = result.json_lines()[:-1]
+        assert [step["admitted"] for step in steps[:2]] == [["p"], ["r"]] and steps[1]["reused"] == {"r": 8}
+
+
+def test_m13_m14_serve_issue_31_first_come_first_served(cli, spec_file) -> None:
+    """Issue 31's reproducer through ``mechserve run``: on m12 and the rungs above (D9, m12's N27) early,
+    listed last and arriving first, is scheduled at every step until it finishes; m11 starves it."""
+    late = [{"request_id": f"r{i}", "prompt_len": 4, "max_new_tokens": 60, "arrival_step": i + 1} for i in range(50)]
+    workload = {
+        "engine": {"max_step_tokens": 8, "page_size": 4, "num_pages": 2000},
+        "requests": [*late, {"request_id": "early", "prompt_len": 4, "max_new_tokens": 60, "arrival_step": 0}],
+    }
+    path = spec_file(workload)
+    for mech in ("m12", "m13", "m14"):
+        steps = cli("run", "--spec", path, "--json", "--mech", mech).json_lines()[:-1]
+        assert [s["step"] for s in steps if "early" in s["scheduled"]] == list(range(60)), mech
+        assert steps[59]["finished"] == {"early": "LENGTH"}
+    steps = cli("run", "--spec", path, "--json", "--mech", "m11").json_lines()[:-1]
+    assert next(s["step"] for s in steps if "early" in s["finished"]) > 400

@@ -18,6 +18,7 @@ from mechserve.api.config import SpeculativeConfig
 from mechserve.api.errors import ParamError
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
+from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.sampling import Row, process_logits
 
 # A prompt that repeats itself, so that a model that copies has something to repeat.
@@ -31,7 +32,8 @@ def reference_greedy(hf: Any, prompt: Sequence[int], params: SamplingParams, bad
     for k in range(params.max_tokens):
         with torch.no_grad():
             logits = hf(torch.tensor([ids])).logits[0, -1:].float()
-        row = Row(params, k, (), tuple(ids), len(prompt), tuple(tuple(w) for w in bad_words))
+        record = ExecutorRequest("r", tuple(prompt), params, bad_words_ids=tuple(tuple(w) for w in bad_words))
+        row = Row(params, k, (), tuple(ids), len(prompt), request=record)
         out.append(int(process_logits(logits, [row]).argmax()))
         ids.append(out[-1])
     return out
@@ -148,6 +150,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "chunked-tight-pool": {"max_step_tokens": 3, "num_pages": 9},  # preemption
     "prefix-cache": {"prefix_caching": True},
     "prompt-lookup": {"speculative": SpeculativeConfig(num_speculative_tokens=3, adaptive=False)},
+    "suffix-decoding": {
+        "speculative": SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False),
+        "prefix_caching": True,
+    },
 }
 
 
@@ -166,7 +172,7 @@ def test_penalized_requests_give_the_same_tokens_in_every_configuration(tiny, co
         assert any(r.preempted for r in records)
     if config == "prefix-cache":
         assert any(r.reused for r in records)
-    if config == "prompt-lookup":
+    if config in ("prompt-lookup", "suffix-decoding"):
         assert sum(sum(r.drafted.values()) for r in records) > 0
 
 

@@ -15,6 +15,7 @@ from mechserve.api.config import SpeculativeConfig
 from mechserve.api.outputs import RequestOutput
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
+from mechserve.spec import m14_forced_runs as m14
 
 ATOL = 1e-4  # float32 forward, paged and chunked, against transformers' dense one
 
@@ -109,7 +110,9 @@ def test_speculation_and_n_samples_keep_prompt_logprobs(tiny, tiny_hf) -> None:
 
 def test_max_tokens_0_scores_the_prompt_only(tiny, tiny_hf) -> None:
     """m12 finishes a request of no new token at admission; a prompt-logprobs request still runs its prompt and
-    keeps no token: the record and the summary say so."""
+    keeps no token: a stop from outside keeping none of the one token it samples (m12 N26), so the record and
+    the summary say STOP with nothing generated, while the user sees finish reason "length" as vLLM reports
+    max_tokens 0."""
     prompt = random_prompts([9], seed=1)[0]
     c = EngineCore(tiny, core(tiny).config, keep_finished=True)
     rid = c.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=2, logprobs=1))
@@ -118,10 +121,10 @@ def test_max_tokens_0_scores_the_prompt_only(tiny, tiny_hf) -> None:
     check(out, tiny_hf, 2)
     done = out.outputs[0]
     assert (done.token_ids, done.text, done.finish_reason, done.logprobs) == ([], "", "length", [])
-    assert all(rid not in step.record.tokens for step in outs)
-    assert any(step.record.finished.get(rid) for step in outs)
+    assert not any(step.record.tokens.get(rid) for step in outs)
+    assert [step.record.finished[rid] for step in outs if rid in step.record.finished] == [m14.FinishReason.STOP]
     (entry,) = c.summary()
-    assert (entry["state"], entry["finish_reason"], entry["generated"]) == ("FINISHED", "LENGTH", 0)
+    assert (entry["state"], entry["finish_reason"], entry["generated"]) == ("FINISHED", "STOP", 0)
     deltas = [d for step in outs for d in step.deltas]
     assert [d.prompt_logprobs is not None for d in deltas] == [True]  # the first (and only) delta carries them
     c.check_pages()

@@ -1,18 +1,37 @@
-"""``Scheduler``: m14 behind the runtime's contract (counts, page usage, finish with status, metrics facts)."""
+"""``Scheduler``: m14 behind the runtime's contract (counts, page usage, schedule/commit with a stop, metrics facts)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from mechserve.api.config import EngineConfig
-from mechserve.engine.scheduler import Scheduler
+from mechserve.engine.scheduler import Scheduler, Step, StopHook
 from mechserve.spec import m14_forced_runs as m14
 
 
-def scheduler(num_pages: int, **config: object) -> Scheduler:
-    """A scheduler over m14's scripted executor (no model): page size 1, a budget of 16 tokens."""
-    cfg = EngineConfig(page_size=1, max_step_tokens=16, max_running=None, **config)  # type: ignore[arg-type]
-    return Scheduler(
-        cfg, num_pages=num_pages, max_model_len=None, eos_token_ids=(), executors=[m14.LocalExecutor({}, {})]
-    )
+class Scripted(Scheduler):
+    """A scheduler over m14's scripted executor (no model), stepped as ``EngineCore.step`` steps it."""
+
+    def step(self, stop: StopHook | None = None) -> Step:
+        return self.commit(self.ranks.execute(self.schedule()), stop)
+
+
+def scheduler(num_pages: int, **config: Any) -> Scripted:
+    """A scheduler over m14's scripted executor: page size 1, a budget of 16 tokens."""
+    cfg = EngineConfig(page_size=1, max_step_tokens=16, max_running=None, **config)
+    ranks = [m14.LocalExecutor({}, {})]
+    s = Scripted(cfg, num_pages=num_pages, max_model_len=None, eos_token_ids=(), executors=ranks)
+    s.ranks = m14.ExecutorGroup(ranks)  # type: ignore[attr-defined]
+    return s
+
+
+def stop_after(rid: str, keep: int, at_step: int, s: Scheduler) -> StopHook:
+    """A stop that keeps ``keep`` of the ids ``rid`` appends in step ``at_step`` (a stop string found there)."""
+
+    def stop(request_id: str, ids: tuple[int, ...], reason: m14.FinishReason | None) -> int | None:
+        return keep if request_id == rid and s.step_counter == at_step else None
+
+    return stop
 
 
 def test_a_preemption_counts_only_when_computed_state_is_dropped() -> None:
@@ -63,30 +82,54 @@ def test_shared_pages_are_the_cached_pages_a_running_request_uses() -> None:
     assert s.page_usage().in_use == 0
 
 
-def test_a_finish_outside_the_step_is_a_stop_not_an_abort() -> None:
-    """A stop string ends a request between steps: the record of the step that found it says STOP and keeps
-    only the ids before the cut; the next record does not list it as aborted; the summary says FINISHED."""
+def test_a_stop_decided_on_text_is_a_stop_inside_the_commit() -> None:
+    """A stop string ends a request inside the commit of the step that found it (m12 N26): the record says
+    STOP and keeps only the ids before the cut, its window's accepted counts only the guesses kept, the
+    request's pages return, the next record lists no abort and the summary says FINISHED, STOP."""
     s = scheduler(16, spec_len=3)
     s.add("a", [1, 2, 3], 10)
-    record = s.step().record  # prefill, one token
-    record = s.step().record  # a decode window: 3 guesses, all accepted by the scripted executor
-    assert record.accepted["a"] == 3 and len(record.tokens["a"]) == 4
-    s.finish("a", kept=2, generated=3)
-    cut = s.cut(record)
-    assert cut.finished["a"] is m14.FinishReason.STOP and cut.tokens["a"] == record.tokens["a"][:2]
-    assert (cut.accepted["a"], cut.rolled_back["a"]) == (1, 2)
-    after = s.step().record
-    assert "a" not in after.aborted
+    s.step()  # prefill, one token
+    seen: list[tuple[str, tuple[int, ...], m14.FinishReason | None]] = []
+
+    def stop(rid: str, ids: tuple[int, ...], reason: m14.FinishReason | None) -> int | None:
+        seen.append((rid, ids, reason))
+        return 2
+
+    record = s.step(stop).record  # a decode window: 3 guesses, all accepted by the scripted executor
+    ((rid, ids, reason),) = seen
+    assert (rid, len(ids), reason) == ("a", 4, None)  # asked once, with the 4 ids it appended, still running
+    assert record.finished["a"] is m14.FinishReason.STOP and record.tokens["a"] == ids[:2]
+    assert (record.accepted["a"], record.rolled_back["a"]) == (1, 2)
+    assert s.counts() == (0, 0) and s.page_usage().private == 0
     (entry,) = s.summary()
     assert (entry["state"], entry["finish_reason"], entry["generated"]) == ("FINISHED", "STOP", 3)
+    after = s.step().record
+    assert "a" not in after.aborted
     s.check()
+
+
+def test_the_stop_is_told_the_finish_reason_of_a_request_that_ended_in_the_step() -> None:
+    """A request m14 ended in the step (here at max_new_tokens) is asked with its finish reason, so the text
+    can release what it held back and still end it with STOP keeping every id."""
+    s = scheduler(16)
+    s.add("a", [1, 2, 3], 1)
+    seen = []
+
+    def stop(rid: str, ids: tuple[int, ...], reason: m14.FinishReason | None) -> int | None:
+        seen.append(reason)
+        return len(ids)
+
+    record = s.step(stop).record
+    assert seen == [m14.FinishReason.LENGTH] and record.finished["a"] is m14.FinishReason.STOP
+    assert len(record.tokens["a"]) == 1
 
 
 def test_every_cut_leaves_the_record_counting_what_the_request_keeps() -> None:
     """The record ``EngineCore`` hands on (and settles the executor with) counts, per decode window, only the
     guesses the request keeps: the scripted executor accepts all 3 guesses of each window, and each way of
     ending inside the run cuts ``accepted`` and ``tokens``: the spec's EOS trigger and a stop id (m12 N19),
-    a stop string (``Scheduler.cut``), and max_tokens, which caps the window before it is drafted (m09)."""
+    a stop string (the commit's stop, m12 N26), and max_tokens, which caps the window before it is drafted
+    (m09)."""
     prompt = [1, 2, 3]
     chain, prev = [], prompt[-1]
     for j in range(8):
@@ -108,9 +151,7 @@ def test_every_cut_leaves_the_record_counting_what_the_request_keeps() -> None:
     s = scheduler(16, spec_len=3)
     s.add("a", prompt, 10)
     s.step()
-    record = s.step().record
-    s.finish("a", kept=2, generated=3)  # a stop string ended in the second id the window appended
-    cut = s.cut(record)
+    cut = s.step(stop_after("a", 2, 1, s)).record  # a stop string ended in the second id the window appended
     assert (cut.accepted["a"], cut.rolled_back["a"], cut.tokens["a"]) == (1, 2, tuple(chain[1:3]))
     eng = m14.Engine([m14.Request("a", prompt, 10, eos_after=2)], 16, 1, 16, spec_len=3)
     eng.step()

@@ -20,6 +20,7 @@ from tiny_checkpoints import Tiny, random_prompts
 from mechserve.api.config import EngineConfig, SpeculativeConfig
 from mechserve.api.params import SamplingParams
 from mechserve.executor.forcing import ForcedSource, ScriptedForcer
+from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.spec import m14_forced_runs as m14
 
@@ -61,7 +62,7 @@ def run(
     requests = []
     for i, p in enumerate(prompts):
         params = SamplingParams(temperature=0.0, max_tokens=NEW, logprobs=logprobs)
-        ex.add_request(f"r{i}", p, params)
+        ex.add_request(ExecutorRequest(f"r{i}", p, params))
         if forcers and f"r{i}" in forcers:
             ex.set_forcer(f"r{i}", forcers[f"r{i}"])
         requests.append(m14.Request(f"r{i}", list(p), NEW, stop_token_ids=stop_token_ids))

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mechserve.api.params import SamplingParams
+from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.sampling import Row, Sampler, process_logits
 
 V = 12
@@ -25,7 +26,7 @@ def reference(logits: Sequence[float], row: Row) -> list[float]:
     output = list(row.history[row.prompt_len :])
     if p.allowed_token_ids is not None:
         x = [v if i in p.allowed_token_ids else INF for i, v in enumerate(x)]
-    for word in row.bad_words:
+    for word in row.request.bad_words_ids if row.request else ():
         if len(word) - 1 <= len(output) and (len(word) == 1 or output[-(len(word) - 1) :] == list(word[:-1])):
             x[word[-1]] = INF
     if row.token_index < p.min_tokens:
@@ -75,7 +76,10 @@ def test_bad_words_ban_a_last_token_only_after_its_prefix() -> None:
     words = ((7,), (8, 2, 4), (2, 6), (5, 9))
 
     def banned(history: tuple[int, ...], prompt_len: int) -> set[int]:
-        got = process_logits(torch.tensor([LOGITS]), [Row(params, 4, (), history, prompt_len, words)])[0]
+        got = process_logits(
+            torch.tensor([LOGITS]),
+            [Row(params, 4, (), history, prompt_len, request=ExecutorRequest("r", (), params, bad_words_ids=words))],
+        )[0]
         return {i for i, v in enumerate(got.tolist()) if v == INF}
 
     assert banned((3, 5, 8, 1, 8, 2), 3) == {7, 4, 6}  # the output ends with 8, 2 (so also with 2)
@@ -138,6 +142,13 @@ def test_process_logits_equals_the_reference(
     banned: tuple[int, ...],
     token_index: int,
 ) -> None:
-    row = Row(params, token_index, banned, tuple(history), min(prompt_len, len(history)), tuple(words))
+    row = Row(
+        params,
+        token_index,
+        banned,
+        tuple(history),
+        min(prompt_len, len(history)),
+        request=ExecutorRequest("r", (), params, bad_words_ids=tuple(words)),
+    )
     got = process_logits(torch.tensor([logits]), [row])[0]
     assert_close(got, reference(logits, row))

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mechserve.cli.generate import add_arguments, speculative_config
+from mechserve.cli.engine_args import speculative_config
+from mechserve.cli.generate import add_arguments
 from mechserve.cli.parser import Parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,11 +33,13 @@ def parse(argv: list[str]) -> object:
 
 def test_the_commands_parse_into_what_they_say() -> None:
     (bash,) = blocks("bash")
-    lookup, draft = [shlex.split(line, comments=True)[1:] for line in bash.splitlines() if line.strip()]
+    lookup, draft, suffix = [shlex.split(line, comments=True)[1:] for line in bash.splitlines() if line.strip()]
     ngram = speculative_config(parse(lookup))
     assert (ngram.method, ngram.num_speculative_tokens, ngram.adaptive) == ("ngram", 4, True)
     model = speculative_config(parse(draft))
     assert (model.method, model.draft_model, model.num_speculative_tokens) == ("draft", "smollm2:layers=4", 3)
+    trees = speculative_config(parse(suffix))
+    assert (trees.method, trees.num_speculative_tokens, trees.suffix_decoding_max_tree_depth) == ("suffix", 8, 24)
     assert "bench spec-decode" in SECTION and "BENCH_TABLE" not in SECTION
 
 

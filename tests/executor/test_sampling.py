@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tiny_checkpoints import Tiny, build_tiny
 
 from mechserve.api.params import SamplingParams
+from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.sampling import Row, Sampler, apply_top_p, token_logprobs
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.spec import m14_forced_runs as m14
@@ -213,7 +214,7 @@ def sample_once_each(tiny: Tiny, params: list[SamplingParams], sampler_seed: int
     ex = TorchExecutor(tiny.model, num_pages=len(params), page_size=4, sampler=Sampler(seed=sampler_seed))
     plan = []
     for i, p in enumerate(params):
-        ex.add_request(f"r{i}", PROMPT, p)
+        ex.add_request(ExecutorRequest(f"r{i}", PROMPT, p))
         placements = tuple((pos, i, pos) for pos in range(len(PROMPT)))
         plan.append(m14.PlanItem(f"r{i}", 0, len(PROMPT), 0, False, placements, tuple(PROMPT), True, 0, (i,)))
     return [o.token_ids[0] for o in ex.execute(tuple(plan))]

@@ -16,6 +16,7 @@ import mechserve.executor.torch_executor as torch_executor
 from mechserve.api.outputs import TokenLogprobs
 from mechserve.api.params import SamplingParams
 from mechserve.executor.proposers import propose_ngram
+from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.sampling import Sampler
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.spec import m14_forced_runs as m14
@@ -56,7 +57,7 @@ def run(
     ex = TorchExecutor(tiny.model, num_pages, page_size, sampler=Sampler(seed=sampler_seed), proposer=proposer)
     requests = []
     for r in reqs:
-        ex.add_request(r.rid, r.prompt, r.params, eos_token_ids=eos)
+        ex.add_request(ExecutorRequest(r.rid, r.prompt, r.params, eos))
         requests.append(
             m14.Request(
                 r.rid,

@@ -30,12 +30,15 @@ from mechserve.cli.main import main
 from mechserve.engine.core import EngineCore
 from mechserve.executor.governor import Candidate, Governor
 from mechserve.executor.proposers import DraftModelProposer, Window, lookup_ngram
+from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.model.llama import LlamaModel
 from mechserve.model.loader import LoadedModel, load_model
 from mechserve.spec import m14_forced_runs as m14
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False)
+SUFFIX = SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False)
+MODEL_FREE = {"ngram": NGRAM, "suffix": SUFFIX}
 
 
 def draft_spec(k: int = 3, adaptive: bool = False) -> SpeculativeConfig:
@@ -81,7 +84,7 @@ def run(
     arrivals = arrivals or [0] * len(prompts)
     requests = []
     for i, (p, n, a) in enumerate(zip(prompts, news, arrivals)):
-        ex.add_request(f"r{i}", p, params or SamplingParams(temperature=0.0, max_tokens=n), eos_token_ids=eos)
+        ex.add_request(ExecutorRequest(f"r{i}", p, params or SamplingParams(temperature=0.0, max_tokens=n), eos))
         requests.append(m14.Request(f"r{i}", list(p), n, arrival_step=a, stop_token_ids=stop_token_ids))
     spec_len = spec.num_speculative_tokens if spec else 0
     engine = m14.Engine(requests, budget, page_size, num_pages, spec_len=spec_len, executors=[ex], eos_token_ids=eos)
@@ -140,7 +143,7 @@ def plain(tiny: Tiny) -> dict[str, list[int]]:
     return run(tiny.model, PROMPTS, 16).outputs
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft-1-layer", "draft-full"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft-1-layer", "draft-full"])
 @pytest.mark.parametrize(
     "shape",
     [
@@ -153,8 +156,8 @@ def plain(tiny: Tiny) -> dict[str, list[int]]:
 def test_greedy_output_equals_plain_decoding(
     tiny: Tiny, plain: dict[str, list[int]], proposer: str, shape: dict[str, Any]
 ) -> None:
-    spec, draft = NGRAM, None
-    if proposer != "ngram":
+    spec, draft = MODEL_FREE.get(proposer), None
+    if spec is None:
         layers = 1 if proposer == "draft-1-layer" else tiny.model.arch.num_layers
         spec, draft = draft_spec(), tiny.model.truncated(layers)
     got = run(tiny.model, PROMPTS, 16, spec=spec, draft=draft, **shape)
@@ -165,19 +168,19 @@ def test_greedy_output_equals_plain_decoding(
         assert total(got.records, "accepted") == total(got.records, "drafted")
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
 def test_batch_one_equals_plain_decoding(tiny: Tiny, plain: dict[str, list[int]], proposer: str) -> None:
-    spec, draft = (NGRAM, None) if proposer == "ngram" else (draft_spec(4), tiny.model.truncated(1))
+    spec, draft = (MODEL_FREE[proposer], None) if proposer in MODEL_FREE else (draft_spec(4), tiny.model.truncated(1))
     for i, p in enumerate(PROMPTS):
         assert run(tiny.model, [p], 16, spec=spec, draft=draft).outputs["r0"] == plain[f"r{i}"]
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
 def test_preemption_mid_speculation_gives_the_same_output(
     tiny: Tiny, plain: dict[str, list[int]], proposer: str
 ) -> None:
     """A pool that cannot hold every request: speculating requests are preempted and recomputed."""
-    spec, draft = (NGRAM, None) if proposer == "ngram" else (draft_spec(), tiny.model)
+    spec, draft = (MODEL_FREE[proposer], None) if proposer in MODEL_FREE else (draft_spec(), tiny.model)
     need = max(m14.pages_for(len(p) + 16, 2) for p in PROMPTS)
     got = run(tiny.model, PROMPTS, 16, spec=spec, draft=draft, page_size=2, num_pages=need + 6, budget=24)
     assert got.outputs == plain
@@ -293,7 +296,7 @@ def test_a_draft_reads_valid_kv_from_another_requests_generated_blocks(tiny: Tin
     def submit(rid: str, prompt: list[int], n: int) -> m14.Request:
         r = m14.Request(rid, list(prompt), n)
         assert engine.add_request(r) is None
-        ex.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n))
+        ex.add_request(ExecutorRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n)))
         return r
 
     def step_done(record: m14.StepRecord) -> None:
@@ -355,8 +358,8 @@ def cycle_model(tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
 
 
 def cycle_setup(proposer: str, model: LlamaModel, k: int) -> tuple[SpeculativeConfig, LlamaModel | None]:
-    if proposer == "ngram":
-        return replace(NGRAM, num_speculative_tokens=k), None
+    if proposer in MODEL_FREE:
+        return replace(MODEL_FREE[proposer], num_speculative_tokens=k), None
     return draft_spec(k), model  # the draft is the model itself: it proposes the true continuation
 
 
@@ -364,7 +367,7 @@ PROMPT = [*CYCLE, *CYCLE[:2]]  # continues 2, 7, 4, 6, 1, 3, 5, ... and prompt l
 CONT = [2, 7, 4, 6, 1, 3, 5, 2]
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
 def test_bc16_stop_or_eos_inside_an_accepted_run_wins_over_the_cap(cycle_model: LlamaModel, proposer: str) -> None:
     """max_tokens 5, spec_len 5: one window accepts [7, 4, 6] and the stop id 4 cuts it: [2, 7, 4], STOP."""
     spec, draft = cycle_setup(proposer, cycle_model, 5)
@@ -381,7 +384,7 @@ def test_bc16_stop_or_eos_inside_an_accepted_run_wins_over_the_cap(cycle_model: 
     assert late.outputs["r0"] == CONT[:5] and late.finish["r0"] == "LENGTH"
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
 def test_bc22_zero_and_two_drafts_share_steps(cycle_model: LlamaModel, proposer: str) -> None:
     """A (5 tokens) has 0 drafts at its last step while B (10 tokens) has 2; each equals its run alone.
     B with 11 tokens ends on a step where every window has 0 drafts: plain decode, one token."""
@@ -406,7 +409,7 @@ class LetterTokenizer:
         return "".join("abcdefghijklmnop"[i] for i in ids)
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
 def test_a_stop_string_inside_an_accepted_run_cuts_ids_and_text(cycle_model: LlamaModel, proposer: str) -> None:
     """The continuation c h e g b d f ... arrives as accepted runs; the stop string "he" ends inside one."""
     spec, _ = cycle_setup(proposer, cycle_model, 4)
@@ -459,7 +462,7 @@ def cycle_run(
     start=st.integers(0, len(CYCLE) - 1),
     length=st.integers(len(CYCLE) + 1, 2 * len(CYCLE) + 2),
     k=st.integers(1, 5),
-    proposer=st.sampled_from(["ngram", "draft"]),
+    proposer=st.sampled_from(["ngram", "suffix", "draft"]),
     max_tokens=st.integers(1, 14),
     stop_ids=st.lists(st.sampled_from(CYCLE), max_size=2, unique=True),
     eos=st.lists(st.sampled_from(CYCLE), max_size=1),
@@ -516,7 +519,7 @@ def test_no_id_or_text_after_the_earliest_stop_eos_or_cap(
 # Conformance: the real runs obey the spec -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
 @pytest.mark.parametrize("name", ["shared-prefix", "chunked-two-ranks", "admission"])
 def test_conformance_replay_contract_and_kv_audit(proposer: str, name: str) -> None:
     """The trace of a run with real drafts replays on the spec, every planned slot is written, the KV audits."""
@@ -531,7 +534,7 @@ def test_conformance_replay_contract_and_kv_audit(proposer: str, name: str) -> N
     from mechserve.conformance import tiny_model as conformance_tiny
 
     model, hf = conformance_tiny()
-    kwargs: dict[str, Any] = {"speculative": NGRAM}
+    kwargs: dict[str, Any] = {"speculative": MODEL_FREE.get(proposer)}
     if proposer == "draft":
         kwargs = {"speculative": draft_spec(), "draft_model": model.truncated(1)}
     target = torch_target(model, hf=hf, name=f"tiny-{proposer}", **kwargs)
@@ -697,6 +700,7 @@ def test_generate_cli_speculates_with_either_proposer(
         ["--spec-method", "ngram", "--spec-len", "4", "--ngram-max", "2", "--spec-fixed"],
         ["--draft-model", f"{path}:layers=1", "--spec-fixed"],
         ["--spec-method", "draft", "--draft-model", f"{path}:layers=2", "--spec-len", "2"],
+        ["--spec-method", "suffix", "--spec-len", "4", "--suffix-decoding-max-tree-depth", "12", "--spec-fixed"],
     ):
         rc, out, err = cli([prompt, *base, *extra], capsys)
         assert rc == 0, (extra, err)
@@ -713,6 +717,10 @@ def test_generate_cli_speculates_with_either_proposer(
         (["--spec-method", "ngram", "--spec-len", "0"], "needs --spec-len >= 1"),
         (["--spec-len", "2", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min 3 is more than --ngram-max 2"),
         (["--draft-model", "smollm2:layers=0"], "layers must be >= 1"),
+        (["--suffix-decoding-max-tree-depth", "8"], "--suffix-decoding-max-tree-depth is an option of --spec-method"),
+        (["--spec-method", "suffix", "--suffix-decoding-max-tree-depth", "1"], "must be >= 2, got 1"),
+        (["--spec-method", "suffix", "--suffix-decoding-min-token-prob", "2"], "--suffix-decoding-min-token-prob"),
+        (["--spec-method", "suffix", "--suffix-decoding-max-spec-factor", "x"], "must be a number"),
     ],
 )
 def test_generate_cli_speculation_errors(flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -726,3 +734,59 @@ def test_model_checkpoint_truncation_is_a_view(tiny: Tiny) -> None:
     assert draft.embed is tiny.model.embed and draft.lm_head is tiny.model.lm_head
     with pytest.raises(ValueError, match="num_layers"):
         tiny.model.truncated(3)
+
+
+class NeverRightProposer:
+    """Guesses that are never accepted on the cycle model: the id two places ahead of the true successor."""
+
+    @classmethod
+    def build(cls, ctx: Any) -> NeverRightProposer:
+        return cls()
+
+    def propose(self, windows: Sequence[Window]) -> list[Any]:
+        from mechserve.executor.proposers import NO_DRAFT, Draft
+
+        return [Draft(self._ids(w.history, w.slots)) if w.slots else NO_DRAFT for w in windows]
+
+    def available(self, request: Any, history: Sequence[int], cap: int) -> int:
+        return cap
+
+    def release(self, request: Any, output_ids: Sequence[int]) -> None:
+        pass
+
+    def _ids(self, history: Sequence[int], num: int) -> tuple[int, ...]:
+        wrong = SUCCESSOR[SUCCESSOR[SUCCESSOR[history[-1]]]]
+        return (wrong,) * num
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_governor_backs_off_a_request_whose_guesses_never_pay(
+    cycle_model: LlamaModel, monkeypatch: pytest.MonkeyPatch, batch: int
+) -> None:
+    """Issue 27 item 4: a proposer whose every guess is rejected is probed ever more rarely (exponential
+    back-off per request), so it costs a few windows over a long answer, not one every ~11 steps at batch 1
+    and every step at batch 3 (where a guess row looks almost free to the cost model)."""
+    from mechserve.api.proposers import PROPOSERS, ProposerMethod
+    from mechserve.executor.governor import Acceptance
+
+    monkeypatch.setitem(  # type: ignore[call-overload]
+        PROPOSERS, "never", ProposerMethod("never", "always wrong", f"{__name__}:NeverRightProposer.build")
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    prompts = [[CYCLE[(i + j) % len(CYCLE)] for j in range(9)] for i in range(batch)]
+
+    def probes(config: EngineConfig) -> tuple[int, Any]:
+        core = EngineCore(loaded(cycle_model, Path("/nonexistent")), config)
+        for p in prompts:
+            core.add_request(p, params)
+        records = [o.record for o in drain(core)]
+        outs = [list(r.output_ids) for r in core.scheduler.spec_engine.requests]
+        return sum(1 for rec in records if any(rec.drafted.values())), outs
+
+    spec = SpeculativeConfig(method="never", num_speculative_tokens=4)
+    config = EngineConfig(page_size=4, num_pages=256, speculative=spec)
+    backed_off, outs = probes(config)
+    assert outs == probes(EngineConfig(page_size=4, num_pages=256))[1]
+    monkeypatch.setattr(Acceptance, "GRACE", 10**9)  # the governor before the back-off
+    every_so_often, _ = probes(config)
+    assert backed_off <= 12 < 20 < every_so_often

@@ -21,6 +21,7 @@ from tiny_checkpoints import tiny_config
 
 from mechserve.api.config import SpeculativeConfig
 from mechserve.api.params import SamplingParams
+from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.sampling import Sampler
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.executor.verify import verify_draft
@@ -219,7 +220,7 @@ def sample_engine(
     ex = TorchExecutor(model, n + 1, 8, sampler=Sampler(seed), speculative=spec if draft else None, draft_model=draft)
     requests = []
     for i in range(n):
-        ex.add_request(f"r{i}", PROMPT, params)
+        ex.add_request(ExecutorRequest(f"r{i}", PROMPT, params))
         requests.append(m14.Request(f"r{i}", list(PROMPT), params.max_tokens))
     m14.Engine(requests, 1 << 20, 8, n + 1, spec_len=spec_len if draft else 0, executors=[ex], eos_token_ids=()).run()
     return [list(r.output_ids) for r in requests]
@@ -255,7 +256,7 @@ def test_the_draft_really_was_rejected_and_accepted(small: tuple[LlamaModel, obj
     ex = TorchExecutor(model, 64, 8, sampler=Sampler(1), speculative=spec, draft_model=draft)
     requests = [m14.Request(f"r{i}", list(PROMPT), 4) for i in range(40)]
     for r in requests:
-        ex.add_request(r.request_id, PROMPT, PARAMS)
+        ex.add_request(ExecutorRequest(r.request_id, PROMPT, PARAMS))
     m14.Engine(requests, 1 << 20, 8, 64, spec_len=2, executors=[ex], eos_token_ids=()).run(
         lambda record: ex.settle(record.accepted)
     )
@@ -269,7 +270,7 @@ def seeded_runs(model: LlamaModel, draft: LlamaModel, seeds: Sequence[int]) -> C
         requests = []
         for s in seeds:
             params = SamplingParams(temperature=1.0, seed=s, max_tokens=10, ignore_eos=True, logprobs=1)
-            ex.add_request(f"s{s}", PROMPT, params)
+            ex.add_request(ExecutorRequest(f"s{s}", PROMPT, params))
             requests.append(m14.Request(f"s{s}", list(PROMPT), 10))
         logprobs: dict[str, list[int]] = {r.request_id: [] for r in requests}
 
@@ -293,3 +294,32 @@ def test_seeded_draft_sampling_is_reproducible(small: tuple[LlamaModel, object, 
     assert once() == first
     assert seeded_runs(model, draft, [4, 2, 3])()[1:] == first[1:]  # batchmates' seeds do not matter here
     assert len({tuple(x) for x in first}) > 1
+
+
+def test_engine_with_suffix_decoding_samples_the_target_distribution(
+    small: tuple[LlamaModel, object, LlamaModel],
+) -> None:
+    """Suffix decoding's guesses are point masses from the other requests' outputs (the global tree, grown as
+    they generate): verified exactly, the joint of the first three ids and the marginal of the fourth are the
+    target's own, and some guesses really were accepted and some rejected."""
+    model, hf, _ = small
+    n = 3000
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=2, adaptive=False)
+    ex = TorchExecutor(model, n + 1, 8, sampler=Sampler(3), speculative=spec)
+    requests = []
+    for i in range(n):
+        ex.add_request(ExecutorRequest(f"r{i}", PROMPT, PARAMS))
+        requests.append(m14.Request(f"r{i}", list(PROMPT), PARAMS.max_tokens))
+    m14.Engine(requests, 1 << 20, 8, n + 1, spec_len=2, executors=[ex], eos_token_ids=()).run(
+        lambda record: ex.settle(record.accepted)
+    )
+    runs = [list(r.output_ids) for r in requests]
+    joint = target_joint(hf, PARAMS, 4)
+    first3: dict[object, float] = Counter()
+    last: dict[object, float] = Counter()
+    for seq, w in joint.items():
+        first3[seq[:3]] += w
+        last[seq[3]] += w
+    assert chi_square_p(Counter(tuple(r[:3]) for r in runs), dict(first3)) > 1e-3
+    assert chi_square_p(Counter(r[3] for r in runs), dict(last)) > 1e-3
+    assert 0 < ex.stats().accepted < ex.stats().proposed

@@ -267,7 +267,7 @@ def test_a_draft_model_with_ranks_is_refused(loaded) -> None:
     from mechserve.api.config import SpeculativeConfig
 
     spec = SpeculativeConfig(method="draft", num_speculative_tokens=2, draft_model=f"{loaded.path}:layers=1")
-    with pytest.raises(ValueError, match="draft model with world_size > 1"):
+    with pytest.raises(ValueError, match=r"draft model.* does not run with world_size > 1"):
         EngineCore(loaded, EngineConfig(num_pages=8, speculative=spec, world_size=2))
 
 
@@ -283,3 +283,24 @@ def test_a_model_without_weights_is_only_for_a_driver_of_ranks(loaded) -> None:
     assert shape.model.arch == loaded.model.arch and not hasattr(shape.model, "layers")
     with pytest.raises(ValueError, match="needs world_size > 1"):
         EngineCore(shape, EngineConfig(num_pages=8))
+
+
+def test_ranks_speculate_with_suffix_decoding_as_one_process_does(loaded) -> None:
+    """Suffix decoding keeps state across steps and requests (its trees) and only rank 0 answers the governor's
+    ``advise``: every rank must still draft the same guesses, so two ranks generate and count what one
+    process does."""
+    from mechserve.api.config import SpeculativeConfig
+
+    config = CONFIG.replace(spec_len=0, speculative=SpeculativeConfig(method="suffix", num_speculative_tokens=3))
+    one = EngineCore(loaded, config)
+    two = EngineCore(loaded, config.replace(world_size=2))
+    try:
+        assert generate(one) == generate(two)
+        assert generate(one) == generate(two)  # again: the global trees now hold the first round's outputs
+        ranks = two.stats(executor=True).executor
+        alone = one.stats(executor=True).executor
+    finally:
+        two.close()
+    for name in ("windows", "slots", "proposed", "accepted", "emitted"):
+        assert getattr(ranks, name) == getattr(alone, name), name
+    assert alone.proposed > 0

@@ -132,7 +132,7 @@ def test_attention_groups_bucket_by_query_length() -> None:
     batch = build_attention_batch(decodes, list(range(4)), 4, group_size=2, native=False)
     assert len(batch.groups) == 1 and batch.groups[0].rows is None  # already flat: no gather, no scatter
     mixed = [Span(0, 0, 9, [0, 1, 2]), Span(9, 5, 1, [3, 4]), Span(10, 2, 3, [5]), Span(13, 7, 2, [6, 7])]
-    batch = build_attention_batch(mixed, list(range(15)), 4, group_size=2, windows=(None, 3), native=False)
+    batch = build_attention_batch(mixed, list(range(15)), 4, group_size=2, sliding_windows=(None, 3), native=False)
     assert sorted(g.q_len for g in batch.groups) == [1, 2, 3, 9]
     assert sum(int(g.dst.numel()) if g.dst is not None else g.batch * g.q_len for g in batch.groups) == 15
     (long_group,) = [g for g in batch.groups if g.q_len == 9]

@@ -299,9 +299,11 @@ def test_shared_prefix_burst_computes_the_shared_prompt_once() -> None:
 
 
 def test_bc06_reprefill_after_preemption_appends_exactly_one_token() -> None:
-    # The victim is the last request in list order, so R2 stands first in the list and arrives at step 1,
-    # when R1 holds 1 full block + 1 sampled token (len 5): R2's prefill needs the pages and R1 gives them up.
-    r2, r1 = R("R2", list(range(101, 109)), 4, arrival_step=1), R("R1", [1, 2, 3, 4], 6)
+    # The victim is the request admitted last (first come, first served, D9; requests arriving in the same
+    # step are admitted in list order), so R2 stands first in the list and both arrive at step 0: both
+    # prefill (R2 2 pages, R1 1), and at step 1, when R1 holds 1 full block + 1 sampled token (len 5), R2's
+    # decode needs its 3rd page and R1 its 2nd of the 3: R1, not the anchor, gives its page up.
+    r2, r1 = R("R2", list(range(101, 109)), 4), R("R1", [1, 2, 3, 4], 6)
     eng = m.Engine([r2, r1], 16, 4, 3)
     recs: list[m.StepRecord] = []
     while eng.running or eng.waiting:
@@ -320,13 +322,19 @@ def test_bc06_reprefill_after_preemption_appends_exactly_one_token() -> None:
 
 
 def test_bc06_every_preemption_point_of_the_case() -> None:
-    """R2 arriving at each step preempts R1 at each length 5 … 9 (or never); R1's ids never change."""
+    """R1 arriving at each step is preempted at each length 5 … 9 (or never); R1's ids never change.
+
+    First come, first served (D9): R2, admitted first, is the anchor and R1 the only victim, preempted
+    when R2's decode takes a page the pool lacks.  So R2 decodes 10 tokens (taking its 3rd, 4th and 5th
+    page at steps 1, 5 and 9), long enough to press R1 at every length, and the pool holds 5 or 6 pages.
+    """
     want = chain([1, 2, 3, 4], 6)
     points = set()
-    for arrival in range(8):
-        for pages in (3, 4):
-            r2, r1 = R("R2", list(range(101, 109)), 4, arrival_step=arrival), R("R1", [1, 2, 3, 4], 6)
+    for arrival in range(9):
+        for pages in (5, 6):
+            r2, r1 = R("R2", list(range(101, 109)), 10), R("R1", [1, 2, 3, 4], 6, arrival_step=arrival)
             recs = run(m.Engine([r2, r1], 16, 4, pages))
+            assert "R2" not in {rid for rec in recs for rid in rec.preempted}
             hit = [rec.step for rec in recs if "R1" in rec.preempted]
             if hit:
                 points.add(sum(rec.executed.get("R1", 0) for rec in recs[: hit[0]]) + 1)

@@ -19,6 +19,7 @@ __all__ = [
     "TINY_NAME",
     "VOCAB",
     "Served",
+    "plant_matcher_failure",
     "random_prompts",
     "serving",
     "tiny_config",
@@ -82,3 +83,20 @@ def serving(llm: AsyncLLM, **app_options: Any) -> Iterator[Served]:
 
     with BackgroundServer(build_app(llm, **app_options)) as server:
         yield Served(server, llm, app_options.get("api_key") or "none")
+
+
+def plant_matcher_failure(monkeypatch: Any) -> None:
+    """A grammar that compiles but fails inside a step (issue 31): the matcher of any constraint whose key
+    names ``planted`` raises on its third mask, with a long dump that must not reach the client or the log."""
+    from mechserve.executor.structured import GrammarMatcher
+
+    original = GrammarMatcher.window_masks
+
+    def third_mask_fails(self: GrammarMatcher, *args: Any) -> int:
+        if "planted" in self.grammar.key[1]:
+            self.planted = getattr(self, "planted", 0) + 1  # type: ignore[attr-defined]
+            if self.planted == 3:  # type: ignore[attr-defined]
+                raise ValueError("planted matcher failure\n" + "grammar dump " * 500)
+        return original(self, *args)
+
+    monkeypatch.setattr(GrammarMatcher, "window_masks", third_mask_fails)

@@ -21,7 +21,7 @@ import jsonschema
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
-from server_support import TINY_NAME, Served, serving
+from server_support import TINY_NAME, Served, plant_matcher_failure, serving
 from test_disconnect import assert_aborted_and_freed, slowed
 from tool_models import save_byte_model
 
@@ -324,8 +324,10 @@ def test_disconnects_abort_and_a_failure_is_an_error_event(make_llm) -> None:
         assert lines[-2] == "event: error", lines[-4:]
         error = json.loads(lines[-1][6:])
         assert error["type"] == "error" and error["error"]["type"] == "api_error"
-        assert "simulated executor failure" in error["error"]["message"]
-        with pytest.raises(anthropic.APIStatusError):
+        message = error["error"]["message"]  # the step and the kind of failure, never its text (the log has that)
+        assert "(RuntimeError)" in message and "simulated" not in message, message
+        # every step fails, so the engine is dead: a 503 while the server stops, then the socket is closed
+        with pytest.raises((anthropic.APIStatusError, anthropic.APIConnectionError)):
             list(client(served).messages.create(**body))
 
 
@@ -557,3 +559,68 @@ def wait_running(served: Served, n: int) -> None:
     while served.llm.metrics.snapshot()["running"] < n:
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+PLANTED = {
+    "type": "object",
+    "properties": {"planted_note": {"type": "string", "maxLength": 40}},
+    "required": ["planted_note"],
+}
+
+
+def test_a_format_failing_inside_a_step_fails_its_message_alone(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31 on /v1/messages: a message whose output format (or forced tool) fails inside an engine step ends
+    alone, in Anthropic's shape: waited for, a 400 ``invalid_request_error`` naming ``output_config.format``
+    (``output_format``, ``tools``); streamed, an ``error`` event.  The messages running beside it get the text
+    they get alone, and the engine returns to idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    good = [{"model": BYTES, "max_tokens": 16, "messages": [{"role": "user", "content": f"Say w{i}."}],
+             "temperature": 0} for i in range(3)]  # fmt: skip
+    good[1]["stream"] = True
+    city = {"type": "object", "properties": {"city": CITY}, "required": ["city"]}
+    good[2]["output_config"] = {"format": {"type": "json_schema", "schema": city}}
+
+    def send(body: dict[str, Any]) -> Any:
+        if body.get("stream"):
+            with httpx.stream("POST", served.url + "/v1/messages", json=body, timeout=60) as response:
+                assert response.status_code == 200
+                lines = [line for line in response.iter_lines() if line]
+            return [json.loads(d.removeprefix("data: ")) for d in lines[1::2]]
+        return post(served, body)
+
+    def text(result: Any) -> str:
+        if isinstance(result, list):
+            assert result[-1]["type"] == "message_stop", result[-3:]
+            return "".join(e["delta"]["text"] for e in result if e["type"] == "content_block_delta")
+        assert result.status_code == 200, result.text
+        return "".join(b.text for b in Message.model_validate(result.json()).content if b.type == "text")
+
+    alone = [text(send(b)) for b in good]
+    plant_matcher_failure(monkeypatch)
+    ask = {"model": BYTES, "max_tokens": 30, "messages": ASK}
+    planted_format = {"format": {"type": "json_schema", "schema": PLANTED}}
+    planted_tool = {"name": "planted_tool", "description": "A note", "input_schema": PLANTED}
+    bad = [
+        {**ask, "output_config": planted_format},
+        {**ask, "output_format": planted_format["format"]},
+        {**ask, "output_config": planted_format, "stream": True},
+        {**ask, "tools": [planted_tool], "tool_choice": {"type": "tool", "name": "planted_tool"}},
+    ]
+    with ThreadPoolExecutor(7) as pool:
+        results = list(pool.map(send, [*good, *bad]))
+    assert [text(r) for r in results[:3]] == alone
+    waited, beta, streamed, tool = results[3:]
+    for refused, field in ((waited, "output_config.format"), (beta, "output_format"), (tool, "tools")):
+        message = error_of(refused, 400, "invalid_request_error")
+        assert message.startswith(field) and "planted matcher failure" in message, message
+        assert "grammar dump" not in message
+    assert streamed[-1]["type"] == "error", streamed[-3:]
+    assert streamed[-1]["error"]["type"] == "invalid_request_error"
+    assert "planted matcher failure" in streamed[-1]["error"]["message"]
+    assert streamed[-1]["error"]["message"].startswith("output_config.format")
+    assert not any(e["type"] == "message_stop" for e in streamed)
+    counts = served.wait_idle()
+    assert counts["private"] == 0

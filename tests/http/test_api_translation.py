@@ -67,6 +67,7 @@ RESPONSES_CHECKS: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {
     "skip_special_tokens": [({"skip_special_tokens": False}, {"skip_special_tokens": False})],
     "include_stop_str_in_output": [({"include_stop_str_in_output": True}, {"include_stop_str_in_output": True})],
     "truncation": [({"truncation": "disabled"}, {})],
+    "chat_template": [({"chat_template": "{{ x }}"}, {"chat_template": "{{ x }}"})],
 }
 # honoured by the response around the chat request, each checked by the served test named
 RESPONSES_SERVED = {
@@ -141,6 +142,7 @@ ANTHROPIC_CHECKS: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {
     "metadata": [({"metadata": {"user_id": "u"}}, {})],
     "user_profile_id": [({"user_profile_id": "p"}, {})],
     "workspace_id": [({"workspace_id": "w"}, {})],
+    "chat_template": [({"chat_template": "{{ x }}"}, {"chat_template": "{{ x }}"})],
 }
 ANTHROPIC_SERVED = {"stream": "test_the_stream_is_anthropics_event_sequence"}
 ACCEPTED = {"cache_control", "metadata", "user_profile_id", "workspace_id", "truncation"}  # change nothing, by design

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from server_support import page_counts, random_prompts, wait_idle, words
 
+from mechserve.api.errors import EngineStoppedError
 from mechserve.api.outputs import StepOutput
 from mechserve.api.params import SamplingParams
 from mechserve.entrypoints.async_llm import AsyncLLM, EngineDeadError, EngineStepError, RequestRejected
@@ -335,7 +336,7 @@ def test_shutdown_aborts_what_runs_and_refuses_what_comes_later(make_llm) -> Non
             async for _ in stream:  # it runs: its first ids arrived
                 break
         out = await stream.result()
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineStoppedError, match="stopped"):  # stopped by its owner: not a failure
             await llm.generate("w1", greedy(1))
         return out, llm
 
@@ -405,8 +406,9 @@ def test_a_bug_in_the_engine_thread_fails_every_waiter_instead_of_hanging_them(m
             with pytest.raises(EngineDeadError, match="died"):
                 await asyncio.wait_for(llm.generate("w1 w2", greedy(3)), 10)
             assert not llm.running and llm.error is not None
-            with pytest.raises(EngineDeadError):
+            with pytest.raises(EngineDeadError) as refused:
                 await llm.generate("w1", greedy(1))
+            assert not isinstance(refused.value, EngineStoppedError)  # dead, not stopped: the server's engine_dead
 
     asyncio.run(main())
 

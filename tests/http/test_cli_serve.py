@@ -46,6 +46,9 @@ def test_serve_runs_as_a_command_until_interrupted(tiny_dir: Path) -> None:
     try:
         banner = process.stderr.readline() if process.stderr else ""
         assert f"serving '{TINY_NAME}' on http://127.0.0.1:{port}" in banner, banner
+        # what it holds: the weights by format, the KV pool's bytes and how they were sized (issue 30)
+        assert "weights " in banner and "(float32 " in banner, banner
+        assert "KV pool 128.0 KiB: 64 pages of 4 positions (num_pages)" in banner, banner
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
@@ -212,6 +215,16 @@ def test_serve_takes_a_request_body_cap(capsys) -> None:
     assert code == 2 and "--max-request-bytes" in err
 
 
+def test_an_endless_chat_template_file_is_refused_with_its_limit(capsys, tmp_path: Path) -> None:
+    """``--chat-template /dev/zero`` read until memory ran out; a file is read up to its limit and no further."""
+    big = tmp_path / "big.jinja"
+    big.write_text("{{ x }}" + " " * (1 << 20))
+    for path in ("/dev/zero", str(big)):
+        code, _, err = run_cli(capsys, "serve", "--chat-template", path)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"cannot read the chat template file '{path}': it is over 1 MiB" in err
+
+
 def test_serve_takes_the_response_store_size_and_open_objects(capsys, tiny_dir: Path) -> None:
     """Issue 29's two server options: the Responses store's bound, and JSON Schema's open objects."""
     from mechserve.cli.main import parse
@@ -226,3 +239,11 @@ def test_serve_takes_the_response_store_size_and_open_objects(capsys, tiny_dir: 
     assert closed.allow_additional_properties is False
     flag = ["serve", "--model", str(tiny_dir), "--num-pages", "16", "--allow-additional-properties"]
     assert _engine(parse(flag)).core.config.allow_additional_properties is True
+
+
+def test_serve_kv_events_endpoint_errors_are_one_line(capsys, tiny_dir: Path) -> None:
+    for bad in ("foo", "tcp://nohost", "tcp://*:99999", "udp://*:5"):
+        code, _, err = run_cli(capsys, "serve", "--model", str(tiny_dir), "--kv-events-endpoint", bad)
+        assert code == 2 and "--kv-events-endpoint" in err and err.count("\n") == 1, err
+    code, _, err = run_cli(capsys, "serve", "--model", str(tiny_dir), "--kv-events-endpoint", "tcp://256.0.0.1:5")
+    assert code == 2 and "cannot bind the KV event endpoint" in err and err.count("\n") == 1, err

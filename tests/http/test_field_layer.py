@@ -24,12 +24,13 @@ from pydantic import ValidationError
 from server_support import TINY_NAME
 
 from mechserve.api.errors import ParamError
+from mechserve.api.limits import MAX_NEW_TOKENS
 from mechserve.api.params import SamplingParams
 from mechserve.api.params import StructuredOutputsParams as SO
 from mechserve.entrypoints.prompts import Chat, Text
 from mechserve.entrypoints.tools import FunctionTool, ToolPlan
 from mechserve.http.fields import CHAT, COMPLETIONS, ENDPOINT_PATHS, Field, fields_for
-from mechserve.http.protocol import MAX_TOKENS, ChatCompletionRequest, CompletionRequest, UnsupportedField
+from mechserve.http.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedField
 
 BASE: dict[str, dict[str, Any]] = {
     COMPLETIONS: {"model": TINY_NAME, "prompt": "w1 w2", "max_tokens": 2},
@@ -125,7 +126,7 @@ SHARED: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {
     ],
     "n_predict": [
         ({"max_tokens": None, "n_predict": 3}, P(max_tokens=3)),
-        ({"max_tokens": None, "n_predict": -1}, {**P(max_tokens=MAX_TOKENS), "fit_max_tokens": True}),
+        ({"max_tokens": None, "n_predict": -1}, {**P(max_tokens=MAX_NEW_TOKENS), "fit_max_tokens": True}),
         ({"n_predict": 2}, {}),
     ],
 }
@@ -177,7 +178,7 @@ ONLY: dict[tuple[str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = {
             },
         )
     ],
-    (CHAT, "max_tokens"): [({"max_tokens": None}, {**P(max_tokens=MAX_TOKENS), "fit_max_tokens": True})],
+    (CHAT, "max_tokens"): [({"max_tokens": None}, {**P(max_tokens=MAX_NEW_TOKENS), "fit_max_tokens": True})],
     (CHAT, "max_completion_tokens"): [
         ({"max_completion_tokens": 3}, P(max_tokens=3)),
         ({"max_tokens": None, "max_completion_tokens": 0}, P(max_tokens=0)),
@@ -216,6 +217,8 @@ ONLY: dict[tuple[str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = {
         )
     ],
     (CHAT, "chat_template_kwargs"): [({"chat_template_kwargs": {"x": 1}}, chat(template_kwargs={"x": 1}))],
+    # reaches the Chat; whether it is rendered is the server's PromptPolicy (test_tokenize.py)
+    (CHAT, "chat_template"): [({"chat_template": "{{ messages }}"}, chat(chat_template="{{ messages }}"))],
 }
 
 
@@ -309,6 +312,7 @@ def test_an_honoured_field_reaches_the_engine_view_unchanged(
 # A constraint's bad value (an unclosed regex group, an unknown rule, a schema keyword llguidance lacks)
 # is judged when the grammar engine compiles it, before admission: tests/http/test_structured_outputs.py.
 JUDGED_LATER = {"stop_token_ids", "continue_final_message", "chat_template_kwargs", "logit_bias", "model"} | {
+    "chat_template",  # refused by the server's PromptPolicy unless it trusts request templates
     "response_format",
     "structured_outputs",
     "guided_json",
@@ -389,11 +393,14 @@ def captured(tiny_server: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[list
 
 # Another model's name is a 404 before the engine; a constraint needs a byte-level tokenizer, which the word
 # model has not, nor a template that renders tools (tests/http/test_structured_outputs.py and test_tool_calls.py
-# serve those on their own tiny models).
+# serve those on their own tiny models); a request's chat_template only on a server that trusts them
+# (tests/http/test_tokenize.py).
 SERVED_IDS = [
     (c, i)
     for c, i in zip(CASES, CASE_IDS)
-    if c[1] != "model" and "structured_outputs" not in c[3].get("params", {}) and "tools" not in c[2]
+    if c[1] not in ("model", "chat_template")
+    and "structured_outputs" not in c[3].get("params", {})
+    and "tools" not in c[2]
 ]
 SERVED = [c for c, _ in SERVED_IDS]
 

@@ -23,7 +23,7 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, Field, TypeAdapter
-from server_support import TINY_NAME, Served, serving
+from server_support import TINY_NAME, Served, plant_matcher_failure, serving
 from test_disconnect import slowed
 from tool_models import save_byte_model
 
@@ -64,7 +64,7 @@ def events(served: Served, **body: Any) -> list[Any]:
     body.setdefault("model", TINY_NAME)
     found = list(served.client().responses.create(stream=True, **body))
     for event in found:
-        EVENTS.validate_python(event.model_dump(mode="json", exclude_unset=True))
+        EVENTS.validate_python(event.model_dump(mode="json", exclude_unset=True, by_alias=True))
     return found
 
 
@@ -397,7 +397,8 @@ def test_an_engine_failure_ends_the_stream_with_error_and_response_failed(make_l
     with serving(llm) as served:
         found = events(served, input="w1", max_output_tokens=50)
         assert [e.type for e in found[-2:]] == ["error", "response.failed"]
-        assert "simulated executor failure" in found[-2].message and found[-2].code == "server_error"
+        message = found[-2].message  # the step and the kind of failure, never its text (the log has that)
+        assert "(RuntimeError)" in message and "simulated" not in message and found[-2].code == "server_error"
         failed = found[-1].response
         assert failed.status == "failed" and failed.error.code == "server_error"
         assert [e.sequence_number for e in found] == list(range(len(found)))
@@ -598,3 +599,74 @@ def test_without_output_caching_only_the_prompt_is_reused(tmp_path_factory: pyte
         first = client.responses.create(model=BYTES, input="The capital of France?", **body)
         second = client.responses.create(model=BYTES, input="And of Italy?", previous_response_id=first.id, **body)
         assert second.usage.input_tokens_details.cached_tokens <= first.usage.input_tokens
+
+
+PLANTED = {
+    "type": "object",
+    "properties": {"planted_note": {"type": "string", "maxLength": 40}},
+    "required": ["planted_note"],
+}
+
+
+def test_a_format_failing_inside_a_step_fails_its_response_alone(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31 on /v1/responses: a response whose ``text.format`` (or forced tool) fails inside an engine step
+    ends alone, in this API's shape: waited for, a 400 naming ``text.format`` (``tools``); streamed, an ``error``
+    event then ``response.failed``; in the background, a stored ``failed`` response with its error.  The
+    responses running beside it get the text they get alone, and the engine returns to idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = served.client()
+    good = [{"input": f"Say w{i}.", "max_output_tokens": 16, "temperature": 0} for i in range(3)]
+    good[1]["stream"] = True
+    good[2]["text"] = {"format": {"type": "json_schema", "name": "a", "schema": ANSWER}}
+
+    def send(body: dict[str, Any]) -> Any:
+        if body.get("stream"):
+            return events(served, model=BYTES, **{k: v for k, v in body.items() if k != "stream"})
+        if body.get("background"):
+            created = client.responses.create(model=BYTES, **body)
+            deadline = time.monotonic() + 60
+            while created.status in ("queued", "in_progress") and time.monotonic() < deadline:
+                time.sleep(0.05)
+                created = client.responses.retrieve(created.id)
+            return created
+        return httpx.post(served.url + "/v1/responses", json={"model": BYTES, **body}, timeout=60)
+
+    def text(result: Any) -> str:
+        if isinstance(result, list):
+            assert result[-1].type == "response.completed" or result[-1].type == "response.incomplete"
+            return "".join(e.delta for e in result if e.type == "response.output_text.delta")
+        assert result.status_code == 200, result.text
+        return str(Response.model_validate(result.json()).output_text)
+
+    alone = [text(send(b)) for b in good]
+    plant_matcher_failure(monkeypatch)
+    formatted = {"format": {"type": "json_schema", "name": "p", "schema": PLANTED}}
+    planted_tool = {**WEATHER, "name": "planted_tool", "parameters": {**PLANTED, "additionalProperties": False}}
+    bad = [
+        {"input": "Note.", "max_output_tokens": 30, "text": formatted},
+        {"input": "Note.", "max_output_tokens": 30, "text": formatted, "stream": True},
+        {"input": "Note.", "max_output_tokens": 30, "text": formatted, "background": True},
+        {"input": "Note.", "max_output_tokens": 30, "tools": [planted_tool],
+         "tool_choice": {"type": "function", "name": "planted_tool"}},
+    ]  # fmt: skip
+    with ThreadPoolExecutor(7) as pool:
+        results = list(pool.map(send, [*good, *bad]))
+    assert [text(r) for r in results[:3]] == alone
+    waited, streamed, background, tool = results[3:]
+    for refused, param in ((waited, "text.format"), (tool, "tools")):
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == param and error["code"] == "invalid_value", error
+        assert "planted matcher failure" in error["message"] and "grammar dump" not in error["message"]
+    assert [e.type for e in streamed[-2:]] == ["error", "response.failed"]
+    assert streamed[-2].param == "text.format" and "planted matcher failure" in streamed[-2].message
+    assert [e.sequence_number for e in streamed] == list(range(len(streamed)))
+    for failed in (streamed[-1].response, background):
+        assert failed.status == "failed" and failed.error.code == "invalid_prompt", failed
+        assert "planted matcher failure" in failed.error.message and "grammar dump" not in failed.error.message
+    assert client.responses.retrieve(streamed[-1].response.id).status == "failed"
+    counts = served.wait_idle()
+    assert counts["private"] == 0

@@ -149,12 +149,22 @@ def test_a_signal_ends_every_request_in_flight_cleanly(long_context_dir: Path, s
 
 
 def test_a_drained_server_refuses_new_requests_with_503(make_llm) -> None:
-    """Between the drain and the closing of the socket a request can still arrive: a 503 JSON body, as is /health."""
+    """Between the drain and the closing of the socket a request can still arrive: a 503 JSON body with code
+    ``shutting_down`` (a stream's too, before it starts; the fault suite's SIGTERM under load met a stream
+    refused with no code, which read as a dead engine), as is /health."""
     llm = make_llm()
     with serving(llm) as served:
         asyncio.run(llm.drain())
-        reply = httpx.post(served.url + "/v1/completions", json={"model": TINY_NAME, "prompt": "w1", "max_tokens": 2})
-        assert reply.status_code == 503 and reply.json()["error"]["type"] == "server_error"
-        assert reply.headers["retry-after"]
+        requests = [
+            ("/v1/completions", {"prompt": "w1", "max_tokens": 2}),
+            ("/v1/completions", {"prompt": "w1", "max_tokens": 2, "stream": True}),
+            ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "stream": True}),
+        ]
+        for route, request in requests:
+            reply = httpx.post(served.url + route, json={"model": TINY_NAME, **request})
+            assert reply.status_code == 503 and reply.headers["retry-after"], (route, reply.text)
+            error = reply.json()["error"]
+            assert error["type"] == "server_error" and error["code"] == "shutting_down", (route, error)
+            assert "shutting down" in error["message"], error
         assert httpx.get(served.url + "/health").status_code == 503
     assert served.wait_idle()["private"] == 0

@@ -5,6 +5,7 @@ llama.cpp's ``json_schema`` and ``grammar``) on both endpoints, and the 400s nam
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,3 +132,81 @@ def test_a_bad_constraint_is_a_400_naming_the_field_and_the_problem(byte_server:
         error = response.json()["error"]
         assert error["param"] == param and problem in error["message"], error
     byte_server.wait_idle()
+
+
+FAILING = r"[0-9]{4,9}"
+
+
+def metric(served: Served, name: str) -> float:
+    """The value of gauge ``name`` (no labels but the model's) on ``/metrics``."""
+    for line in httpx.get(served.url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not on /metrics")
+
+
+def test_a_constraint_failing_inside_a_step_fails_its_request_alone(
+    byte_server: Served, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 31: a grammar that compiles but fails inside the step (planted: its matcher raises on its third
+    mask) ends that request alone with a 400 naming the body's field (an error event in a stream) and one log
+    line; the requests running beside it finish with the ids they have alone, and /metrics returns to idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mechserve.executor.structured import GrammarMatcher
+
+    def streamed_text(body: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+        events = []
+        with httpx.stream("POST", byte_server.url + "/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+        return text, [e for e in events if "error" in e]
+
+    good = [{"model": NAME, "prompt": f"w{i} said:", "max_tokens": 24, "temperature": 0} for i in range(4)]
+    good[1]["stream"] = good[3]["stream"] = True
+    good[2]["structured_outputs"] = {"regex": "[a-z ]{3,20}"}
+
+    def send(body: dict[str, Any]) -> Any:
+        if body.get("stream"):
+            return streamed_text(body)
+        return httpx.post(byte_server.url + "/v1/completions", json=body, timeout=60)
+
+    def text(result: Any) -> str:
+        if isinstance(result, tuple):
+            return str(result[0])
+        assert result.status_code == 200, result.text
+        return str(result.json()["choices"][0]["text"])
+
+    alone = [text(send(b)) for b in good]
+    original = GrammarMatcher.window_masks
+
+    def third_mask_fails(self: GrammarMatcher, *args: Any) -> int:
+        if self.grammar.key == ("regex", FAILING):
+            self.planted = getattr(self, "planted", 0) + 1  # type: ignore[attr-defined]
+            if self.planted == 3:  # type: ignore[attr-defined]
+                raise ValueError("planted matcher failure\n" + "grammar dump " * 500)
+        return original(self, *args)
+
+    monkeypatch.setattr(GrammarMatcher, "window_masks", third_mask_fails)
+    bad_plain = {"model": NAME, "prompt": "n:", "max_tokens": 24, "guided_regex": FAILING}
+    bad_stream = {"model": NAME, "prompt": "n:", "max_tokens": 24, "stream": True,
+                  "structured_outputs": {"regex": FAILING}}  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="mechserve.engine"), ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(send, [*good, bad_plain, bad_stream]))
+    assert [text(r) for r in results[:4]] == alone
+    refused = results[4]
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "guided_regex" and "planted matcher failure" in error["message"]
+    assert "grammar dump" not in error["message"]
+    _, errors = results[5]
+    assert len(errors) == 1 and errors[0]["error"]["param"] == "structured_outputs", errors
+    lines = [r.getMessage() for r in caplog.records if r.name == "mechserve.engine"]
+    assert len(lines) == 2 and all("planted matcher failure" in x and "\n" not in x for x in lines), lines
+    counts = byte_server.wait_idle()
+    assert counts["private"] == 0
+    assert metric(byte_server, "vllm:num_requests_running") == 0
+    assert metric(byte_server, "vllm:num_requests_waiting") == 0

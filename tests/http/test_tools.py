@@ -252,12 +252,23 @@ def test_required_parses_the_forced_list(
     assert content == "" and streamed == [(c.name, c.arguments) for c in reply.calls]
 
 
-def test_required_cut_short_shows_what_did_not_close() -> None:
+def test_required_cut_short_is_a_cut_call_never_content() -> None:
+    """Issue 31: max_tokens cutting a forced call left the JSON fragment in ``content``.  As OpenAI answers a cut
+    call (finish_reason "length"), the call is returned with the arguments written so far; a cut before its
+    name is whole is no call; ``content`` stays null either way, streamed or not."""
+    plan = ToolPlan(TOOLS, "required")
     text = '[{"name": "get-time", "arguments": {}}, {"name": "get_weather", "arguments": {"ci'
-    reply = ToolStream(ToolPlan(TOOLS, "required")).parse(text)
-    assert [c.name for c in reply.calls] == [
-        "get-time"
-    ] and reply.content == ', {"name": "get_weather", "arguments": {"ci'
+    reply = ToolStream(plan).parse(text)
+    assert [(c.name, c.arguments) for c in reply.calls] == [("get-time", "{}"), ("get_weather", '{"ci')]
+    assert reply.content is None
+    assert stream_parse(plan, text, [5, 40, 60])[:2] == ("", [("get-time", "{}"), ("get_weather", '{"ci')])
+    for cut in (
+        '[{"name": "get_wea',
+        '[{"name": "get-time", "arguments": {}}, {"na',
+        '[{"name": "nope", "arguments": {',
+    ):
+        reply = ToolStream(plan).parse(cut)
+        assert reply.content is None and [c.name for c in reply.calls] == (["get-time"] if "}}" in cut else [])
 
 
 @pytest.mark.parametrize("tail", [",", ", ", ",\n", ", ]"])

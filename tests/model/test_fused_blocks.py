@@ -170,9 +170,9 @@ def test_forward_uses_the_native_blocks_where_the_kernel_takes_the_rows(monkeypa
         table = list(range(cache.num_pages))
         ids = torch.arange(3, 3 + ctx + 1) % m.arch.vocab_size
         g = m.arch.num_heads // m.arch.num_kv_heads
-        b = build_attention_batch([Span(0, 0, ctx, table)], list(range(ctx)), page, g, m.distinct_windows)
+        b = build_attention_batch([Span(0, 0, ctx, table)], list(range(ctx)), page, g, m.distinct_sliding_windows)
         m.forward(ids[:ctx], torch.arange(ctx), cache, b, None)  # the prefill
-        b = build_attention_batch([Span(0, ctx, 1, table)], [ctx], page, g, m.distinct_windows)
+        b = build_attention_batch([Span(0, ctx, 1, table)], [ctx], page, g, m.distinct_sliding_windows)
         return m.forward(ids[ctx:], torch.tensor([ctx]), cache, b, None)  # one decode step
 
     native = run(40)

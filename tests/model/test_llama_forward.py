@@ -33,7 +33,7 @@ def run_chunks(
             pos.append(p)
             slots.append(table[p // ps] * ps + p % ps)
     a = model.arch
-    batch = build_attention_batch(spans, slots, ps, a.num_heads // a.num_kv_heads, model.distinct_windows)
+    batch = build_attention_batch(spans, slots, ps, a.num_heads // a.num_kv_heads, model.distinct_sliding_windows)
     logits = model.forward(torch.tensor(ids), torch.tensor(pos), cache, batch)
     out, row = [], 0
     for chunk_ids, _, _ in chunks:

@@ -22,7 +22,7 @@ def test_missing_directory(tmp_path: Path) -> None:
 
 def test_a_file_is_not_a_model_directory(tmp_path: Path) -> None:
     (tmp_path / "weights.bin").write_bytes(b"")
-    with pytest.raises(ModelLoadError, match="not a directory"):
+    with pytest.raises(ModelLoadError, match="neither a directory nor a GGUF file"):
         resolve_model(str(tmp_path / "weights.bin"))
 
 
@@ -102,7 +102,7 @@ def test_interrupted_conversion_leaves_no_cache(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(models, "_convert_gguf", half_then_crash)
     with pytest.raises(KeyboardInterrupt):
         resolve_model("smollm2")
-    assert list(cache.iterdir()) == []
+    assert [p.name for p in cache.iterdir()] == [f".{models._CONVERTED_NAME}.lock"]  # the lock file only
 
 
 def test_conversion_runs_once_and_says_so(
@@ -123,10 +123,11 @@ def test_conversion_runs_once_and_says_so(
     first = resolve_model("smollm2")
     second = resolve_model("smollm2")
     assert first == second == stale and len(calls) == 1
-    assert sorted(p.name for p in first.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    names = ["config.json", models.DIGEST_FILE, "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in first.iterdir()) == names
     err = capsys.readouterr().err
     assert err.count("mechserve: converting the embedded SmolLM2") == 1
-    assert [p.name for p in cache.iterdir()] == [models._CONVERTED_NAME]
+    assert sorted(p.name for p in cache.iterdir()) == [f".{models._CONVERTED_NAME}.lock", models._CONVERTED_NAME]
 
 
 @pytest.mark.parametrize("where", ["proc", "file", "file-parent"])

@@ -30,7 +30,7 @@ def prefill_logits(model: Any, ids: list[int]) -> torch.Tensor:
     n = len(ids)
     a = model.arch
     batch = build_attention_batch(
-        [Span(0, 0, n, [0])], list(range(n)), n, a.num_heads // a.num_kv_heads, model.distinct_windows
+        [Span(0, 0, n, [0])], list(range(n)), n, a.num_heads // a.num_kv_heads, model.distinct_sliding_windows
     )
     return model.forward(torch.tensor(ids), torch.arange(n), model.new_cache(1, n), batch)
 
@@ -199,7 +199,7 @@ class Delegate:
     dtype = property(lambda self: self._inner.dtype)
     quantization = property(lambda self: self._inner.quantization)
     device = property(lambda self: self._inner.device)
-    distinct_windows = property(lambda self: self._inner.distinct_windows)
+    distinct_sliding_windows = property(lambda self: self._inner.distinct_sliding_windows)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self._inner.forward(*args, **kwargs)

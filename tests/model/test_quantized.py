@@ -44,12 +44,19 @@ def test_a_matrix_refuses_shapes_its_format_cannot_hold() -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize(torch.zeros(2, 40), "q4_1")
     with pytest.raises(ValueError, match="unknown block format"):
-        quantize(torch.zeros(2, 32), "q5_0")
+        quantize(torch.zeros(2, 32), "q2_k")
     with pytest.raises(ValueError, match="do not hold"):
         QuantizedMatrix("q8_0", torch.zeros(2, 20, dtype=torch.uint8), 32)
-    a, b = quantize(torch.zeros(1, 32), "q4_1"), quantize(torch.zeros(1, 32), "q8_0")
-    with pytest.raises(ValueError, match="different formats"):
+    a, b = quantize(torch.zeros(1, 32), "q4_1"), quantize(torch.zeros(1, 64), "q8_0")
+    with pytest.raises(ValueError, match="different widths"):
         QuantizedMatrix.cat([a, b])
+    # different formats of one width stack into a mixed matrix (a GGUF file's q, k, v), each part as stored
+    w = torch.randn(3, 32)
+    mixed = QuantizedMatrix.cat([quantize(w[:1], "q4_1"), quantize(w[1:], "q8_0")])
+    assert mixed.kind == "mixed" and mixed.shape == (3, 32) and mixed.segments == (("q4_1", 1), ("q8_0", 2))
+    assert torch.equal(
+        dequantize(mixed), torch.cat([dequantize(quantize(w[:1], "q4_1")), dequantize(quantize(w[1:], "q8_0"))])
+    )
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
@@ -80,7 +87,7 @@ def test_a_quantized_tiny_model_computes_what_its_dequantized_weights_compute(ti
     spans = [Span(0, 0, 5, [0, 1])]
     for model in (quantized, plain):
         cache = model.new_cache(2, 4)
-        batch = build_attention_batch(spans, list(range(5)), 4, 2, model.distinct_windows)
+        batch = build_attention_batch(spans, list(range(5)), 4, 2, model.distinct_sliding_windows)
         out = model.forward(ids, pos, cache, batch, torch.arange(5))
         if model is quantized:
             first = out

@@ -265,13 +265,19 @@ def test_m12_n8_rejections_go_into_the_next_record() -> None:
     assert dict(t1.finished) == {"a": LENGTH}
 
 
-def test_m12_n9_max_running_admits_in_list_order() -> None:
-    # c arrives later than d but stands before it in the list
+def test_m12_n9_max_running_admits_in_arrival_order() -> None:
+    # c stands before d in the list but arrives later (step 1): d, arrived at step 0 and kept waiting by the
+    # limit, keeps its place ahead of c and takes the slot a frees (a finishes at step 0), c the one d frees
     reqs = [R("a", [1], 1), R("b", [2], 3), R("c", [3], 1, arrival_step=1), R("d", [4], 1)]
     eng = m.Engine(reqs, 8, 1, 16, max_running=2)
-    recs = run(eng)
-    assert [t.admitted for t in recs] == [("a", "b"), ("c",), ("d",)]
-    assert [dict(t.finished) for t in recs] == [{"a": LENGTH}, {"c": LENGTH}, {"b": LENGTH, "d": LENGTH}]
+    t0 = eng.step()
+    assert (t0.admitted, [r.request_id for r in eng.due]) == (("a", "b"), ["d"])
+    t1 = eng.step()
+    assert (t1.admitted, [r.request_id for r in eng.due]) == (("d",), ["c"])
+    recs = [t0, t1, *run(eng)]
+    assert [t.admitted for t in recs] == [("a", "b"), ("d",), ("c",)]
+    assert [dict(t.finished) for t in recs] == [{"a": LENGTH}, {"d": LENGTH}, {"b": LENGTH, "c": LENGTH}]
+    assert [t.scheduled for t in recs] == [("a", "b"), ("b", "d"), ("b", "c")]  # b, admitted first, leads
     assert max(len(t.executed) for t in recs) == 2
     # an abort frees the slot for the next step
     a, b = R("a", [1], 5), R("b", [2], 1)
@@ -515,7 +521,14 @@ def test_m12_n20_ids_are_unique_among_live_requests_only() -> None:
 @CI
 @given(
     w=workloads(
-        pool="fits", prompts="mixed", spec_len=(0, 3), scripts=True, world_size=(1, 2), negatives=True, max_new=6
+        pool="fits",
+        prompts="mixed",
+        spec_len=(0, 3),
+        scripts=True,
+        world_size=(1, 2),
+        negatives=True,
+        max_new=6,
+        arrivals="list_order",  # N27: first come, first served is then m11's list order
     )
 )
 def test_m12_n21_valid_requests_trace_as_in_m11(w: dict) -> None:
@@ -743,24 +756,26 @@ def test_m12_n24_a_request_is_held_until_the_prefix_it_shares_is_published() -> 
 
 
 def test_m12_n25_a_hold_never_stops_a_request_or_changes_its_ids() -> None:
-    # preempted: a (list-first, arriving at step 1) takes p's pages at step 2 and evicts p's block 1 (page 1)
+    # preempted: a, admitted at step 0 and so the anchor (first come, first served, D9), decodes at step 2 and
+    # needs a page when p (arriving at step 1, computing 4 of its 7 prompt tokens there) needs 2 more: p, admitted
+    # after a, is the victim, and a's page is p's block 1 (page 4), evicted; at step 3 p, at 0, still holds r
     def pressed() -> list[m.Request]:
         return [
-            R("a", [8, 8, 8, 8, 8, 9], 1, arrival_step=1),
-            R("p", [1, 2, 3, 4, 5, 6, 7], 1),
-            R("r", [1, 2, 3, 4, 5, 6, 9], 1),
+            R("a", [8, 8, 8, 8, 8, 9], 2),
+            R("p", [1, 2, 3, 4, 5, 6, 7], 1, arrival_step=1),
+            R("r", [1, 2, 3, 4, 5, 6, 9], 1, arrival_step=1),
         ]
 
-    eng = m.Engine(pressed(), 4, 2, 4, hold_shared_prefix=True)
+    eng = m.Engine(pressed(), 5, 2, 5, hold_shared_prefix=True)
     recs = run(eng)
-    assert (recs[2].preempted, recs[2].evicted) == (("p",), (1,))
-    assert [holds(t) for t in recs[:4]] == [[holds_line("r", "p", 3, h)] for h in (0, 2, 2, 1)]  # p at 0 holds on
+    assert (recs[2].preempted, recs[2].evicted) == (("p",), (4,))
+    assert [holds(t) for t in recs[:4]] == [[]] + [[holds_line("r", "p", 3, h)] for h in (0, 2, 1)]  # p at 0 holds on
     assert (recs[3].reused, recs[4].admitted, recs[4].reused["r"]) == ({"p": 2}, ("r",), 6)
     assert [r.state for r in eng.requests] == [FINISHED] * 3
-    off = m.Engine(pressed(), 4, 2, 4)
+    off = m.Engine(pressed(), 5, 2, 5)
     run(off)
     assert [r.output_ids for r in eng.requests] == [r.output_ids for r in off.requests]
-    assert [r.output_ids for r in eng.requests] == [chain(r.tokens, 1) for r in eng.requests]
+    assert [r.output_ids for r in eng.requests] == [chain(r.tokens, r.max_new_tokens) for r in eng.requests]
     # aborted: r is let in at the next step and reuses what p published
     eng = m.Engine(shared_prefix()[:2], 4, 2, 16, hold_shared_prefix=True)
     assert eng.step().admitted == ("p",)
@@ -881,3 +896,75 @@ def test_m12_n26_stopped_requests_keep_exactly_their_ids_and_return_their_pages(
             assert r.computed <= r.target and not r.page_table
     assert not eng.live
     assert ownership(eng)[1] == 0  # every stopped request returned its pages
+
+
+def starving(rung: Any) -> list[Any]:
+    """Issue 31's reproducer, smaller: r0 … r4 (4-token prompts, 12 tokens each) arrive one per step from step 1,
+    and early, listed last, arrives first (step 0) and wants 10 tokens; budget 4, pages of 4, pages for all."""
+    R_ = rung.Request
+    late = [R_(f"r{i}", [10 * i + 1, 10 * i + 2, 10 * i + 3, 10 * i + 4], 12, arrival_step=i + 1) for i in range(5)]
+    return [*late, R_("early", [1, 2, 3, 4], 10)]
+
+
+def test_m12_n27_first_come_first_served_whatever_the_list_order() -> None:
+    eng = m.Engine(starving(m), 4, 4, 64)
+    recs = run(eng)
+    # early, admitted first, leads every step's walk: its prefill at step 0, then one decode token per step
+    # until its 10th token at step 9, whoever arrives; the others follow in the order they arrived
+    early = [t.step for t in recs if "early" in t.scheduled]
+    assert early == list(range(10)) and all(t.scheduled[0] == "early" for t in recs[:10])
+    assert [dict(t.executed).get("early") for t in recs[:10]] == [4] + [1] * 9
+    assert recs[9].finished == {"early": LENGTH}
+    assert [t.admitted for t in recs[:6]] == [("early",), ("r0",), ("r1",), ("r2",), ("r3",), ("r4",)]
+    # step 1: r0 gets the 3 tokens early leaves; step 2: r0 its last prompt token, r1 the 2 left
+    assert [dict(t.executed) for t in recs[1:3]] == [{"early": 1, "r0": 3}, {"early": 1, "r0": 1, "r1": 2}]
+    assert all(
+        list(t.scheduled) == sorted(t.scheduled, key=["early", "r0", "r1", "r2", "r3", "r4"].index) for t in recs
+    )
+    assert [r.request_id for r in eng.requests] == ["r0", "r1", "r2", "r3", "r4", "early"]  # the list is unchanged
+    assert [r.output_ids for r in eng.requests] == [chain(r.tokens, r.max_new_tokens) for r in eng.requests]
+    # m11 (list order, the original rule): each arrival listed ahead of early takes the budget first; from step 5
+    # r0 … r3 take all 4 tokens of every step, and what r0 (done at step 12), r1 (14) and r2 (15) free goes to
+    # r4, listed ahead of early, until its prompt is in (step 15): early waits 15 steps
+    old = run(m11.Engine(starving(m11), 4, 4, 64))
+    assert [t.step for t in old if "early" in t.scheduled][:2] == [0, 16]
+
+    # the victim is the request admitted last: late, listed first, arrives at step 1; at step 2 its position 4
+    # needs a page while early (admitted at step 0) holds 2 of the 3 and late the third, so late gives way, and
+    # again at steps 3 and 4 (after reusing its cached block) and 5 (where early takes its third page too)
+    def tight(rung: Any) -> list[Any]:
+        return [rung.Request("late", [5, 6, 7, 8], 4, arrival_step=1), rung.Request("early", [1, 2, 3, 4], 6)]
+
+    eng = m.Engine(tight(m), 8, 4, 3)
+    recs = run(eng)
+    assert [t.preempted for t in recs] == [(), (), ("late",), ("late",), ("late",), ("late",), (), (), ()]
+    assert any(line.endswith("late (the eligible request admitted last) was preempted.") for line in recs[2].explain)
+    assert [t.step for t in recs if "early" in t.executed] == [0, 1, 2, 3, 4, 5]  # early is never held up
+    assert [dict(t.executed) for t in recs[5:7]] == [{"early": 1}, {"late": 5}]  # late recomputes 4 + 1
+    assert [r.output_ids for r in eng.requests] == [chain(r.tokens, r.max_new_tokens) for r in eng.requests]
+    old = run(m11.Engine(tight(m11), 8, 4, 3))
+    assert [t.preempted for t in old[:5]] == [(), (), ("early",), ("early",), ("early",)]  # m11: the list's last
+
+
+def issue_31_workload() -> dict[str, Any]:
+    """Issue 31's reproducer exactly: r0 … r49 (4-token prompts, 60 tokens each) arrive one per step from
+    step 1 and early, listed last, arrives at step 0; budget 8, pages of 4, 2000 pages."""
+    late = [{"request_id": f"r{i}", "prompt_len": 4, "max_new_tokens": 60, "arrival_step": i + 1} for i in range(50)]
+    return {
+        "engine": {"max_step_tokens": 8, "page_size": 4, "num_pages": 2000},
+        "requests": [*late, {"request_id": "early", "prompt_len": 4, "max_new_tokens": 60, "arrival_step": 0}],
+    }
+
+
+def test_m12_n27_issue_31_early_arrival_listed_last_runs_every_step() -> None:
+    """The request that arrived first is scheduled at every step from its arrival until it finishes; m11,
+    in list order, leaves it out of most of them (m13 and m14 are checked through the CLI, in
+    tests/cli/test_cli_workload.py)."""
+    eng = build(m, issue_31_workload())
+    recs = run(eng, limit=5000)
+    early = [t.step for t in recs if "early" in t.scheduled]
+    assert early == list(range(60)) and recs[59].finished == {"early": LENGTH}
+    assert all(t.scheduled[0] == "early" for t in recs[:60])  # the anchor
+    old = run(build(m11, issue_31_workload()), limit=5000)
+    old_early = [t.step for t in old if "early" in t.scheduled]
+    assert len(old_early) == 60 and old_early[-1] > 400  # m11: starved behind every later-listed arrival

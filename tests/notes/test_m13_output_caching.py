@@ -282,19 +282,21 @@ def test_m13_n7_rollback_never_reaches_a_published_block(w: dict) -> None:
 
 
 def preempted_workload() -> list[m.Request]:
-    """r1 (prompt [2]) publishes a block holding 2 generated ids, is preempted by r0 (arriving at step 2, first in
-    the list, so the anchor), reuses that block while cold, loses it to eviction, recomputes and republishes it."""
-    return [R("r0", [1, 3, 1], 5, arrival_step=2), R("r1", [2], 6)]
+    """r1 (prompt [2]) publishes a block holding 2 generated ids, is preempted when the 3 pages run dry (r0, which
+    arrives with it but stands first in the list, is admitted first and so is the anchor: first come, first
+    served, D9), reuses that block while cold, loses it to eviction, recomputes and republishes it."""
+    return [R("r0", [1, 3, 1], 5), R("r1", [2], 6)]
 
 
 def test_m13_n8_a_cold_request_reuses_its_whole_known_sequence() -> None:
     eng = m.Engine(preempted_workload(), 5, 3, 3, output_caching=True)
     recs = run(eng, on_step=lambda rec: check_cache(eng))
     r1 = by_id(eng, "r1")
-    # preempted at step 3 with 3 ids generated (target 4): m08's cap, (1 - 1) // 3, allows no block; the
-    # whole-sequence cap, (4 - 1) // 3, one: the block [2, o0, o1], 2 of its 3 tokens generated, from step 4 on
-    assert [t.preempted for t in recs[3:7]] == [("r1",)] * 4
-    assert [dict(t.reused) for t in recs[3:7]] == [{}, {"r1": 3}, {"r1": 3}, {"r1": 3}]
+    # preempted at step 3 with 3 ids generated (target 4), when its position 3 needs a second page: m08's cap,
+    # (1 - 1) // 3, allows no block; the whole-sequence cap, (4 - 1) // 3, one: the block [2, o0, o1], 2 of its
+    # 3 tokens generated, at step 4 (where r0's decode needs a page too and r1 is preempted again)
+    assert [t.preempted for t in recs[3:6]] == [("r1",), ("r1",), ()]
+    assert [dict(t.reused) for t in recs[3:6]] == [{}, {"r1": 3}, {}]
     assert r1.generated == 6 and recs[2].tokens["r1"] == (chain([2], 3)[2],)
     assert r1.block_keys[0].block_tokens == (2, *chain([2], 2))
     # a request that has generated nothing: m08's rule (the cap leaves the last prompt block to compute)
@@ -311,11 +313,12 @@ def test_m13_n9_a_preempted_request_recomputes_and_republishes_with_the_same_ids
     r1 = by_id(eng, "r1")
     assert recs[2].published["r1"] == 1  # [2, o0, o1]
     assert recs[3].preempted == ("r1",) and eng.pool.owner.count(None) + eng.cache.size == 3
-    # cold, r1 reuses its generated block (steps 4..6) but is preempted again each step; at step 6 r0's last
-    # step evicts it (unreferenced), so at step 7 r1 recomputes positions 0..3 and publishes the block again
-    assert (recs[6].evicted, recs[7].executed["r1"], recs[7].published["r1"]) == ((0,), 4, 1)
+    # cold, r1 reuses its generated block (page 1) at step 4 but is preempted again: r0's last decode needs its
+    # third page and evicts the block (unreferenced once r1 let go), so at step 5 r1 recomputes positions 0..3
+    # and publishes the block again
+    assert (recs[4].evicted, recs[5].executed["r1"], recs[5].published["r1"]) == ((1,), 4, 1)
     assert cached_sequences(eng)[-1] == (2, *r1.output_ids[:5])
-    plain = m12.Engine([m12.Request("r0", [1, 3, 1], 5, arrival_step=2), m12.Request("r1", [2], 6)], 5, 3, 3)
+    plain = m12.Engine([m12.Request("r0", [1, 3, 1], 5), m12.Request("r1", [2], 6)], 5, 3, 3)
     run(plain)
     assert [r.output_ids for r in eng.requests] == [r.output_ids for r in plain.requests]
     assert r1.output_ids == chain([2], 6) and eng.summary() == plain.summary()

@@ -5,8 +5,8 @@
 applies (``check_step``, ``check_frontiers``): the token budget, page conservation and
 ``check_invariants()``, the request bounds, the work list against the rung's scheduling rule, how every
 frontier moved, the victims' order (always RUNNING requests), D2's own-chain invariant, the trace's
-internal shape, that every arrived request is admitted unless m12's ``max_running`` is reached
-(``check_admitted``), and on m12 the door's bookkeeping (``check_admission``: REJECTED and ABORTED
+internal shape, that every arrived request is admitted unless m12's ``max_running`` is reached and, from
+m12 on, in arrival order (``check_admitted``), and on m12 the door's bookkeeping (``check_admission``: REJECTED and ABORTED
 requests hold no page and appear in no work field, each record's ``rejected``/``aborted`` names
 requests in that state, zero-token requests finish at admission).  A check failure or a run past a generous step bound raises ``AssertionError``; an
 engine exception is captured in ``Run.error`` so the property can decide whether it is the
@@ -16,6 +16,7 @@ documented one.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -79,8 +80,9 @@ def has_door(rung: str) -> bool:
 def step_bound(workload: dict[str, Any]) -> int:
     """A generous bound on the steps of any terminating run.
 
-    After the last arrival the first RUNNING request in list order (the anchor) is never preempted and
-    computes at least one position per step, so it finishes within ``prompt + max_new`` steps.
+    After the last arrival the first RUNNING request the scheduler walks (the anchor: in list order below
+    m12, in admission order from m12 on, D9) is never preempted and computes at least one position per
+    step, so it finishes within ``prompt + max_new`` steps.
     """
     reqs = workload.get("requests") or []
     last = max((max(0, int(r.get("arrival_step") or 0)) for r in reqs), default=0)
@@ -129,13 +131,16 @@ def execute(rung: str, workload: dict[str, Any], *, check: bool = True) -> Run:
     run = Run(rung, workload, engine)
     bound = step_bound(workload)
     before = snapshot(engine)
+    admitted: list[str] = []  # every id the records admitted so far, in admission order (m12+, D9)
 
     def on_step(record: Any) -> None:
         nonlocal before
         run.records.append(record)
+        admitted.extend(record.admitted)
         if check:
-            check_step(rung, engine, record, len(run.records) - 1)
-            check_frontiers(rung, engine, record, before)
+            order = walk_order(rung, engine, admitted)
+            check_step(rung, engine, record, len(run.records) - 1, order)
+            check_frontiers(rung, engine, record, before, order)
             before = snapshot(engine)
         if len(run.records) > bound:
             raise StepBoundExceeded(f"{rung}: still running after {bound} steps")
@@ -201,8 +206,24 @@ def check_pages(engine: Any) -> None:
     assert set(holders) == set(private), "a request-owned page is in no page table"
 
 
-def check_step(rung: str, engine: Any, record: Any, index: int) -> None:
-    """Everything that must hold after every step of ``rung``."""
+def walk_order(rung: str, engine: Any, admitted: list[str]) -> list[Any]:
+    """The order in which the rung's scheduler walks requests (reuse, draft, schedule; victims from its end).
+
+    Below m12, list order (``engine.requests``).  From m12 on (D9, first come, first served) admission
+    order: the ids of ``admitted``, every record's ``admitted`` field so far concatenated in step order,
+    each mapped to its (not rejected) request; a preempted request keeps its place.  ``execute`` offers
+    every request in the constructor, so the ids of the requests that were not rejected are unique.
+    """
+    if INDEX[rung] < 12:
+        return list(engine.requests)
+    by_id = {r.request_id: r for r in engine.requests if r.state.value != "REJECTED"}
+    return [by_id[rid] for rid in admitted]
+
+
+def check_step(rung: str, engine: Any, record: Any, index: int, order: list[Any] | None = None) -> None:
+    """Everything that must hold after every step of ``rung``; ``order`` is ``walk_order`` (list order
+    when omitted, right below m12 only)."""
+    order = list(engine.requests) if order is None else order
     i = INDEX[rung]
     rec = record.to_json()
     assert rec["step"] == index
@@ -227,14 +248,15 @@ def check_step(rung: str, engine: Any, record: Any, index: int) -> None:
         check_pages(engine)
     # The post-preemption work is the scheduled work less the victims, in work order.
     assert executed == [rid for rid in scheduled if rid not in rec.get("preempted", ())], (executed, rec)
-    if i >= 5:  # m05: victims come from the list end, once each, never the anchor
-        order = [r.request_id for r in engine.requests]
-        victims = [order.index(rid) for rid in rec["preempted"]]
+    if i >= 5:  # m05: victims come from the end of the walk (the list; m12+: admission order), once each,
+        # never the anchor
+        ids = [r.request_id for r in order]
+        victims = [ids.index(rid) for rid in rec["preempted"]]
         assert victims == sorted(set(victims), reverse=True), rec["preempted"]
         # A victim keeps its history and stays RUNNING: never a rejected, aborted or finished request.
         assert all(by_id[rid].state.value == "RUNNING" for rid in rec["preempted"]), rec["preempted"]
         assert not scheduled or scheduled[0] not in rec["preempted"], rec
-        for r in engine.requests[victims[0] + 1 :] if victims else ():
+        for r in order[victims[0] + 1 :] if victims else ():
             if r.state.value == "RUNNING":  # it was passed over, so it held nothing and had no work
                 assert r.request_id not in rec["executed"] and not r.page_table, (r.request_id, rec)
     if i >= 8:  # m08
@@ -357,8 +379,11 @@ def snapshot(engine: Any) -> dict[str, tuple[int, int, str]]:
     return {r.request_id: (r.computed, r.generated, r.state.value) for r in engine.requests}
 
 
-def expected_work(rung: str, engine: Any, rec: dict[str, Any], before: dict[str, tuple[int, int, str]]) -> list:
-    """The work list the rung's scheduler must build, ``[(request_id, n)]``, from the state before the step.
+def expected_work(
+    rung: str, engine: Any, rec: dict[str, Any], before: dict[str, tuple[int, int, str]], order: list[Any]
+) -> list:
+    """The work list the rung's scheduler must build, ``[(request_id, n)]``, from the state before the step,
+    walking the requests in ``order`` (``walk_order``: list order, from m12 on admission order, D9).
 
     m00/m01: every RUNNING request, whole.  m02/m03: whole requests that fit what is left of the
     budget, skipping those that do not.  m04+: ``min(remaining, left)`` each, stopping at 0.  The
@@ -368,7 +393,7 @@ def expected_work(rung: str, engine: Any, rec: dict[str, Any], before: dict[str,
     k = getattr(engine, "spec_len", 0)
     budget = getattr(engine, "max_step_tokens", None)
     work = []
-    for r in engine.requests:
+    for r in order:
         computed, generated, state = before[r.request_id]
         if state != "RUNNING" and (r.request_id not in rec["admitted"] or state != "WAITING"):
             continue
@@ -390,8 +415,11 @@ def expected_work(rung: str, engine: Any, rec: dict[str, Any], before: dict[str,
     return work
 
 
-def check_frontiers(rung: str, engine: Any, record: Any, before: dict[str, tuple[int, int, str]]) -> None:
-    """The step scheduled exactly what the rung's scheduler rule gives, and moved every frontier as recorded.
+def check_frontiers(
+    rung: str, engine: Any, record: Any, before: dict[str, tuple[int, int, str]], order: list[Any] | None = None
+) -> None:
+    """The step scheduled exactly what the rung's scheduler rule gives (walking ``order``, ``walk_order``;
+    list order when omitted, right below m12 only), and moved every frontier as recorded.
 
     ``scheduled`` and every executed ``n`` match ``expected_work``; an executed request keeps what
     resolve did not roll back and is ready (samples) exactly when it reached its target; a victim is
@@ -400,7 +428,7 @@ def check_frontiers(rung: str, engine: Any, record: Any, before: dict[str, tuple
     """
     rec = record.to_json()
     reused, rolled, accepted = rec.get("reused", {}), rec.get("rolled_back", {}), rec.get("accepted", {})
-    work = expected_work(rung, engine, rec, before)
+    work = expected_work(rung, engine, rec, before, list(engine.requests) if order is None else order)
     assert rec["scheduled"] == [rid for rid, _ in work], (rec["scheduled"], work)
     assert rec["executed"] == {rid: n for rid, n in work if rid in rec["executed"]}, (rec["executed"], work)
     for r in engine.requests:
@@ -425,14 +453,34 @@ def check_frontiers(rung: str, engine: Any, record: Any, before: dict[str, tuple
             assert (rid in rec["sampled"]) == (end == target + acc), (rid, end, target, acc, rec)
         else:
             assert r.computed == start, (rid, r.computed, start)
-    check_admitted(engine, rec, before)
+    check_admitted(engine, rec, before, INDEX[rung] >= 12)
 
 
-def check_admitted(engine: Any, rec: dict[str, Any], before: dict[str, tuple[int, int, str]]) -> None:
+def check_admitted(
+    engine: Any, rec: dict[str, Any], before: dict[str, tuple[int, int, str]], fcfs: bool = False
+) -> None:
     """Every request that has arrived by this step is admitted at it, unless m12's ``max_running`` is
     reached (N9): then the RUNNING requests and the ones this step admitted (a zero-token request takes
     no slot, N10) fill it exactly, and never more.
+
+    With ``fcfs`` (m12+, D9) the step admits the due requests in arrival order: those WAITING before the
+    step with ``max(0, arrival_step) <= step`` (every request was offered before step 0), ordered by
+    that step and then list order; it admits the first of them (max_running stops the walk), or, with
+    ``hold_shared_prefix``, some of them in that order.
     """
+    if fcfs:
+        due = [
+            r
+            for r in engine.requests
+            if r.state.value != "REJECTED"
+            and before[r.request_id][2] == "WAITING"
+            and max(0, r.arrival_step) <= rec["step"]
+        ]
+        due_ids = [r.request_id for r in sorted(due, key=lambda r: max(0, r.arrival_step))]  # stable: list order
+        if getattr(engine, "hold_shared_prefix", False):
+            assert _in_order(rec["admitted"], due_ids), (rec["admitted"], due_ids)
+        else:
+            assert rec["admitted"] == due_ids[: len(rec["admitted"])], (rec["admitted"], due_ids)
     limit = getattr(engine, "max_running", None)
     held = [r.request_id for r in engine.requests if r.state.value == "WAITING" and r.arrival_step <= rec["step"]]
     if limit is None:
@@ -445,9 +493,15 @@ def check_admitted(engine: Any, rec: dict[str, Any], before: dict[str, tuple[int
     assert not held or running + took == limit, (held, running, took, limit)
 
 
-def predicted_admission(engine: Any) -> tuple[str, ...]:
+def predicted_admission(engine: Any, offered_at: Mapping[int, int] | None = None) -> tuple[str, ...]:
     """What m12's next step admits, predicted before it runs from the requests' tokens alone (N9, N10,
-    N24): arrived WAITING requests in list order while ``max_running`` allows, skipping one that is held.
+    N24): arrived WAITING requests in arrival order (D9) while ``max_running`` allows, skipping one that
+    is held.
+
+    A request arrives at the first step that is at least its ``arrival_step`` and at least the step
+    counter when it was offered (``offered_at``: ``id(request)`` -> counter; 0, before any step, when
+    absent), so a negative ``arrival_step`` counts as 0; requests arriving at the same step are in
+    list order.
 
     A request R is held when ``hold_shared_prefix`` and prefix caching are on, it wants a token, and a
     RUNNING request P (or one admitted earlier in this walk, which has computed nothing) shares ``s``
@@ -460,9 +514,13 @@ def predicted_admission(engine: Any) -> tuple[str, ...]:
     limit = getattr(engine, "max_running", None)
     running = [(r.tokens, r.computed) for r in engine.requests if r.state.value == "RUNNING"]
     admitted: list[str] = []
-    for r in engine.requests:
-        if r.state.value != "WAITING" or r.arrival_step > engine.step_counter:
-            continue
+    offered = offered_at or {}
+
+    def arrival(r: Any) -> int:
+        return max(r.arrival_step, offered.get(id(r), 0), 0)
+
+    waiting = [r for r in engine.requests if r.state.value == "WAITING" and arrival(r) <= engine.step_counter]
+    for r in sorted(waiting, key=arrival):  # stable: list order within a step
         if limit is not None and len(running) >= limit:
             break
         if hold and r.max_new_tokens > 0:

@@ -267,9 +267,10 @@ def test_executor_boundary_and_ranks_change_nothing_slow(workload: dict) -> None
 
 
 def check_door_idle(workload: dict) -> None:
-    """Every request passes the door and no limit, stop id or zero-token request is given: m12's trace is
-    m11's on m11's fields, with ``rejected`` and ``aborted`` empty in every record, and the same ends.
-    Limits that never bind (``max_waiting`` and ``max_running`` the number of requests, ``max_model_len``
+    """Every request passes the door, no limit, stop id or zero-token request is given and no request
+    arrives before one listed ahead of it (D9: m12 admits first come, first served, m11 in list order):
+    m12's trace is m11's on m11's fields, with ``rejected`` and ``aborted`` empty in every record, and the
+    same ends.  Limits that never bind (``max_waiting`` and ``max_running`` the number of requests, ``max_model_len``
     the longest request exactly) change nothing either."""
     m12, m11 = execute("m12_admission_control", workload), execute("m11_parallelism", workload)
     assert m11.error is None

@@ -257,7 +257,7 @@ def test_empty_workload_runs_no_step_on_every_rung() -> None:
 
 def test_oversized_request_raises_each_rungs_documented_error() -> None:
     """A request longer than the budget and the pool: m02/m03 never fits, m04 runs dry, m05-m11
-    Irreducible, and m12 (and m13) raises nothing: its door rejects it (NEVER_FITS), reported in step 0's
+    Irreducible, and m12 (and every rung above it) raises nothing: its door rejects it (NEVER_FITS), reported in step 0's
     only record, while a request beside it that fits is served as if alone."""
     workload = {
         "engine": {"max_step_tokens": 4, "page_size": 2, "num_pages": 2},
@@ -265,7 +265,7 @@ def test_oversized_request_raises_each_rungs_documented_error() -> None:
     }
     runs = [execute(rung, workload) for rung in RUNGS]
     got = [run.error_name for run in runs]
-    assert got == [None, None, "RuntimeError", "RuntimeError", "OutOfPages"] + ["Irreducible"] * 7 + [None] * 3, got
+    assert got == [None, None, "RuntimeError", "RuntimeError", "OutOfPages"] + ["Irreducible"] * 7 + [None] * 4, got
     m12 = runs[RUNGS.index("m12_admission_control")]
     assert [(r.state.value, r.reject_reason.value) for r in m12.engine.requests] == [("REJECTED", "NEVER_FITS")]
     assert [(rec["step"], rec["rejected"], rec["admitted"]) for rec in m12.trace] == [(0, [["big", "NEVER_FITS"]], [])]

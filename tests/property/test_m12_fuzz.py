@@ -204,7 +204,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         eng = self.engine
         running_before = len(eng.running)
         waiting = {r.request_id: r for r in self.entered if r.state is S.WAITING}
-        want = predicted_admission(eng)
+        want = predicted_admission(eng, self.offered_at)
         rec = eng.step()
         assert rec.admitted == want
         # admission: a request arrived (and offered) before this step waits only while max_running is

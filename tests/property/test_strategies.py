@@ -256,7 +256,14 @@ def test_every_rung_above_m00_has_idle_knobs() -> None:
 
 
 def test_unknown_knob_values_are_rejected() -> None:
-    for knobs in ({"budget": "huge"}, {"pool": "none"}, {"prompts": "tokens"}, {"scripts": "all"}, {"min_new": 9}):
+    for knobs in (
+        {"budget": "huge"},
+        {"pool": "none"},
+        {"prompts": "tokens"},
+        {"scripts": "all"},
+        {"min_new": 9},
+        {"arrivals": "sorted"},
+    ):
         with pytest.raises(ValueError):
             find(workloads(**knobs), lambda w: True, settings=FIND)
 
@@ -284,3 +291,44 @@ def test_output_caching_draws_reach_generated_blocks() -> None:
     )
     reaches(workloads(output_caching=True), TOP, published_generated)
     assert not find(workloads(), lambda w: True, settings=FIND)["engine"].get("output_caching")
+
+
+def arrival(spec: dict) -> int:
+    """The step a request offered before step 0 arrives at: its ``arrival_step``, a negative one counting as 0."""
+    return max(0, spec.get("arrival_step") or 0)
+
+
+@CI
+@given(workload=workloads(arrivals="list_order", negatives=True, max_requests=7))
+def test_list_order_arrivals_never_arrive_before_one_listed_ahead(workload: dict) -> None:
+    """``arrivals="list_order"``: m12's first-come-first-served order (D9) is the list order."""
+    steps = [arrival(r) for r in workload["requests"]]
+    assert steps == sorted(steps)
+    assert all(r.get("arrival_step") is None or list(r).index("arrival_step") == 3 for r in workload["requests"])
+
+
+def admitted_out_of_list_order(run: Any) -> bool:
+    """m12+ (D9): some step walks a request admitted earlier ahead of one listed before it."""
+    ids = [r.request_id for r in run.engine.requests]
+    return any(rec["scheduled"] != sorted(rec["scheduled"], key=ids.index) for rec in run.trace)
+
+
+def test_default_arrivals_reach_first_come_first_served() -> None:
+    """Unsorted arrivals make m12+ schedule out of list order, and preempt a request listed before one that
+    keeps running (the victim is the one admitted last), so the properties see D9 at work."""
+
+    def victim_listed_first(run: Any) -> bool:
+        ids = [r.request_id for r in run.engine.requests]
+        return any(
+            ids.index(v) < ids.index(rid) for rec in run.trace for v in rec["preempted"] for rid in rec["executed"]
+        )
+
+    reaches(workloads(), TOP, admitted_out_of_list_order)
+    reaches(workloads(pool="tight"), TOP, victim_listed_first)
+
+
+@CI
+@given(workload=mechanism_idle("m12_admission_control", prompts="mixed", pool="tight", negatives=True))
+def test_m12_idle_workloads_are_served_in_list_order(workload: dict) -> None:
+    """The idle knobs for m12 (N21) leave first come, first served nothing to reorder."""
+    assert not admitted_out_of_list_order(execute("m12_admission_control", workload))

@@ -148,4 +148,5 @@ def test_the_engine_option_reaches_the_compiler(byte_model: LoadedModel) -> None
     for allow in (False, True):
         core = EngineCore(byte_model, EngineConfig(num_pages=16, page_size=4, allow_additional_properties=allow))
         core.compile_grammar(StructuredOutputsParams(json=OPEN))
-        assert core._grammars is not None and core._grammars.allow_additional_properties is allow
+        compiler = core.grammars._compiler
+        assert compiler is not None and compiler.allow_additional_properties is allow

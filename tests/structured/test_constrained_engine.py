@@ -160,6 +160,7 @@ EXACT_PROMPTS = ['{"name":"ab","age":3}', "abababab", 'ab {"a":1}{"b":2}']
 VARIANTS: dict[str, dict[str, Any]] = {
     "batch mates": {},
     "prompt lookup": {"speculative": SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)},
+    "suffix decoding": {"speculative": SpeculativeConfig(method="suffix", num_speculative_tokens=4, adaptive=False)},
     "chunked prefill": {"max_step_tokens": 5},
     "no prefix caching": {"prefix_caching": False, "output_caching": False},
     "preemption": {"num_pages": 15, "max_step_tokens": 3},
@@ -175,7 +176,7 @@ def test_greedy_ids_are_the_same_under_every_engine_mechanism(byte_model: Loaded
         assert [o.token_ids for o in outs] == alone, name
         if name == "preemption":
             assert any(r.preempted for r in records)
-        if name == "prompt lookup":
+        if name in ("prompt lookup", "suffix decoding"):
             assert sum(sum(r.drafted.values()) for r in records) > 0
 
 
@@ -207,9 +208,10 @@ def test_draft_model_speculation_keeps_greedy_ids(byte_model: LoadedModel, byte_
     "config",
     [
         dict(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4, adaptive=False)),
+        dict(speculative=SpeculativeConfig(method="suffix", num_speculative_tokens=4, adaptive=False)),
         dict(num_pages=24, max_step_tokens=8),
     ],
-    ids=["prompt lookup", "preemption"],
+    ids=["prompt lookup", "suffix decoding", "preemption"],
 )
 def test_seeded_sampled_ids_do_not_depend_on_speculation_or_preemption(
     byte_model: LoadedModel, config: dict[str, Any]
@@ -266,7 +268,7 @@ def test_compiled_grammars_are_cached_by_key(byte_model: LoadedModel) -> None:
     )
     c = core.compile_grammar(StructuredOutputsParams(regex="a+"))
     assert a is b and c is not a
-    assert core._grammars is not None and core._grammars.compiled == 2
+    assert core.grammars._compiler is not None and core.grammars._compiler.compiled == 2
 
 
 def test_the_word_tokenizer_cannot_be_constrained_and_says_so(tiny_word: LoadedModel) -> None:

@@ -4,7 +4,8 @@
 //
 // w is float32, bfloat16 or a GGUF block format (formats.h), multiplied in the layout it is stored and read
 // from memory once per call (gemm.h: a format's few-row kernel for a few rows, register-blocked tiles for
-// more).  Accumulation is float32 for every storage type; bias is added in float32 and the result rounded
+// more); GGUF's other formats (K-quants) by csrc/kquants.cpp's columns, registered at run time (the issue 30
+// hook, below).  Accumulation is float32 for every storage type; bias is added in float32 and the result rounded
 // once to the output type.
 //
 // Each entry point runs as one OpenMP team of `n_threads` threads (on the runtime torch already loaded:
@@ -37,9 +38,35 @@ Work& work() {
     return w;
 }
 
+// issue 30 hook: weight types >= EXTERNAL_TYPES are GGUF's other formats (model/kquants.py), multiplied by
+// csrc/kquants.cpp's mechserve_kquant_columns, which model/linear.py registers here (external_formats).
+// Its arguments: xf [M, K] float32, xs [M, K / 32] the sums of xf per 32 weights, M, K, w [N, K] of type wt,
+// the output columns [n0, n1) to write into out [M, ldo].
+using ColumnsFn = void (*)(const float*, const float*, int64_t, int64_t, const void*, int, int64_t, int64_t, float*,
+                           int64_t);
+ColumnsFn external_columns = nullptr;
+constexpr int EXTERNAL_TYPES = 16;
+
+// Whether the entry points multiply weights of type `wt`: the formats of formats.h, and GGUF's other
+// formats once their product is registered.
+inline bool takes_format(int wt) { return known_format(wt) || (wt >= EXTERNAL_TYPES && external_columns); }
+
+// gemm.h's product_team for any type takes_format holds for: an external type's columns are split between
+// the team's threads as gemm.h splits them, each thread's share multiplied by the registered function after
+// the team has summed the activations per 32 weights into `xsum`.  Ends without a barrier (as product_team).
+inline void product_any(const Job& j, int wt, int64_t N, float* out, int64_t ldo, float* xsum) {
+    if (wt < EXTERNAL_TYPES) return product_team(j, wt, N, out, ldo, xsum);
+    block_sums(j.xf, j.M, j.K, xsum);  // ends with the team's barrier
+    const int T = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t per = ((N + T - 1) / T + 15) / 16 * 16;
+    const int64_t n0 = std::min<int64_t>(N, t * per), n1 = std::min<int64_t>(N, n0 + per);
+    if (n0 < n1) external_columns(j.xf, xsum, j.M, j.K, j.w, wt, n0, n1, out, ldo);
+}
+
 // Whether a product with weights `wt` over M rows reads its activations as float32 (else only their
 // bfloat16 bits, when the activations are bfloat16 and the tiles are bfloat16).
 inline bool wants_f32(int wt, int64_t M, bool bf16_acts) {
+    if (wt >= EXTERNAL_TYPES) return true;  // issue 30 hook: kquants.cpp reads float32
 #if defined(__AVX512BF16__)
     if (bf16_acts && (wt == BF16 || M > with_format(wt, [](auto f) { return decltype(f)::few_rows; }))) return false;
 #endif
@@ -142,6 +169,9 @@ extern "C" {
 // Returns the ABI version; the loader refuses a library that does not match.
 int mechserve_linear_abi(void) { return 3; }
 
+// issue 30 hook: the product of weight types >= 16 (csrc/kquants.cpp's mechserve_kquant_columns).
+void mechserve_set_external_product(void* fn) { external_columns = reinterpret_cast<ColumnsFn>(fn); }
+
 // The instruction-set path this build took (chosen at build time from the compiler's target flags).
 const char* mechserve_linear_isa(void) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -175,7 +205,7 @@ int mechserve_bf16_tiles(void) {
 // null.  A block format needs K a multiple of its block.  All tensors contiguous.
 void mechserve_linear(const void* x, int xt, const void* w, int wt, const void* bias, void* y, int yt, int64_t M,
                       int64_t N, int64_t K, int n_threads) {
-    if (!known_format(wt) || M <= 0 || N <= 0) return;
+    if (!takes_format(wt) || M <= 0 || N <= 0) return;
     Work& s = work();
     const bool bf16 = xt == BF16, f32 = wants_f32(wt, M, bf16);
     if (xt != F32 && f32) grown(s.xf, static_cast<size_t>(M * K));
@@ -186,7 +216,7 @@ void mechserve_linear(const void* x, int xt, const void* w, int wt, const void* 
     {
         const float* xf = as_f32(x, xt, M, K, s.xf, f32);
         const Job job{xf, bf16 ? static_cast<const uint16_t*>(x) : nullptr, nullptr, w, M, K};
-        product_team(job, wt, N, acc, N, sums);
+        product_any(job, wt, N, acc, N, sums);
         if (!direct) {
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -221,7 +251,7 @@ void attention_inputs(const void* x, const void* norm, float eps, int64_t M, int
         const float* xf = as_f32(x, T, M, H, s.xf, true);
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; ++m) rms_norm_row<T>(xf + m * H, norm, eps, m, H, y);
-        product_team(Job{y.f, y.b, nullptr, w, M, H}, wt, N, qkv, N, sums);
+        product_any(Job{y.f, y.b, nullptr, w, M, H}, wt, N, qkv, N, sums);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; ++m) {
@@ -255,7 +285,7 @@ void attention_outputs(const void* x, const void* attn, int64_t A, const void* o
 #pragma omp parallel num_threads(n_threads)
     {
         const float* af = as_f32(attn, T, M, A, s.xf, af32);
-        product_team(Job{af, bf16 ? static_cast<const uint16_t*>(attn) : nullptr, nullptr, o, M, A}, ot, H, x1, H,
+        product_any(Job{af, bf16 ? static_cast<const uint16_t*>(attn) : nullptr, nullptr, o, M, A}, ot, H, x1, H,
                      sums);
 #pragma omp barrier
 #pragma omp for schedule(static)
@@ -265,7 +295,7 @@ void attention_outputs(const void* x, const void* attn, int64_t A, const void* o
                 r[i] = rn<T>(ld<T>(x, m * H + i) + rn<T>(o_bias ? r[i] + ld<T>(o_bias, i) : r[i]));
             rms_norm_row<T>(r, norm, eps, m, H, y);
         }
-        product_team(Job{y.f, y.b, nullptr, gate_up, M, H}, gt, 2 * I, gu, 2 * I, sums);
+        product_any(Job{y.f, y.b, nullptr, gate_up, M, H}, gt, 2 * I, gu, 2 * I, sums);
 #pragma omp barrier
         {
             thread_local Buffer<float> tmp;
@@ -281,7 +311,7 @@ void attention_outputs(const void* x, const void* attn, int64_t A, const void* o
                 for (int64_t i = 0; i < I; ++i) act.set(m * I + i, rn<T>(rn<T>(sg[i]) * g[I + i]));
             }
         }
-        product_team(Job{act.f, act.b, nullptr, down, M, I}, dt, H, dn, H, sums);
+        product_any(Job{act.f, act.b, nullptr, down, M, I}, dt, H, dn, H, sums);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; ++m)
@@ -304,7 +334,7 @@ extern "C" {
 void mechserve_attention_inputs(const void* x, int xt, const void* norm, float eps, int64_t M, int64_t H,
                                 const void* w, int wt, const void* bias, const void* cos, const void* sin,
                                 int64_t h, int64_t kv, int64_t d, void* q, void* k, void* v, int n_threads) {
-    if (!known_format(wt) || M <= 0) return;
+    if (!takes_format(wt) || M <= 0) return;
     (xt == BF16 ? attention_inputs<BF16> : attention_inputs<F32>)(x, norm, eps, M, H, w, wt, bias, cos, sin, h, kv,
                                                                    d, q, k, v, n_threads);
 }
@@ -317,7 +347,7 @@ void mechserve_attention_outputs(const void* x, int xt, const void* attn, int64_
                                  const void* o_bias, const void* norm, float eps, const void* gate_up, int gt,
                                  const void* gate_up_bias, int64_t I, const void* down, int dt, const void* down_bias,
                                  int64_t M, int64_t H, void* out, int n_threads) {
-    if (!known_format(ot) || !known_format(gt) || !known_format(dt) || M <= 0) return;
+    if (!takes_format(ot) || !takes_format(gt) || !takes_format(dt) || M <= 0) return;
     (xt == BF16 ? attention_outputs<BF16> : attention_outputs<F32>)(x, attn, A, o, ot, o_bias, norm, eps, gate_up,
                                                                      gt, gate_up_bias, I, down, dt, down_bias, M, H,
                                                                      out, n_threads);

@@ -1,0 +1,449 @@
+"""Suffix decoding: guesses from suffix trees over this request's ids and over past requests' outputs.
+
+The method of SuffixDecoding (Oliaro et al., arXiv 2411.04975; vLLM's ``method: "suffix"``, which
+calls Snowflake's arctic-inference ``SuffixDecodingCache``), written here from the paper::
+
+    per-request tree   every substring of at most ``max_tree_depth`` ids of the request's prompt and
+                       output so far, with how often each occurred (a depth-bounded suffix trie, grown
+                       by one id per step: O(max_tree_depth) per id)
+    global tree        the same over the outputs of the last ``max_cached_requests`` requests (running
+                       ones included, grown as they generate); the oldest request's substrings are
+                       taken out again when one more would pass the bound (eviction by request, FIFO)
+
+    pattern            the request's last ids: every suffix of length m = 1 .. max_tree_depth - 1 that
+                       is a path of a tree is a match
+    draft              from the match's node, follow the most frequent child (ties: the smaller id):
+                       p_j = count(child) / count(ids that followed the node), prob_j = p_1 * ... * p_j,
+                       stop when prob_j < min_token_prob or after floor(max_spec_factor * m) ids (the
+                       adaptive length: a longer match earns a longer draft) or the window's slots
+    score              sum of prob_j (the expected number of accepted guesses); the best-scoring
+                       draft over both trees and every match length wins (ties: the longer match,
+                       then the request's own tree)
+
+The guesses are point masses, verified exactly like prompt lookup's (``torch_executor``); nothing here
+can change an output, only how many steps it takes.  Why our own trees and not arctic-inference's
+(faster: C++): its only distribution on PyPI (0.3.0) is a source archive whose build imports torch and
+needs CMake, nanobind and a C++20 compiler (with pip's build isolation it downloads a second torch),
+which a clean CPU install cannot count on.  These trees are plain dicts: O(max_tree_depth) work per id
+appended (the request tree and, for its output, the global tree) and per proposal (``Matcher``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mechserve.executor.proposers import NO_DRAFT, Draft, Window
+
+if TYPE_CHECKING:
+    from mechserve.api.proposers import ProposerContext
+    from mechserve.executor.request import ExecutorRequest
+
+
+class Node:
+    """One node of a ``SuffixTree``: the substring spelled by the path from the root.
+
+    ``count``: how often the substring occurred; ``out``: how often an id followed it (the sum of the
+    children's counts); ``children``: next id -> node (None until it has one); ``best``: the id of the most
+    frequent child (ties: the smaller id; -1 without children), kept as counts change.
+    """
+
+    __slots__ = ("best", "children", "count", "out")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.out = 0
+        self.best = -1
+        self.children: dict[int, Node] | None = None
+
+    def _rank(self, token: int, child: Node) -> None:
+        """``child`` (under ``token``) gained a count: it may now be the most frequent."""
+        best = self.best
+        if best != token:
+            top = self.children[best].count if best >= 0 else 0  # type: ignore[index]
+            if child.count > top or (child.count == top and token < best):
+                self.best = token
+
+    def _rerank(self) -> None:
+        """A child lost a count or left: find the most frequent again."""
+        kids = self.children
+        self.best = max(kids.items(), key=_by_count)[0] if kids else -1
+
+    def child(self, token: int) -> Node | None:
+        return None if self.children is None else self.children.get(token)
+
+
+class SuffixTree:
+    """Every substring of at most ``max_depth`` ids of the sequences added, with counts (module docstring).
+
+    Sequences are added whole (``add``) or one id at a time (``Cursor.append``) and taken out whole
+    (``remove``, the ids ``add`` or the cursor put in).  ``nodes`` counts the nodes held (the memory:
+    at most ``max_depth`` new nodes per id added).
+    """
+
+    def __init__(self, max_depth: int) -> None:
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {max_depth}")
+        self.max_depth = max_depth
+        self.root = Node()
+        self.nodes = 1
+        self.version = 0  # bumped by every remove(): nodes held elsewhere (a Matcher's) may be gone
+
+    def cursor(self) -> Cursor:
+        """An empty sequence in this tree, to be grown id by id."""
+        return Cursor(self)
+
+    def add(self, ids: Sequence[int]) -> None:
+        """Add every substring of ``ids`` of at most ``max_depth`` ids."""
+        cur = self.cursor()
+        for t in ids:
+            cur.append(t)
+
+    def remove(self, ids: Sequence[int]) -> None:
+        """Take out what ``add(ids)`` put in (ids < 0 break the sequence, as in ``Cursor.append``); nodes
+        left with a zero count are dropped."""
+        self.version += 1
+        n = len(ids)
+        for i in range(n):
+            node = self.root
+            for j in range(i, min(i + self.max_depth, n)):
+                t = ids[j]
+                if t < 0:
+                    break
+                child = node.child(t)
+                assert child is not None and node.children is not None, "remove() of ids never added"
+                node.out -= 1
+                child.count -= 1
+                if child.count == 0:
+                    del node.children[t]
+                    self.nodes -= _size(child)
+                if t == node.best:
+                    node._rerank()
+                if child.count == 0:
+                    break
+                node = child
+
+    def matches(self, context: Sequence[int]) -> list[Node]:
+        """The nodes of the suffixes of ``context`` the tree holds, by length (``[m - 1]``: the last ``m`` ids), at
+        most ``max_depth - 1`` of them; every shorter suffix of a held one is held, so they stop at the first
+        miss.  O(max_depth ** 2) dict lookups (``Matcher`` keeps them up to date in O(max_depth) per id)."""
+        n = len(context)
+        found: list[Node] = []
+        for m in range(1, min(n, self.max_depth - 1) + 1):
+            node: Node | None = self.root
+            for t in context[n - m :]:
+                node = node.child(t)  # type: ignore[union-attr]
+                if node is None:
+                    return found
+            found.append(node)  # type: ignore[arg-type]
+        return found
+
+    def speculate(self, context: Sequence[int], num: int, max_spec_factor: float, min_token_prob: float) -> Match:
+        """The best draft of at most ``num`` ids continuing ``context`` (module docstring); an empty
+        ``Match`` when no suffix of ``context`` is in the tree or ``num <= 0``."""
+        return best_draft(self.matches(context), num, max_spec_factor, min_token_prob)
+
+
+def best_draft(matched: Sequence[Node], num: int, max_spec_factor: float, min_token_prob: float) -> Match:
+    """The best-scoring draft of at most ``num`` ids from the nodes of the matched suffixes (``matched[m - 1]``:
+    the suffix of ``m`` ids), each followed greedily by its most frequent child (module docstring)."""
+    best = NO_MATCH
+    if num <= 0:
+        return best
+    for m, node in enumerate(matched, 1):
+        if node.out == 0:
+            continue
+        budget = min(num, int(max_spec_factor * m))
+        ids: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(ids) < budget and node.best >= 0:
+            token = node.best
+            child = node.children[token]  # type: ignore[index]
+            prob *= child.count / node.out
+            if prob < min_token_prob:
+                break
+            ids.append(token)
+            score += prob
+            node = child
+        if ids and score >= best.score:
+            best = Match(tuple(ids), score, m)
+    return best
+
+
+def _by_count(item: tuple[int, Node]) -> tuple[int, int]:
+    return item[1].count, -item[0]
+
+
+def _size(node: Node) -> int:
+    """Nodes in the subtree under (and including) ``node``."""
+    total, stack = 0, [node]
+    while stack:
+        n = stack.pop()
+        total += 1
+        if n.children:
+            stack.extend(n.children.values())
+    return total
+
+
+class Cursor:
+    """The end of a sequence being added to ``tree`` id by id: the nodes of its last ``max_depth - 1`` suffixes."""
+
+    __slots__ = ("_active", "ids", "tree")
+
+    def __init__(self, tree: SuffixTree) -> None:
+        self.tree = tree
+        self.ids: list[int] = []
+        self._active: list[Node] = [tree.root]
+
+    def append(self, token: int) -> None:
+        """Add ``token`` to the sequence: every suffix ending at it (of at most ``max_depth`` ids) gains one
+        occurrence.  An unknown id (< 0) is kept in ``ids`` but breaks the sequence: no substring spans it."""
+        self.ids.append(token)
+        if token < 0:
+            self._active = [self.tree.root]
+            return
+        tree = self.tree
+        active = [tree.root]
+        grown = active.append
+        created = 0
+        for node in self._active:
+            kids = node.children
+            if kids is None:
+                kids = node.children = {}
+            child = kids.get(token)
+            if child is None:
+                child = kids[token] = Node()
+                created += 1
+            node.out += 1
+            count = child.count = child.count + 1
+            best = node.best
+            if best != token:  # Node._rank, inlined: this loop is the proposer's hot path
+                top = kids[best].count if best >= 0 else 0
+                if count > top or (count == top and token < best):
+                    node.best = token
+            grown(child)
+        tree.nodes += created
+        if len(active) > tree.max_depth:  # the root plus suffixes of 1 .. max_depth - 1 ids may still grow
+            del active[tree.max_depth]
+        self._active = active
+
+    @property
+    def matched(self) -> list[Node]:
+        """The nodes of the sequence's suffixes of 1 .. ``max_depth - 1`` ids (its own tree holds them all), as
+        ``SuffixTree.matches`` would find them, at no cost."""
+        return self._active[1:]
+
+
+class Matcher:
+    """A sequence's suffixes matched in a tree it is not added to (the global tree for a running request): its
+    ``matched`` nodes, kept up to date in O(max_depth) per id appended.
+
+    Ids other sequences add later can make a longer suffix match; the nodes are found afresh every
+    ``REFRESH`` ids and after every ``SuffixTree.remove`` (which may drop a node held here).
+    """
+
+    REFRESH = 16
+    __slots__ = ("_fresh", "_nodes", "_seen", "_version", "tree")
+
+    def __init__(self, tree: SuffixTree) -> None:
+        self.tree = tree
+        self._nodes: list[Node] = []
+        self._version = -1
+        self._fresh = 0
+        self._seen = 0
+
+    def matched(self, ids: Sequence[int]) -> list[Node]:
+        """The nodes of the suffixes of ``ids`` (known ids only; ``ids`` extends the sequence of the last call)."""
+        tree = self.tree
+        appended, self._seen = len(ids) - self._seen, len(ids)
+        if (
+            appended < 0
+            or self._version != tree.version
+            or self._fresh + appended > self.REFRESH
+            or appended > tree.max_depth
+        ):
+            self._nodes = tree.matches(_known_tail(ids, tree.max_depth - 1))
+            self._version, self._fresh = tree.version, 0
+            return self._nodes
+        nodes = self._nodes
+        for t in ids[len(ids) - appended :] if appended else ():
+            if t < 0:
+                nodes = []
+                continue
+            grown = []
+            for node in (tree.root, *nodes[: tree.max_depth - 2]):
+                node = node.child(t)  # type: ignore[assignment]
+                if node is None:
+                    break
+                grown.append(node)
+            nodes = grown
+        self._nodes = nodes
+        self._fresh += appended
+        return nodes
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """A draft: ``ids``, its ``score`` (expected accepted guesses) and the match length it came from."""
+
+    ids: tuple[int, ...] = ()
+    score: float = 0.0
+    length: int = 0
+
+
+NO_MATCH = Match()
+
+
+@dataclass(slots=True)
+class _Local:
+    """One request's own tree (prompt and output so far) and how much of its output the global tree has."""
+
+    tree: SuffixTree
+    cursor: Cursor
+    prompt_len: int
+    matcher: Matcher  # its suffixes in the global tree
+    in_global: bool = False  # its output went into the global tree (and stays out once evicted)
+
+
+class SuffixProposer:
+    """Suffix decoding (module docstring); a ``Proposer`` (``mechserve.executor.proposers``).
+
+    ``max_tree_depth``: the longest substring either tree holds (and so the longest match, one less);
+    ``max_cached_requests``: how many requests' outputs the global tree holds (0: no global tree);
+    ``max_spec_factor``: a match of m ids drafts at most ``floor(max_spec_factor * m)`` ids;
+    ``min_token_prob``: a guess whose path probability falls below it ends the draft.  vLLM's
+    ``suffix_decoding_*`` options of the same names.
+    """
+
+    def __init__(
+        self,
+        max_tree_depth: int = 24,
+        max_cached_requests: int = 10000,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+    ) -> None:
+        self.max_tree_depth = max_tree_depth
+        self.max_cached_requests = max_cached_requests
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.global_tree = SuffixTree(max_tree_depth)
+        # request id -> its cursor in the global tree, oldest first (running and finished requests)
+        self._cached: OrderedDict[str, Cursor] = OrderedDict()
+        self._local: dict[str, _Local] = {}
+
+    @classmethod
+    def build(cls, ctx: ProposerContext) -> SuffixProposer:
+        """The registry's factory: the ``suffix_decoding_*`` options of ``ctx.speculative``."""
+        spec = ctx.speculative
+        return cls(
+            spec.suffix_decoding_max_tree_depth,
+            spec.suffix_decoding_max_cached_requests,
+            spec.suffix_decoding_max_spec_factor,
+            spec.suffix_decoding_min_token_prob,
+        )
+
+    # The Proposer protocol ------------------------------------------------------------------------------------------
+
+    def propose(self, windows: Sequence[Window]) -> list[Draft]:
+        """Every window's request synced first (its tree, its output into the global tree, in plan order), then
+        the drafts: what a window gets depends on the plan and the releases only, never on which requests
+        ``available`` was asked about (rank 0 alone answers it; every rank proposes)."""
+        states = [self._sync(w.request, w.history, own=False) for w in windows]
+        drafts = []
+        for w, local in zip(windows, states):
+            found = self._draft(local, w.history, w.slots, local.matcher.matched(w.history)).ids if w.slots else ()
+            drafts.append(Draft(found) if found else NO_DRAFT)
+        return drafts
+
+    def available(self, request: ExecutorRequest, history: Sequence[int], cap: int) -> int:
+        """The draft's length now; grows only the request's own tree and reads the global tree as it is (its
+        matches found afresh), so asking changes no proposal."""
+        local = self._sync(request, history, own=True)
+        return len(self._draft(local, history, cap, self.global_tree.matches(self._tail(history))).ids)
+
+    def release(self, request: ExecutorRequest, output_ids: Sequence[int]) -> None:
+        local = self._local.pop(request.request_id, None)
+        if self.max_cached_requests > 0:
+            self._sync_global(request.request_id, local is not None and local.in_global, output_ids)
+
+    # Trees -------------------------------------------------------------------------------------------------------------
+
+    @property
+    def cached_requests(self) -> int:
+        """Requests whose outputs the global tree holds now."""
+        return len(self._cached)
+
+    def score(self, request: ExecutorRequest, history: Sequence[int], num: int) -> Match:
+        """What ``propose`` drafts for one window of ``request`` after ``history`` (at most ``num`` ids), with its
+        score and match length."""
+        local = self._sync(request, history, own=False)
+        return self._draft(local, history, num, local.matcher.matched(history))
+
+    def _tail(self, history: Sequence[int]) -> list[int]:
+        return _known_tail(history, self.max_tree_depth - 1)
+
+    def _draft(self, local: _Local, history: Sequence[int], num: int, in_global: Sequence[Node]) -> Match:
+        """The better of the request tree's draft and the global tree's (``in_global``: the matched nodes there)."""
+        args = (num, self.max_spec_factor, self.min_token_prob)
+        found = best_draft(local.cursor.matched, *args)
+        if self.max_cached_requests > 0:
+            other = best_draft(in_global, *args)
+            if other.score > found.score or (other.score == found.score and other.length > found.length):
+                found = other
+        return found
+
+    def _sync(self, request: ExecutorRequest, history: Sequence[int], *, own: bool) -> _Local:
+        """The request's tree holding ``history`` (grown by the ids since the last call; rebuilt when the history
+        is not an extension of what it holds, judged by its last ``max_tree_depth`` ids) and, unless ``own``,
+        its output so far added to the global tree."""
+        rid = request.request_id
+        local = self._local.get(rid)
+        if local is not None:
+            held = local.cursor.ids
+            k = min(len(held), self.max_tree_depth)
+            if len(history) < len(held) or list(history[len(held) - k : len(held)]) != held[len(held) - k :]:
+                local = None
+        if local is None:
+            tree = SuffixTree(self.max_tree_depth)
+            local = _Local(tree, tree.cursor(), request.prompt_len, Matcher(self.global_tree))
+            local.in_global = self._local.pop(rid, None) is not None and rid not in self._cached
+            self._local[rid] = local
+        cursor = local.cursor
+        for t in history[len(cursor.ids) :]:
+            cursor.append(int(t))
+        if not own and self.max_cached_requests > 0:
+            self._sync_global(rid, local.in_global, history[local.prompt_len :])
+            local.in_global = True
+        return local
+
+    def _sync_global(self, rid: str, added: bool, output: Sequence[int]) -> None:
+        """Add ``rid``'s output ids the global tree lacks (re-adding them all if ``output`` is not an extension
+        of what it holds; nothing if it was ``added`` before and evicted since); evict the oldest cached
+        requests beyond ``max_cached_requests``."""
+        cursor = self._cached.get(rid)
+        if cursor is None and added:
+            return  # evicted while running: its output stays out
+        if cursor is not None and (len(output) < len(cursor.ids) or list(output[: len(cursor.ids)]) != cursor.ids):
+            self.global_tree.remove(cursor.ids)
+            cursor = self._cached[rid] = self.global_tree.cursor()
+        if cursor is None:
+            cursor = self._cached[rid] = self.global_tree.cursor()
+            while len(self._cached) > self.max_cached_requests:
+                _, oldest = self._cached.popitem(last=False)
+                self.global_tree.remove(oldest.ids)
+        for t in output[len(cursor.ids) :]:
+            cursor.append(int(t))
+
+
+def _known_tail(history: Sequence[int], num: int) -> list[int]:
+    """The last ``num`` ids of ``history`` after its last unknown (negative) id."""
+    tail = list(history[-num:]) if num > 0 else []
+    for j in range(len(tail) - 1, -1, -1):
+        if tail[j] < 0:
+            return tail[j + 1 :]
+    return tail
+
+
+__all__ = ["Cursor", "Match", "Matcher", "Node", "SuffixProposer", "SuffixTree", "best_draft"]

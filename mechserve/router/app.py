@@ -1,0 +1,345 @@
+"""``mechserve router``'s HTTP side: an OpenAI-compatible front over any number of ``mechserve serve`` workers.
+
+Routes::
+
+    POST /v1/completions, /v1/chat/completions   routed by m15's policy, passed through (streams chunk by chunk)
+    POST /tokenize, /detokenize                  passed to a live worker
+    GET  /v1/models, /v1/models/{id}             the fleet's model (a live worker's card)
+    GET  /health                                 200 while a worker is live, else 503
+    GET  /workers                                every worker: state, model, last load report
+
+A worker that fails under a request ends it with a clear error naming the worker: a stream with an
+OpenAI-style error event and ``data: [DONE]``, a plain request with 502 (it failed while answering)
+or 503 (it could not be reached), and the worker leaves the live set at once.  Health checks
+(``/health``, then ``/v1/models`` and ``/metrics``) run every ``health_interval`` seconds; a worker
+that stops answering them also ends its requests in flight, so none waits on a worker that hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.parser import text_string_to_metric_families
+
+from mechserve.http.errors import APIError, install
+from mechserve.router.events import EventSubscriber
+from mechserve.router.fleet import TOKENIZED, NoWorker, Worker, WorkerFleet
+
+log = logging.getLogger("mechserve.router")
+
+ROUTED = ("/v1/completions", "/v1/chat/completions")
+PASSED_HEADERS = ("authorization", "content-type", "accept")
+
+
+class Proxy:
+    """The router's work: health rounds, tokenizing for the policy, forwarding, failing cleanly.
+
+    ``fleet`` holds the workers and m15's router; ``client`` is the one httpx client for every call
+    to a worker; ``worker_api_key`` is sent on the router's own calls (health, models, metrics,
+    tokenize); a client's ``Authorization`` header is passed through on its requests.
+    """
+
+    def __init__(
+        self,
+        fleet: WorkerFleet,
+        *,
+        health_interval: float = 0.5,
+        health_timeout: float = 1.0,
+        request_timeout: float = 1800.0,
+        worker_api_key: str | None = None,
+        kv_events_topic: str = "",
+    ) -> None:
+        self.fleet = fleet
+        self.events = EventSubscriber(fleet, kv_events_topic) if fleet.options.policy == "precise" else None
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=health_timeout))
+        self.headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
+        self.open: dict[int, set[httpx.Response]] = {}  # id(worker) -> upstream responses being read
+        self.waiting: dict[int, set[asyncio.Future[httpx.Response]]] = {}  # id(worker) -> sends awaiting headers
+        self._task: asyncio.Task[None] | None = None
+
+    # health ----------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.events is not None:
+            self.events.start()
+        await self.check_all()
+        self._task = asyncio.create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.events is not None:
+            await self.events.stop()
+        await self.client.aclose()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            try:
+                await self.check_all()
+            except Exception:  # a health round must never end the loop
+                log.exception("health round failed")
+
+    async def check_all(self) -> None:
+        """One health round over every worker, then the epoch ends (the reports become m15's views)."""
+        await asyncio.gather(*(self.check(w) for w in self.fleet.workers))
+        self.fleet.apply_live()
+        self.fleet.end_epoch()
+
+    async def check(self, worker: Worker) -> None:
+        """``/health``, ``/v1/models``, ``/metrics`` of ``worker``: join it, refuse it or take it down."""
+        try:
+            health = await self.client.get(worker.url + "/health", timeout=self.health_timeout)
+            if health.status_code != 200:
+                raise WorkerFailed(f"/health answered {health.status_code}")
+            models = await self.client.get(worker.url + "/v1/models", headers=self.headers, timeout=self.health_timeout)
+            if models.status_code != 200:
+                raise WorkerFailed(f"/v1/models answered {models.status_code}")
+            model = str(models.json()["data"][0]["id"])
+            metrics = await self.client.get(worker.url + "/metrics", headers=self.headers, timeout=self.health_timeout)
+            if metrics.status_code != 200:
+                raise WorkerFailed(f"/metrics answered {metrics.status_code}")
+            running, waiting, kv_usage = load_report(metrics.text)
+        except (httpx.HTTPError, WorkerFailed, ValueError, KeyError, IndexError) as exc:
+            if worker.state in ("live", "pending"):
+                await self.take_down(worker, f"health check failed: {describe(exc)}")
+            return
+        self.fleet.reported(worker, running, waiting, kv_usage)
+        if worker.state != "live" or model != self.fleet.model:  # joins, or was restarted with another model
+            self.fleet.joined(worker, model, apply=False)
+
+    async def take_down(self, worker: Worker, reason: str) -> None:
+        """Mark ``worker`` down and end every request still reading from it (each ends with its error)."""
+        self.fleet.down(worker, reason)
+        for sending in list(self.waiting.get(id(worker), ())):
+            sending.cancel()
+        for response in list(self.open.get(id(worker), ())):
+            await response.aclose()
+
+    # tokenizing ------------------------------------------------------------------------------------
+
+    async def prompt_tokens(self, path: str, body: dict[str, Any]) -> list[int]:
+        """The prompt's token ids as the workers see them (a live worker's ``/tokenize``), for the
+        policies that read them; ``[]`` when the policy does not, or the prompt cannot be tokenized
+        (the worker then answers the request with the error that names the field)."""
+        if self.fleet.options.policy not in TOKENIZED or not self.fleet.live:
+            return []
+        if path == "/v1/chat/completions":
+            query: dict[str, Any] = {"messages": body.get("messages"), "add_generation_prompt": True}
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch goes where its first prompt is cached
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return list(prompt)
+            query = {"prompt": prompt}
+        worker = self.fleet.live[0]
+        try:
+            reply = await self.client.post(worker.url + "/tokenize", json=query, headers=self.headers)
+        except httpx.HTTPError:
+            return []
+        if reply.status_code != 200:
+            return []
+        tokens = reply.json().get("tokens", [])
+        return [int(t) for t in tokens]
+
+    # forwarding ------------------------------------------------------------------------------------
+
+    async def forward(self, request: Request, path: str) -> Response:
+        """Route one completions or chat request and pass the worker's answer through."""
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        tokens = await self.prompt_tokens(path, body)
+        request_id = f"route-{uuid.uuid4().hex}"
+        try:
+            worker, _ = self.fleet.route(request_id, tokens)
+        except NoWorker:
+            self.fleet.finish(request_id)
+            raise APIError(
+                503, "no worker is available: every worker is down or refused", headers={"Retry-After": "1"}
+            ) from None
+        headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_HEADERS}
+        upstream = self.client.build_request("POST", worker.url + path, content=raw, headers=headers)
+        sending = asyncio.ensure_future(self.client.send(upstream, stream=True))
+        waiting = self.waiting.setdefault(id(worker), set())
+        waiting.add(sending)
+        try:
+            response = await sending
+        except httpx.ConnectError as exc:
+            self.fleet.finish(request_id)
+            await self.take_down(worker, f"a request could not reach it: {describe(exc)}")
+            raise APIError(
+                503, f"worker {worker.url} is unavailable: {describe(exc)}", code="worker_unavailable"
+            ) from None
+        except httpx.HTTPError as exc:
+            self.fleet.finish(request_id)
+            await self.take_down(worker, f"it failed while answering: {describe(exc)}")
+            raise APIError(
+                502, f"worker {worker.url} failed while answering: {describe(exc)}", code="worker_failed"
+            ) from None
+        except asyncio.CancelledError:
+            self.fleet.finish(request_id)
+            task = asyncio.current_task()
+            if not sending.cancelled() or (task is not None and task.cancelling()):
+                sending.cancel()
+                raise  # the client went away
+            raise APIError(  # take_down cancelled it: the worker stopped answering
+                502, f"worker {worker.url} failed while answering: {worker.reason}", code="worker_failed"
+            ) from None
+        finally:
+            waiting.discard(sending)
+        self.open.setdefault(id(worker), set()).add(response)
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            return StreamingResponse(
+                self._stream(worker, request_id, response),
+                status_code=response.status_code,
+                media_type="text/event-stream",
+            )
+        try:
+            content = await response.aread()
+        except (httpx.HTTPError, httpx.StreamError) as exc:
+            await self.take_down(worker, f"it failed while answering: {describe(exc)}")
+            raise APIError(
+                502, f"worker {worker.url} failed while answering: {describe(exc)}", code="worker_failed"
+            ) from None
+        finally:
+            await self._close(worker, request_id, response)
+        return Response(content, status_code=response.status_code, media_type=response.headers.get("content-type"))
+
+    async def _stream(self, worker: Worker, request_id: str, response: httpx.Response) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in response.aiter_raw():
+                yield chunk
+        except (httpx.HTTPError, httpx.StreamError) as exc:
+            await self.take_down(worker, f"it failed mid-stream: {describe(exc)}")
+            error = APIError(502, f"worker {worker.url} failed mid-stream: {describe(exc)}", code="worker_failed")
+            yield b"\n\ndata: " + json.dumps(error.body()).encode() + b"\n\ndata: [DONE]\n\n"
+        finally:
+            await self._close(worker, request_id, response)
+
+    async def _close(self, worker: Worker, request_id: str, response: httpx.Response) -> None:
+        self.open.get(id(worker), set()).discard(response)
+        await response.aclose()
+        self.fleet.finish(request_id)
+
+    async def pass_through(self, request: Request, path: str) -> Response:
+        """A request any worker answers alike (tokenize, models): sent to the first live worker."""
+        if not self.fleet.live:
+            raise APIError(503, "no worker is available: every worker is down or refused", headers={"Retry-After": "1"})
+        worker = self.fleet.live[0]
+        headers = {k: v for k, v in request.headers.items() if k.lower() in PASSED_HEADERS}
+        try:
+            reply = await self.client.request(
+                request.method, worker.url + path, content=await request.body(), headers=headers
+            )
+        except httpx.HTTPError as exc:
+            await self.take_down(worker, f"a request could not reach it: {describe(exc)}")
+            raise APIError(
+                503, f"worker {worker.url} is unavailable: {describe(exc)}", code="worker_unavailable"
+            ) from None
+        return Response(reply.content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
+
+
+class WorkerFailed(Exception):
+    """A worker answered a check with something other than success."""
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a failure: its class and message (httpx's often have none)."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def load_report(text: str) -> tuple[int, int, float]:
+    """``(running, waiting, kv_usage)`` from a worker's Prometheus text: vLLM's ``num_requests_running``,
+    ``num_requests_waiting`` and ``kv_cache_usage_perc`` gauges, summed over engines (usage: the mean).
+    Raises ``ValueError`` when one is missing."""
+    found: dict[str, list[float]] = {}
+    wanted = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+    for family in text_string_to_metric_families(text):
+        if family.name in wanted:
+            found[family.name] = [s.value for s in family.samples]
+    missing = wanted - {k for k, v in found.items() if v}
+    if missing:
+        raise ValueError(f"/metrics lacks {', '.join(sorted(missing))}")
+    usage = found["vllm:kv_cache_usage_perc"]
+    return (
+        int(sum(found["vllm:num_requests_running"])),
+        int(sum(found["vllm:num_requests_waiting"])),
+        sum(usage) / len(usage),
+    )
+
+
+def build_router_app(proxy: Proxy) -> FastAPI:
+    """The router's FastAPI app over ``proxy`` (started and stopped with the app's lifespan)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await proxy.start()
+        try:
+            yield
+        finally:
+            await proxy.stop()
+
+    app = FastAPI(title="mechserve router", lifespan=lifespan)
+    install(app)
+    fleet = proxy.fleet
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        live = len(fleet.live)
+        return JSONResponse({"live_workers": live}, status_code=200 if live else 503)
+
+    @app.get("/workers")
+    async def workers() -> JSONResponse:
+        return JSONResponse({"model": fleet.model, "policy": fleet.options.policy, "workers": _cards(fleet.workers)})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await proxy.pass_through(request, "/v1/models")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return await proxy.pass_through(request, f"/v1/models/{model_id}")
+
+    for path in ("/tokenize", "/detokenize"):
+        app.add_api_route(path, _passed(proxy, path), methods=["POST"])
+    for path in ROUTED:
+        app.add_api_route(path, _routed(proxy, path), methods=["POST"])
+    return app
+
+
+def _cards(workers: Sequence[Worker]) -> list[dict[str, Any]]:
+    return [w.to_json() for w in workers]
+
+
+def _routed(proxy: Proxy, path: str) -> Any:
+    async def route(request: Request) -> Response:
+        return await proxy.forward(request, path)
+
+    return route
+
+
+def _passed(proxy: Proxy, path: str) -> Any:
+    async def passed(request: Request) -> Response:
+        return await proxy.pass_through(request, path)
+
+    return passed

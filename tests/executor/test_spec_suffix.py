@@ -1,0 +1,243 @@
+"""Suffix decoding (``--spec-method suffix``, issue 27 item 1): the trees, the proposer, its options.
+
+The trees: counts of every substring up to the depth bound, frequency-scored drafts whose length follows the
+match (``max_spec_factor``) and stops at ``min_token_prob``, removal that gives back exactly what was added
+(the global tree's eviction).  The proposer: the per-request tree over prompt and output, the global tree over
+other requests' outputs bounded by ``max_cached_requests``.  The engine: greedy output unchanged with prefix
+and output caching across the turns of a conversation, and the global tree's guesses accepted on a request
+that repeats an earlier one.  Exactness under every other mechanism is in test_spec_decode.py,
+test_spec_sampling.py (chi-square), structured/test_constrained_engine.py and engine/test_penalties_engine.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_checkpoints import Tiny, random_prompts
+
+from mechserve.api.config import EngineConfig, SpeculativeConfig
+from mechserve.api.params import SamplingParams
+from mechserve.engine.core import EngineCore
+from mechserve.executor.proposers_suffix import Node, SuffixProposer, SuffixTree
+from mechserve.executor.request import ExecutorRequest
+from mechserve.model.loader import LoadedModel
+
+
+def shape(node: Node) -> Any:
+    """A tree as nested (count, out, {id: child}) tuples, for comparing two trees."""
+    kids = node.children or {}
+    return node.count, node.out, {t: shape(c) for t, c in sorted(kids.items())}
+
+
+def substrings(seqs: Sequence[Sequence[int]], depth: int) -> dict[tuple[int, ...], int]:
+    """How often each substring of at most ``depth`` ids occurs in ``seqs`` (the brute-force reference)."""
+    found: dict[tuple[int, ...], int] = {}
+    for s in seqs:
+        for i in range(len(s)):
+            for j in range(i + 1, min(i + depth, len(s)) + 1):
+                found[tuple(s[i:j])] = found.get(tuple(s[i:j]), 0) + 1
+    return found
+
+
+def counts(tree: SuffixTree) -> dict[tuple[int, ...], int]:
+    found: dict[tuple[int, ...], int] = {}
+    stack: list[tuple[tuple[int, ...], Node]] = [((), tree.root)]
+    while stack:
+        path, node = stack.pop()
+        for t, child in (node.children or {}).items():
+            found[(*path, t)] = child.count
+            assert child.count > 0
+            stack.append(((*path, t), child))
+        assert node.out == sum(c.count for c in (node.children or {}).values())
+        kids = node.children or {}
+        assert node.best == (max(kids, key=lambda t: (kids[t].count, -t)) if kids else -1)
+    return found
+
+
+seqs = st.lists(st.lists(st.integers(0, 4), max_size=14), max_size=5)
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(added=seqs, removed=seqs, depth=st.integers(2, 5))
+def test_the_tree_counts_every_substring_and_removal_gives_back_what_was_added(
+    added: list[list[int]], removed: list[list[int]], depth: int
+) -> None:
+    tree = SuffixTree(depth)
+    for s in removed + added:
+        tree.add(s)
+    for s in removed:
+        tree.remove(s)
+    only = SuffixTree(depth)
+    for s in added:
+        only.add(s)
+    assert counts(tree) == substrings(added, depth)
+    assert shape(tree.root) == shape(only.root) and tree.nodes == only.nodes == len(counts(only)) + 1
+
+
+def test_a_draft_follows_the_most_frequent_continuation_and_its_length_follows_the_match() -> None:
+    tree = SuffixTree(8)
+    tree.add([1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2, 5, 6])
+    # [1, 2] was followed by 3 twice, 5 once: 3 (2/3), then 4 and 9 (each 2/2 after [1, 2, 3])
+    got = tree.speculate([7, 1, 2], 8, max_spec_factor=2.0, min_token_prob=0.1)
+    assert got.ids == (3, 4, 9, 1) and got.length == 2  # 2 * 2 ids: the adaptive length
+    assert got.score == pytest.approx(4 * 2 / 3)
+    assert tree.speculate([7, 1, 2], 8, max_spec_factor=1.0, min_token_prob=0.1).ids == (3, 4)
+    assert tree.speculate([7, 1, 2], 1, max_spec_factor=4.0, min_token_prob=0.1).ids == (3,)  # the window's slots
+    assert tree.speculate([7, 1, 2], 8, max_spec_factor=2.0, min_token_prob=0.7).ids == ()  # 2/3 < 0.7
+    # a longer match is more certain: [4, 9, 1, 2] was followed by 3 and by 5 once each, [9, 1, 2] too, but
+    # the draft with the best expected number of accepted guesses wins
+    assert tree.speculate([3, 4, 9, 1, 2], 8, 1.0, 0.1).ids[0] == 3
+    # ties between ids go to the smaller id; no match, nothing
+    tie = SuffixTree(4)
+    tie.add([1, 8, 1, 6])
+    assert tie.speculate([1], 1, 1.0, 0.1).ids == (6,)
+    assert tie.speculate([5], 3, 1.0, 0.1).ids == () and tie.speculate([1], 0, 1.0, 0.1).ids == ()
+
+
+def test_the_depth_bounds_the_tree_and_the_match() -> None:
+    ids = list(range(50))
+    tree = SuffixTree(3)
+    tree.add(ids + ids)
+    assert tree.nodes == 1 + 50 + 50 + 50  # [i], [i, i+1], [i, i+1, i+2] (49 -> 0 wraps once)
+    # depth 3: the match [10, 11] leaves room for one id, the match [11] for two (the better draft)
+    assert tree.speculate([10, 11], 5, 10.0, 0.1).ids == (12, 13)
+    assert tree.speculate([10, 11], 5, 10.0, 0.1).length == 1
+    assert tree.speculate([10, 11], 1, 10.0, 0.1).length == 2  # one id either way: the longer match
+    with pytest.raises(ValueError, match="max_depth"):
+        SuffixTree(1)
+
+
+def req(rid: str, prompt: Sequence[int]) -> ExecutorRequest:
+    return ExecutorRequest(rid, list(prompt), SamplingParams(temperature=0.0, max_tokens=64))
+
+
+def test_the_proposer_learns_other_requests_outputs_and_evicts_the_oldest() -> None:
+    proposer = SuffixProposer(max_tree_depth=8, max_cached_requests=2)
+    answer = [40, 41, 42, 43, 44, 45]
+    a = req("a", [1, 2, 3])
+    assert proposer.available(a, [1, 2, 3, *answer], 4) == 0  # its own ids hold no repeat yet
+    proposer.release(a, answer)
+    b = req("b", [7, 8])
+    # b starts answering like a did: the global tree has a's output
+    assert proposer.score(b, [7, 8, 40, 41], 4).ids == (42, 43)
+    assert proposer.score(b, [7, 8, 40, 41, 42], 4).ids == (43, 44, 45)
+    proposer.release(b, [40, 41, 42])
+    proposer.release(req("c", [9]), [50, 51])
+    proposer.release(req("d", [9]), [60, 61])
+    assert proposer.cached_requests == 2  # a and b were evicted: only c's and d's outputs remain
+    e = req("e", [5])
+    assert proposer.score(e, [5, 60], 4).ids == (61,)  # e's own output enters the cache too: c goes
+    assert proposer.cached_requests == 2 and proposer.available(e, [5, 60, 40, 41], 4) == 0  # a's is gone
+    # no global tree at all
+    alone = SuffixProposer(max_tree_depth=8, max_cached_requests=0)
+    alone.release(a, answer)
+    assert alone.available(b, [7, 8, 40, 41], 4) == 0 and alone.global_tree.nodes == 1
+
+
+def test_the_global_tree_memory_is_bounded_by_the_cached_requests() -> None:
+    proposer = SuffixProposer(max_tree_depth=6, max_cached_requests=3)
+    outputs = random_prompts([40] * 30, seed=3)
+    sizes = []
+    for i, out in enumerate(outputs):
+        r = req(f"r{i}", [1, 2])
+        proposer.available(r, [1, 2, *out[:20]], 3)  # grown while it runs
+        proposer.release(r, out)
+        sizes.append(proposer.global_tree.nodes)
+    assert proposer.cached_requests == 3 and max(sizes) <= 1 + 3 * 40 * 6
+    bound = SuffixTree(6)
+    for out in outputs[-3:]:
+        bound.add(out)
+    assert shape(proposer.global_tree.root) == shape(bound.root)
+
+
+def test_the_request_tree_follows_its_history() -> None:
+    """Grown by the new ids each step; a history that is not an extension (a request's ids re-sent) rebuilds it."""
+    proposer = SuffixProposer(max_tree_depth=8, max_cached_requests=0)
+    r = req("r", [1, 2, 3, 1, 2])
+    assert proposer.score(r, [1, 2, 3, 1, 2], 3).ids == (3, 1, 2)[:2]  # a match of 2 drafts 2
+    assert proposer.score(r, [1, 2, 3, 1, 2, 3], 3).ids == (1, 2, 3)
+    assert proposer.score(r, [1, 2, 4, 1, 2], 3).ids == (4, 1)  # rebuilt from these ids
+    assert proposer.score(r, [1, 2, -1, 1, 2], 3).ids == ()  # nothing spans an unknown id
+
+
+def test_speculative_config_refuses_bad_suffix_options() -> None:
+    ok = SpeculativeConfig.of({"method": "suffix", "suffix_decoding_max_tree_depth": 16})
+    assert ok is not None and ok.suffix_decoding_max_tree_depth == 16
+    for bad, needle in [
+        (dict(suffix_decoding_max_tree_depth=1), "suffix_decoding_max_tree_depth must be an integer in [2, 256]"),
+        (dict(suffix_decoding_max_tree_depth=True), "suffix_decoding_max_tree_depth"),
+        (dict(suffix_decoding_max_cached_requests=-1), "suffix_decoding_max_cached_requests"),
+        (dict(suffix_decoding_max_spec_factor=0), "suffix_decoding_max_spec_factor"),
+        (dict(suffix_decoding_max_spec_factor=float("nan")), "suffix_decoding_max_spec_factor"),
+        (dict(suffix_decoding_min_token_prob=1.5), "suffix_decoding_min_token_prob must be a number in [0, 1]"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            SpeculativeConfig(method="suffix", **bad)  # type: ignore[arg-type]
+        assert needle in str(err.value)
+    with pytest.raises(ValueError, match='suffix_decoding_min_token_prob is an option of method "suffix", but '):
+        SpeculativeConfig(method="ngram", suffix_decoding_min_token_prob=0.3)
+
+
+def core(model: Any, path: Path, spec: SpeculativeConfig | None) -> EngineCore:
+    config = EngineConfig(page_size=4, num_pages=128, prefix_caching=True, output_caching=True, speculative=spec)
+    return EngineCore(LoadedModel(path, model, None, ()), config)
+
+
+def conversation(c: EngineCore, first: list[int], follow: list[list[int]], n: int) -> tuple[list[list[int]], Any]:
+    """Turns one after another, each prompt the whole conversation so far: the answers and the step records."""
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    history, answers, records = list(first), [], []
+    for turn in [[], *follow]:
+        history += turn
+        c.add_request(list(history), params)
+        while c.has_unfinished():
+            step = c.step()
+            records.append(step.record)
+            answers += [o.outputs[0].token_ids for o in step.finished]
+        history += answers[-1]
+    return answers, records
+
+
+def test_multi_turn_with_prefix_and_output_caching_keeps_greedy_output(tiny: Tiny) -> None:
+    """Each turn's prompt holds the earlier answers (reused from the output cache) and a request repeats an
+    earlier one: suffix decoding changes no id and its guesses are accepted."""
+    first, *follow = random_prompts([9, 4, 5], seed=11)
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=4, adaptive=False)
+    plain, _ = conversation(core(tiny.model, tiny.path, None), first, follow, 12)
+    fast = core(tiny.model, tiny.path, spec)
+    got, records = conversation(fast, first, follow, 12)
+    assert got == plain
+    assert any(r.reused for r in records)
+    # the same first turn again: the global tree holds its answer, so the guesses come from it and are kept
+    before = fast.executor.stats().accepted
+    again, _ = conversation(fast, first, [], 12)
+    assert again == plain[:1]
+    assert fast.executor.stats().accepted - before >= 6
+    fast.check_pages()
+
+
+def test_proposals_do_not_depend_on_which_requests_available_was_asked_about() -> None:
+    """Rank 0 alone answers ``available`` (the governor's question) while every rank proposes: two proposers
+    given the same plans and releases must draft the same, whatever else one of them was asked."""
+    asked, silent = SuffixProposer(max_tree_depth=6), SuffixProposer(max_tree_depth=6)
+    outputs = random_prompts([30] * 6, seed=8)
+    prompts = random_prompts([5] * 6, seed=9)
+    base = [*outputs[0][:10], *outputs[0][:10]]  # a repeat, so the trees have something to say
+    for step in range(1, 30):
+        windows = []
+        for i in range(3):
+            r = req(f"r{i}", [*prompts[i], *base])
+            history = [*prompts[i], *base, *outputs[i][:step]]
+            asked.available(r, history, 4)  # rank 0 only, and about a request not in the plan too
+            asked.available(req("x", [1]), [1, *outputs[5][: step * 2]], 4)
+            windows.append((r, history))
+        for r, history in windows:
+            assert asked.score(r, history, 4) == silent.score(r, history, 4), step
+        if step == 15:
+            for p in (asked, silent):
+                p.release(req("r0", [*prompts[0], *base]), outputs[0][:15])
