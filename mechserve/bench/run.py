@@ -38,6 +38,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -433,12 +434,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                             quick=args.quick,
                             seed=args.seed,
                             sizes=sizes,
-                            runner={
-                                "max_step_tokens": args.max_step_tokens,
-                                "spec_len": args.spec_len,
-                                "device": args.device,
-                                "compile": args.compile,
-                            },
+                            config=asdict(runner.config),
+                            spec_len=args.spec_len,
                         )
                         res = run_fresh(spec)
                     else:

@@ -63,7 +63,10 @@ def test_the_builds_take_their_paths() -> None:
     for arch in ARCHS[1:]:
         assert build(arch).mechserve_linear_isa() == ISA[arch]
     lib = lin.library()
-    assert [lib.mechserve_few_rows(t) >= 0 for t in lin.TYPES.values()] == [True] * len(lin.TYPES)
+    # formats.h's formats (numbers below 16); GGUF's others are csrc/kquants.cpp's (the issue 30 hook)
+    own = sorted({t for t in lin.TYPES.values() if t < 16})
+    assert own == [0, 1, 2, 3] and all(lib.mechserve_few_rows(t) >= 0 for t in own)
+    assert all(lib.mechserve_few_rows(t) == -1 for t in lin.TYPES.values() if t >= 16)
     assert lib.mechserve_few_rows(99) == -1
 
 
