@@ -177,7 +177,7 @@ class KVEventPublisher:
 
 class EnginePublisher:
     """The ``on_step`` hook of a serving engine: after a step that published or evicted, the cache's
-    changes go out as one batch.  ``attach(core)`` names the ``EngineCore`` whose m14 engine is read
+    changes go out as one batch.  ``attach(core)`` names the ``EngineCore`` whose prefix cache is read
     (on the engine thread, between steps); before it, steps are not looked at."""
 
     def __init__(self, publisher: KVEventPublisher, hash_seed: str = "") -> None:
@@ -194,4 +194,4 @@ class EnginePublisher:
         record = out.record
         if self.recorder is None or not (record.published or record.evicted):
             return
-        self.publisher.publish(self.recorder.changes(self.core.scheduler.spec_engine.cache))
+        self.publisher.publish(self.recorder.changes(self.core.scheduler.prefix_cache))

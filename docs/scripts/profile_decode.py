@@ -32,7 +32,7 @@ configure_threads()
 if len(sys.argv) > 4:
     torch.set_num_threads(int(sys.argv[4]))  # as bench run --threads
 if "unfused" in sys.argv[5:]:
-    fused.rows_apply = lambda x: False
+    fused.rows_apply = lambda x, w: False
 label = "layers' matmuls" if "unfused" in sys.argv[5:] else "layers' blocks"
 spent = {"linear": 0.0, "lm_head": 0.0, "attention": 0.0}
 read = {"linear": 0, "lm_head": 0}

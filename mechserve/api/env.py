@@ -2,8 +2,8 @@
 
 ==========================  ===========================================================================
 ``MECHSERVE_CACHE``         where converted models and built kernels live (default ``~/.cache/mechserve``)
-``MECHSERVE_ATTENTION``     ``auto`` (default), ``native`` or ``torch``: the decode attention path
-``MECHSERVE_LINEAR``        ``auto`` (default), ``native`` or ``torch``: matrix products of few rows
+``MECHSERVE_ATTENTION``     ``auto`` (default), ``native`` or ``torch``: attention, decode and prefill
+``MECHSERVE_LINEAR``        ``auto`` (default), ``native`` or ``torch``: the matrix products, fused blocks
 ``MECHSERVE_RANK_TIMEOUT``  seconds a tensor-parallel rank may take to answer one step (default 300)
 ``MECHSERVE_TRACEBACK``     set: a rank's full traceback on its stderr (the driver reports one line)
 ``CXX``                     the C++ compiler that builds the native kernels (default c++/g++/clang++)

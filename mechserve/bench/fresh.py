@@ -26,8 +26,9 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class FreshRun:
     """What a child process runs: ``model`` in ``mode`` on workload ``workload`` (``make_workload``'s name,
-    ``quick``, ``seed`` and size overrides ``sizes``) as ``variant``, with ``MechserveRunner``'s settings
-    ``runner`` (max_step_tokens, spec_len, device, compile) on ``threads`` torch threads."""
+    ``quick``, ``seed`` and size overrides ``sizes``) as ``variant``, with ``MechserveRunner``'s engine
+    settings ``config`` (an ``EngineConfig`` as ``dataclasses.asdict`` gives it) and ``spec_len``, on
+    ``threads`` torch threads."""
 
     model: str
     mode: str
@@ -37,7 +38,8 @@ class FreshRun:
     quick: bool = False
     seed: int = 0
     sizes: dict[str, Any] = field(default_factory=dict)
-    runner: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    spec_len: int | None = None
 
 
 def run_fresh(spec: FreshRun, timeout: float | None = None) -> Any:
@@ -70,6 +72,7 @@ def _child() -> int:
     spec = FreshRun(**json.loads(sys.stdin.read()))
     import torch
 
+    from mechserve.api.config import EngineConfig, SpeculativeConfig
     from mechserve.bench.runners import MODES, MechserveRunner, peak_rss
     from mechserve.bench.workloads import make_workload
     from mechserve.engine.executors import configure_threads
@@ -82,7 +85,11 @@ def _child() -> int:
     sizes: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.sizes.items()}
     workload = make_workload(spec.workload, loaded.model.arch.vocab_size, quick=spec.quick, seed=spec.seed, **sizes)
     loading_peak = peak_rss()  # before the run resets the peak
-    result = MechserveRunner(loaded, spec.mode, **spec.runner).run(workload, spec.variant)
+    settings = dict(spec.config)
+    if settings.get("speculative") is not None:
+        settings["speculative"] = SpeculativeConfig(**settings["speculative"])
+    config = EngineConfig(**settings)
+    result = MechserveRunner(loaded, spec.mode, config, spec_len=spec.spec_len).run(workload, spec.variant)
     peaks = [p for p in (loading_peak, result.peak_rss_bytes) if p is not None]
     result.process_peak_rss_bytes = max(peaks) if peaks else None
     print(json.dumps(asdict(result)), flush=True)

@@ -11,8 +11,10 @@ first token replaced by BOS) and cut into chunks of ``ctx`` tokens.  As ``llama-
 each chunk is one forward from an empty context and only its second half is scored: the negative
 log-likelihood of token ``i + 1`` from the logits at ``i`` for ``ctx/2 <= i < ctx - 1``; the
 perplexity is ``exp`` of their mean over every chunk.  mechserve runs the chunk through its own
-forward (paged KV, the mode's kernels), in one forward or ``--rows`` tokens at a time (16 or fewer: the
-few-row kernel that decode uses, so q4_1/q8_0 are scored on their blocks, not on dequantized weights).
+forward (paged KV, the mode's kernels), in one forward or ``--rows`` tokens at a time: the row count
+picks the kernel path a decode step of that many rows takes (``linear.native_max_rows``; up to a
+format's few rows, 3, q4_1/q8_0 are multiplied on their exact blocks, above that in bfloat16 tiles, and
+above 256 rows dequantized for torch's GEMM; a GGUF K-quant on its blocks up to 16 rows).
 llama.cpp runs ``llama-perplexity -c ctx`` on the mode's GGUF (``llama_cpp.MODE_GGUF``) when it is found.
 ``--model FILE.gguf``: mechserve runs the file as it stores its weights (mode exact: float32 activations,
 fast: bfloat16) and llama.cpp the same file.  Where ``llama-tokenize`` is found, the text's ids from it and
@@ -57,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rows",
         type=int,
         default=None,
-        help="tokens per forward (default: the whole chunk); 16 or fewer scores through decode's few-row kernel",
+        help="tokens per forward (default: the whole chunk): the kernels a decode step of that many rows uses",
     )
     add("--text", type=Path, default=DEFAULT_TEXT, help="a UTF-8 text file (default: the shipped public-domain text)")
     add(
@@ -95,8 +97,9 @@ def mechserve_perplexity(
 
     ``rows``: tokens per forward, continuing the chunk's paged KV (None: the chunk in one forward).
     ``bos``: each chunk's first token is this id (llama-perplexity's rule when the vocabulary adds a BOS).
-    At most ``linear.NATIVE_MAX_ROWS`` rows go through the few-row kernel that decode uses, so the
-    quantized modes are then scored on their GGUF blocks rather than on dequantized weights.
+    Each forward takes the path a step of that many rows takes (``linear.native_max_rows``), so a
+    small ``rows`` scores the quantized modes on the kernels decode uses rather than on weights
+    dequantized for torch's GEMM.
     Raises ``ValueError`` when ``ids`` is shorter than one chunk.
     """
     import torch

@@ -1,8 +1,19 @@
 """The machine's roofline at the model's shapes, and model-FLOPs utilisation (MFU) of prefill and decode.
 
-* ``matmul_peak``: ``F.linear`` GFLOP/s of ``[M, in] x [in, out]`` for each of the model's linear
-  shapes (fused qkv, o, fused gate_up, down, LM head) at each ``M`` given, in the mode's dtype; the
-  measured peak is the best of them (the "compute roof" this machine reaches on these shapes).
+* ``matmul_peak``: GFLOP/s of ``[M, in] x [in, out]`` for each of the model's linear shapes (fused qkv,
+  o, fused gate_up, down, LM head) at each ``M`` given, in the mode's weights (its dtype or GGUF
+  blocks), by torch's ``F.linear`` (float weights) and by the engine's own ``linear`` (the native
+  kernel where it takes the rows); the measured peak is the best of them all (the "compute roof" this
+  machine reaches on these shapes).
+* ``read_bandwidth``: bytes/s of summing a float32 tensor far larger than the caches (the "memory
+  roof"), on torch's threads.
+* ``decode_roofline``: for one decode step of ``batch`` requests at ``context``, the bytes it must read
+  (every weight once, every KV position once) over the measured bandwidth and its FLOPs over the
+  measured peak; the larger is the step's floor on this machine, reported beside the step measured by
+  ``decode_probe`` and their ratio.  ``roofline`` gives it at the fixed batches of the issue's targets
+  (batch 1 at a 512-token context, batch 32 at 300) and ``bench run`` one per mechserve run, at the
+  run's typical decode batch and context, with the run's own decode steps at that batch beside it
+  (``run_steps``).
 * ``prefill_probe``: one forward over a ``prompt_len``-token prompt (logits for its last row, as a
   sampling prefill computes); ``decode_probe``: one decode step of ``batch`` requests at context
   ``context`` on a filled paged KV cache (all rows sample).  Each reports the median of ``repeats``
@@ -63,21 +74,118 @@ def weight_read_bytes(model: Any) -> int:
     return sum(size(w.qkv) + size(w.o) + size(w.gate_up) + size(w.down) for w in model.layers) + size(model.lm_head)
 
 
+def _matrices(model: Any) -> dict[str, Any]:
+    w = model.layers[0]
+    return {"qkv": w.qkv, "o": w.o, "gate_up": w.gate_up, "down": w.down, "lm_head": model.lm_head}
+
+
 def matmul_peak(model: Any, rows: Sequence[int], repeats: int = 3) -> dict[str, Any]:
-    """GFLOP/s of each linear shape at each row count (model's dtype); ``peak_gflops`` is the best."""
+    """GFLOP/s of each linear shape at each row count, by torch (``gflops_by_rows``: float weights of the
+    model's dtype) and by the engine's ``linear`` on the model's own matrices (``engine_gflops_by_rows``);
+    ``peak_gflops`` is the best of both."""
+    from mechserve.model.linear import linear
+
     dtype = model.dtype
     table: dict[str, dict[str, float]] = {}
+    engine: dict[str, dict[str, float]] = {}
     best = 0.0
     for m in rows:
         row: dict[str, float] = {}
-        for name, (fan_in, fan_out) in linear_shapes(model).items():
+        mine: dict[str, float] = {}
+        for name, matrix in _matrices(model).items():
+            fan_out, fan_in = matrix.shape
             x = torch.randn(m, fan_in).to(dtype)
             w = torch.randn(fan_out, fan_in).to(dtype)
-            seconds = _median_time(partial(F.linear, x, w), repeats)
-            row[name] = 2 * m * fan_in * fan_out / seconds / 1e9
-            best = max(best, row[name])
+            flops = 2 * m * fan_in * fan_out
+            row[name] = flops / _median_time(partial(F.linear, x, w), repeats) / 1e9
+            mine[name] = flops / _median_time(partial(linear, x, matrix), repeats) / 1e9
+            best = max(best, row[name], mine[name])
         table[str(m)] = row
-    return {"gflops_by_rows": table, "peak_gflops": best, "dtype": str(dtype).removeprefix("torch.")}
+        engine[str(m)] = mine
+    return {
+        "gflops_by_rows": table,
+        "engine_gflops_by_rows": engine,
+        "peak_gflops": best,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second of the best of ``repeats`` sums of a float32 tensor of ``megabytes`` (far larger
+    than the caches), on torch's threads: the rate at which this machine streams memory."""
+    x = torch.ones(megabytes * 2**20 // 4)
+    x.sum()
+    best = min(_median_time(x.sum, 1, warmup=0) for _ in range(repeats))
+    return x.numel() * 4 / best
+
+
+def decode_cost(model: Any, batch: int, context: int, kv_element_size: int | None = None) -> dict[str, int]:
+    """What one decode step of ``batch`` requests at ``context`` positions must do: ``bytes`` read (every
+    weight matrix once, plus K and V of every position ``0 .. context`` of every request) and ``flops``
+    (matrices and LM head per row, attention per (query, key) pair)."""
+    a = model.arch
+    size = kv_element_size or torch.empty(0, dtype=model.dtype).element_size()
+    kv_bytes = 2 * a.num_layers * batch * (context + 1) * a.num_kv_heads * a.head_dim * size
+    flops = 2 * linear_params(model) * batch + _attn_flops(model, batch * (context + 1))
+    flops += 2 * a.hidden_size * a.vocab_size * batch
+    return {"bytes": weight_read_bytes(model) + kv_bytes, "flops": flops}
+
+
+def step_floor(cost: dict[str, int], bandwidth: float, peak_gflops: float) -> dict[str, Any]:
+    """The floor of a step that must read ``cost["bytes"]`` and compute ``cost["flops"]`` on a machine that
+    reads ``bandwidth`` bytes/s and multiplies at ``peak_gflops`` GFLOP/s: ``memory_s``, ``compute_s``,
+    ``roofline_s`` (the larger, seconds) and ``bound`` (``"memory"`` or ``"compute"``).  Raises
+    ``ValueError`` unless both rates are positive."""
+    if not (bandwidth > 0 and peak_gflops > 0):
+        raise ValueError(f"a roofline needs a positive bandwidth and peak, got {bandwidth} B/s, {peak_gflops} GFLOP/s")
+    memory_s = cost["bytes"] / bandwidth
+    compute_s = cost["flops"] / (peak_gflops * 1e9)
+    return {
+        "bandwidth_gb_per_s": bandwidth / 1e9,
+        "peak_gflops": peak_gflops,
+        "memory_s": memory_s,
+        "compute_s": compute_s,
+        "roofline_s": max(memory_s, compute_s),
+        "bound": "memory" if memory_s >= compute_s else "compute",
+    }
+
+
+def decode_roofline(
+    model: Any, batch: int, context: int, bandwidth: float, peak_gflops: float, repeats: int = 3
+) -> dict[str, Any]:
+    """One decode step of ``batch`` requests at ``context``: its floor ``max(bytes / bandwidth, flops / peak)``
+    (``bandwidth`` in bytes/s, ``peak_gflops`` in GFLOP/s; ``step_floor``) beside the step ``decode_probe``
+    measures (``measured_s``), and their ratio (``measured_over_roofline``: 1.0 is the machine's limit).
+    ``bytes`` and ``flops`` are the probe's (``decode_cost`` with the KV cache's element size)."""
+    measured = decode_probe(model, batch, context, peak_gflops, repeats)
+    cost = {"bytes": measured["bytes_read"], "flops": measured["flops"]}
+    floor = step_floor(cost, bandwidth, peak_gflops)
+    return {
+        "batch": batch,
+        "context": context,
+        **cost,
+        **floor,
+        "measured_s": measured["seconds"],
+        "measured_over_roofline": measured["seconds"] / floor["roofline_s"],
+    }
+
+
+def roofline_line(r: dict[str, Any]) -> str:
+    """``decode_roofline``'s result as one line of text (with the run's own steps when ``run_steps`` is there)."""
+    line = (
+        f"decode step at batch {r['batch']}, context {r['context']}: {r['bytes'] / 1e6:.0f} MB / "
+        f"{r['bandwidth_gb_per_s']:.1f} GB/s = {r['memory_s'] * 1e3:.1f} ms, {r['flops'] / 1e9:.2f} GFLOP / "
+        f"{r['peak_gflops']:.0f} GFLOP/s = {r['compute_s'] * 1e3:.1f} ms; roofline {r['roofline_s'] * 1e3:.1f} ms "
+        f"({r['bound']}-bound), measured {r['measured_s'] * 1e3:.1f} ms = {r['measured_over_roofline']:.2f}x"
+    )
+    if r.get("run_steps"):
+        line += (
+            f"; the run's {r['run_steps']} decode steps at batch {r['batch']}: median {r['run_step_s'] * 1e3:.1f} ms"
+            f" = {r['run_over_roofline']:.2f}x"
+        )
+    elif "run_steps" in r:
+        line += f"; the run had no pure decode step at batch {r['batch']}"
+    return line
 
 
 def _attn_flops(model: Any, pairs: int) -> int:
@@ -117,7 +225,8 @@ def prefill_probe(
 def decode_probe(
     model: Any, batch: int, context: int, peak_gflops: float, repeats: int = 3, page_size: int = 16
 ) -> dict[str, Any]:
-    """One decode step of ``batch`` requests each at ``context`` positions (KV filled with noise)."""
+    """One decode step of ``batch`` requests each at ``context`` positions (KV filled with noise): median
+    seconds, tokens/s, GFLOP/s, MFU, and the bytes it must read (``decode_cost``) per second."""
     from mechserve.kv.paged import Span, build_attention_batch
 
     per = -(-(context + 1) // page_size)
@@ -135,31 +244,39 @@ def decode_probe(
     pos = torch.full((batch,), context, dtype=torch.int64)
     rows = torch.arange(batch)
     seconds = _median_time(lambda: model.forward(ids, pos, cache, attn, rows), repeats)
-    a = model.arch
-    flops = 2 * linear_params(model) * batch + _attn_flops(model, batch * (context + 1))
-    flops += 2 * a.hidden_size * a.vocab_size * batch
-    weight_bytes = weight_read_bytes(model)
-    kv_bytes = 2 * a.num_layers * batch * (context + 1) * a.num_kv_heads * a.head_dim * cache.k.element_size()
+    cost = decode_cost(model, batch, context, cache.k.element_size())
+    flops, read = cost["flops"], cost["bytes"]
     gflops = flops / seconds / 1e9
     return {
         "batch": batch,
         "context": context,
         "seconds": seconds,
         "tokens_per_s": batch / seconds,
+        "flops": flops,
         "gflops": gflops,
         "mfu": gflops / peak_gflops if peak_gflops else None,
-        "bytes_read": weight_bytes + kv_bytes,
-        "read_gb_per_s": (weight_bytes + kv_bytes) / seconds / 1e9,
+        "bytes_read": read,
+        "read_gb_per_s": read / seconds / 1e9,
     }
 
 
 def roofline(
-    model: Any, *, prompt_len: int, decode_batch: int, decode_context: int, repeats: int = 3
+    model: Any,
+    *,
+    prompt_len: int,
+    decode_batch: int,
+    decode_context: int,
+    repeats: int = 3,
+    steps: Sequence[tuple[int, int]] = (),
 ) -> dict[str, Any]:
-    """Matmul peak at the prefill and decode row counts, then the prefill and decode probes against it."""
-    peak = matmul_peak(model, sorted({decode_batch, prompt_len}), repeats)
+    """Matmul peak at the prefill and decode row counts and the read bandwidth, then the prefill and decode
+    probes against them, and ``decode_roofline`` at each (batch, context) of ``steps`` (``decode_rooflines``)."""
+    peak = matmul_peak(model, sorted({decode_batch, prompt_len, *(b for b, _ in steps)}), repeats)
+    bandwidth = read_bandwidth()
     return {
         "matmul": peak,
+        "read_bandwidth_gb_per_s": bandwidth / 1e9,
         "prefill": prefill_probe(model, prompt_len, peak["peak_gflops"], repeats),
         "decode": decode_probe(model, decode_batch, decode_context, peak["peak_gflops"], repeats),
+        "decode_rooflines": [decode_roofline(model, b, c, bandwidth, peak["peak_gflops"], repeats) for b, c in steps],
     }

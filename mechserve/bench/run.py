@@ -18,7 +18,10 @@ mode's model is loaded at once); ``--engine`` names an optional engine that is n
 it is skipped with a line on stderr saying why.  The ``multiturn`` workload runs mechserve alone, in four
 configurations stepped in turn (output caching on and off, each with and without prompt lookup;
 ``_multiturn``).  Besides the runs, the machine's roofline
-(``roofline``) is measured in each mode and reported with prefill and decode MFU.
+(``roofline``) is measured in each mode and reported with prefill and decode MFU and the decode steps of
+``ROOFLINE_STEPS`` beside their floor ``max(bytes / bandwidth, FLOPs / peak)``; each mechserve run of
+the throughput, latency, prefix and spec workloads gets such a line for its typical decode batch
+(``_run_roofline``: the step measured there and the run's own steps at that batch).
 
 ``DIR/results.json`` holds the machine, versions, git commit, arguments, every run (vLLM-named
 metrics, peak RSS, MFU of the wanted work, engine-side figures from the m13 trace) and the
@@ -35,6 +38,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,11 @@ from mechserve.bench.workloads import WORKLOADS
 
 ENGINE_NAMES = ("mechserve", "hf", "llama-cpp", "vllm")
 MODE_NAMES = ("exact", "fast", "q4_1", "q8_0")
+# (batch, context) of the decode steps each mode's roofline is measured at besides the runs' own: the
+# latency workload's batch-1 step after its 512-token prompt, and the mixed workload's batch of 32
+# (issue 28's targets); --quick: the quick workloads' sizes.
+ROOFLINE_STEPS = ((1, 512), (32, 300))
+ROOFLINE_STEPS_QUICK = ((1, 64), (8, 64))
 
 
 def _choices(kind: str, allowed: tuple[str, ...], all_value: tuple[str, ...] | None = None) -> Any:
@@ -281,7 +290,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run everything ``args`` asks for; write ``results.json`` (and plots) into ``args.out``; return the document."""
     from mechserve.bench import runners as eng
     from mechserve.bench.fresh import FreshRun, run_fresh
-    from mechserve.bench.roofline import linear_params, roofline
+    from mechserve.bench.roofline import linear_params, roofline, roofline_line
     from mechserve.bench.timings import latency_summary, useful_flops
     from mechserve.bench.workloads import SIZES, make_workload
     from mechserve.engine.executors import configure_threads
@@ -345,6 +354,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             del optional[name]  # available: it runs below
     loaded: dict[str, Any] = {}
     peaks: dict[str, float] = {}
+    bandwidth: list[float] = []  # bytes/s, measured with the first mode's roofline
     for mode in args.mode:
         dtype, quantization = eng.MODES[mode]
         # ids in, ids out (hf detokenizes nothing either)
@@ -357,16 +367,20 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 decode_batch=8 if q else 64,
                 decode_context=64 if q else 300,
                 repeats=2 if q else 3,
+                steps=ROOFLINE_STEPS_QUICK if q else ROOFLINE_STEPS,
             )
             results["roofline"][mode] = r
             peaks[mode] = r["matmul"]["peak_gflops"]
+            bandwidth.append(r["read_bandwidth_gb_per_s"] * 1e9)
             _say(
                 f"roofline {mode}: matmul peak {r['matmul']['peak_gflops']:.0f} GFLOP/s; prefill "
                 f"{r['prefill']['prompt_len']} tokens {r['prefill']['seconds'] * 1000:.0f} ms (MFU "
                 f"{r['prefill']['mfu']:.0%}); decode batch {r['decode']['batch']} ctx {r['decode']['context']} "
                 f"{r['decode']['tokens_per_s']:.0f} tok/s (MFU {r['decode']['mfu']:.0%}, "
-                f"{r['decode']['read_gb_per_s']:.1f} GB/s read)"
+                f"{r['decode']['read_gb_per_s']:.1f} GB/s read; machine reads {r['read_bandwidth_gb_per_s']:.1f} GB/s)"
             )
+            for line in r["decode_rooflines"]:
+                _say(f"  roofline {mode}: {roofline_line(line)}")
     model0 = next(iter(loaded.values())).model
     a = model0.arch
     flops_args = (linear_params(model0), a.num_heads * a.head_dim, a.num_layers, a.hidden_size * a.vocab_size)
@@ -420,12 +434,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                             quick=args.quick,
                             seed=args.seed,
                             sizes=sizes,
-                            runner={
-                                "max_step_tokens": args.max_step_tokens,
-                                "spec_len": args.spec_len,
-                                "device": args.device,
-                                "compile": args.compile,
-                            },
+                            config=asdict(runner.config),
+                            spec_len=args.spec_len,
                         )
                         res = run_fresh(spec)
                     else:
@@ -445,8 +455,15 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         "engine_stats": res.engine_stats,
                         "outputs": res.outputs,
                     }
+                    if res.engine == "mechserve" and mode in peaks:
+                        # the memory roof: the best read rate measured (once per mode, all before the runs)
+                        record["roofline"] = _run_roofline(
+                            loaded[mode].model, res.engine_stats, max(bandwidth), peaks[mode]
+                        )
                     entry["runs"].append(record)
                     _say(_line(wname, record))
+                    if record.get("roofline"):
+                        _say(f"  roofline {wname}/{mode}/{res.variant}: {roofline_line(record['roofline'])}")
         _compare(entry)
     results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     results["machine"]["load_average_at_end"] = _loadavg()
@@ -457,6 +474,41 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for p in write_plots(results, args.out):
             print(f"plot: {p}", file=sys.stderr)
     return results
+
+
+def _run_roofline(
+    model: Any, stats: dict[str, Any] | None, bandwidth: float, peak: float, repeats: int = 3
+) -> dict[str, Any] | None:
+    """The decode step at a run's typical batch (the median number of decode rows of the steps that had
+    any) and context (the mean position its decode rows computed): its roofline beside the step
+    ``decode_probe`` measures at that batch and context (``roofline.decode_roofline``), and beside the
+    run's own pure decode steps at that batch (one token for each of ``batch`` requests and nothing else):
+    ``run_steps`` (how many), ``run_step_s`` (their median wall time, the scheduler and sampling included)
+    and ``run_over_roofline`` (None when there were none).  ``bandwidth`` in bytes/s, ``peak`` in GFLOP/s.
+    None when the run decoded nothing."""
+    import statistics
+
+    from mechserve.bench.roofline import decode_roofline
+
+    stats = stats or {}
+    series = stats.get("decode_rows_series", [])
+    rows = [n for n in series if n]
+    context = stats.get("decode_context_mean")
+    if not rows or context is None:
+        return None
+    batch = round(statistics.median(rows))
+    r = decode_roofline(model, batch, round(context), bandwidth, peak, repeats)
+    steps = [
+        seconds
+        for n, tokens, seconds in zip(
+            series, stats.get("tokens_per_step_series", []), stats.get("step_time_series_s", []), strict=False
+        )
+        if n == batch and tokens == batch
+    ]
+    r["run_steps"] = len(steps)
+    r["run_step_s"] = statistics.median(steps) if steps else None
+    r["run_over_roofline"] = r["run_step_s"] / r["roofline_s"] if steps else None
+    return r
 
 
 def _jsonable(value: Any) -> Any:
@@ -670,28 +722,10 @@ def _serve(args: argparse.Namespace, workload: Any, entry: dict[str, Any]) -> No
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    from mechserve.bench.runners import MODES
-
     for mode in args.mode:
-        dtype = "float32" if mode == "exact" else "bfloat16"
-        quantization = MODES[mode][1]  # issue 30: q4_1/q8_0 served as those modes, not as fast
-        cmd = [
-            sys.executable,
-            "-m",
-            "mechserve.cli.main",
-            "serve",
-            "--model",
-            str(args.model),
-            "--port",
-            str(port),
-            "--dtype",
-            dtype,
-            *(["--quantization", quantization] if quantization else []),
-            "--device",
-            args.device,
-            *(["--compile"] if args.compile else []),
-        ]
-        server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        server = subprocess.Popen(
+            _serve_command(args, mode, port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         try:
             _wait_healthy(port, server)
             config = serve_client.BenchConfig(
@@ -715,6 +749,31 @@ def _serve(args: argparse.Namespace, workload: Any, entry: dict[str, Any]) -> No
             f"{report['output_throughput']:.1f} out tok/s, TTFT p50 {report['p50_ttft_ms'] or 0:.0f} ms, "
             f"ITL p50 {report['p50_itl_ms'] or 0:.0f} ms"
         )
+
+
+def _serve_command(args: argparse.Namespace, mode: str, port: int) -> list[str]:
+    """The ``mechserve serve`` command line of ``mode`` (``runners.MODES``: its dtype and, for q4_1/q8_0,
+    ``--quantization``) on ``port``."""
+    from mechserve.api.config import dtype_name
+    from mechserve.bench.runners import MODES
+
+    dtype, quantization = MODES[mode]
+    return [
+        sys.executable,
+        "-m",
+        "mechserve.cli.main",
+        "serve",
+        "--model",
+        str(args.model),
+        "--port",
+        str(port),
+        "--dtype",
+        dtype_name(dtype),
+        *(["--quantization", quantization] if quantization else []),
+        "--device",
+        args.device,
+        *(["--compile"] if args.compile else []),
+    ]
 
 
 def _wait_healthy(port: int, server: subprocess.Popen[str], timeout: float = 180.0) -> None:

@@ -112,7 +112,9 @@ def trace_stats(records: Iterable[Any], prompt_tokens: int | None = None) -> dic
     """Engine-side figures of an m13 trace (``StepRecord``s).
 
     ``steps``; ``tokens_per_step`` (mean of ``sum(executed)``) and its per-step series
-    ``tokens_per_step_series``; ``computed_tokens``; ``decode_tokens`` (tokens appended, from
+    ``tokens_per_step_series``; ``decode_rows_series`` (per step, the requests it ran a decode window
+    for) and ``decode_context_mean`` (the mean position a decode window's first row computes: its
+    context, counting reused positions); ``computed_tokens``; ``decode_tokens`` (tokens appended, from
     ``tokens``); ``prefill_tokens_computed`` (computed minus decode-window tokens: prompt positions
     actually run); ``preemptions``; ``reused_tokens`` and ``prefix_hit_rate`` (reused tokens over
     ``prompt_tokens``, when given); ``drafted``/``accepted`` guesses and ``acceptance_rate``
@@ -122,9 +124,21 @@ def trace_stats(records: Iterable[Any], prompt_tokens: int | None = None) -> dic
     series: list[int] = []
     preemptions = reused = drafted = accepted = appended = window_tokens = 0
     decoding: set[str] = set()  # requests whose prompt is done: their next slice is a decode window
+    position: dict[str, int] = {}  # positions each request has computed or reused so far
+    decode_rows: list[int] = []
+    contexts: list[int] = []
     for rec in records:
         steps += 1
         series.append(sum(rec.executed.values()))
+        for rid in rec.preempted:
+            position[rid] = 0  # recomputed from its start (or from what the prefix cache gives back)
+        for rid, n in rec.reused.items():
+            position[rid] = position.get(rid, 0) + n
+        windows = [rid for rid in rec.executed if rid in decoding]
+        decode_rows.append(len(windows))
+        contexts += [position.get(rid, 0) for rid in windows]
+        for rid, n in rec.executed.items():
+            position[rid] = position.get(rid, 0) + n
         preemptions += len(rec.preempted)
         reused += sum(rec.reused.values())
         drafted += sum(rec.drafted.values())
@@ -138,6 +152,8 @@ def trace_stats(records: Iterable[Any], prompt_tokens: int | None = None) -> dic
         "steps": steps,
         "tokens_per_step": computed / steps if steps else 0.0,
         "tokens_per_step_series": series,
+        "decode_rows_series": decode_rows,
+        "decode_context_mean": sum(contexts) / len(contexts) if contexts else None,
         "computed_tokens": computed,
         "output_tokens_appended": appended,
         "prefill_tokens_computed": computed - window_tokens,

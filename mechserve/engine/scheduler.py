@@ -19,8 +19,8 @@ in the step, right after they are appended: the record ``commit`` returns is alr
 so nothing rewrites it afterwards.
 
 ``spec_engine`` is the m14 engine itself, for the two tools whose job is to read the spec's own
-state: the trace pictures (``mechserve.viz``) and the conformance audits.  Nothing writes to it
-from outside this class.
+state: the trace pictures (``mechserve.viz``) and the conformance audits; ``prefix_cache`` is its
+radix cache alone, for the KV event publisher.  Nothing writes to either from outside this class.
 """
 
 from __future__ import annotations
@@ -124,6 +124,12 @@ class Scheduler:
     def spec_engine(self) -> m14.Engine:
         """The m14 engine itself, to be read (never written) by the viz recorder and the conformance audits."""
         return self._engine
+
+    @property
+    def prefix_cache(self) -> m14.RadixCache:
+        """The m14 engine's radix cache, to be read (never written) between steps on the engine thread: the
+        KV event publisher (``mechserve.kv_events``) diffs it after a step that published or evicted."""
+        return self._engine.cache
 
     @property
     def step_counter(self) -> int:

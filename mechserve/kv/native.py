@@ -1,7 +1,8 @@
 """The native paged-attention kernel: built from ``csrc/paged_attention.cpp`` on first use, called through ctypes.
 
-The kernel attends short query runs (decode steps and decode windows of speculation) straight from the page
-pool, reading each K/V page once (see the source for the layouts and the algorithm).  It is built
+The kernel attends every item of a step (decode steps, decode windows of speculation, prefill chunks)
+straight from the page pool, reading each K/V page once per block of queries (see the source for the
+layouts and the algorithm).  It is built
 once per machine into the cache directory by ``mechserve.native.build`` (the system C++ compiler,
 ``$CXX`` else ``c++``/``g++``; ``MECHSERVE_CACHE``, see ``mechserve.api.env``).
 
@@ -27,11 +28,8 @@ if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can check th
     import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-ABI = 2
+ABI = 3
 KERNEL = Kernel(SOURCE, "mechserve_paged_attention_abi", ABI)
-# Query runs up to this length go to the kernel; longer ones (prefill chunks) are matmul-bound and
-# go to SDPA over a gathered context, where the gather is small next to the compute.
-MAX_QUERY = 16
 
 
 def build() -> Path:
@@ -51,14 +49,18 @@ _ARGS = (
 )
 
 
-@cache
-def _load() -> ctypes.CDLL:
-    KERNEL.forget()
-    lib = KERNEL.load()
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (a build of ``csrc/paged_attention.cpp``) with its functions' argument and result types set."""
     for name in ("mechserve_paged_attention_f32", "mechserve_paged_attention_bf16"):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _ARGS, ctypes.c_int
     return lib
+
+
+@cache
+def _load() -> ctypes.CDLL:
+    KERNEL.forget()
+    return bind(KERNEL.load())
 
 
 @cache

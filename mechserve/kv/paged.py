@@ -15,11 +15,12 @@ chunks and decode windows together, in plan order)::
 
     rows   0 .. T-1:  | item 0 (q0 tokens) | item 1 (q1) | ... |
     slot_mapping[T]:  where each row's K/V is written before anyone reads
-    native items:     items of at most ``native.MAX_QUERY`` tokens (decode steps,
-                      decode windows of speculation) when the native kernel is enabled:
-                      attended straight from the pages, each page read once
+    native items:     every item when the native kernel is enabled (decode steps,
+                      decode windows of speculation, prefill chunks): attended straight
+                      from the pages, each page read once per block of queries
                       (``mechserve.kv.native``);
-    groups:           the other items, bucketed by query length (1, 2, 3-4, 5-8, ...);
+    groups:           the items of the torch path (the kernel off, or dtypes it does not
+                      take), bucketed by query length (1, 2, 3-4, 5-8, ...);
                       each group is one padded SDPA call: [B, Qmax] queries
                       against [B, Cmax] gathered context slots, masked so a
                       query at position p sees positions [0, p] (and, for a
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from mechserve.kv import native as native_kernel
+from mechserve.native.memory import huge_zeros
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,20 +167,19 @@ def build_attention_batch(
     sliding_windows: Sequence[int | None] = (None,),
     native: bool | None = None,
 ) -> AttentionBatch:
-    """Route short items to the native kernel; bucket the rest by query length and build each
-    bucket's gather indices and masks.
+    """Route the items to the native kernel, or bucket them by query length and build each bucket's
+    gather indices and masks (torch's path).
 
     ``sliding_windows`` lists the distinct per-layer sliding windows (None = full
     causal attention); one mask per sliding window per group is built.  ``native``:
-    whether items of at most ``native.MAX_QUERY`` tokens go to the kernel
-    (None = ``mechserve.kv.native.enabled()``, which follows
-    ``MECHSERVE_ATTENTION``).
+    whether the items go to the kernel (None = ``mechserve.kv.native.enabled()``,
+    which follows ``MECHSERVE_ATTENTION``).
     """
     num_tokens = sum(s.num_tokens for s in spans)
     if native is None:
         native = native_kernel.enabled()
-    short = [s for s in spans if s.num_tokens <= native_kernel.MAX_QUERY] if native else []
-    rest = [s for s in spans if s.num_tokens > native_kernel.MAX_QUERY] if native else list(spans)
+    short = list(spans) if native else []
+    rest = [] if native else list(spans)
     native_items = None
     if short:
         items: list[tuple[int, ...]] = []
@@ -278,8 +279,11 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":  # attention streams the pages: huge pages, fewer TLB misses
+            self.k, self.v = huge_zeros(shape, dtype), huge_zeros(shape, dtype)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._ws_k = torch.empty(0, dtype=dtype, device=device)
         self._ws_v = torch.empty(0, dtype=dtype, device=device)
         # Each layer's pages as one [slots, KV, D] view, made once (a view is a few microseconds, per layer and step).

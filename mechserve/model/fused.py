@@ -1,4 +1,5 @@
-"""The decoder layer's two blocks for few rows (decode steps), each one call into the native kernel.
+"""The decoder layer's two dense blocks, each one call into the native kernel (decode steps and, where the
+kernel's products are the faster ones, prefill chunks).
 
 ``llama.attention_inputs`` and ``llama.attention_outputs`` are each a few dozen small torch ops: two
 RMSNorms, RoPE on q and k, the residual adds, SiLU and the split and chunk around three products.
@@ -6,14 +7,17 @@ At a decode step those ops, not the products, were the largest cost after the we
 at batch 1, context 512 on this 2-core machine, 5-7 ms of a 19-29 ms step in every mode
 (``docs/scripts/profile_decode.py``, docs/benchmarks.md "Against llama.cpp").  Here each block is
 one call of ``csrc/linear.cpp`` (``mechserve_attention_inputs`` / ``mechserve_attention_outputs``)
-that runs the products in the few-row kernel and the elementwise steps between them in C++.
+that runs the products in the native kernel (``csrc/gemm.h``) and the elementwise steps between them
+in C++, all in one OpenMP team: products split the weight rows between the threads, the steps
+between them split the activation rows.
 
 They compute what the torch blocks compute, in the same order, rounding to bfloat16 wherever
 torch's bfloat16 ops round; results differ from torch's only where a sum (the RMSNorm mean, the
-products) or ``exp`` is evaluated in another order, as the few-row kernel's products already do.
+products) or ``exp`` is evaluated in another order, as the kernel's products already do.
 Used when ``rows_apply`` and ``weights_apply`` hold: the native linear kernel is enabled (``MECHSERVE_LINEAR``), the rows are on
-the CPU, at most ``NATIVE_MAX_ROWS``, float32 or bfloat16, with the model's weights in that dtype or
-in GGUF blocks, and the layer has no per-head q/k norm (Qwen3's, left to torch).
+the CPU, float32 or bfloat16, no more than the kernel takes for every matrix of the layer
+(``linear.native_max_rows``), with the model's weights in that dtype or in GGUF blocks, and the layer
+has no per-head q/k norm (Qwen3's, left to torch).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from mechserve.model import kquants
 from mechserve.model.layer import LayerWeights, Matrix
-from mechserve.model.linear import NATIVE_MAX_ROWS, TYPES, enabled, external_formats, library
+from mechserve.model.linear import TYPES, enabled, external_formats, library, native_max_rows
 from mechserve.model.quantized import QuantizedMatrix
 
 
@@ -54,11 +58,12 @@ def weights_apply(w: LayerWeights, dtype: torch.dtype) -> bool:
     return True
 
 
-def rows_apply(x: torch.Tensor) -> bool:
-    """Whether activations ``x`` ([T, hidden]) run natively: few CPU rows in float32 or bfloat16, with the
-    native linear kernel enabled (``MECHSERVE_LINEAR``)."""
+def rows_apply(x: torch.Tensor, w: LayerWeights) -> bool:
+    """Whether activations ``x`` ([T, hidden]) run natively through layer ``w``: CPU rows in float32 or
+    bfloat16, no more than the kernel takes for each of the layer's matrices, with the native linear
+    kernel enabled (``MECHSERVE_LINEAR``)."""
     return (
-        x.shape[0] <= NATIVE_MAX_ROWS
+        x.shape[0] <= min(native_max_rows(m) for m in (w.qkv, w.o, w.gate_up, w.down))
         and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
         and enabled()

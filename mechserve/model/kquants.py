@@ -282,6 +282,7 @@ def library() -> ctypes.CDLL:
     signatures = {  # p pointer, i int, l int64
         "mechserve_kquant_accepts": ("il", ctypes.c_int),
         "mechserve_kquant_product": ("pplliplpi", None),
+        "mechserve_kquant_columns": ("ppllpillpl", None),
         "mechserve_kquant_linear": ("pipippillli", None),
         "mechserve_kquant_dequantize_rows": ("pipllpii", None),
     }
@@ -299,8 +300,9 @@ def enabled() -> bool:
 
 
 def product_function() -> int:
-    """The address of ``mechserve_kquant_product``: linear.cpp's product signature, for its fused blocks."""
-    return ctypes.cast(library().mechserve_kquant_product, ctypes.c_void_p).value or 0
+    """The address of ``mechserve_kquant_columns``: the product of a share of the output columns on the
+    calling thread, which linear.cpp's products and fused blocks call from each thread of their team."""
+    return ctypes.cast(library().mechserve_kquant_columns, ctypes.c_void_p).value or 0
 
 
 def native_linear(

@@ -1,16 +1,21 @@
-"""The forward's matrix products: torch's GEMM for many rows, a native kernel for few, and quantized weights.
+"""The forward's matrix products: a native kernel that reads each weight once per call, and torch's GEMM.
 
-``linear(x, weight, bias)`` is ``F.linear`` with three paths::
+``linear(x, weight, bias)`` is ``F.linear`` on one of two paths::
 
-    weight              rows of x <= NATIVE_MAX_ROWS           more rows
-    float32 / bfloat16  native kernel (csrc/linear.cpp)        torch (MKL / oneDNN)
-    QuantizedMatrix     native kernel on the blocks            blocks dequantized a slice at a time
-                                                               into a reused buffer, then torch
+    weight              rows of x <= NATIVE_MAX_ROWS[weight kind]     more rows
+    float32             native kernel (csrc/linear.cpp), any count    -
+    bfloat16            native kernel                                 torch (oneDNN)
+    QuantizedMatrix     native kernel on the blocks                   blocks dequantized a slice at a time
+                                                                      into a reused buffer, then torch
+    (a GGUF K-quant: csrc/kquants.cpp's product, up to 16 rows)
 
-Few rows (a decode step) are bound by reading the weights once; torch's GEMV reached 9-11 GB/s on
-SmolLM2's shapes here (and its bfloat16 path no more than its float32 one), the kernel 20-29 GB/s,
-the machine's streaming read (see docs/benchmarks.md, "Against llama.cpp").  Many rows (prefill)
-are bound by arithmetic, where MKL and oneDNN are better than anything written here.
+The kernel (``csrc/gemm.h``; formats in ``csrc/formats.h``) multiplies a few rows in a format's own
+kernel on its stored blocks and more rows in register-blocked tiles, each weight read from memory
+once per call: a decode step is bound by that read at a few rows and by arithmetic from a few dozen
+rows on.  Where torch is used instead is measured (docs/benchmarks.md, "Batched decode and prefill"):
+torch's float32 GEMM here is MKL's AVX2 path (this CPU is not an Intel one), about 0.7x the kernel at
+every row count; oneDNN's bfloat16 GEMM is as fast as the kernel from about 128 rows and faster at
+prefill sizes, where a quantized matrix dequantized once per call also pays.
 
 The kernel is built once per machine by ``mechserve.native.build``.  ``MECHSERVE_LINEAR``
 (``mechserve.api.env.linear_mode``) chooses: ``auto`` (the kernel when it builds, else torch with
@@ -36,12 +41,18 @@ from mechserve.native.build import Kernel, usable
 KERNEL = Kernel(
     Path(__file__).with_name("csrc") / "linear.cpp",
     "mechserve_linear_abi",
-    2,
+    3,
     std="c++20",
-    extra=("-ffp-contract=off",),
+    # only the entry points are exported (csrc/linear.cpp says why)
+    extra=("-ffp-contract=off", "-fvisibility=hidden", "-fvisibility-inlines-hidden"),
 )
-# Row counts up to this go to the kernel (measured on SmolLM2's shapes, docs/benchmarks.md).
-NATIVE_MAX_ROWS = 16
+# Row counts up to which each weight kind goes to the kernel (measured on SmolLM2's shapes against torch,
+# docs/benchmarks.md); a kind not listed (a block format added later) always does.
+NATIVE_MAX_ROWS: dict[object, int] = {torch.float32: 1 << 62, torch.bfloat16: 128, "q4_1": 256, "q8_0": 256}
+# issue 30 hook: GGUF's other formats (csrc/kquants.cpp: per-row dot products, no tiles) up to 16 rows, the
+# limit every kind had when issue 30 measured them (not re-measured since); more rows are dequantized a slice
+# at a time, then torch.
+NATIVE_MAX_ROWS.update(dict.fromkeys(kquants.NATIVE_KINDS, 16))
 # torch's matrix-matrix kernels are slower at 2 or 3 rows than at MIN_GEMM_ROWS (MKL's small-M path):
 # F.linear of 2 or 3 rows took 1.1-1.4x the time of 4 on SmolLM2's shapes (2 threads).
 MIN_GEMM_ROWS = 4
@@ -55,6 +66,33 @@ TYPES = {torch.float32: 0, torch.bfloat16: 1, "q4_1": 2, "q8_0": 3}
 TYPES.update(kquants.NATIVE_TYPES)
 
 
+def native_max_rows(weight: torch.Tensor | QuantizedMatrix) -> int:
+    """Rows of activations up to which ``linear`` multiplies ``weight`` in the kernel (when it is enabled)."""
+    kind = weight.kind if isinstance(weight, QuantizedMatrix) else weight.dtype
+    return NATIVE_MAX_ROWS.get(kind, 1 << 62)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (a build of ``csrc/linear.cpp``) with its functions' argument and result types set."""
+    # Each function's arguments, one letter each: p pointer, i int, l int64, f float (csrc/linear.cpp);
+    # then its result (- for none).
+    signatures = {
+        "mechserve_linear": "pipippillli-",
+        "mechserve_dequantize_rows": "pipllpii-",
+        "mechserve_attention_inputs": "pipfllpippplllpppi-",
+        "mechserve_attention_outputs": "piplpippfpiplpipllpi-",
+        "mechserve_linear_isa": "s",
+        "mechserve_few_rows": "il",
+        "mechserve_bf16_tiles": "i",
+        "mechserve_set_external_product": "p-",  # issue 30 hook
+    }
+    kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_int64, "f": ctypes.c_float, "s": ctypes.c_char_p}
+    for name, letters in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [kinds[c] for c in letters[:-1]], kinds.get(letters[-1])
+    return lib
+
+
 @cache
 def library() -> ctypes.CDLL:
     """The built kernel library with its functions' argument types set (built on the first call).
@@ -62,20 +100,12 @@ def library() -> ctypes.CDLL:
     Raises ``NativeKernelError`` when it cannot be built or loaded.
     """
     KERNEL.forget()
-    lib = KERNEL.load()
-    # Each function's arguments, one letter each: p pointer, i int, l int64, f float (csrc/linear.cpp).
-    signatures = {
-        "mechserve_linear": "pipippillli",
-        "mechserve_dequantize_rows": "pipllpii",
-        "mechserve_attention_inputs": "pipfllpippplllpppi",
-        "mechserve_attention_outputs": "piplpippfpiplpipllpi",
-        "mechserve_set_external_product": "p",  # issue 30 hook
-    }
-    kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_int64, "f": ctypes.c_float}
-    for name, letters in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = [kinds[c] for c in letters], None
-    return lib
+    return bind(KERNEL.load())
+
+
+def isa() -> str:
+    """The instruction-set path the kernel was built with: ``avx512+bf16``, ``avx512``, ``avx2`` or ``portable``."""
+    return library().mechserve_linear_isa().decode()
 
 
 @cache
@@ -91,7 +121,7 @@ def external_formats() -> bool:
 
 @cache
 def enabled() -> bool:
-    """Whether few-row products use the kernel (per ``MECHSERVE_LINEAR``; built on the first call).
+    """Whether products (up to ``native_max_rows``) use the kernel (per ``MECHSERVE_LINEAR``; built on the first call).
 
     Raises ``NativeKernelError`` in ``native`` mode when the kernel cannot be built.
     """
@@ -203,7 +233,7 @@ def linear(
     rows = x.shape[0]
     out_dtype = out_dtype or x.dtype
     if (
-        rows <= NATIVE_MAX_ROWS
+        rows <= native_max_rows(weight)
         and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
         and (isinstance(weight, QuantizedMatrix) or weight.dtype == x.dtype)
@@ -222,10 +252,13 @@ __all__ = [
     "MIN_GEMM_ROWS",
     "NATIVE_MAX_ROWS",
     "TYPES",
+    "bind",
     "dequantize_rows",
     "enabled",
     "external_formats",
+    "isa",
     "library",
     "linear",
     "native_linear",
+    "native_max_rows",
 ]

@@ -29,7 +29,7 @@ from mechserve.api.errors import ModelLoadError
 from mechserve.kv.paged import AttentionBatch, PagedKVCache, paged_attention
 from mechserve.model import fused
 from mechserve.model.arch import LlamaArch
-from mechserve.model.layer import LayerWeights, Matrix
+from mechserve.model.layer import LayerWeights, Matrix, on_huge_pages
 from mechserve.model.linear import dequantize_rows, linear
 from mechserve.model.quantized import QuantizedMatrix
 from mechserve.model.weights import ModelWeights
@@ -164,11 +164,13 @@ class LlamaModel:
         self.layers: list[LayerWeights] = weights.layers
         self.dtype = self.norm.dtype  # activations, norms, biases and KV (the matrices may be quantized)
         self.quantization = quantization
+        # the matrices every step streams, packed onto huge pages (fewer TLB misses; model/layer.py)
+        self.layers, self.embed, self.lm_head = on_huge_pages(self.layers, self.embed, self.lm_head)
         self.inv_freq, self.rope_scaling = rope_inv_freq(config, arch.head_dim)
         self.scale = arch.head_dim**-0.5
         self.distinct_sliding_windows = tuple(dict.fromkeys(arch.sliding_windows))
         self.device = self.norm.device  # the embedding may be quantized blocks
-        # Whether every layer's weights suit the native blocks for few rows (model/fused.py).
+        # Whether every layer's weights suit the native blocks (model/fused.py).
         self.native_layers = all(fused.weights_apply(w, self.dtype) for w in self.layers)
 
     def to(self, device: torch.device | str) -> LlamaModel:
@@ -280,8 +282,8 @@ class LlamaModel:
         x = self.embed_rows(input_ids)  # [T, hidden]
         attn_out = torch.empty(x.shape[0], h * d, dtype=x.dtype, device=x.device)
         before, after = self._blocks
-        # A few rows (a decode step) run each layer's dense blocks as two native calls, unless compiled.
-        native = self.native_layers and self._blocks is LlamaModel._blocks and fused.rows_apply(x)
+        # Each layer's dense blocks run as two native calls where the kernel takes the rows, unless compiled.
+        native = self.native_layers and self._blocks is LlamaModel._blocks and fused.rows_apply(x, self.layers[0])
         for i, w in enumerate(self.layers):
             if native:
                 q, k, v = fused.attention_inputs(x, w, cos, sin, a.rms_norm_eps, h, kv, d)
@@ -290,6 +292,12 @@ class LlamaModel:
                     x, w.input_norm, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, sin, a.rms_norm_eps, h, kv, d
                 )
             paged_attention(q, k, v, cache, i, batch, self.scale, a.sliding_windows[i], out=attn_out)
+            if i == len(self.layers) - 1 and logit_rows is not None:
+                # past the last attention only the rows whose logits are wanted matter (llama.cpp's
+                # output-row pruning): a prefill chunk runs its last block for one row, not for all
+                x, attn_out, logit_rows = x.index_select(0, logit_rows), attn_out.index_select(0, logit_rows), None
+                # (those few rows go to the native block even where the chunk's rows were too many for it)
+                native = self.native_layers and self._blocks is LlamaModel._blocks and fused.rows_apply(x, w)
             if native:
                 x = fused.attention_outputs(x, attn_out, w, a.rms_norm_eps)
             else:

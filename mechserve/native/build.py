@@ -1,10 +1,11 @@
 """Building and loading mechserve's C++ kernels: compiled once per machine into the cache, opened with ctypes.
 
 A ``Kernel`` names one source file (``kv/csrc/paged_attention.cpp``, ``model/csrc/linear.cpp``), the
-function that returns its ABI version and the C++ standard it is written in.  ``Kernel.build()``
+function that returns its ABI version and the C++ standard it is written in; the headers it includes
+are the ``*.h`` files under its folder.  ``Kernel.build()``
 compiles it with the system C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``) into
-``$MECHSERVE_CACHE/kernels`` (see ``mechserve.api.env``), named by a hash of the source, the
-compiler, the flags and the CPU, so a build happens once per machine and a changed source or
+``$MECHSERVE_CACHE/kernels`` (see ``mechserve.api.env``), named by a hash of the source and its headers,
+the compiler, the flags and the CPU, so a build happens once per machine and a changed source or
 another CPU gets its own file; concurrent builders each write a temporary file and rename it into
 place.  ``Kernel.load()`` opens it (rebuilding a truncated or foreign file once) and checks the ABI.
 The kernels run on the OpenMP runtime torch already loaded (``libgomp.so.1`` is resolved by
@@ -29,7 +30,7 @@ from pathlib import Path
 from mechserve.api.env import cache_dir
 from mechserve.api.errors import NativeKernelError
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 
 
 def compiler() -> list[str]:
@@ -65,18 +66,29 @@ def _cpu_flags() -> str:
 @dataclass(frozen=True)
 class Kernel:
     """One C++ source built into a shared library: ``abi_function`` returns ``abi`` (an int); ``std`` is
-    its C++ standard and ``extra`` its own compiler flags beside ``FLAGS``."""
+    its C++ standard and ``extra`` its own compiler flags beside ``FLAGS``.
+
+    ``arch`` is the ``-march`` the code is compiled for: ``native`` (the default) takes the instruction
+    sets of the CPU that builds it (AVX-512, its BF16 and VNNI extensions, AVX2 + FMA ...), which the
+    sources test with ``__AVX512F__``-style macros to pick their paths at build time; a baseline such
+    as ``x86-64`` or ``x86-64-v3`` builds their portable or AVX2 paths (what tests compare on one machine).
+    """
 
     source: Path
     abi_function: str
     abi: int
     std: str = "c++17"
     extra: tuple[str, ...] = ()
-    _loaded: dict[str, ctypes.CDLL] = field(default_factory=dict, compare=False, repr=False)
+    arch: str = "native"
+    _loaded: dict[str, ctypes.CDLL] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def flags(self) -> tuple[str, ...]:
-        return (*FLAGS, f"-std={self.std}", *self.extra)
+        return (*FLAGS, f"-march={self.arch}", f"-std={self.std}", *self.extra)
+
+    def headers(self) -> list[Path]:
+        """The headers the source may include: every ``*.h`` under its folder, in a fixed order."""
+        return sorted(self.source.parent.rglob("*.h"))
 
     def library_path(self, cxx: list[str]) -> Path:
         """Where this machine's build of the current source lives (a hash of everything that shapes it)."""
@@ -85,6 +97,7 @@ class Kernel:
             "\0".join(
                 [
                     self.source.read_text(),
+                    *(f"{h.relative_to(self.source.parent)}\n{h.read_text()}" for h in self.headers()),
                     " ".join(cxx),
                     version,
                     " ".join(self.flags),

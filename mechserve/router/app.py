@@ -107,12 +107,18 @@ class Proxy:
 
     async def check_all(self) -> None:
         """One health round over every worker, then the epoch ends (the reports become m15's views)."""
-        await asyncio.gather(*(self.check(w) for w in self.fleet.workers))
+        models = await asyncio.gather(*(self.check(w) for w in self.fleet.workers))
+        # joined in --worker-urls order, not in the order the checks came back: the first listed worker that
+        # answers names the fleet's model, so which of two models a fleet serves never depends on a race
+        for worker, model in zip(self.fleet.workers, models):
+            if model is not None and (worker.state != "live" or model != self.fleet.model):
+                self.fleet.joined(worker, model, apply=False)  # joins, or was restarted with another model
         self.fleet.apply_live()
         self.fleet.end_epoch()
 
-    async def check(self, worker: Worker) -> None:
-        """``/health``, ``/v1/models``, ``/metrics`` of ``worker``: join it, refuse it or take it down."""
+    async def check(self, worker: Worker) -> str | None:
+        """``/health``, ``/v1/models``, ``/metrics`` of ``worker``: take it down if they fail, else record its
+        load and return the model it serves (``check_all`` joins or refuses it)."""
         try:
             health = await self.client.get(worker.url + "/health", timeout=self.health_timeout)
             if health.status_code != 200:
@@ -131,10 +137,9 @@ class Proxy:
                 if isinstance(exc, httpx.TimeoutException):  # a hung worker: name the limit it broke
                     why = f"no answer within {self.health_timeout:g} s (--health-check-timeout-secs): {why}"
                 await self.take_down(worker, f"health check failed: {why}")
-            return
+            return None
         self.fleet.reported(worker, running, waiting, kv_usage)
-        if worker.state != "live" or model != self.fleet.model:  # joins, or was restarted with another model
-            self.fleet.joined(worker, model, apply=False)
+        return model
 
     async def take_down(self, worker: Worker, reason: str) -> None:
         """Mark ``worker`` down and end every request still reading from it (each ends with its error)."""

@@ -54,13 +54,15 @@ def test_bench_run_quick_end_to_end(tmp_path: Path, tiny_dir: Path, capsys: pyte
     doc = _bench(
         tmp_path, tiny_dir, "--workload", "throughput,prefix", "--engine", "mechserve,hf,llama-cpp", "--size", "num=6"
     )
-    err = capsys.readouterr().err
+    said = capsys.readouterr()
+    err = said.err
     assert "llama-cpp skipped: it runs the embedded model's GGUFs (--model smollm2) or a GGUF file" in err
     assert doc["skipped"][0]["engine"] == "llama-cpp"
     assert {"cpu", "cpus", "torch_threads"} <= doc["machine"].keys()
     assert doc["versions"]["torch"] and "commit" in doc["git"]
     roof = doc["roofline"]["exact"]
     assert roof["matmul"]["peak_gflops"] > 0 and roof["prefill"]["mfu"] > 0 and roof["decode"]["mfu"] > 0
+    assert roof["read_bandwidth_gb_per_s"] > 0 and roof["matmul"]["engine_gflops_by_rows"]
     runs = doc["workloads"]["throughput"]["runs"]
     assert doc["workloads"]["throughput"]["params"]["num"] == 6 and runs[0]["metrics"]["completed"] == 6
     assert {(r["engine"], r["mode"]) for r in runs} == {("mechserve", "exact"), ("hf", "exact")}
@@ -73,6 +75,13 @@ def test_bench_run_quick_end_to_end(tmp_path: Path, tiny_dir: Path, capsys: pyte
         )
     ms = next(r for r in runs if r["engine"] == "mechserve")
     assert ms["engine_stats"].keys() >= ENGINE_STATS
+    # the decode step at the run's typical batch beside its roofline, in the JSON and as a line
+    line = ms["roofline"]
+    assert 1 <= line["batch"] <= 6 and line["context"] > 0 and line["bytes"] > 0 and line["flops"] > 0
+    assert line["roofline_s"] == max(line["memory_s"], line["compute_s"]) > 0
+    assert line["measured_over_roofline"] == pytest.approx(line["measured_s"] / line["roofline_s"])
+    assert f"roofline throughput/exact/default: decode step at batch {line['batch']}, context" in said.out
+    assert all("roofline" not in r for r in runs if r["engine"] == "hf")
     # each mechserve run in a process of its own (issue 30): its peaks are its own, loading included
     assert 0 < ms["peak_rss_bytes"] <= ms["process_peak_rss_bytes"]
     # continuous batching under the spec computes exactly transformers' greedy ids (fp32)
@@ -217,3 +226,24 @@ def test_bench_multiturn_reuses_the_answers_side_by_side(
     assert cmp["target met: turn >= 2 prefill = new + < 1 block [exact,output-caching]"] is True
     assert cmp["prefill computed on/off [exact,on turn 2]"] < 1
     assert (tmp_path / "out" / "multiturn.png").stat().st_size > 1000
+
+
+def test_the_serve_workload_serves_each_mode_as_it_is_named() -> None:
+    """Regression: the serve workload started every mode but exact as plain bfloat16, so its q4_1 and q8_0
+    reports measured the fast mode under their names.  The server's command line is checked (and that the
+    serve CLI accepts it)."""
+    import argparse
+
+    from mechserve.bench.run import _serve_command
+    from mechserve.cli.serve import add_arguments
+
+    args = argparse.Namespace(model="smollm2", device="cpu", compile=False)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    want = {"exact": ("float32", None), "fast": ("bfloat16", None), "q4_1": ("bfloat16", "q4_1")}
+    want["q8_0"] = ("bfloat16", "q8_0")
+    for mode, (dtype, quantization) in want.items():
+        cmd = _serve_command(args, mode, 8123)
+        assert cmd[1:4] == ["-m", "mechserve.cli.main", "serve"]
+        parsed = parser.parse_args(cmd[4:])
+        assert (parsed.dtype, parsed.quantization, parsed.port) == (dtype, quantization, 8123)

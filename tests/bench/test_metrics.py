@@ -78,7 +78,11 @@ def test_trace_stats_separates_prefill_from_decode_windows() -> None:
     assert s["preemptions"] == 1
     assert s["reused_tokens"] == 16 and s["prefix_hit_rate"] == pytest.approx(0.4)
     assert s["drafted"] == 2 and s["accepted"] == 1 and s["acceptance_rate"] == pytest.approx(0.5)
+    # decode rows per step, and their contexts: a at 8, 11; b at 22 (16 reused + 4 + 2), 23
+    assert s["decode_rows_series"] == [0, 1, 2, 1]
+    assert s["decode_context_mean"] == pytest.approx((8 + 11 + 22 + 23) / 4)
     assert trace_stats([], None)["acceptance_rate"] is None
+    assert trace_stats([], None)["decode_context_mean"] is None
 
 
 def test_trace_stats_on_a_real_m12_trace_counts_every_prompt_token_once() -> None:
@@ -91,6 +95,8 @@ def test_trace_stats_on_a_real_m12_trace_counts_every_prompt_token_once() -> Non
     assert s["prefill_tokens_computed"] == 46  # no prefix hits, no preemption: every prompt token once
     assert s["computed_tokens"] == 46 + 4 * 4  # plus one decode row per token after the first
     assert s["output_tokens_appended"] == 20
+    assert sum(s["decode_rows_series"]) == 16  # four decode rows per request
+    assert s["decode_context_mean"] == pytest.approx(13.0)  # request i decodes at positions 10+i .. 13+i
 
 
 def test_useful_flops_counts_linear_attention_and_head() -> None:

@@ -11,8 +11,19 @@ REACH = re.compile(
     r"(?<!mechserve)\.(engine|spec_engine)\.(pool|cache|running|waiting|due|live|requests|spec_len|drop_finished|step_counter)\b"
     r"|\bdrop_finished\(|\.engine\.step\("
 )
-# Packages whose job is to read the spec's own state (pictures, audits) or that are the spec.
-READERS = ("spec", "engine", "viz", "conformance", "workload.py", "bench/spec_scale.py", "cli/run.py", "cli/demo.py")
+# Packages whose job is to read the spec's own state (pictures, audits), that are the spec, or that run the
+# spec with no model (the scale benchmark, the simulated fleet of ``bench fleet``).
+READERS = (
+    "spec",
+    "engine",
+    "viz",
+    "conformance",
+    "workload.py",
+    "bench/spec_scale.py",
+    "bench/fleet",
+    "cli/run.py",
+    "cli/demo.py",
+)
 
 
 def test_no_module_outside_the_engine_reaches_into_m12() -> None:

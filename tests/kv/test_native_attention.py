@@ -6,15 +6,41 @@ would hide a broken build, so nothing in this file skips.
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+from contextlib import contextmanager
+from functools import cache
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_builds import ARCHS
 
 from mechserve.api.errors import NativeKernelError
 from mechserve.kv import native
 from mechserve.kv.paged import PagedKVCache, Span, build_attention_batch, paged_attention
 from mechserve.native.build import compiler
+
+# This machine's build and every portable one it can run (native_builds.ARCHS): AVX-512 without BF16 (the
+# vector path on bfloat16 pages without VDPBF16PS), and the portable loops (AVX2, the baseline ISA).
+
+
+@cache
+def build(arch: str) -> ctypes.CDLL:
+    """The kernel built for ``arch`` (this machine's build for ``native``)."""
+    if arch == "native":
+        return native._load()
+    return native.bind(dataclasses.replace(native.KERNEL, arch=arch).load())
+
+
+@contextmanager
+def using(arch: str):
+    """The attention calls inside the block run on the ``arch`` build."""
+    lib = build(arch)
+    with mock.patch.object(native, "_load", lambda: lib):
+        yield lib
 
 
 def test_kernel_builds_and_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,13 +103,14 @@ def test_cxx_may_carry_words_but_must_name_a_program(monkeypatch: pytest.MonkeyP
         native.build()
 
 
-def test_short_items_go_to_the_kernel_and_long_ones_to_sdpa() -> None:
+def test_every_item_goes_to_the_kernel_when_it_is_on() -> None:
     spans = [Span(0, 0, 20, [0, 1, 2, 3, 4]), Span(20, 7, 1, [5, 6]), Span(21, 3, 4, [7, 8])]
     batch = build_attention_batch(spans, list(range(25)), 4, group_size=2, native=True)
     assert batch.native is not None
-    assert batch.native.items.tolist() == [[20, 7, 1, 0], [21, 3, 4, 2]]  # row, start, length, table offset
-    assert batch.native.tables.tolist() == [5, 6, 7, 8]  # only the pages the items reach
-    assert [g.q_len for g in batch.groups] == [20]
+    # row, start, length, table offset
+    assert batch.native.items.tolist() == [[0, 0, 20, 0], [20, 7, 1, 5], [21, 3, 4, 7]]
+    assert batch.native.tables.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]  # only the pages the items reach
+    assert batch.groups == ()
     off = build_attention_batch(spans, list(range(25)), 4, group_size=2, native=False)
     assert off.native is None and sorted(g.q_len for g in off.groups) == [1, 4, 20]
 
@@ -132,26 +159,56 @@ def _attend(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window, use
     return paged_attention(q, k, v, cache, 0, batch, scale, window), cache
 
 
+# Head sizes: the vector path's three (32, 64, 128) and others the portable loops take (4, 80).
+HEAD_DIMS = [4, 32, 64, 80, 128]
+
+
 @st.composite
-def workloads(draw):
+def workloads(draw, many: bool = False):
+    """A step's attention: page size, KV heads, GQA group, head size, (first position, query length) per item,
+    window, dtype, seed, build and threads.  ``many``: a decode batch of 32 to 80 requests, with up to two
+    prefill chunks of up to 300 tokens beside it (a mixed step), instead of up to 6 items of any kind."""
     page_size = draw(st.sampled_from([1, 2, 4, 16]))
     kv = draw(st.integers(1, 3))
     group = draw(st.integers(1, 4))
-    head_dim = draw(st.sampled_from([4, 64, 128]))
-    lengths = draw(st.lists(st.sampled_from([1, 1, 2, 3, 8, 16, 17, 33]), min_size=1, max_size=6))
-    starts = [draw(st.integers(0, 60)) for _ in lengths]
+    head_dim = draw(st.sampled_from(HEAD_DIMS))
+    if many:
+        decode = draw(st.integers(32, 80))
+        chunks = draw(st.lists(st.integers(33, 300), max_size=2))
+        lengths = [1] * decode + chunks
+        starts = [draw(st.integers(0, 400)) for _ in range(decode)] + [draw(st.integers(0, 64)) for _ in chunks]
+    else:
+        lengths = draw(st.lists(st.sampled_from([1, 1, 2, 3, 8, 16, 17, 32, 33, 64, 100]), min_size=1, max_size=6))
+        starts = [draw(st.integers(0, 60)) for _ in lengths]
     window = draw(st.sampled_from([None, None, 1, 5, 16]))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
     seed = draw(st.integers(0, 2**16))
-    return page_size, kv, group, head_dim, list(zip(starts, lengths)), window, dtype, seed
+    arch = draw(st.sampled_from(ARCHS))
+    # 1 thread: no context splits; 8 on one or two items: eight splits merged (flash-decoding)
+    threads = draw(st.sampled_from([1, 2, 3, 8]))
+    return page_size, kv, group, head_dim, list(zip(starts, lengths)), window, dtype, seed, arch, threads
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(workloads())
 def test_kernel_matches_the_sdpa_path(w) -> None:
     """Same outputs and same pages written, for any page size, GQA group, head size, mix of decode
-    steps / windows / prefill chunks, sliding window and dtype; shared (prefix) pages included."""
-    page_size, kv, group, head_dim, items, window, dtype, seed = w
+    steps / windows / prefill chunks (one task or several blocks of queries), sliding window, dtype and
+    thread count (a short item's context split or not); shared (prefix) pages included; in this
+    machine's build and its portable ones."""
+    _check_against_sdpa(w)
+
+
+@settings(max_examples=12, deadline=None)
+@given(workloads(many=True))
+def test_kernel_matches_the_sdpa_path_at_large_decode_batches(w) -> None:
+    """The same at the batches the engine runs under load: 32 to 80 decode rows at contexts up to 400,
+    with prefill chunks of up to 300 tokens in the same step (the mixed workload's steps)."""
+    _check_against_sdpa(w)
+
+
+def _check_against_sdpa(w) -> None:
+    page_size, kv, group, head_dim, items, window, dtype, seed, arch, threads = w
     gen = torch.Generator().manual_seed(seed)
     num_pages = 2 + sum(-(-(s + n) // page_size) for s, n in items)
     pages = torch.randperm(num_pages, generator=gen).tolist()
@@ -172,7 +229,13 @@ def test_kernel_matches_the_sdpa_path(w) -> None:
     k = torch.randn(row, kv, head_dim, generator=gen).to(dtype)
     v = torch.randn(row, kv, head_dim, generator=gen).to(dtype)
     ref, ref_cache = _attend(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window, False)
-    got, got_cache = _attend(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window, True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with using(arch):
+            got, got_cache = _attend(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window, True)
+    finally:
+        torch.set_num_threads(before)
     assert torch.equal(ref_cache.k, got_cache.k) and torch.equal(ref_cache.v, got_cache.v)
     tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got.float(), ref.float(), **tol)

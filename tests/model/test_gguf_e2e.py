@@ -78,8 +78,11 @@ def q4_k_m(name: str, shape: tuple[int, ...]) -> str:
 
 def test_a_q4_k_m_file_of_smollm2_scores_near_float32(tmp_path: Path) -> None:
     """Q4_K and Q6_K matrices (ffn_down) beside Q5_0/Q8_0 ones, q/k/v mixed: the perplexity of the shipped
-    text's first 512 tokens through the decode kernels (16 rows per forward) stays within 25% of float32's
-    (our encoders lack ggml's scale search, and the float weights are the shipped Q4_1's, requantized)."""
+    text's first 512 tokens through the decode kernels (16 rows per forward, the blocks multiplied as
+    stored) is within 1% of the same file's weights dequantized for torch's GEMM (256 rows per forward),
+    and above float32's by at most 40%: the tests' encoders lack ggml's scale search and the float weights
+    are the shipped Q4_1's, requantized (measured: 13.56 -> 17.05, 1.26x); a wrong decoder or kernel
+    scores in the hundreds."""
     from transformers import AutoModelForCausalLM
 
     from mechserve.bench.perplexity import mechserve_perplexity
@@ -98,5 +101,7 @@ def test_a_q4_k_m_file_of_smollm2_scores_near_float32(tmp_path: Path) -> None:
     ids = list(loaded.tokenizer(TEXT.read_text()).input_ids)[:512]
     with torch.inference_mode():
         quantized = mechserve_perplexity(m, ids, 256, rows=16)["perplexity"]
+        dequantized = mechserve_perplexity(m, ids, 256, rows=256)["perplexity"]
         exact = mechserve_perplexity(load_model("smollm2", tokenizer=False).model, ids, 256)["perplexity"]
-    assert exact < quantized < 1.25 * exact, (exact, quantized)
+    assert abs(quantized - dequantized) < 0.01 * dequantized, (quantized, dequantized)
+    assert exact < quantized < 1.4 * exact, (exact, quantized)

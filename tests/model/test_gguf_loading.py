@@ -114,7 +114,14 @@ def test_a_mixed_format_file_computes_what_transformers_computes_on_its_decoded_
     if arch != "qwen3":
         assert m.native_layers  # the decode steps above ran the fused native blocks
     fast = load_model(str(path), dtype=torch.bfloat16, tokenizer=False).model
-    assert (forward_logits(fast, ids).argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    # bfloat16 rounds through every layer: each logit within 0.05 of the float32 reference's (they reach ~3),
+    # so a position whose reference leads by more than 0.1 keeps its greedy token (a near-tie may flip: the
+    # kernels' and torch's bfloat16 orders of summation differ, and both are right)
+    got = forward_logits(fast, ids).float()
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05)
+    top2 = want.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 0.1
+    assert clear.sum() >= len(ids) // 2 and torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
 def test_llama3_rope_factors_and_linear_scaling(tmp_path, bpe) -> None:

@@ -67,7 +67,7 @@ def test_the_formats_table_is_ggmls() -> None:
     kind=st.sampled_from(BLOCK_KINDS),
     rows=st.integers(1, 40),
     blocks=st.integers(1, 3),
-    m=st.integers(1, lin.NATIVE_MAX_ROWS),
+    m=st.integers(1, lin.NATIVE_MAX_ROWS[NATIVE_KINDS[0]]),
     out_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**16),
 )
@@ -215,7 +215,7 @@ def kquant_layer(g: torch.Generator, dtype: torch.dtype, kinds: tuple[str, ...])
 
 @settings(max_examples=20, deadline=None)
 @given(
-    rows=st.integers(1, lin.NATIVE_MAX_ROWS),
+    rows=st.integers(1, lin.NATIVE_MAX_ROWS[NATIVE_KINDS[0]]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     kinds=st.tuples(*(st.sampled_from([*BLOCK_KINDS, "q4_1", "q8_0"]) for _ in range(6))),
     seed=st.integers(0, 2**16),
@@ -230,7 +230,7 @@ def test_the_fused_blocks_take_mixed_formats(rows, dtype, kinds, seed) -> None:
     freqs = torch.arange(rows).float()[:, None] * (10000.0 ** (-torch.arange(0, D, 2).float() / D))[None]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
-    assert fused.weights_apply(w, dtype) and fused.rows_apply(x)
+    assert fused.weights_apply(w, dtype) and fused.rows_apply(x, w)
     got = (*fused.attention_inputs(x, w, cos, sin, 1e-5, HEADS, KV, D), fused.attention_outputs(x, attn, w, 1e-5))
     plain = dataclasses.replace(
         w, qkv=dequantize(w.qkv), o=dequantize(w.o), gate_up=dequantize(w.gate_up), down=dequantize(w.down)

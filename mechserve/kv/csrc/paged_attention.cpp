@@ -1,6 +1,6 @@
-// Paged attention for short query runs (decode steps and speculative windows), reading each KV
-// page once, straight from the page pool: no gathered copy of the context, no allocation per step
-// beyond a small per-thread scratch.
+// Paged attention for every item of a step (decode steps, speculative windows, prefill chunks), reading
+// K/V straight from the page pool: no gathered copy of the context, no allocation per step beyond a
+// small per-thread scratch.
 //
 // Layouts (see mechserve/kv/paged.py, which owns them):
 //   q:        [T, H, D]              contiguous, the step's flat rows
@@ -9,27 +9,31 @@
 //   items:    [N, 4] int64           (first row, first position, query length, offset into tables)
 //   tables:   int32                  each item's page table, concatenated
 //
-// One task per (item, split): every query of the item (its query length times H heads) runs over
-// one part of the item's context, 16 positions at a time.  All KV heads of a position are read
-// together: a position's K (and V) rows of all heads are one contiguous KV * D run, and reading
-// only one head's D of them per pass measured 2.3x slower here (the hardware prefetcher fetches
-// the whole run anyway).  For each block: scores = scale * q . k (masked to each query's causal
-// window), then the online softmax of Milakov & Gimelshein 2018 ("Online normalizer calculation
-// for softmax"), as in FlashAttention (Dao et al. 2022) and vLLM's paged attention (Kwon et al.
-// 2023): running max m, running sum l, accumulator rescaled by exp(m_old - m_new).  When there are
-// fewer items than twice the threads (a batch of one or two), each context is split into parts
-// attended in parallel and the parts' (m, l, acc) are merged, as flash-decoding does (Dao et al.
-// 2023, "Flash-Decoding for long-context inference").  Accumulation is float32 for every storage type.
+// One task per (short item, split) or per block of LONG_BLOCK query tokens of a long item (a prefill
+// chunk): every query of the task (its tokens times H heads) runs over the context it can see, 16
+// positions at a time, so a block of a prefill chunk reads each page once for all of its queries and
+// stops at its last query's position (causal blocks are skipped, not masked).  All KV heads of a
+// position are read together: a position's K (and V) rows of all heads are one contiguous KV * D run,
+// and reading only one head's D of them per pass measured 2.3x slower here (the hardware prefetcher
+// fetches the whole run anyway).  For each block: scores = scale * q . k (masked to each query's causal
+// window), then the online softmax of Milakov & Gimelshein 2018 ("Online normalizer calculation for
+// softmax"), as in FlashAttention (Dao et al. 2022) and vLLM's paged attention (Kwon et al. 2023):
+// running max m, running sum l, accumulator rescaled by exp(m_old - m_new).  When there are fewer
+// tasks than twice the threads (a batch of one or two decode steps), each short item's context is
+// split into parts attended in parallel and the parts' (m, l, acc) are merged, as flash-decoding does
+// (Dao et al. 2023, "Flash-Decoding for long-context inference").  Accumulation is float32 for every
+// storage type.
 //
-// With AVX-512 and a head dimension of 32, 64 or 128, each block's scores of one query come out of
-// one transposed sum of 16 dot products, the softmax runs on 16 lanes, and the accumulators of a
-// few queries stay in registers while each V row is loaded once for them; otherwise portable loops
-// the compiler vectorises.
+// With AVX-512 and a head dimension of 32, 64 or 128, each block's scores of one query come out of one
+// transposed sum of 16 dot products (bfloat16 ones by VDPBF16PS where the CPU has it), the softmax runs
+// on 16 lanes, and the accumulators of a few queries stay in registers while each V row is loaded once
+// for them; otherwise portable loops the compiler vectorises.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -68,6 +72,8 @@ const float NEG_INF = -std::numeric_limits<float>::infinity();
 // their running softmax state.
 struct Queries {
     const float* q;      // [KV * nq, D]
+    const uint16_t* qb;  // the same rows as bfloat16, unscaled (bfloat16 queries), else null
+    float scale;
     const int64_t* pos;  // [nq] (the same for every head)
     int64_t nq;
     float *m, *l, *acc;
@@ -256,16 +262,36 @@ void attend_vector(const Context<KT>& c, const Queries& qs) {
                         _mm512_store_ps(p[i], _mm512_setzero_ps());
                         continue;
                     }
-                    const float* qr = qs.q + (base + i) * D;
-                    __m512 qv[DV], prod[16];
-                    for (int d = 0; d < DV; ++d) qv[d] = _mm512_loadu_ps(qr + 16 * d);
-                    for (int t = 0; t < 16; ++t) {
-                        const KT* kr = kb + rows[t];
-                        __m512 x = _mm512_mul_ps(qv[0], load16(kr));
-                        for (int d = 1; d < DV; ++d) x = _mm512_fmadd_ps(qv[d], load16(kr + 16 * d), x);
-                        prod[t] = x;
+                    __m512 prod[16], dots;
+#if defined(__AVX512BF16__)
+                    if constexpr (std::is_same_v<KT, Bf16>) {
+                        // bfloat16 pairs multiplied exactly by VDPBF16PS, the scale applied to the 16 sums
+                        const uint16_t* qr = qs.qb + (base + i) * D;
+                        __m512bh qv[DV / 2];
+                        for (int d = 0; d < DV / 2; ++d) qv[d] = (__m512bh)_mm512_loadu_si512(qr + 32 * d);
+                        for (int t = 0; t < 16; ++t) {
+                            const KT* kr = kb + rows[t];
+                            __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(kr));
+                            for (int d = 1; d < DV / 2; ++d)
+                                x = _mm512_dpbf16_ps(x, qv[d], (__m512bh)_mm512_loadu_si512(kr + 32 * d));
+                            prod[t] = x;
+                        }
+                        dots = _mm512_mul_ps(sum16(prod), _mm512_set1_ps(qs.scale));
+                    } else
+#endif
+                    {
+                        const float* qr = qs.q + (base + i) * D;
+                        __m512 qv[DV];
+                        for (int d = 0; d < DV; ++d) qv[d] = _mm512_loadu_ps(qr + 16 * d);
+                        for (int t = 0; t < 16; ++t) {
+                            const KT* kr = kb + rows[t];
+                            __m512 x = _mm512_mul_ps(qv[0], load16(kr));
+                            for (int d = 1; d < DV; ++d) x = _mm512_fmadd_ps(qv[d], load16(kr + 16 * d), x);
+                            prod[t] = x;
+                        }
+                        dots = sum16(prod);
                     }
-                    const __m512 sc = _mm512_mask_blend_ps(vis, _mm512_set1_ps(NEG_INF), sum16(prod));
+                    const __m512 sc = _mm512_mask_blend_ps(vis, _mm512_set1_ps(NEG_INF), dots);
                     float& m = qs.m[base + i];
                     const float mnew = std::max(m, _mm512_reduce_max_ps(sc));
                     // (exp16, not std::exp: a call into libm would spill every live vector register)
@@ -316,58 +342,97 @@ void attend(const Context<KT>& c, const Queries& qs, float* s) {
     attend_portable<KT, 0>(c, qs, s);
 }
 
+// One task: tokens [j0, j1) of one item, attending context part `split` of `splits` (a short item split
+// across threads) or, for a long item (a prefill chunk), its whole visible context; `part` indexes the
+// split partial results.
+struct Task {
+    int64_t item, j0, j1, split, splits, part;
+};
+
+// Query tokens per task of a long item: its queries (times G heads) share each block of K/V read.
+constexpr int64_t LONG_BLOCK = 32;
+
 template <typename QT, typename KT>
 void run(const QT* q, KT* k, KT* v, QT* out, const int64_t* items, const int32_t* tables, int64_t n_items,
          int64_t H, int64_t KV, int64_t D, int64_t page_size, int64_t window, float scale, int n_threads,
          const KT* k_new, const KT* v_new, const int64_t* slots, int64_t n_new) {
-    // The step's own K/V rows go into their slots first, so every query (and a later SDPA pass over
-    // the step's longer runs) sees them.  The caller checked the slots (see the entry points).
+    // The step's own K/V rows go into their slots first, so every query sees them.  The caller checked the
+    // slots (see the entry points).
     for (int64_t r = 0; r < n_new; ++r) {
         std::memcpy(k + slots[r] * KV * D, k_new + r * KV * D, sizeof(KT) * KV * D);
         std::memcpy(v + slots[r] * KV * D, v_new + r * KV * D, sizeof(KT) * KV * D);
     }
     const int64_t G = H / KV;
-    int64_t max_n = 0;
-    for (int64_t i = 0; i < n_items; ++i) max_n = std::max(max_n, items[4 * i + 2]);
-    const int64_t max_q = max_n * G;  // queries per KV head: (token j, head g) at j * G + g
-    const int64_t splits = n_items >= 2 * n_threads ? 1 : std::min<int64_t>(8, (2 * n_threads + n_items - 1) / n_items);
-    // each task's partial result: m [KV * max_q], l [KV * max_q], acc [KV * max_q, D]
+    // Short items (decode steps, speculative windows) are one task each, split across the context when
+    // there are too few tasks for the threads (a batch of one or two); a long item is a task per block of
+    // LONG_BLOCK query tokens, each reading the context its causal window needs.
+    int64_t n_short = 0, n_long_tasks = 0, max_n = 0;
+    for (int64_t i = 0; i < n_items; ++i) {
+        const int64_t n = items[4 * i + 2];
+        if (n <= LONG_BLOCK) ++n_short, max_n = std::max(max_n, n);
+        else n_long_tasks += (n + LONG_BLOCK - 1) / LONG_BLOCK, max_n = std::max(max_n, LONG_BLOCK);
+    }
+    const int64_t total = n_short + n_long_tasks;
+    const int64_t splits = total >= 2 * n_threads || n_short == 0 ? 1 : std::min<int64_t>(8, (2 * n_threads + total - 1) / total);
+    std::vector<Task> tasks;
+    tasks.reserve(static_cast<size_t>(n_short * splits + n_long_tasks));
+    std::vector<int64_t> first_part(static_cast<size_t>(n_items), -1);
+    int64_t n_parts = 0;
+    // the long items' blocks first, latest (largest context) first, so the threads end together
+    for (int64_t i = 0; i < n_items; ++i) {
+        const int64_t n = items[4 * i + 2];
+        if (n > LONG_BLOCK)
+            for (int64_t j0 = (n - 1) / LONG_BLOCK * LONG_BLOCK; j0 >= 0; j0 -= LONG_BLOCK)
+                tasks.push_back({i, j0, std::min(n, j0 + LONG_BLOCK), 0, 1, -1});
+    }
+    for (int64_t i = 0; i < n_items; ++i) {
+        const int64_t n = items[4 * i + 2];
+        if (n > LONG_BLOCK) continue;
+        if (splits > 1) first_part[i] = n_parts, n_parts += splits;
+        for (int64_t sp = 0; sp < splits; ++sp) tasks.push_back({i, 0, n, sp, splits, splits > 1 ? first_part[i] + sp : -1});
+    }
+    const int64_t max_q = max_n * G;  // queries per KV head of a task: (token j, head g) at j * G + g
+    // each split's partial result: m [KV * max_q], l [KV * max_q], acc [KV * max_q, D]
     const int64_t part = KV * max_q * (D + 2);
-    std::vector<float> parts(splits > 1 ? static_cast<size_t>(n_items * splits * part) : 0);
+    std::vector<float> parts(static_cast<size_t>(n_parts * part));
+    const int64_t n_tasks = static_cast<int64_t>(tasks.size());
 #pragma omp parallel num_threads(n_threads)
     {
         std::vector<float> qf(static_cast<size_t>(KV * max_q * D)), s(static_cast<size_t>(max_q * page_size));
         std::vector<float> m(KV * max_q), l(KV * max_q), acc(static_cast<size_t>(KV * max_q * D));
         std::vector<int64_t> pos(max_q);
+        std::vector<uint16_t> qb(std::is_same_v<QT, Bf16> ? static_cast<size_t>(KV * max_q * D) : 0);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < n_items * splits; ++task) {
-            const int64_t item = task / splits, split = task % splits;
-            const int64_t* it = items + 4 * item;
-            const int64_t row0 = it[0], start = it[1], n = it[2], nq = n * G;
+        for (int64_t t = 0; t < n_tasks; ++t) {
+            const Task& task = tasks[t];
+            const int64_t* it = items + 4 * task.item;
+            const int64_t row0 = it[0] + task.j0, start = it[1] + task.j0, n = task.j1 - task.j0, nq = n * G;
             for (int64_t h = 0; h < KV; ++h)
                 for (int64_t j = 0; j < n; ++j)
                     for (int64_t g = 0; g < G; ++g) {
                         const QT* src = q + ((row0 + j) * H + h * G + g) * D;
                         float* dst = qf.data() + (h * nq + j * G + g) * D;
                         for (int64_t d = 0; d < D; ++d) dst[d] = load(src[d]) * scale;
+                        if constexpr (std::is_same_v<QT, Bf16>)
+                            std::memcpy(qb.data() + (h * nq + j * G + g) * D, src, sizeof(QT) * D);
                         pos[j * G + g] = start + j;
                     }
             const int64_t end = start + n;
             const int64_t first = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;
             // split boundaries on page edges, so each page is read by one task
             const int64_t p0 = first / page_size, p1 = (end + page_size - 1) / page_size;
-            const int64_t per = (p1 - p0 + splits - 1) / splits;
-            const int64_t lo = std::max(first, (p0 + split * per) * page_size);
-            const int64_t hi = std::min(end, (p0 + (split + 1) * per) * page_size);
+            const int64_t per = (p1 - p0 + task.splits - 1) / task.splits;
+            const int64_t lo = std::max(first, (p0 + task.split * per) * page_size);
+            const int64_t hi = std::min(end, (p0 + (task.split + 1) * per) * page_size);
             std::fill(m.begin(), m.begin() + KV * nq, NEG_INF);
             std::fill(l.begin(), l.begin() + KV * nq, 0.f);
             std::fill(acc.begin(), acc.begin() + KV * nq * D, 0.f);
             if (lo < hi) {
                 const Context<KT> c{k, v, tables + it[3], KV, D, page_size, window, lo, hi};
-                const Queries qs{qf.data(), pos.data(), nq, m.data(), l.data(), acc.data()};
+                const Queries qs{qf.data(), qb.empty() ? nullptr : qb.data(), scale, pos.data(), nq, m.data(), l.data(), acc.data()};
                 attend(c, qs, s.data());
             }
-            if (splits == 1) {
+            if (task.part < 0) {
                 for (int64_t h = 0; h < KV; ++h)
                     for (int64_t i = 0; i < nq; ++i) {
                         const int64_t qi = h * nq + i, j = i / G, g = i % G;
@@ -376,34 +441,36 @@ void run(const QT* q, KT* k, KT* v, QT* out, const int64_t* items, const int32_t
                         for (int64_t d = 0; d < D; ++d) store(dst + d, acc[qi * D + d] * inv);
                     }
             } else {
-                float* mine = parts.data() + task * part;
+                float* mine = parts.data() + task.part * part;
                 std::copy(m.begin(), m.begin() + KV * nq, mine);
                 std::copy(l.begin(), l.begin() + KV * nq, mine + KV * max_q);
                 std::copy(acc.begin(), acc.begin() + KV * nq * D, mine + 2 * KV * max_q);
             }
         }
-        if (splits > 1) {
+        if (n_parts > 0) {
             // merge the parts of each (item, head, query) with weights exp(m_s - M)
             std::vector<float> merged(static_cast<size_t>(D));
 #pragma omp for schedule(static)
             for (int64_t item = 0; item < n_items; ++item) {
+                if (first_part[item] < 0) continue;
                 const int64_t* it = items + 4 * item;
                 const int64_t row0 = it[0], nq = it[2] * G;
+                const float* p0 = parts.data() + first_part[item] * part;
                 for (int64_t qi = 0; qi < KV * nq; ++qi) {
                     float big = NEG_INF;
-                    for (int64_t sp = 0; sp < splits; ++sp) big = std::max(big, parts[(item * splits + sp) * part + qi]);
-                    float total = 0.f;
+                    for (int64_t sp = 0; sp < splits; ++sp) big = std::max(big, p0[sp * part + qi]);
+                    float total_l = 0.f;
                     std::fill(merged.begin(), merged.end(), 0.f);
                     if (big != NEG_INF)
                         for (int64_t sp = 0; sp < splits; ++sp) {
-                            const float* pp = parts.data() + (item * splits + sp) * part;
+                            const float* pp = p0 + sp * part;
                             if (pp[qi] == NEG_INF) continue;
                             const float wgt = std::exp(pp[qi] - big);
-                            total += wgt * pp[KV * max_q + qi];
+                            total_l += wgt * pp[KV * max_q + qi];
                             const float* pa = pp + 2 * KV * max_q + qi * D;
                             for (int64_t d = 0; d < D; ++d) merged[d] += wgt * pa[d];
                         }
-                    const float inv = total > 0.f ? 1.f / total : 0.f;
+                    const float inv = total_l > 0.f ? 1.f / total_l : 0.f;
                     const int64_t h = qi / nq, j = (qi % nq) / G, g = (qi % nq) % G;
                     QT* dst = out + ((row0 + j) * H + h * G + g) * D;
                     for (int64_t d = 0; d < D; ++d) store(dst + d, merged[d] * inv);
@@ -418,7 +485,7 @@ void run(const QT* q, KT* k, KT* v, QT* out, const int64_t* items, const int32_t
 extern "C" {
 
 // Returns the ABI version; the loader refuses a library that does not match.
-int mechserve_paged_attention_abi(void) { return 2; }
+int mechserve_paged_attention_abi(void) { return 3; }
 
 // Whether every slot is a row of a pool of pool_rows rows.
 bool slots_fit(const int64_t* slots, int64_t n_new, int64_t pool_rows) {

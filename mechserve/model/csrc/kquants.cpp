@@ -832,6 +832,16 @@ void mechserve_kquant_product(const float* xf, const uint16_t* /*xb*/, int64_t M
     }
 }
 
+// Columns [n0, n1) of x . w^T into out[m * ldo + n], on the calling thread: xf [M, K] float32, xs [M, K / 32]
+// the sums of xf per 32 weights, w [N, K] of type wt.  linear.cpp's fused blocks call it from each thread of
+// their team for its share of the columns (registered by model/linear.py's external_formats).
+void mechserve_kquant_columns(const float* xf, const float* xs, int64_t M, int64_t K, const void* w, int wt,
+                              int64_t n0, int64_t n1, float* out, int64_t ldo) {
+    const Job job{xf, xs, w, M, K};
+    const std::vector<Segment> segments = wt == MIXED ? segments_of(w) : std::vector<Segment>{};
+    rows_of(job, wt, segments, n0, n1, out + n0, ldo);
+}
+
 // y [M, N] (yt: F32 or BF16) = x [M, K] (xt: F32 or BF16) times w [N, K] (wt) transposed, plus bias [N]
 // (type xt) unless null; accumulated in float32 and rounded once.  All tensors contiguous.
 void mechserve_kquant_linear(const void* x, int xt, const void* w, int wt, const void* bias, void* y, int yt, int64_t M,
