@@ -95,7 +95,12 @@ class ProposerMethod:
 PROPOSERS: Mapping[str, ProposerMethod] = {
     m.name: m
     for m in (
-        ProposerMethod("ngram", "prompt lookup", "mechserve.executor.proposers:NgramProposer.build"),
+        ProposerMethod(
+            "ngram",
+            "prompt lookup",
+            "mechserve.executor.proposers:NgramProposer.build",
+            options=("ngram_min", "ngram_max"),
+        ),
         ProposerMethod(
             "suffix",
             "suffix decoding over this request and past outputs",

@@ -81,13 +81,24 @@ def engine_config(args: argparse.Namespace, ignore: tuple[str, ...] = (), **over
 def speculative_config(args: argparse.Namespace) -> Any:
     """The ``SpeculativeConfig`` the flags ask for (None: no speculation); raises ``CliError`` naming the flag."""
     method = args.spec_method or (DEFAULT_MODEL_METHOD if args.draft_model else None)
+    speculating = method is not None or bool(args.spec_len)
+    in_use = method or DEFAULT_METHOD
+    # Every method's own options (the registry's ProposerMethod.options, a flag each, default None: not given).
     options = {name: getattr(args, name) for name in METHOD_OPTIONS if getattr(args, name, None) is not None}
     for name in options:
-        if METHOD_OPTIONS[name] != (method or DEFAULT_METHOD) or (method is None and not args.spec_len):
-            raise CliError(f"{_flag(name)} is an option of --spec-method {METHOD_OPTIONS[name]}: add it")
-    if method is None and not args.spec_len:
+        owner = METHOD_OPTIONS[name]
+        if not speculating:
+            raise CliError(
+                f"{_flag(name)} is an option of --spec-method {owner}, but speculation is off: "
+                f"add --spec-method {owner} (or --spec-len)"
+            )
+        if owner != in_use:
+            raise CliError(f"{_flag(name)} is an option of --spec-method {owner}, but the method in use is {in_use}")
+    if not speculating:
+        if args.spec_fixed:
+            raise CliError("--spec-fixed fixes the guesses per step, but speculation is off: add --spec-len")
         return None
-    needs_model = proposer_method(method or DEFAULT_METHOD).needs_model
+    needs_model = proposer_method(in_use).needs_model
     if needs_model and not args.draft_model:
         raise CliError(f"--spec-method {method} needs --draft-model (e.g. --draft-model smollm2:layers=4)")
     if not needs_model and args.draft_model:
@@ -96,14 +107,13 @@ def speculative_config(args: argparse.Namespace) -> Any:
         )
     if args.spec_len == 0:
         raise CliError(f"--spec-method {method} needs --spec-len >= 1 (or leave --spec-len out for 3)")
-    if args.ngram_min > args.ngram_max:
-        raise CliError(f"--ngram-min {args.ngram_min} is more than --ngram-max {args.ngram_max}")
+    low, high = options.get("ngram_min", 1), options.get("ngram_max", 3)
+    if low > high:
+        raise CliError(f"--ngram-min {low} is more than --ngram-max {high}")
     try:
         return SpeculativeConfig(
             method=method or DEFAULT_METHOD,
             num_speculative_tokens=args.spec_len or 3,
-            ngram_min=args.ngram_min,
-            ngram_max=args.ngram_max,
             draft_model=args.draft_model,
             adaptive=not args.spec_fixed,
             **options,

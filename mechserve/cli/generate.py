@@ -182,16 +182,16 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--ngram-min",
         type=integer(1, MAX_SPEC_LEN),
-        default=1,
+        default=None,
         metavar="N",
-        help="shortest n-gram prompt lookup matches (1)",
+        help="prompt lookup (--spec-method ngram): shortest n-gram it matches (1)",
     )
     add(
         "--ngram-max",
         type=integer(1, MAX_SPEC_LEN),
-        default=3,
+        default=None,
         metavar="N",
-        help="longest n-gram prompt lookup matches (3)",
+        help="prompt lookup (--spec-method ngram): longest n-gram it matches (3)",
     )
     suffix = "suffix decoding (--spec-method suffix, vLLM's speculative_config field of the same name): "
     add(
@@ -272,7 +272,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     add("--top-p", type=number, default=1.0, metavar="P", help="nucleus sampling: keep the top tokens of mass P")
     add("--top-k", type=integer(-1, 1 << 31), default=0, metavar="K", help="keep the K most likely tokens (0: off)")
     add("--min-p", type=number, default=0.0, metavar="P", help="drop tokens below P x the top probability")
-    add("--seed", type=integer(0, (1 << 63) - 1), default=None, metavar="N", help="seed of this request's draws")
+    add(
+        "--seed",
+        type=integer(-(1 << 63), (1 << 63) - 1),
+        default=None,
+        metavar="N",
+        help="seed of this request's draws, any 64-bit signed integer; -1: unseeded (as the server's seed field)",
+    )
     add(
         "--stop",
         type=stop_text,
@@ -328,7 +334,7 @@ def sampling_params(args: argparse.Namespace) -> Any:
             top_p=args.top_p,
             top_k=args.top_k,
             min_p=args.min_p,
-            seed=args.seed,
+            seed=None if args.seed == -1 else args.seed,  # the HTTP seed field's rule (vLLM's, llama.cpp's)
             max_tokens=args.max_tokens,
             min_tokens=args.min_tokens,
             stop=tuple(args.stop),

@@ -4,6 +4,7 @@ every real-model command shares (``--device``, ``--compile``)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import NoReturn
 
 from mechserve.api.config import device_name
@@ -34,6 +35,22 @@ def device_text(text: str) -> str:
         return device_name(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def api_key(env: str | None = None) -> Callable[[str], str]:
+    """An argparse ``type=`` for a key flag (``serve --api-key``, ``router --worker-api-key``): a key that is
+    empty or only blanks is refused, since it would silently leave authentication off; ``env`` names the
+    environment variable the flag's default comes from, for the message."""
+    where = f" (the flag or ${env})" if env else ""
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(
+                f"an empty key would turn authentication off: give a non-empty key or leave it unset{where}"
+            )
+        return text
+
+    return parse
 
 
 def add_device_arguments(parser: argparse.ArgumentParser, prefix: str = "") -> None:

@@ -24,6 +24,7 @@ from mechserve.api.config import DEFAULT_PAGE_SIZE
 from mechserve.api.limits import ENGINE_LIMITS
 from mechserve.cli.errors import CliError
 from mechserve.cli.generate import integer
+from mechserve.cli.parser import api_key
 
 HELP = "route requests across mechserve serve workers by m15's policies (cache_aware, precise, ...)"
 POLICIES = ("cache_aware", "precise", "round_robin", "least_loaded")  # mechserve.router.fleet.POLICIES
@@ -117,7 +118,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--health-check-interval-secs", type=positive, default=0.5, help="seconds between health rounds (0.5)")
     add("--health-check-timeout-secs", type=positive, default=1.0, help="a health check's timeout (1)")
     add("--request-timeout-secs", type=positive, default=1800.0, help="a routed request's timeout (1800)")
-    add("--worker-api-key", default=None, metavar="KEY", help="the key the router's own calls to workers carry")
+    add(
+        "--worker-api-key",
+        type=api_key(),
+        default=None,
+        metavar="KEY",
+        help="the key the router's own calls to workers carry",
+    )
     add(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),

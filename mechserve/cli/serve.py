@@ -39,7 +39,7 @@ from mechserve.api.proposers import proposer_method
 from mechserve.cli.engine_args import engine_config, setting
 from mechserve.cli.errors import CliError
 from mechserve.cli.generate import add_dtype_argument, add_speculative_arguments, integer, kv_message, parse_size
-from mechserve.cli.parser import add_device_arguments
+from mechserve.cli.parser import add_device_arguments, api_key
 from mechserve.cli.vllm_names import (
     add_aliased,
     add_chat_template_argument,
@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--port", type=integer(0, 65535), default=8000, help="port to bind (default 8000; 0: any free port)")
     add(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
+        type=api_key(API_KEY_ENV),
+        default=os.environ.get(API_KEY_ENV),  # a string default goes through ``type=`` too: an empty one is refused
         metavar="KEY",
         help=f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: ${API_KEY_ENV})",
     )

@@ -54,7 +54,8 @@ def prompt_ids(ids: Sequence[int], params: SamplingParams, vocab_size: int, cont
     """The prompt as a list of ints, each a token id of a vocabulary of ``vocab_size``, keeping the last
     ``params.truncate_prompt_tokens`` (-1: ``context``, the model's) as vLLM truncates.
 
-    Raises ``ParamError("prompt", ...)`` for text or an id outside the vocabulary."""
+    Raises ``ParamError("prompt", ...)`` for text or an id outside the vocabulary, and
+    ``ParamError("truncate_prompt_tokens", ...)`` for more than ``context`` (as vLLM does)."""
     if isinstance(ids, str | bytes):
         raise ParamError("prompt", "prompt_ids must be a sequence of token ids, not text (encode it first)")
     found = list(ids)
@@ -67,6 +68,12 @@ def prompt_ids(ids: Sequence[int], params: SamplingParams, vocab_size: int, cont
     keep = params.truncate_prompt_tokens
     if keep is None:
         return found
+    if context is not None and keep > context:  # vLLM refuses it too: it could never keep that many
+        raise ParamError(
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens {keep} is more than the model's context (max_model_len {context}); "
+            "give at most that, or -1 for the context",
+        )
     keep = context if keep == -1 and context is not None else keep
     return found[-keep:] if 0 < keep < len(found) else found
 

@@ -191,10 +191,12 @@ async def _start_chat(llm: AsyncLLM, name: str, body: ChatCompletionRequest, res
         handles = await _submit(llm, prompts, params, response_id, fit_max_tokens=body.fit_max_tokens)
     except APIError as exc:
         if tools.forced and exc.param == "structured_outputs":
-            # the grammar is the tools' schema: a schema it cannot compile is a bad tool definition
+            # the grammar is the tools' schema: a schema it cannot compile is a bad tool definition (named as
+            # the body's field, not the structured_outputs.json the grammar engine was given)
+            problem = re.sub(r"^structured_outputs(\.\w+)?\s", "their schema ", exc.message)
             raise APIError(
                 400,
-                f"tools: a function's parameters cannot be forced: {exc.message}",
+                f"tools: a function's parameters cannot be forced: {problem}",
                 param="tools",
                 code="invalid_value",
             ) from None

@@ -176,6 +176,10 @@ def _reject_text(reason: RejectReason, detail: str) -> str:
     return f"the request was refused ({reason.value}): {detail}"
 
 
+# FastAPI's detail for a body json.loads failed on with anything but JSONDecodeError (a RecursionError: too deep).
+FASTAPI_PARSE_ERROR = "There was an error parsing the body"
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """pydantic's most telling complaint about the body as a 400 naming the field.
 
@@ -211,11 +215,25 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if isinstance(exc.body, bytes) and exc.body:  # FastAPI reads a body as JSON only under a JSON content type
+            content_type = request.headers.get("content-type", "")
+            error = APIError(
+                400,
+                f"the request body was sent as Content-Type {content_type!r}: send it as JSON with "
+                "'Content-Type: application/json'",
+                code="invalid_content_type",
+            )
+            return error.response_for(request.url.path)
         return validation_error(exc).response_for(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
+        if status == 400 and exc.detail == FASTAPI_PARSE_ERROR:  # json.loads failed past JSONDecodeError
+            cause = exc.__cause__
+            why = "it is nested too deeply" if isinstance(cause, RecursionError) else type(cause).__name__
+            message = f"the request body could not be parsed as JSON: {why}"
+            return APIError(400, message, code="invalid_json").response_for(request.url.path)
         phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "error"
         message = (
             exc.detail if isinstance(exc.detail, str) and exc.detail != phrase else f"{phrase}: {request.url.path}"

@@ -209,7 +209,8 @@ FIELDS: tuple[Field, ...] = (
         "max_completion_tokens",
         (CHAT,),
         OPENAI,
-        honoured=_SP + "max_tokens (wins over `max_tokens`)",
+        honoured=_SP + "max_tokens (the newer name of `max_tokens`)",
+        refused_values="beside a `max_tokens` or `n_predict` of another value (vLLM silently takes this one)",
         bad={"max_completion_tokens": -5},
     ),
     _f(
@@ -240,8 +241,8 @@ FIELDS: tuple[Field, ...] = (
         "seed",
         BOTH,
         OPENAI,
-        honoured=_SP + "seed: the request's draws depend on (seed, token index) alone; -1 is unseeded "
-        "(vLLM's and llama.cpp's convention)",
+        honoured=_SP + "seed: any 64-bit signed integer; the request's draws depend on (seed, token index) alone; "
+        "-1 is unseeded (vLLM's and llama.cpp's convention; generate --seed takes the same)",
         bad={"seed": "x"},
     ),
     _f(
@@ -426,7 +427,8 @@ FIELDS: tuple[Field, ...] = (
         "prediction",
         (CHAT,),
         OPENAI,
-        why="not supported: predicted outputs (speculation uses prompt lookup or a draft model instead)",
+        why="not supported: predicted outputs (speculation uses prompt lookup, suffix decoding or a draft model "
+        "instead: serve --spec-method ngram, suffix or draft)",
         bad={"prediction": {"type": "content", "content": "w1"}},
     ),
     _f(
@@ -520,6 +522,7 @@ FIELDS: tuple[Field, ...] = (
         BOTH,
         VLLM,
         honoured=_SP + "truncate_prompt_tokens: keep the prompt's last k tokens (-1: the model's context)",
+        refused_values="more than the model's context (max_model_len), as vLLM refuses it",
         bad={"truncate_prompt_tokens": 0},
     ),
     _f(

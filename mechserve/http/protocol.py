@@ -409,6 +409,15 @@ class ChatCompletionRequest(_Request):
     def check_supported(self) -> None:
         super().check_supported()
         self.tool_plan()
+        # vLLM takes max_completion_tokens over max_tokens without a word; two different caps are refused
+        for other in ("max_tokens", "n_predict"):
+            value = getattr(self, other)
+            if self.max_completion_tokens is not None and value is not None and value != self.max_completion_tokens:
+                raise UnsupportedField(
+                    "max_completion_tokens",
+                    f"max_completion_tokens ({self.max_completion_tokens}) and {other} ({value}) disagree; give one "
+                    "of them (max_tokens is the older name)",
+                )
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedField("top_logprobs", "top_logprobs needs logprobs: true")
 

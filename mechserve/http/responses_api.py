@@ -86,6 +86,7 @@ class ResponseState:
         self._item_of: dict[int, int] = {}  # block index -> item index
         self._logprobs: list[dict[str, Any]] = []  # of the open text item
         self._pending: list[dict[str, Any]] = []  # logprobs not yet sent with a delta
+        self._produced = 0  # output tokens the deltas carried so far (a failure's usage)
 
     @property
     def cancellable(self) -> bool:
@@ -95,6 +96,7 @@ class ResponseState:
 
     def step(self, d: SampleDelta) -> list[dict[str, Any]]:
         """The events of one engine delta of the reply."""
+        self._produced += len(d.token_ids)
         if self.run.render.logprobs and d.logprobs:
             self._pending += r.chat_logprobs(d.token_ids, d.logprobs, self.run.render)["content"]
         return self._render(self._blocks.feed(d.text), "completed")
@@ -103,7 +105,8 @@ class ResponseState:
         """The events of the reply's end (its ``output``: finish reason and usage), the terminal one last."""
         reason = output.outputs[0].finish_reason if output is not None and output.outputs else ABORT
         if reason == ABORT and not self.cancelled:
-            return self.fail(APIError(503, "the server shut down before the response finished", code="server_error"))
+            error = APIError(503, "the server shut down before the response finished", code="server_error")
+            return self.fail(error, output)
         item_status = "completed" if reason not in (LENGTH, ABORT) else "incomplete"
         events = self._render(self._blocks.finish(), item_status)
         if self.cancelled:
@@ -116,8 +119,9 @@ class ResponseState:
         terminal = "response.completed" if self.status == "completed" else "response.incomplete"
         return [*events, {"type": terminal, "response": self.response()}]
 
-    def fail(self, error: APIError) -> list[dict[str, Any]]:
-        """The events of a failure: open items closed incomplete, then ``error`` and ``response.failed``.
+    def fail(self, error: APIError, output: RequestOutput | None = None) -> list[dict[str, Any]]:
+        """The events of a failure: open items closed incomplete, then ``error`` and ``response.failed``; its
+        usage counts the tokens produced before it (``output``'s, or without one the deltas' so far).
 
         A server fault is a ``server_error``; a request that failed on its own account (its ``text.format`` or
         forced tool's grammar, inside an engine step: a 4xx ``error``) is an ``invalid_prompt`` naming the
@@ -128,7 +132,7 @@ class ResponseState:
         self.error = {"code": "server_error" if server else "invalid_prompt", "message": error.message}
         if not server and error.param is not None:
             self.error["param"] = error.param
-        self._finish(None)
+        self._finish(output)
         code = "server_error" if server else (error.code or "invalid_request_error")
         failed = {"type": "error", "code": code, "message": error.message, "param": None if server else error.param}
         return [*events, failed, {"type": "response.failed", "response": self.response()}]
@@ -161,7 +165,7 @@ class ResponseState:
         self.completed_at = int(time.time())
         handle = self.run.handles[0]
         prompt = len(handle.prompt_token_ids)
-        completion = sum(len(c.token_ids) for c in output.outputs) if output is not None else 0
+        completion = sum(len(c.token_ids) for c in output.outputs) if output is not None else self._produced
         cached = output.num_cached_tokens if output is not None else 0
         self.usage = {
             "input_tokens": prompt,

@@ -3,13 +3,18 @@
 Routes::
 
     POST /v1/completions, /v1/chat/completions   routed by m15's policy, passed through (streams chunk by chunk)
-    POST /tokenize, /detokenize                  passed to a live worker
+    POST /v1/messages, /v1/responses             routed alike; /v1/responses only with "store": false (a stored
+                                                 response lives on one worker: the router keeps no map of them)
+    GET|DELETE /v1/responses/{id}, .../cancel,   refused (400 saying why): only the worker that stored a response
+      .../input_items                            has it
+    POST /tokenize, /detokenize,                 passed to a live worker
+      /v1/messages/count_tokens
     GET  /v1/models, /v1/models/{id}             the fleet's model (a live worker's card)
     GET  /health                                 200 while a worker is live, else 503
     GET  /workers                                every worker: state, model, last load report
 
-A worker that fails under a request ends it with a clear error naming the worker: a stream with an
-OpenAI-style error event and ``data: [DONE]``, a plain request with 502 (it failed while answering)
+A worker that fails under a request ends it with a clear error naming the worker and why: a stream with
+its API's error event (OpenAI's and ``data: [DONE]``; Anthropic's ``event: error`` on /v1/messages), a plain request with 502 (it failed while answering)
 or 503 (it could not be reached), and the worker leaves the live set at once.  Health checks
 (``/health``, then ``/v1/models`` and ``/metrics``) run every ``health_interval`` seconds; a worker
 that stops answering them also ends its requests in flight, so none waits on a worker that hangs.
@@ -36,7 +41,13 @@ from mechserve.router.fleet import TOKENIZED, NoWorker, Worker, WorkerFleet
 
 log = logging.getLogger("mechserve.router")
 
-ROUTED = ("/v1/completions", "/v1/chat/completions")
+ROUTED = ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses")
+# Streams of named events (``event: <type>``), whose failure is an ``event: error`` of their own, not ``data:``.
+NAMED_EVENTS = ("/v1/messages", "/v1/responses")
+NOT_STORED = (
+    "the router keeps no stored responses: a stored response lives on the one worker that made it, and "
+    "GET, DELETE, cancel and previous_response_id need that worker"
+)
 PASSED_HEADERS = ("authorization", "content-type", "accept")
 
 
@@ -62,6 +73,7 @@ class Proxy:
         self.events = EventSubscriber(fleet, kv_events_topic) if fleet.options.policy == "precise" else None
         self.health_interval = health_interval
         self.health_timeout = health_timeout
+        self.request_timeout = request_timeout
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=health_timeout))
         self.headers = {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
         self.open: dict[int, set[httpx.Response]] = {}  # id(worker) -> upstream responses being read
@@ -121,7 +133,10 @@ class Proxy:
             running, waiting, kv_usage = load_report(metrics.text)
         except (httpx.HTTPError, WorkerFailed, ValueError, KeyError, IndexError) as exc:
             if worker.state in ("live", "pending"):
-                await self.take_down(worker, f"health check failed: {describe(exc)}")
+                why = describe(exc)
+                if isinstance(exc, httpx.TimeoutException):  # a hung worker: name the limit it broke
+                    why = f"no answer within {self.health_timeout:g} s (--health-check-timeout-secs): {why}"
+                await self.take_down(worker, f"health check failed: {why}")
             return None
         self.fleet.reported(worker, running, waiting, kv_usage)
         return model
@@ -142,8 +157,11 @@ class Proxy:
         (the worker then answers the request with the error that names the field)."""
         if self.fleet.options.policy not in TOKENIZED or not self.fleet.live:
             return []
-        if path == "/v1/chat/completions":
-            query: dict[str, Any] = {"messages": body.get("messages"), "add_generation_prompt": True}
+        if path != "/v1/completions":
+            messages = chat_messages(path, body)
+            if messages is None:
+                return []
+            query: dict[str, Any] = {"messages": messages, "add_generation_prompt": True}
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -172,6 +190,8 @@ class Proxy:
             raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        if path == "/v1/responses":
+            refuse_stored(body)
         tokens = await self.prompt_tokens(path, body)
         request_id = f"route-{uuid.uuid4().hex}"
         try:
@@ -214,31 +234,51 @@ class Proxy:
         self.open.setdefault(id(worker), set()).add(response)
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             return StreamingResponse(
-                self._stream(worker, request_id, response),
+                self._stream(worker, request_id, response, path),
                 status_code=response.status_code,
                 media_type="text/event-stream",
             )
         try:
             content = await response.aread()
         except (httpx.HTTPError, httpx.StreamError) as exc:
-            await self.take_down(worker, f"it failed while answering: {describe(exc)}")
-            raise APIError(
-                502, f"worker {worker.url} failed while answering: {describe(exc)}", code="worker_failed"
-            ) from None
+            why = self.failure(worker, exc)
+            await self.take_down(worker, f"it failed while answering: {why}")
+            raise APIError(502, f"worker {worker.url} failed while answering: {why}", code="worker_failed") from None
         finally:
             await self._close(worker, request_id, response)
         return Response(content, status_code=response.status_code, media_type=response.headers.get("content-type"))
 
-    async def _stream(self, worker: Worker, request_id: str, response: httpx.Response) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, worker: Worker, request_id: str, response: httpx.Response, path: str
+    ) -> AsyncIterator[bytes]:
         try:
             async for chunk in response.aiter_raw():
                 yield chunk
         except (httpx.HTTPError, httpx.StreamError) as exc:
-            await self.take_down(worker, f"it failed mid-stream: {describe(exc)}")
-            error = APIError(502, f"worker {worker.url} failed mid-stream: {describe(exc)}", code="worker_failed")
-            yield b"\n\ndata: " + json.dumps(error.body()).encode() + b"\n\ndata: [DONE]\n\n"
+            why = self.failure(worker, exc)
+            await self.take_down(worker, f"it failed mid-stream: {why}")
+            error = APIError(502, f"worker {worker.url} failed mid-stream: {why}", code="worker_failed")
+            if path in NAMED_EVENTS:  # the API's own error event: Anthropic's body, or the Responses API's
+                event = (
+                    error.anthropic_body()
+                    if path == "/v1/messages"
+                    else {"type": "error", "code": error.code, "message": error.message, "param": None}
+                )
+                yield b"\n\nevent: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+            else:
+                yield b"\n\ndata: " + json.dumps(error.body()).encode() + b"\n\ndata: [DONE]\n\n"
         finally:
             await self._close(worker, request_id, response)
+
+    def failure(self, worker: Worker, exc: BaseException) -> str:
+        """Why reading from ``worker`` failed, for people: the health round's reason when it took the worker
+        down under the read (a hung worker: its checks timed out), a timeout named with its limit, else the
+        exception."""
+        if worker.state == "down" and worker.reason:
+            return f"it was taken down ({worker.reason})"
+        if isinstance(exc, httpx.TimeoutException):
+            return f"it sent nothing for {self.request_timeout:g} s (--request-timeout-secs): {describe(exc)}"
+        return describe(exc)
 
     async def _close(self, worker: Worker, request_id: str, response: httpx.Response) -> None:
         self.open.get(id(worker), set()).discard(response)
@@ -261,6 +301,38 @@ class Proxy:
                 503, f"worker {worker.url} is unavailable: {describe(exc)}", code="worker_unavailable"
             ) from None
         return Response(reply.content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
+
+
+def refuse_stored(body: dict[str, Any]) -> None:
+    """``APIError`` 400 naming the field of a ``/v1/responses`` body that needs a stored response (module
+    docstring): ``store`` left out or true (OpenAI's default is true), ``background`` or ``previous_response_id``."""
+    if body.get("previous_response_id") is not None:
+        raise APIError(400, f"previous_response_id: {NOT_STORED}", param="previous_response_id")
+    if body.get("background"):
+        raise APIError(400, f"background: {NOT_STORED}; send it to a worker directly", param="background")
+    if body.get("store", True) is not False:
+        raise APIError(400, f'store: {NOT_STORED}; send "store": false, or send it to a worker directly', param="store")
+
+
+def chat_messages(path: str, body: dict[str, Any]) -> list[Any] | None:
+    """The chat messages ``/tokenize`` reads for a chat, Messages or Responses body (the prompt the policy
+    routes by), or None when the body's shape is not one the router reads (the policy then routes without it)."""
+    if path == "/v1/chat/completions":
+        messages = body.get("messages")
+        return messages if isinstance(messages, list) else None
+    if path == "/v1/messages":
+        messages, system = body.get("messages"), body.get("system")
+        if not isinstance(messages, list):
+            return None
+        head = [{"role": "system", "content": system}] if isinstance(system, (str, list)) and system else []
+        return head + messages
+    given, instructions = body.get("input"), body.get("instructions")
+    head = [{"role": "system", "content": instructions}] if isinstance(instructions, str) and instructions else []
+    if isinstance(given, str):
+        return [*head, {"role": "user", "content": given}]
+    if isinstance(given, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in given):
+        return head + [{"role": m["role"], "content": m["content"]} for m in given]
+    return None
 
 
 class WorkerFailed(Exception):
@@ -325,10 +397,17 @@ def build_router_app(proxy: Proxy) -> FastAPI:
     async def model(request: Request, model_id: str) -> Response:
         return await proxy.pass_through(request, f"/v1/models/{model_id}")
 
-    for path in ("/tokenize", "/detokenize"):
+    for path in ("/tokenize", "/detokenize", "/v1/messages/count_tokens"):
         app.add_api_route(path, _passed(proxy, path), methods=["POST"])
     for path in ROUTED:
         app.add_api_route(path, _routed(proxy, path), methods=["POST"])
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    @app.post("/v1/responses/{response_id}/cancel")
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def stored(response_id: str) -> Response:
+        raise APIError(400, f"{NOT_STORED}; ask that worker directly", code="unsupported_by_router")
+
     return app
 
 

@@ -146,6 +146,10 @@ class WorkerFleet:
                 log.warning("refusing worker %s: it serves %r, the fleet serves %r", worker.url, model, self.model)
             worker.state, worker.reason = "refused", f"it serves model {model!r}, the fleet serves {self.model!r}"
         else:
+            if worker.state == "down":  # logged as its going down was (a warning: the default log level shows it)
+                log.warning(
+                    "worker %s rejoined: it answers its checks again (it was down: %s)", worker.url, worker.reason
+                )
             worker.state, worker.reason = "live", ""
         if apply:
             self.apply_live()
@@ -155,6 +159,10 @@ class WorkerFleet:
         """``worker`` failed (``reason``): no request goes to it until it passes its checks again."""
         if worker.state == "live":
             log.warning("worker %s is down: %s", worker.url, reason)
+        elif worker.state == "pending":  # down from the start: it never answered its checks
+            log.warning(
+                "worker %s is down at start (requests go to the others until it answers): %s", worker.url, reason
+            )
         worker.state, worker.reason = "down", reason
         worker.resident = set()
         self.apply_live()

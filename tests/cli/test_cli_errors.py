@@ -540,3 +540,52 @@ def test_an_argument_that_is_not_utf8_is_one_line(cli, argv: list[str], needles:
 )
 def test_switch_flags_refused_where_they_cannot_act(cli, flags: list[str], needle: str) -> None:
     assert_one_error_line(cli("run", "--request", "a:4:2", *flags), needle)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--api-key", ""],
+        ["serve", "--api-key", "  "],
+        ["router", "--worker-api-key", "", "--worker-urls", "http://a:1"],
+    ],
+)
+def test_an_empty_api_key_is_refused_not_authentication_off(cli, argv: list[str]) -> None:
+    assert_one_error_line(cli(*argv), argv[1], "an empty key would turn authentication off")
+
+
+def test_an_empty_api_key_from_the_environment_is_refused(cli, monkeypatch) -> None:
+    monkeypatch.setenv("MECHSERVE_API_KEY", "")
+    assert_one_error_line(cli("serve"), "--api-key", "$MECHSERVE_API_KEY", "authentication off")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needles"),
+    [
+        (
+            ["generate", "hi", "--spec-method", "suffix", "--spec-len", "4", "--ngram-max", "7"],
+            ["--ngram-max is an option of --spec-method ngram", "in use is suffix"],
+        ),
+        (
+            ["serve", "--spec-method", "suffix", "--spec-len", "4", "--ngram-max", "3"],
+            ["--ngram-max is an option of --spec-method ngram", "in use is suffix"],
+        ),
+        (
+            ["generate", "hi", "--spec-method", "draft", "--draft-model", "smollm2:layers=1", "--ngram-min", "2"],
+            ["--ngram-min is an option of --spec-method ngram", "in use is draft"],
+        ),
+        (
+            ["generate", "hi", "--ngram-max", "5"],
+            ["--ngram-max is an option of --spec-method ngram", "speculation is off"],
+        ),
+        (
+            ["serve", "--suffix-decoding-max-tree-depth", "8"],
+            ["--suffix-decoding-max-tree-depth is an option of --spec-method suffix", "speculation is off"],
+        ),
+        (["generate", "hi", "--spec-fixed"], ["--spec-fixed", "speculation is off"]),
+        (["serve", "--spec-len", "0", "--spec-fixed"], ["--spec-fixed", "speculation is off"]),
+        (["generate", "hi", "--spec-len", "2", "--ngram-min", "4"], ["--ngram-min 4 is more than --ngram-max 3"]),
+    ],
+)
+def test_a_speculation_flag_of_a_method_not_in_use_is_refused(cli, argv: list[str], needles: list[str]) -> None:
+    assert_one_error_line(cli(*argv, "--model", "/nonexistent"), *needles)

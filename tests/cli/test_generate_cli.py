@@ -330,3 +330,22 @@ def test_unsupported_model_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     rc, _, err = call(["hi", "--model", str(tmp_path)], capsys)
     one_error_line(rc, err, "mechserve: error: unsupported model_type 'bert'")
+
+
+def test_seed_takes_the_servers_range_and_minus_one_is_unseeded(tiny_dir: tuple[Path, object], capsys) -> None:
+    """``--seed`` follows the HTTP ``seed`` field: any 64-bit signed integer, -1 unseeded (it refused -1)."""
+    path = str(tiny_dir[0])
+
+    def tokens(*seed: str) -> list[int]:
+        argv = [PROMPT, "--model", path, "--max-tokens", "12", "--temperature", "1.5", *seed, "--json"]
+        rc, out, err = call(argv, capsys)
+        assert rc == 0, err
+        return json.loads(out.splitlines()[-1])["outputs"][0]["token_ids"]
+
+    lowest = tokens("--seed", str(-(1 << 63)))
+    assert lowest == tokens("--seed", str(-(1 << 63)))  # seeded: the same draws
+    assert tokens("--seed", "-5") == tokens("--seed", "-5")
+    assert tokens("--seed", "-1") == tokens()  # -1 is no seed: the engine's own draws, as without --seed
+    assert len({tuple(lowest), tuple(tokens("--seed", "-5")), tuple(tokens("--seed", "7"))}) > 1
+    one_error_line(*call([PROMPT, "--model", path, "--seed", str(1 << 63)], capsys)[::2], "--seed")
+    one_error_line(*call([PROMPT, "--model", path, "--seed", str(-(1 << 63) - 1)], capsys)[::2], "--seed")

@@ -548,6 +548,9 @@ def test_a_shutdown_ends_every_response_in_flight_in_its_apis_shape(make_llm) ->
     last = json.loads(results["responses"][-1][6:])
     assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
     assert json.loads(results["responses"][-2][6:])["type"] == "error"
+    # its usage counts what was produced (it said 0 after 84 deltas): at least a token per delta
+    deltas = [line for line in results["responses"] if '"response.output_text.delta"' in line]
+    assert deltas and last["response"]["usage"]["output_tokens"] >= len(deltas)
     assert results["messages"][-2] == "event: error"
     error_of(results["plain"], 503, "api_error")
 

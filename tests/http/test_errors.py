@@ -318,3 +318,59 @@ def test_a_missing_body_is_a_client_error(tiny_server, path: str, headers: dict[
     response = httpx.post(tiny_server.url + path, headers=headers, timeout=30)
     assert_error(response, 400)
     assert_still_serving(tiny_server)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needles"),
+    [
+        ({"max_tokens": 2, "max_completion_tokens": 5}, ["max_completion_tokens (5)", "max_tokens (2)"]),
+        ({"n_predict": 2, "max_completion_tokens": 5}, ["max_completion_tokens (5)", "n_predict (2)"]),
+    ],
+)
+def test_two_different_token_caps_are_400_naming_both(tiny_server, extra: dict[str, Any], needles: list[str]) -> None:
+    body = {key: value for key, value in CHAT_OK.items() if key != "max_tokens"} | extra
+    message = assert_error(post(tiny_server, "/v1/chat/completions", body), 400, param="max_completion_tokens")
+    assert all(n in message for n in needles), message
+    same = {**CHAT_OK, "max_tokens": 3, "max_completion_tokens": 3, "temperature": 0}
+    assert post(tiny_server, "/v1/chat/completions", same).json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_truncate_prompt_tokens_over_the_context_is_400_naming_it(tiny_server, path: str) -> None:
+    body = {**(OK if path == "/v1/completions" else CHAT_OK), "truncate_prompt_tokens": 100000}
+    message = assert_error(post(tiny_server, path, body), 400, param="truncate_prompt_tokens")
+    assert "max_model_len" in message, message
+    # at most the context, more than the prompt: the whole prompt is kept (vLLM's rule)
+    body = {**OK, "truncate_prompt_tokens": 50, "temperature": 0}
+    assert post(tiny_server, "/v1/completions", body).json()["usage"]["prompt_tokens"] == 2
+    assert_still_serving(tiny_server)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_a_body_nested_too_deeply_is_400_invalid_json(tiny_server, path: str) -> None:
+    deep = '{"model": "x", "metadata": ' + "[" * 1000 + "]" * 1000 + "}"
+    message = assert_error(post(tiny_server, path, content=deep), 400, code="invalid_json")
+    assert "nested too deeply" in message, message
+    assert_still_serving(tiny_server)
+
+
+def test_a_deep_body_on_the_anthropic_endpoint_is_invalid_json_in_its_shape(tiny_server) -> None:
+    deep = '{"model": "x", "metadata": ' + "[" * 1000 + "]" * 1000 + "}"
+    response = post(tiny_server, "/v1/messages", content=deep)
+    assert response.status_code == 400 and "nested too deeply" in response.json()["error"]["message"], response.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages"])
+def test_json_sent_as_text_plain_names_the_content_type(tiny_server, path: str) -> None:
+    response = httpx.post(
+        tiny_server.url + path, content=json.dumps(CHAT_OK), headers={"content-type": "text/plain"}, timeout=30
+    )
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "Content-Type 'text/plain'" in message and "application/json" in message, message
+
+
+def test_the_prediction_refusal_names_every_speculative_alternative(tiny_server) -> None:
+    body = {**CHAT_OK, "prediction": {"type": "content", "content": "w1"}}
+    message = assert_error(post(tiny_server, "/v1/chat/completions", body), 400, param="prediction")
+    assert all(m in message for m in ("prompt lookup", "suffix decoding", "draft model")), message

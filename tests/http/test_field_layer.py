@@ -180,7 +180,8 @@ ONLY: dict[tuple[str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = {
     ],
     (CHAT, "max_tokens"): [({"max_tokens": None}, {**P(max_tokens=MAX_NEW_TOKENS), "fit_max_tokens": True})],
     (CHAT, "max_completion_tokens"): [
-        ({"max_completion_tokens": 3}, P(max_tokens=3)),
+        ({"max_tokens": None, "max_completion_tokens": 3}, P(max_tokens=3)),
+        ({"max_tokens": 3, "max_completion_tokens": 3}, P(max_tokens=3)),  # two equal caps are one
         ({"max_tokens": None, "max_completion_tokens": 0}, P(max_tokens=0)),
     ],
     (CHAT, "logprobs"): [({"logprobs": True}, P(logprobs=0)), ({"logprobs": False}, {})],

@@ -402,6 +402,8 @@ def test_an_engine_failure_ends_the_stream_with_error_and_response_failed(make_l
         failed = found[-1].response
         assert failed.status == "failed" and failed.error.code == "server_error"
         assert [e.sequence_number for e in found] == list(range(len(found)))
+        deltas = [e for e in found if e.type == "response.output_text.delta"]
+        assert deltas and failed.usage.output_tokens >= len(deltas)  # what was produced, not 0
 
 
 def test_a_full_queue_is_429_and_metrics_count_the_endpoint(make_llm) -> None:

@@ -7,6 +7,7 @@ decision log replays through m15 to the same choices (issue 26, items 4 and 6).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,6 +119,21 @@ def test_the_fleet_counts_outstanding_requests_until_they_finish() -> None:
     assert fleet.route("d", [])[0].url == "http://a:1"
     logged, replayed = replay_log(fleet.log)
     assert replayed == logged and [d.replica for d in logged] == [0, 1, 1, 0]
+
+
+def test_a_worker_down_at_start_and_its_rejoin_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    fleet = WorkerFleet(["http://a:1", "http://b:1"], RouterOptions("round_robin", 4))
+    with caplog.at_level(logging.WARNING, logger="mechserve.router"):
+        fleet.joined(fleet.workers[0], TINY_NAME)
+        fleet.down(fleet.workers[1], "health check failed: ConnectError")  # never answered: it was pending
+        fleet.joined(fleet.workers[1], TINY_NAME)
+        fleet.joined(fleet.workers[1], TINY_NAME)  # still live: nothing more to say
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "worker http://b:1 is down at start (requests go to the others until it answers): health check failed: "
+        "ConnectError",
+        "worker http://b:1 rejoined: it answers its checks again (it was down: health check failed: ConnectError)",
+    ]
 
 
 def test_streams_pass_through_chunk_by_chunk(two_workers: list[WorkerProcess]) -> None:
@@ -278,3 +294,42 @@ def _idle(url: str) -> bool:
 
     running, waiting, _ = load_report(httpx.get(url + "/metrics", timeout=5).text)
     return running == 0 and waiting == 0
+
+
+def test_messages_and_unstored_responses_are_routed_and_stored_ones_refused(two_workers: list[WorkerProcess]) -> None:
+    """/v1/messages (and count_tokens) and /v1/responses with store false reach the workers through the router,
+    streams included (they were 404); a stored response is refused naming why (it lives on one worker)."""
+    with RouterServer([w.url for w in two_workers], "cache_aware") as router:
+        user = [{"role": "user", "content": "w1 w2"}]
+        body = {"model": TINY_NAME, "max_tokens": 3, "messages": user, "temperature": 0}
+        reply = httpx.post(router.url + "/v1/messages", json=body, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["output_tokens"] == 3, reply.text
+        with httpx.stream("POST", router.url + "/v1/messages", json={**body, "stream": True}, timeout=60) as stream:
+            lines = [line for line in stream.iter_lines() if line.startswith("event: ")]
+        assert lines[0] == "event: message_start" and lines[-1] == "event: message_stop", lines
+        count = httpx.post(router.url + "/v1/messages/count_tokens", json={"model": TINY_NAME, "messages": user})
+        assert count.status_code == 200 and count.json()["input_tokens"] > 0, count.text
+        unstored = {"model": TINY_NAME, "input": "w1 w2", "max_output_tokens": 3, "store": False}
+        reply = httpx.post(router.url + "/v1/responses", json=unstored, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["output_tokens"] == 3, reply.text
+        with httpx.stream("POST", router.url + "/v1/responses", json={**unstored, "stream": True}, timeout=60) as s:
+            lines = [line for line in s.iter_lines() if line.startswith("event: ")]
+        assert lines[0] == "event: response.created" and lines[-1] == "event: response.incomplete", (
+            lines
+        )  # max_output_tokens
+        for extra, param in (({"store": True}, "store"), ({}, "store"), ({"background": True}, "background")):
+            stored = {k: v for k, v in unstored.items() if k != "store"} | extra
+            reply = httpx.post(router.url + "/v1/responses", json=stored, timeout=60)
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+            assert "the router keeps no stored responses" in reply.json()["error"]["message"]
+        reply = httpx.post(router.url + "/v1/responses", json={**unstored, "previous_response_id": "resp_1"})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "previous_response_id", reply.text
+        for method, path in (
+            ("GET", "/v1/responses/resp_1"),
+            ("DELETE", "/v1/responses/resp_1"),
+            ("POST", "/v1/responses/resp_1/cancel"),
+            ("GET", "/v1/responses/resp_1/input_items"),
+        ):
+            reply = httpx.request(method, router.url + path, timeout=30)
+            assert reply.status_code == 400 and "the router keeps no stored responses" in reply.text, (path, reply.text)
+        wait_for(lambda: not router.fleet.placed, what="every routed request to finish")

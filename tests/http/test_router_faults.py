@@ -95,6 +95,7 @@ def test_a_hung_worker_ends_a_plain_request_with_502_and_a_dead_one_is_503(tiny_
             r = reply["r"]
             assert r.status_code == 502, r.text
             assert hung.url in r.json()["error"]["message"] and r.json()["error"]["code"] == "worker_failed"
+            assert "--health-check-timeout-secs" in r.json()["error"]["message"], r.text  # the timeout, named
             assert states(router)[hung.url] == "down"
             assert plain(router.url).status_code == 200  # the other serves
             hung.kill()
@@ -112,3 +113,37 @@ def test_a_hung_worker_ends_a_plain_request_with_502_and_a_dead_one_is_503(tiny_
     finally:
         for w in started:
             w.stop()
+
+
+def test_a_hung_worker_ends_a_messages_stream_with_its_error_event_naming_the_timeout(tiny_dir: Path) -> None:
+    """A stream through the router from a worker that hangs ends with the API's own error event (Anthropic's on
+    /v1/messages), naming the health check's timeout (it said "failed mid-stream: ReadError")."""
+    started = [WorkerProcess(tiny_dir) for _ in range(2)]
+    try:
+        for w in started:
+            w.wait_ready()
+        with RouterServer([w.url for w in started], "round_robin") as router:
+            body = {
+                "model": TINY_NAME,
+                "max_tokens": 400,
+                "stream": True,
+                "messages": [{"role": "user", "content": "w3"}],
+            }
+            lines: list[str] = []
+            with httpx.stream("POST", router.url + "/v1/messages", json=body, timeout=60) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    lines.append(line)
+                    if len(lines) == 1:  # streaming: the worker under it stops answering now
+                        (worker,) = router.fleet.placed.values()
+                        hung = next(w for w in started if w.url == worker.url)
+                        hung.process.send_signal(signal.SIGSTOP)
+            events = [line for line in lines if line]
+            assert len(events) >= 2 and events[-2] == "event: error", lines
+            error = json.loads(events[-1][len("data: ") :])
+            assert error["type"] == "error" and error["error"]["type"] == "api_error", error
+            message = error["error"]["message"]
+            assert hung.url in message and "--health-check-timeout-secs" in message and "ReadError" not in message
+    finally:
+        for w in started:
+            w.kill()

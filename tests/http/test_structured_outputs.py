@@ -210,3 +210,17 @@ def test_a_constraint_failing_inside_a_step_fails_its_request_alone(
     assert counts["private"] == 0
     assert metric(byte_server, "vllm:num_requests_running") == 0
     assert metric(byte_server, "vllm:num_requests_waiting") == 0
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_a_tool_schema_that_cannot_be_forced_names_tools_not_a_field_never_sent(byte_server: Served, choice) -> None:
+    """A forced call's grammar is the tools' schemas: its failure names ``tools`` (it named
+    ``structured_outputs.json``, a field the request never sent)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}
+    for stream in (False, True):
+        response = chat(byte_server, tools=[tool], tool_choice=choice, stream=stream)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "tools" and error["message"].startswith("tools: "), error
+        assert "structured_outputs" not in error["message"] and "schema" in error["message"], error
+    byte_server.wait_idle()
