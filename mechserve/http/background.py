@@ -147,7 +147,11 @@ class GuardedH11Protocol(H11Protocol):
             return
         type(self).timed_out += 1
         cycle = self.cycle
-        if cycle is None or cycle.response_complete or not cycle.response_started:  # no response begun: say why
+        # a request began and no response to it has: say why (408); an idle keep-alive connection after a
+        # complete response just closes, as uvicorn's keep-alive timeout does (a 408 there would follow the
+        # previous response on the wire, read by a client that never sent another request)
+        idle = cycle is not None and cycle.response_complete and self.conn.their_state == h11.IDLE
+        if not idle and (cycle is None or cycle.response_complete or not cycle.response_started):
             self.transport.write(_TIMEOUT_RESPONSE)
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the app waiting for the body gets http.disconnect, its sends go nowhere

@@ -315,7 +315,9 @@ def test_a_client_that_never_reads_its_stream_is_given_up(model_dir: Path, tmp_p
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", served.port))
         body = json.dumps(
-            {"prompt": "abc", "max_tokens": 7000, "ignore_eos": True, "stream": True, "logprobs": 20}
+            # three choices of 7,000 tokens with 20 logprobs each: ~9 MB, more than the server's socket can
+            # buffer (net.ipv4.tcp_wmem's 4 MiB); one choice (~3 MB) fitted on an idle machine and finished
+            {"prompt": "abc", "max_tokens": 7000, "n": 3, "ignore_eos": True, "stream": True, "logprobs": 20}
         ).encode()
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
