@@ -40,9 +40,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "common.h"
 
 namespace {
 
@@ -58,46 +56,10 @@ enum Type : int {
 };
 constexpr int64_t G = 16;  // weights per group
 
-inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-    if (exp == 0x1f) {
-        u = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        u = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        u = sign;
-    } else {  // subnormal: normalise
-        int e = -1;
-        do {
-            ++e;
-            man <<= 1;
-        } while (!(man & 0x400u));
-        u = sign | ((112 - e) << 23) | ((man & 0x3ffu) << 13);
-    }
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-#endif
-}
-
-inline float bf16_to_float(uint16_t bits) {
-    uint32_t u = static_cast<uint32_t>(bits) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-inline uint16_t float_to_bf16(float x) {
-    uint32_t u;
-    std::memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
-    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even, as torch does
-    return static_cast<uint16_t>(u >> 16);
-}
+// The scalar conversions are linear.cpp's (common.h): one copy of each.
+using mechserve::bf16_to_float;
+using mechserve::float_to_bf16;
+using mechserve::half_to_float;
 
 inline float load_value(const void* p, int type, int64_t i) {
     return type == F32 ? static_cast<const float*>(p)[i] : bf16_to_float(static_cast<const uint16_t*>(p)[i]);
