@@ -274,6 +274,11 @@ class AsyncLLM:
         return self._stepper.error
 
     @property
+    def degraded(self) -> str | None:
+        """What part of the engine is down while the rest serves (data-parallel replicas), or None."""
+        return None
+
+    @property
     def trace(self) -> list[Any]:
         """Every step record so far (with ``trace=True``; else empty)."""
         return list(self._stepper.trace or ())
