@@ -238,7 +238,12 @@ class DataParallelLLM(AsyncLLM):
 
     def _spawn(self, model: str, config: EngineConfig, timeout: float) -> list[Ready]:
         """Start every replica and wait for each one's ``Ready``; ``ValueError`` for one that fails."""
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads_each)}
+        import mechserve
+
+        # the replicas import the same mechserve as this process, wherever it was imported from
+        source = os.path.dirname(os.path.dirname(os.path.abspath(mechserve.__file__)))
+        path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads_each), "PYTHONPATH": path}
         for i in range(self.size):
             inbox = self._context.socket(zmq.PUSH)
             inbox.setsockopt(zmq.LINGER, 0)

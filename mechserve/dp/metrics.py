@@ -10,8 +10,6 @@ DP engines' series side by side.  A replica that is down keeps its last answer (
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any
-
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
@@ -77,6 +75,3 @@ class FleetMetrics:
         """``(body, content type)`` as ``ServingMetrics.render``: the server's series and every replica's."""
         encoder, content_type = choose_encoder(accept)
         return encoder(self.registry), content_type
-
-    def __getattr__(self, name: str) -> Any:
-        raise AttributeError(f"FleetMetrics has no {name!r}: per-engine series live in the replicas")

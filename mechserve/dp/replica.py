@@ -74,7 +74,9 @@ class Replica:
         self.loop = loop
         self._out = out
         self._header = spec.index.to_bytes(2, "big")
-        self.metrics = ServingMetrics(spec.model_name, core.max_model_len, engine=str(spec.index), process=False)
+        self.metrics = ServingMetrics(
+            spec.model_name, core.max_model_len, engine=str(spec.index), process=False, http=False
+        )
         self.recorder = CacheEventRecorder(core.config.page_size)
         self.stepper = Stepper(core, self.metrics, on_step=self._on_step, name=f"mechserve-engine-{spec.index}")
         self._pending: list[Any] = []  # this loop iteration's events, sent as one Events message
