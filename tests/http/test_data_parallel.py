@@ -382,3 +382,30 @@ def test_dp1_is_the_in_process_engine(byte_dir: Path) -> None:
         assert type(llm) is AsyncLLM
     finally:
         llm.core.close()
+
+
+# The offline API -------------------------------------------------------------------------------------------------
+
+
+def test_llm_data_parallel_size_2_gives_one_engines_greedy_outputs(byte_dir: Path, reference: Any) -> None:
+    from mechserve.api.params import SamplingParams
+    from mechserve.entrypoints.llm import LLM, RequestsRejected
+
+    with LLM(str(byte_dir), data_parallel_size=2, page_size=4, num_pages=512) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        assert [o.outputs[0].text for o in outs] == [greedy_text(reference, p)[0] for p in PROMPTS]
+        assert [o.prompt for o in outs] == PROMPTS
+        with pytest.raises(RequestsRejected) as caught:  # one refused, the others complete
+            llm.generate([PROMPTS[0], "x" * 5000], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert list(caught.value.errors) == [1] and caught.value.outputs[0] is not None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"data_parallel_size": 0}, "data_parallel_size"), ({"routing_policy": "precise"}, "data_parallel_size > 1")],
+)
+def test_llm_refuses_bad_data_parallel_keywords(byte_dir: Path, kwargs: dict[str, Any], message: str) -> None:
+    from mechserve.entrypoints.llm import LLM
+
+    with pytest.raises(ValueError, match=message):
+        LLM(str(byte_dir), **kwargs)
