@@ -279,7 +279,7 @@ def check_data_parallel(args: argparse.Namespace) -> None:
         return
     if args.world_size > 1:
         raise CliError("--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported: choose one")
-    from mechserve.dp.client import available_threads
+    from mechserve.dp import available_threads
 
     threads = args.threads if args.threads is not None else available_threads()
     if threads < size:

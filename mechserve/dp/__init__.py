@@ -6,3 +6,15 @@ replica; ``replica`` is the engine-core process (``python -m mechserve.dp.replic
 router (``mechserve.router.fleet.WorkerFleet``); ``metrics`` joins the replicas' Prometheus series
 under vLLM's ``engine`` label.  docs/fleet.md ("Data-parallel replicas") says what crosses and why.
 """
+
+from __future__ import annotations
+
+import os
+
+
+def available_threads() -> int:
+    """The CPUs this process may run on (``serve --threads``' default with ``--data-parallel-size``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

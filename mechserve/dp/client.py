@@ -40,6 +40,7 @@ import zmq
 from mechserve.api.config import EngineConfig
 from mechserve.api.errors import EngineDeadError, EngineStoppedError, RequestRejected
 from mechserve.api.params import SamplingParams
+from mechserve.dp import available_threads
 from mechserve.dp.metrics import FleetMetrics
 from mechserve.dp.wire import (
     ENCODER,
@@ -76,14 +77,6 @@ WATCH_S = 0.1  # how often the API server looks at the replica processes
 START_TIMEOUT_S = 600.0  # a replica loads its model within this
 QUERY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 30.0
-
-
-def available_threads() -> int:
-    """The CPUs this process may run on (``--threads``' default)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 @dataclass
@@ -253,7 +246,9 @@ class DataParallelLLM(AsyncLLM):
                 f"ipc://{self._dir}/out",
             )  # fmt: skip
             argv = [sys.executable, "-m", "mechserve.dp.replica", msgspec.json.encode(spec).decode()]
-            process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+            # a session of its own: a terminal's Ctrl-C or a signal to the server's process group reaches the
+            # server alone, which then shuts the replicas down in order (each exits by itself if the server dies)
+            process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
             self._replicas.append(_Replica(i, process, inbox))
         ready: dict[int, Ready] = {}
         deadline = time.monotonic() + timeout

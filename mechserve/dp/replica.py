@@ -84,6 +84,7 @@ class Replica:
         self._compiling: set[str] = set()
         self._cancelled: set[str] = set()
         self.done = asyncio.Event()
+        self._shutting_down = False
 
     # sending (loop thread) ----------------------------------------------------------------------------------
 
@@ -134,7 +135,8 @@ class Replica:
                 self.stepper.abort(message.request_id)
         elif isinstance(message, Query):
             self._query(message)
-        elif isinstance(message, Shutdown):
+        elif isinstance(message, Shutdown) and not self._shutting_down:
+            self._shutting_down = True
             asyncio.ensure_future(self.shutdown())
 
     def _add(self, message: Add) -> None:
