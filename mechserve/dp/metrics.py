@@ -13,12 +13,13 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from mechserve.dp.wire import Family
 from mechserve.entrypoints.metrics import HttpMetrics, process_collectors
 
 
-class _Replicas:
+class _Replicas(Collector):
     """A prometheus_client collector: the replicas' latest families, one family per name."""
 
     def __init__(self, size: int) -> None:
@@ -46,7 +47,7 @@ class FleetMetrics:
         process_collectors(self.registry)
         self.http = HttpMetrics(self.registry)
         self._replicas = _Replicas(size)
-        self.registry.register(self._replicas)  # type: ignore[arg-type]  # a collector by its collect()
+        self.registry.register(self._replicas)
         self.refresher: Callable[[], Awaitable[None]] | None = None
 
     def update(self, index: int, families: Sequence[Family]) -> None:
