@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = {
     # multi-tenant: requests, rate (req/s), tenants, system prompt words (N/2..N), message words, output tokens
-    "full": {"requests": 200, "rate": 2.0, "tenants": 16, "system_len": 512, "input_len": 64, "output_len": 32},
+    "full": {"requests": 200, "rate": 1.0, "tenants": 32, "system_len": 512, "input_len": 64, "output_len": 32},
     "quick": {"requests": 32, "rate": 4.0, "tenants": 4, "system_len": 192, "input_len": 24, "output_len": 8},
 }
 
@@ -185,10 +185,14 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run, not the figures")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--out", default=str(ROOT / "bench-results" / "issue26"))
+    for name in SIZES["full"]:  # any size of (a) can be overridden: --requests 400 --rate 0.5 ...
+        kind = float if name == "rate" else int
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=f"(a)'s {name}")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    size = SIZES["quick" if args.quick else "full"]
+    size = dict(SIZES["quick" if args.quick else "full"])
+    size.update({k: getattr(args, k) for k in size if getattr(args, k) is not None})
     load = os.getloadavg()
 
     runs = {policy: multi_tenant(args.model, policy, size, out) for policy in ("precise", "round_robin")}

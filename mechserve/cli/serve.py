@@ -432,6 +432,7 @@ def _engine(args: argparse.Namespace, on_step: Any = None) -> Any:
     from mechserve.entrypoints.async_llm import AsyncLLM
 
     resolve(args)
+    llm: AsyncLLM
     try:
         if args.data_parallel_size > 1:
             from mechserve.dp.client import DataParallelLLM
