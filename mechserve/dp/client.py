@@ -77,6 +77,7 @@ WATCH_S = 0.1  # how often the API server looks at the replica processes
 START_TIMEOUT_S = 600.0  # a replica loads its model within this
 QUERY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 30.0
+KEEP_DECISIONS = 10_000  # the router's decision log keeps its newest entries only (a server runs for days)
 
 
 @dataclass
@@ -220,7 +221,9 @@ class DataParallelLLM(AsyncLLM):
         limit = prompt_char_limit(tokenizer, first.max_model_len)
         self.prompt_policy = prompt_policy or PromptPolicy(max_prompt_chars=limit)
         self.fleet = WorkerFleet(
-            [f"engine {i}" for i in range(size)], RouterOptions(routing_policy, block_size=config.page_size)
+            [f"engine {i}" for i in range(size)],
+            RouterOptions(routing_policy, block_size=config.page_size),
+            keep_log=KEEP_DECISIONS,
         )
         self._worker_index = {id(w): i for i, w in enumerate(self.fleet.workers)}
         for worker in self.fleet.workers:
