@@ -403,7 +403,9 @@ class DataParallelLLM(AsyncLLM):
         stream = RequestStream(rid, _Aborter(self))  # type: ignore[arg-type]  # what it calls is abort()
         admitted: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
         self._requests[rid] = _Request(stream, replica.index, admitted)
-        self._send(replica, Add(rid, text, ids, params, fit_max_tokens, time.perf_counter()))
+        if not self._send(replica, Add(rid, text, ids, params, fit_max_tokens, time.perf_counter())):
+            self._forget(rid)
+            raise EngineDeadError(f"data-parallel replica {replica.index} takes no requests: its queue is full")
         try:
             admission = await admitted
         except asyncio.CancelledError:
@@ -431,10 +433,14 @@ class DataParallelLLM(AsyncLLM):
         done.set_result(req is not None)
         return done
 
-    def _send(self, replica: _Replica, message: Any) -> None:
-        """One message to ``replica`` (event loop thread; never blocks: a replica that is gone drops it)."""
-        with contextlib.suppress(zmq.Again):
+    def _send(self, replica: _Replica, message: Any) -> bool:
+        """One message to ``replica`` (event loop thread); never blocks: False when its queue is full (a replica
+        that stopped reading), the message dropped."""
+        try:
             replica.inbox.send(ENCODER.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     # The replicas' messages (reader thread -> event loop) ------------------------------------------------------------
 
