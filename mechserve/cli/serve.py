@@ -171,10 +171,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="tensor-parallel rank processes (default 1)",
     )
-    add_aliased(
-        parser,
+    add(
         "--data-parallel-size",
-        ("-dp",),
+        "-dp",
         dest="data_parallel_size",
         default=1,
         type=integer(1, MAX_DATA_PARALLEL),
