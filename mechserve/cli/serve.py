@@ -195,8 +195,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=integer(1, 4096),
         default=None,
         metavar="T",
-        help="CPU threads for the engine (default: every CPU this process may use); with --data-parallel-size N "
-        "each replica gets T//N",
+        help="CPU threads for the engine (default: every CPU this process may use, and at least one per replica); "
+        "with --data-parallel-size N each replica gets T//N",
     )
     add(
         "--allow-additional-properties",
@@ -278,12 +278,10 @@ def check_data_parallel(args: argparse.Namespace) -> None:
         return
     if args.world_size > 1:
         raise CliError("--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported: choose one")
-    from mechserve.dp import available_threads
-
-    threads = args.threads if args.threads is not None else available_threads()
-    if threads < size:
+    if args.threads is not None and args.threads < size:  # by default every replica gets at least one
         raise CliError(
-            f"--threads {threads} is fewer than --data-parallel-size {size}: each replica needs at least one thread"
+            f"--threads {args.threads} is fewer than --data-parallel-size {size}: each replica needs at least one "
+            "thread"
         )
 
 

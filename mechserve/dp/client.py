@@ -140,7 +140,7 @@ class DataParallelLLM(AsyncLLM):
 
     ``model`` must be loadable by path in another process (``"smollm2"``, a directory, a GGUF file, or a
     ``LoadedModel`` with its ``path``); ``config`` is every replica's engine config; ``threads`` (default
-    every CPU this process may use) is split evenly, ``threads // data_parallel_size`` per replica;
+    every CPU this process may use, at least one per replica) is split evenly, ``threads // data_parallel_size`` per replica;
     ``routing_policy`` is one of ``POLICIES``.  ``kv_events`` (a ``KVEventPublisher``, optional) republishes
     every replica's KV events with its ``data_parallel_rank``.  The replicas start here and this returns
     once each has loaded its model.  Raises ``ValueError`` for fewer threads than replicas, an unknown
@@ -168,7 +168,7 @@ class DataParallelLLM(AsyncLLM):
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {size!r}")
         if routing_policy not in POLICIES:
             raise ValueError(f"unknown routing policy {routing_policy!r}; choose from {', '.join(POLICIES)}")
-        threads = available_threads() if threads is None else threads
+        threads = max(available_threads(), size) if threads is None else threads
         if threads < size:
             raise ValueError(
                 f"--threads {threads} is fewer than --data-parallel-size {size}: each replica needs at least one thread"
