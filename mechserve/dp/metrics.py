@@ -10,6 +10,7 @@ DP engines' series side by side.  A replica that is down keeps its last answer (
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric

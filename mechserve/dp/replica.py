@@ -85,6 +85,7 @@ class Replica:
         self._cancelled: set[str] = set()
         self.done = asyncio.Event()
         self._shutting_down = False
+        self._shutdown_task: asyncio.Future[None] | None = None
 
     # sending (loop thread) ----------------------------------------------------------------------------------
 
@@ -137,7 +138,7 @@ class Replica:
             self._query(message)
         elif isinstance(message, Shutdown) and not self._shutting_down:
             self._shutting_down = True
-            asyncio.ensure_future(self.shutdown())
+            self._shutdown_task = asyncio.ensure_future(self.shutdown())
 
     def _add(self, message: Add) -> None:
         so = message.params.structured_outputs

@@ -115,7 +115,9 @@ class LLM:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
         if data_parallel_size == 1:
             if routing_policy is not None:
-                raise ValueError("routing_policy routes between data-parallel replicas: it needs data_parallel_size > 1")
+                raise ValueError(
+                    "routing_policy routes between data-parallel replicas: it needs data_parallel_size > 1"
+                )
             self.core = EngineCore.open(model, engine_config(config, engine_args))
             return
         from mechserve.dp.offline import OfflineReplicas
