@@ -207,15 +207,21 @@ class LLM:
         ]
         return self._run(items, params_list(sampling_params, len(items)), use_tqdm)
 
+    def _run_replicas(
+        self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """``_run`` over data-parallel replicas: every request at once, each on the replica its router chose."""
+        outputs, failed = self._replicas.run(items, params)
+        if failed:
+            raise RequestsRejected(failed, outputs) from next(iter(failed.values()))
+        return [o for o in outputs if o is not None]
+
     def _run(
         self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
         """Submit ``items``, run the engine until it is idle, return the outputs in input order."""
         if self._replicas is not None:
-            outputs, errors = self._replicas.run(items, params)
-            if errors:
-                raise RequestsRejected(errors, outputs) from next(iter(errors.values()))
-            return [o for o in outputs if o is not None]
+            return self._run_replicas(items, params)
         request_ids: list[str | None] = []
         errors: dict[int, ValueError] = {}
         for i, ((text, ids), p) in enumerate(zip(items, params)):
