@@ -510,8 +510,21 @@ __all__ = [
     "check_setting",
     "device_name",
     "dtype_name",
+    "engine_config",
     "format_bytes",
     "parse_draft_model",
     "parse_size",
     "setting_range",
 ]
+
+
+def engine_config(config: EngineConfig | None, engine_args: Mapping[str, Any]) -> EngineConfig:
+    """``config``, or the ``EngineConfig`` the keyword arguments name (``EngineConfig.from_args``); both
+    together are an error.  What ``LLM`` and ``AsyncLLM`` share."""
+    if config is not None:
+        if engine_args:
+            raise TypeError(f"give config= or engine keywords, not both (got {', '.join(sorted(engine_args))})")
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        return config
+    return EngineConfig.from_args(**engine_args)

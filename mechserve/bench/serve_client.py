@@ -8,7 +8,12 @@ of ``--input-len`` random common words (about one token each for a BPE
 tokenizer) and asks for exactly ``--output-len`` tokens (greedy,
 ``ignore_eos``).  Timings are the client's: TTFT from sending the request to
 the first chunk with text, ITL between two chunks with text, E2E to the last
-byte.  The report is one JSON object with vLLM's benchmark names::
+byte.  ``--workload multi-tenant`` sends issue 26's routing workload instead
+(``mechserve.bench.fleet_workloads.tenants`` as text: ``--tenants`` tenants, each
+with its own system prompt of up to ``--system-len`` words, Zipf-popular, each
+request one tenant's system prompt and a user message of up to ``--input-len``
+words), so that a cache-aware router has prefixes to find.  The report is one JSON
+object with vLLM's benchmark names::
 
     completed, failed, errors (status -> count), duration, total_input_tokens, total_output_tokens,
     request_throughput (req/s), output_throughput (tok/s),
@@ -37,6 +42,7 @@ _WORD_TEXT = (
     "only new after first also over two years people work city world water house story light river garden music"
 )
 WORDS = tuple(_WORD_TEXT.split())
+BENCH_WORKLOADS = ("random", "multi-tenant")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +61,9 @@ class BenchConfig:
     max_concurrency: int | None = None
     seed: int = 0
     timeout: float = 300.0
+    workload: str = "random"
+    tenants: int = 16
+    system_len: int = 512
 
 
 @dataclass(slots=True)
@@ -91,6 +100,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-concurrency", type=_positive(int), default=None, metavar="N", help="requests in flight at most")
     add("--seed", type=int, default=d.seed, help="seed of the prompts and the arrival times")
     add("--timeout", type=_positive(float), default=d.timeout, metavar="S", help="per request, seconds")
+    add(
+        "--workload",
+        choices=BENCH_WORKLOADS,
+        default=d.workload,
+        help="random: --input-len random words per prompt (default); multi-tenant: issue 26's tenants with their "
+        "own system prompts (--tenants, --system-len), each request a tenant's system prompt and a message",
+    )
+    add("--tenants", type=_positive(int), default=d.tenants, metavar="N", help=f"multi-tenant: default {d.tenants}")
+    add(
+        "--system-len",
+        type=_positive(int),
+        default=d.system_len,
+        metavar="N",
+        help=f"multi-tenant: system prompts of N/2 to N words (default {d.system_len})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,12 +146,14 @@ async def benchmark(config: BenchConfig) -> dict[str, Any]:
         model = config.model or await _first_model(client)
         gate = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
         tasks: list[asyncio.Task[RequestResult]] = []
+        texts = iter(multi_tenant_prompts(config)) if config.workload == "multi-tenant" else None
         started = time.perf_counter()
         for offset in arrivals(config.rate, config.num_requests, config.duration, rng):
             delay = started + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            body = request_body(config, model, prompt(rng, config.input_len))
+            text = next(texts) if texts is not None else prompt(rng, config.input_len)
+            body = request_body(config, model, text)
             tasks.append(asyncio.create_task(_gated(gate, one_request(client, config.endpoint, body))))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - started
@@ -147,6 +173,27 @@ def arrivals(rate: float, count: int, duration: float | None, rng: random.Random
 
 def prompt(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def multi_tenant_prompts(config: BenchConfig) -> list[str]:
+    """``config.num_requests`` prompts of ``fleet_workloads.tenants`` (seeded by ``config.seed``) as text: each
+    token id is one of ``WORDS``, so a tenant's system prompt is the same text in every request of it."""
+    from mechserve.bench.fleet_workloads import Sizes, tenants
+
+    sizes = Sizes(
+        requests=config.num_requests,
+        tenants=config.tenants,
+        system=(max(config.system_len // 2, 1), config.system_len),
+        message=(max(config.input_len // 2, 1), config.input_len),
+        output=(config.output_len, config.output_len),
+    )
+    workload = tenants(sizes, config.seed)
+    out: list[str] = []
+    step = 0
+    while not workload.exhausted:
+        out += [" ".join(WORDS[t % len(WORDS)] for t in a.tokens) for a in workload.due(step)]
+        step += 1
+    return out
 
 
 def request_body(config: BenchConfig, model: str, text: str) -> dict[str, Any]:
@@ -205,6 +252,7 @@ def summarize(results: Sequence[RequestResult], duration: float, config: BenchCo
     done = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
     report: dict[str, Any] = {
+        "workload": config.workload,
         "endpoint": config.endpoint,
         "rate": None if math.isinf(config.rate) else config.rate,
         "max_concurrency": config.max_concurrency,

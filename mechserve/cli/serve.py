@@ -57,6 +57,8 @@ SERVE_MAX_STEP_TOKENS = 512  # prefill chunks interleaved with decodes keep inte
 GRACEFUL_SHUTDOWN_SECONDS = 5  # for connections still open after the drain (a client that reads slowly)
 DEFAULT_STORED_RESPONSES = 1024  # mechserve.http.responses_api.MAX_STORED_RESPONSES (not imported: no FastAPI here)
 MAX_STORED_RESPONSES_LIMIT = 1_000_000
+MAX_DATA_PARALLEL = 256
+ROUTING_POLICIES = ("precise", "cache_aware", "round_robin", "least_loaded")  # mechserve.dp.client.POLICIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -170,6 +172,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tensor-parallel rank processes (default 1)",
     )
     add(
+        "--data-parallel-size",
+        "-dp",
+        dest="data_parallel_size",
+        default=1,
+        type=integer(1, MAX_DATA_PARALLEL),
+        metavar="N",
+        help="engine-core processes behind this server, each a whole engine with its own KV pool and prefix "
+        "cache on --threads/N threads, requests routed by --routing-policy (vLLM's flag; default 1: one engine "
+        "in this process)",
+    )
+    add(
+        "--routing-policy",
+        choices=ROUTING_POLICIES,
+        default=None,
+        help="with --data-parallel-size > 1: how each request picks its replica (default precise: the replicas' "
+        "KV events and load, llm-d's scorer; cache_aware: sgl-router's approximate tree; round_robin; "
+        "least_loaded)",
+    )
+    add(
+        "--threads",
+        type=integer(1, 4096),
+        default=None,
+        metavar="T",
+        help="CPU threads for the engine (default: every CPU this process may use, and at least one per replica); "
+        "with --data-parallel-size N each replica gets T//N",
+    )
+    add(
         "--allow-additional-properties",
         action="store_true",
         help="structured outputs and forced tool calls follow JSON Schema's open objects: an object schema "
@@ -229,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
     from starting (missing extra, bad model or size, a KV cache that does not fit, an address in use)."""
     resolve(args)
     engine_config(args)  # a bad value or combination of flags fails before anything loads
+    check_data_parallel(args)
     uvicorn, server_module = _imports()
     events = _kv_events(args)
     try:
@@ -236,6 +266,23 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if events is not None:
             events.publisher.close()
+
+
+def check_data_parallel(args: argparse.Namespace) -> None:
+    """``--data-parallel-size``, ``--routing-policy`` and ``--threads`` together; ``CliError`` for a combination
+    that cannot run (checked before anything loads)."""
+    size = args.data_parallel_size
+    if size == 1:
+        if args.routing_policy is not None:
+            raise CliError("--routing-policy routes between data-parallel replicas: it needs --data-parallel-size > 1")
+        return
+    if args.world_size > 1:
+        raise CliError("--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported: choose one")
+    if args.threads is not None and args.threads < size:  # by default every replica gets at least one
+        raise CliError(
+            f"--threads {args.threads} is fewer than --data-parallel-size {size}: each replica needs at least one "
+            "thread"
+        )
 
 
 def _kv_events(args: argparse.Namespace) -> Any:
@@ -255,7 +302,7 @@ def _kv_events(args: argparse.Namespace) -> Any:
 
 def _serve(args: argparse.Namespace, uvicorn: Any, server_module: Any, events: Any) -> int:
     llm = _engine(args, events)
-    if events is not None:
+    if events is not None and args.data_parallel_size == 1:
         events.attach(llm.core)
     # What startup built (torch, transformers, the model) stays for the process's life: frozen out of the
     # collector, it is neither scanned by every full collection while serving (pauses) nor at exit, where
@@ -285,7 +332,7 @@ def _serve(args: argparse.Namespace, uvicorn: Any, server_module: Any, events: A
     )
     core = llm.core
     print(
-        f"mechserve: serving {name!r} on http://{host}:{port} (OpenAI API under /v1; {_memory(core)}, "
+        f"mechserve: serving {name!r} on http://{host}:{port} (OpenAI API under /v1; {_layout(args, llm)}, "
         f"max_running {args.max_running}, max_waiting {args.max_waiting}"
         f"{_speculation(core)}{', API key required' if args.api_key else ''}); Ctrl-C stops",
         file=sys.stderr,
@@ -324,7 +371,17 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _memory(core: Any) -> str:
+def _layout(args: argparse.Namespace, llm: Any) -> str:
+    """The startup line's engine part: one engine's memory, or the replicas, their threads and policy."""
+    if args.data_parallel_size == 1:
+        return describe_memory(llm.core)
+    return (
+        f"{llm.size} data-parallel replicas (pids {', '.join(map(str, llm.replica_pids()))}), "
+        f"{llm.threads_each} thread(s) each, routing {llm.policy}; each: {llm.core.memory}"
+    )
+
+
+def describe_memory(core: Any) -> str:
     """issue 30: what the engine holds, for the startup line: ``weights 92.3 MiB (q4_1 64.0 MiB, ...), KV pool
     180.0 MiB: 720 pages of 16 positions (auto)`` (weights held by rank processes are not counted here)."""
     from mechserve.api.config import format_bytes
@@ -372,10 +429,28 @@ def _engine(args: argparse.Namespace, on_step: Any = None) -> Any:
     from mechserve.entrypoints.async_llm import AsyncLLM
 
     resolve(args)
+    llm: AsyncLLM
     try:
-        llm = AsyncLLM(
-            args.model, config=engine_config(args), model_name=args.served_model_name or args.model, on_step=on_step
-        )
+        if args.data_parallel_size > 1:
+            from mechserve.dp.client import DataParallelLLM
+
+            llm = DataParallelLLM(
+                args.model,
+                data_parallel_size=args.data_parallel_size,
+                config=engine_config(args),
+                model_name=args.served_model_name or args.model,
+                routing_policy=args.routing_policy or "precise",
+                threads=args.threads,
+                kv_events=None if on_step is None else on_step.publisher,
+            )
+        else:
+            if args.threads is not None:
+                import torch
+
+                torch.set_num_threads(args.threads)
+            llm = AsyncLLM(
+                args.model, config=engine_config(args), model_name=args.served_model_name or args.model, on_step=on_step
+            )
     except ModelLoadError as exc:
         raise CliError(str(exc)) from None
     except KVMemoryError as exc:

@@ -38,14 +38,13 @@ from dataclasses import replace
 from types import TracebackType
 from typing import Any, TypeVar
 
-from mechserve.api.config import EngineConfig
+from mechserve.api.config import EngineConfig, engine_config
 from mechserve.api.errors import EngineDeadError, EngineStepError, RequestRejected
 from mechserve.api.limits import MIN_PROMPT_CHARS
 from mechserve.api.outputs import RequestOutput, SampleDelta, StepOutput
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore, EngineStats
 from mechserve.entrypoints.events import Admission, StreamEvent
-from mechserve.entrypoints.llm import engine_config
 from mechserve.entrypoints.metrics import ServingMetrics
 from mechserve.entrypoints.prompts import Chat, PromptInput, PromptPolicy, parse_prompt, tokenize
 from mechserve.entrypoints.sandbox import TemplateSandbox
@@ -272,6 +271,11 @@ class AsyncLLM:
     def error(self) -> BaseException | None:
         """The failure that killed the engine, if it is dead."""
         return self._stepper.error
+
+    @property
+    def degraded(self) -> str | None:
+        """What part of the engine is down while the rest serves (data-parallel replicas), or None."""
+        return None
 
     @property
     def trace(self) -> list[Any]:

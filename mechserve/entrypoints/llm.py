@@ -21,7 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from mechserve.api.config import EngineConfig, SpeculativeConfig
+from mechserve.api.config import EngineConfig, SpeculativeConfig, engine_config
 from mechserve.api.errors import KVMemoryError, RequestFailed, RequestRejected
 from mechserve.api.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepOutput
 from mechserve.api.params import SamplingParams
@@ -86,6 +86,10 @@ class LLM:
     ``world_size > 1`` each rank is a process holding its shard of the weights and KV pages;
     ``close()`` (or ``with LLM(...) as llm``) stops them, and they are stopped at exit anyway.
 
+    ``data_parallel_size=N`` (vLLM's keyword) runs N engine processes instead of one, each with the
+    same settings, its own KV pool and prefix cache and ``1/N`` of the CPU threads, each request routed
+    by ``routing_policy`` (``"precise"`` by default; see docs/fleet.md); the model must then be loadable
+    by path, ``close()`` stops them, and ``trace`` stays empty (the step records live in the replicas).
     ``llm.trace`` is the list of m14 ``StepRecord``s of the most recent ``generate``/``chat``
     call; with ``trace=True`` it keeps the records of every call since construction instead (it
     then grows without bound).
@@ -100,11 +104,28 @@ class LLM:
         *,
         trace: bool = False,
         config: EngineConfig | None = None,
+        data_parallel_size: int = 1,
+        routing_policy: str | None = None,
         **engine_args: Any,
     ) -> None:
-        self.core = EngineCore.open(model, engine_config(config, engine_args))
         self.keep_all_records = trace
         self.trace: list[StepRecord] = []
+        self._replicas: Any = None
+        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
+        if data_parallel_size == 1:
+            if routing_policy is not None:
+                raise ValueError(
+                    "routing_policy routes between data-parallel replicas: it needs data_parallel_size > 1"
+                )
+            self.core = EngineCore.open(model, engine_config(config, engine_args))
+            return
+        from mechserve.dp.offline import OfflineReplicas
+
+        self._replicas = OfflineReplicas(
+            model, data_parallel_size, engine_config(config, engine_args), routing_policy or "precise"
+        )
+        self.core = self._replicas.core
 
     @property
     def config(self) -> EngineConfig:
@@ -112,8 +133,11 @@ class LLM:
         return self.core.config
 
     def close(self) -> None:
-        """Stop the rank processes (``world_size > 1``; nothing otherwise)."""
-        self.core.close()
+        """Stop the rank processes (``world_size > 1``) or the replica processes (``data_parallel_size > 1``)."""
+        if self._replicas is not None:
+            self._replicas.close()
+        else:
+            self.core.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -183,10 +207,21 @@ class LLM:
         ]
         return self._run(items, params_list(sampling_params, len(items)), use_tqdm)
 
+    def _run_replicas(
+        self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """``_run`` over data-parallel replicas: every request at once, each on the replica its router chose."""
+        outputs, failed = self._replicas.run(items, params)
+        if failed:
+            raise RequestsRejected(failed, outputs) from next(iter(failed.values()))
+        return [o for o in outputs if o is not None]
+
     def _run(
         self, items: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
         """Submit ``items``, run the engine until it is idle, return the outputs in input order."""
+        if self._replicas is not None:
+            return self._run_replicas(items, params)
         request_ids: list[str | None] = []
         errors: dict[int, ValueError] = {}
         for i, ((text, ids), p) in enumerate(zip(items, params)):
@@ -222,18 +257,6 @@ class LLM:
         if errors:
             raise RequestsRejected(errors, outputs) from next(iter(errors.values()))
         return [o for o in outputs if o is not None]
-
-
-def engine_config(config: EngineConfig | None, engine_args: Mapping[str, Any]) -> EngineConfig:
-    """``config``, or the ``EngineConfig`` the keyword arguments name (``EngineConfig.from_args``); both
-    together are an error.  What ``LLM`` and ``AsyncLLM`` share."""
-    if config is not None:
-        if engine_args:
-            raise TypeError(f"give config= or engine keywords, not both (got {', '.join(sorted(engine_args))})")
-        if not isinstance(config, EngineConfig):
-            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        return config
-    return EngineConfig.from_args(**engine_args)
 
 
 @contextmanager

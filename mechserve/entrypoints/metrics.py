@@ -110,6 +110,36 @@ HTTP_LABELS = ("handler", "method", "status")
 HTTP_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 7.5, 10.0, 30.0, 60.0)
 
 
+def process_collectors(registry: CollectorRegistry) -> None:
+    """prometheus_client's process, platform and garbage-collector collectors, in ``registry``."""
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+
+
+class HttpMetrics:
+    """HTTP requests per endpoint, under the names vLLM's server exposes (``http_requests_total``,
+    ``http_request_duration_seconds``), in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "http_requests", "Total number of requests by method, status and handler.", HTTP_LABELS, registry=registry
+        )
+        self.duration = Histogram(
+            "http_request_duration_seconds",
+            "Latency with only few buckets by handler.",
+            HTTP_LABELS[:2],
+            buckets=HTTP_BUCKETS,
+            registry=registry,
+        )
+
+    def observe(self, handler: str, method: str, status: int, seconds: float) -> None:
+        """One HTTP request answered (any thread): ``handler`` its route's path template, ``status`` its code
+        (counted as ``2xx``, ``4xx``, ...), ``seconds`` from its arrival to the last byte of its body."""
+        self.requests.labels(handler, method, f"{status // 100}xx").inc()
+        self.duration.labels(handler, method).observe(seconds)
+
+
 def buckets_1_2_5(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's ``build_1_2_5_buckets``)."""
     out: list[int] = []
@@ -130,14 +160,21 @@ class ServingMetrics:
     ``render`` and ``snapshot`` from anywhere.
     """
 
-    def __init__(self, model_name: str = "", max_model_len: int | None = None, *, process: bool = True) -> None:
+    def __init__(
+        self,
+        model_name: str = "",
+        max_model_len: int | None = None,
+        *,
+        process: bool = True,
+        engine: str = "0",
+        http: bool = True,
+    ) -> None:
         self.model_name = model_name
+        self.engine = engine
         self.registry = CollectorRegistry()
         if process:
-            ProcessCollector(registry=self.registry)
-            PlatformCollector(registry=self.registry)
-            GCCollector(registry=self.registry)
-        labels = (model_name, "0")
+            process_collectors(self.registry)
+        labels = (model_name, engine)
         tokens = buckets_1_2_5(max_model_len or 8192)
         self._families: dict[str, Any] = {}
 
@@ -239,20 +276,9 @@ class ServingMetrics:
             "mechserve:request_rejected", "Requests refused at the door, by reason.", extra=("reason",)
         )
         self.steps = counter("mechserve:engine_steps", "Engine steps run.")
-        self.http_requests = Counter(
-            "http_requests",
-            "Total number of requests by method, status and handler.",
-            HTTP_LABELS,
-            registry=self.registry,
-        )
-        self.http_duration = Histogram(
-            "http_request_duration_seconds",
-            "Latency with only few buckets by handler.",
-            HTTP_LABELS[:2],
-            buckets=HTTP_BUCKETS,
-            registry=self.registry,
-        )
-        self._families["http_requests"] = self.http_requests
+        self.http = HttpMetrics(self.registry) if http else None
+        if self.http is not None:
+            self._families["http_requests"] = self.http.requests
         for finish in FINISH_REASONS:  # present from the start, as in vLLM, so a dashboard finds every series
             self.success.labels(*labels, finish)
         for reject in RejectReason:
@@ -346,10 +372,12 @@ class ServingMetrics:
             self.params_max_tokens.observe(max_tokens)
 
     def observe_http(self, handler: str, method: str, status: int, seconds: float) -> None:
-        """One HTTP request answered (any thread): ``handler`` its route's path template, ``status`` its code
-        (counted as ``2xx``, ``4xx``, ...), ``seconds`` from its arrival to the last byte of its body."""
-        self.http_requests.labels(handler, method, f"{status // 100}xx").inc()
-        self.http_duration.labels(handler, method).observe(seconds)
+        """One HTTP request answered (``HttpMetrics.observe``); nothing without ``http``."""
+        if self.http is not None:
+            self.http.observe(handler, method, status, seconds)
+
+    async def refresh(self) -> None:
+        """Nothing to fetch: the engine thread feeds these metrics (``FleetMetrics`` asks its replicas)."""
 
     # Read from anywhere -------------------------------------------------------------------------------------------
 
@@ -362,7 +390,7 @@ class ServingMetrics:
 
     def value(self, name: str, **labels: str) -> float:
         """The value of one sample (``vllm:prompt_tokens_total``, ``..._count``), 0 if it has none yet."""
-        found = self.registry.get_sample_value(name, {"model_name": self.model_name, "engine": "0", **labels})
+        found = self.registry.get_sample_value(name, {"model_name": self.model_name, "engine": self.engine, **labels})
         return 0.0 if found is None else found
 
     def by_label(self, family: str, label: str) -> dict[str, float]:

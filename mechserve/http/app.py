@@ -126,10 +126,14 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
             raise APIError(503, "the engine is dead; the server is shutting down", code="engine_dead")
         if not llm.running:
             raise APIError(503, "the engine is not running", headers={"Retry-After": "5"})
+        degraded = llm.degraded
+        if degraded is not None:  # data-parallel replicas: 200 only when every one is alive
+            raise APIError(503, f"the server is degraded: {degraded}", code="engine_degraded")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
+        await llm.metrics.refresh()  # data-parallel replicas answer with their series
         body, content_type = llm.metrics.render(request.headers.get("accept", ""))
         return Response(body, headers={"Content-Type": content_type})
 

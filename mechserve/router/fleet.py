@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -107,8 +108,9 @@ class NoWorker(Exception):
 class WorkerFleet:
     """The workers, the live set and m15's router over it; single-threaded (the router's event loop).
 
-    ``log_file`` (optional) receives the decision log as JSON lines, flushed per entry.  Raises
-    ``ValueError`` from ``RouterOptions.config`` for a bad option.
+    ``log_file`` (optional) receives the decision log as JSON lines, flushed per entry.  ``keep_log``
+    (optional) bounds the log kept in memory to its newest entries (a long-running server; the file, if
+    any, still gets every entry).  Raises ``ValueError`` from ``RouterOptions.config`` for a bad option.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class WorkerFleet:
         options: RouterOptions,
         kv_events_endpoints: Sequence[str] = (),
         log_file: IO[str] | None = None,
+        keep_log: int | None = None,
     ) -> None:
         options.config(1)  # refuse a bad option before anything starts
         endpoints: list[str | None] = list(kv_events_endpoints) or [None] * len(urls)
@@ -126,7 +129,8 @@ class WorkerFleet:
         self.epoch = 0
         self.live: list[Worker] = []
         self.router: m15.Router | None = None
-        self.log: list[dict[str, Any]] = []
+        self.log: list[dict[str, Any]] | deque[dict[str, Any]] = [] if keep_log is None else deque(maxlen=keep_log)
+        self._keep_log = keep_log
         self._log_file = log_file
         self._logged = 0  # entries of the current Router's log already written
         self.placed: dict[str, Worker] = {}
@@ -250,6 +254,9 @@ class WorkerFleet:
         for entry in self.router.log[self._logged :]:
             self._write(entry)
         self._logged = len(self.router.log)
+        if self._keep_log is not None:  # the router's own copy is not kept either
+            self.router.log.clear()
+            self._logged = 0
 
 
 def replay_log(entries: Iterable[Mapping[str, Any]]) -> tuple[list[m15.Decision], list[m15.Decision]]:

@@ -106,6 +106,21 @@ def test_bench_serve_reports_throughput_and_percentiles(capsys, tiny_server) -> 
     assert code == 0 and json.loads(out)["completed"] == 12 and json.loads(out)["max_concurrency"] == 3
 
 
+def test_bench_serve_multi_tenant_sends_each_tenants_system_prompt_as_a_shared_prefix(capsys, tiny_server) -> None:
+    from mechserve.bench.serve_client import BenchConfig, multi_tenant_prompts
+
+    config = BenchConfig(workload="multi-tenant", num_requests=40, tenants=3, system_len=16, input_len=4, seed=5)
+    prompts = multi_tenant_prompts(config)
+    assert len(prompts) == 40 and prompts == multi_tenant_prompts(config)  # seeded
+    heads = {" ".join(p.split()[:8]) for p in prompts}  # every system prompt has at least 8 words
+    assert 1 < len(heads) <= 3
+    argv = ["bench", "serve", "--url", tiny_server.url, "--num-requests", "6", "--workload", "multi-tenant"]
+    code, out, err = run_cli(capsys, *argv, "--tenants", "2", "--system-len", "12", "--output-len", "3")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["workload"] == "multi-tenant" and report["completed"] == 6 and report["total_output_tokens"] == 18
+
+
 def test_bench_serve_counts_refusals_and_reports_an_unreachable_server(capsys, tiny_server) -> None:
     argv = ["bench", "serve", "--url", tiny_server.url, "--num-requests", "3", "--output-len", "600"]
     code, out, _ = run_cli(capsys, *argv, "--model", TINY_NAME)
