@@ -2,12 +2,14 @@
 
     PYTHONPATH=$PWD python docs/scripts/suffix_cost.py [--mode fast] [--sets chat agent code-edit] [--prompts 2]
                                                        [--max-tokens 96] [--replays 5] [--profile]
+                                                       [--baseline GIT_REF]
 
 Runs the spec-decode workloads' sessions at batch 1 through ``LLM`` with ``--spec-method suffix`` (adaptive, 4
 guesses), with timers around the executor's step (``TorchExecutor.execute``) and around the proposer's calls
 (``propose``, the governor's ``available``, ``release``).  Every call is also recorded, and replayed
 ``--replays`` times through a fresh ``SuffixProposer`` with no model: the same work without the step's noise
-(the median replay is reported).  ``--profile`` prints cProfile's top functions of one replay.  Reported:
+(the median replay is reported); ``--baseline REF`` replays them through ``REF``'s ``SuffixProposer`` too
+(its ``proposers_suffix.py`` from git), interleaved with the current one.  ``--profile`` prints cProfile's top functions of one replay.  Reported:
 milliseconds per decode step (median and mean) of the step, of the proposer in the step and of the
 proposer in the replay, and the proposer's share of the step.
 """
@@ -18,9 +20,14 @@ import argparse
 import cProfile
 import json
 import pstats
+import importlib.util
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from mechserve.api.config import SpeculativeConfig
@@ -55,6 +62,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--replays", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--baseline", default=None, help="a git ref whose SuffixProposer is replayed beside")
     args = parser.parse_args()
 
     configure_threads()
@@ -120,8 +128,8 @@ def main() -> None:
     steps = [s for s, d in zip(step_s, decode) if d]
     in_step = [p for p, d in zip(spent, decode) if d]
 
-    def replay() -> float:
-        fresh = SuffixProposer(
+    def replay(cls: Any = SuffixProposer) -> float:
+        fresh = cls(
             proposer.max_tree_depth, proposer.max_cached_requests, proposer.max_spec_factor, proposer.min_token_prob
         )
         started = time.perf_counter()
@@ -134,7 +142,25 @@ def main() -> None:
                 fresh.release(*what)
         return time.perf_counter() - started
 
-    replays = [replay() for _ in range(args.replays)]
+    baseline: Any = None
+    if args.baseline:
+        source = subprocess.run(
+            ["git", "show", f"{args.baseline}:mechserve/executor/proposers_suffix.py"],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        path = Path(tempfile.mkdtemp()) / "baseline_suffix.py"
+        path.write_text(source)
+        spec_ = importlib.util.spec_from_file_location("baseline_suffix", path)
+        assert spec_ is not None and spec_.loader is not None
+        module = importlib.util.module_from_spec(spec_)
+        sys.modules["baseline_suffix"] = module
+        spec_.loader.exec_module(module)
+        baseline = module.SuffixProposer
+    replays, before = [], []
+    for _ in range(args.replays):
+        replays.append(replay())
+        if baseline is not None:
+            before.append(replay(baseline))
     if args.profile:
         prof = cProfile.Profile()
         prof.runcall(replay)
@@ -150,6 +176,9 @@ def main() -> None:
         "share_of_median_step": statistics.median(in_step) / statistics.median(steps),
         "replay_share_of_median_step": per_step / statistics.median(steps),
     }
+    if before:
+        report["baseline_replay_ms_per_step"] = statistics.median(before) / len(steps) * 1e3
+        report["baseline_over_current"] = statistics.median(before) / statistics.median(replays)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in report.items()}, indent=2))
 
 
