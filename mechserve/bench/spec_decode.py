@@ -172,15 +172,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
     peer_modes = check_llama_cpp_flags(args)
     threads = configure_threads()
-    dtype, quantization = MODES[args.mode]
-    loaded = load_model(args.model, dtype=dtype, quantization=quantization)
     configs = configurations(args)
     peer = None
     if args.llama_cpp:  # asked for: found and its GGUFs made before anything runs, or one error
         try:
-            peer = spec_llama_cpp.LlamaCppBeside(args.model, peer_modes, threads, loaded.eos_token_ids)
+            peer = spec_llama_cpp.LlamaCppBeside(args.model, peer_modes, threads)
         except (OSError, ValueError) as exc:
             raise SystemExit(str(exc)) from None
+    dtype, quantization = MODES[args.mode]
+    loaded = load_model(args.model, dtype=dtype, quantization=quantization)
     size = {"dtype": dtype_name(loaded.model.dtype), "quantization": getattr(loaded.model, "quantization", None)}
     llms = {
         name: LLM(
@@ -208,7 +208,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                             run_sessions(llm, sessions[start : start + batch], params, tallies[name])
                         if peer is not None:  # the same turns, right after ours
                             try:
-                                peer.run(batch, tallies["off"].calls[done:], peers)
+                                peer.run(batch, tallies["off"].calls[done:], peers, loaded.eos_token_ids)
                             except OSError as exc:
                                 raise SystemExit(f"llama.cpp: {exc}") from None
                 off = tallies["off"]

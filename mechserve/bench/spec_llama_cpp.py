@@ -79,18 +79,16 @@ class LlamaCppBeside:
     """llama-server for each of ``modes`` (or the GGUF ``model`` itself), answering the bench's calls.
 
     ``kinds``: the name each GGUF is reported under (``bf16``, ``q8_0``, ``q4_1``, ...; a GGUF ``model``: its
-    file name).  ``eos_ids``: the model's end ids (left out when comparing ids).  Raises what ``check`` and
-    ``gguf_for`` raise, before any server starts.
+    file name).  Raises what ``check`` and ``gguf_for`` raise, before any server starts.
     """
 
-    def __init__(self, model: str, modes: Sequence[str], threads: int, eos_ids: Sequence[int] = ()) -> None:
+    def __init__(self, model: str, modes: Sequence[str], threads: int) -> None:
         self.check()
         if is_gguf(model):
             self.ggufs = {Path(model).name: Path(model)}
         else:
             self.ggufs = {llama_cpp.MODE_GGUF[m]: gguf_for(model, m) for m in modes}
         self.threads = threads
-        self.eos_ids = frozenset(eos_ids)
         self._servers: dict[tuple[str, int], llama_cpp.LlamaServer] = {}
 
     @property
@@ -122,9 +120,18 @@ class LlamaCppBeside:
             raise
         return started
 
-    def run(self, batch: int, calls: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]], tallies: dict[str, PeerTally]) -> None:
+    def run(
+        self,
+        batch: int,
+        calls: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]],
+        tallies: dict[str, PeerTally],
+        eos_ids: Sequence[int] = (),
+    ) -> None:
         """Send ``calls`` (each: ``(prompt ids, off's output ids)`` per request, sent together; the calls one
-        after another) to every GGUF's server with ``batch`` slots; add to ``tallies`` (one per kind)."""
+        after another) to every GGUF's server with ``batch`` slots; add to ``tallies`` (one per kind).
+        ``eos_ids``: the model's end ids, left out of ``off``'s ids when comparing (llama.cpp's ``ignore_eos``
+        bans them).  Raises ``OSError`` when a server fails."""
+        ends = frozenset(eos_ids)
         for kind in self.ggufs:
             tally = tallies[kind]
             for call in calls:
@@ -140,7 +147,7 @@ class LlamaCppBeside:
                     tally.requests += 1
                     tally.output_tokens += len(completion.tokens)
                     ours = list(out)
-                    while ours and ours[-1] in self.eos_ids:
+                    while ours and ours[-1] in ends:
                         ours.pop()
                     tally.identical += completion.tokens[: len(ours)] == ours
 
