@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,7 +121,7 @@ ThreadingHTTPServer((args.host, int(args.port)), Handler).serve_forever()
 
 
 def test_llama_cpp_runs_beside_every_cell_on_the_same_prompts(
-    capsys, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    capsys, tiny_dir: Path, tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--llama-cpp``: every turn ``off`` answered goes to a llama-server per GGUF with ``batch`` slots, with the
     prompt ids ``off`` saw, ``off``'s number of new ids, greedy, prompt cache on; reported per GGUF and as the
@@ -129,6 +130,8 @@ def test_llama_cpp_runs_beside_every_cell_on_the_same_prompts(
     import sys
 
     from mechserve.bench import llama_cpp, spec_llama_cpp
+    from mechserve.bench.spec_workloads import workloads
+    from mechserve.entrypoints.prompts import Chat, encode_chat
 
     server = tmp_path / "llama-server"
     server.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
@@ -174,12 +177,15 @@ def test_llama_cpp_runs_beside_every_cell_on_the_same_prompts(
         assert best["config"] == "suffix" and best["config_tok_s"] == cell["suffix"]["tok_s"]
         top = max(side[k]["tok_s"] for k in ("q8_0", "bf16"))
         assert best["llama_cpp_tok_s"] == top and best["ratio"] == pytest.approx(cell["suffix"]["tok_s"] / top, rel=0.01)
-    # the prompts are the ids off saw: each chat turn's prompt starts with the one before it and its answer
-    per_gguf = [b for b in bodies if b is not None]
-    assert sum(b["n_predict"] for b in per_gguf) == 2 * sum(c["off"]["output_tokens"] for c in report["cells"].values())
-    chat_1 = [b["prompt"] for b in bodies][: 3 * 4]  # chat, batch 1, the first GGUF: sessions one after another
-    for first, second in zip(chat_1[0:3], chat_1[1:4]):
-        assert second[: len(first)] == first
+    assert sum(b["n_predict"] for b in bodies) == 2 * sum(c["off"]["output_tokens"] for c in report["cells"].values())
+    # the prompts are the ids off saw (our chat template's): chat, batch 1, the first GGUF takes session 0's four
+    # turns first, each prompt longer by the answer before it and the next question
+    session = workloads()["chat"][0]
+    first = [{"role": "system", "content": session.system}] if session.system else []
+    first.append({"role": "user", "content": session.turns[0]})
+    turns = [b["prompt"] for b in bodies[:4]]
+    assert turns[0] == encode_chat(tiny.tokenizer, Chat(first))[1]
+    assert [len(t) for t in turns] == sorted({len(t) for t in turns})
 
 
 def test_llama_cpp_asked_for_but_not_built_is_one_error_before_anything_runs(
