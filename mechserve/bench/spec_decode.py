@@ -161,14 +161,13 @@ def run_sessions(llm: Any, sessions: Sequence[Session], params: Any, tally: Tall
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (set, batch, configuration) cell; return the report."""
+    from mechserve.api.config import dtype_name
     from mechserve.api.params import SamplingParams
+    from mechserve.bench import spec_llama_cpp
+    from mechserve.bench.runners import MODES
     from mechserve.engine.executors import configure_threads
     from mechserve.entrypoints.llm import LLM
     from mechserve.model.loader import load_model
-
-    from mechserve.api.config import dtype_name
-    from mechserve.bench import spec_llama_cpp
-    from mechserve.bench.runners import MODES
 
     peer_modes = check_llama_cpp_flags(args)
     threads = configure_threads()
