@@ -11,7 +11,9 @@ guesses), with timers around the executor's step (``TorchExecutor.execute``) and
 (the median replay is reported); ``--baseline REF`` replays them through ``REF``'s ``SuffixProposer`` too
 (its ``proposers_suffix.py`` from git), interleaved with the current one.  ``--profile`` prints cProfile's top functions of one replay.  Reported:
 milliseconds per decode step (median and mean) of the step, of the proposer in the step and of the
-proposer in the replay, and the proposer's share of the step.
+proposer in the replay, the proposer's share of the median step, and ``amortized_share``: every proposer
+second (the prefill steps', which build each request's tree over its prompt, included) over the decode
+steps' seconds.
 """
 
 from __future__ import annotations
@@ -174,6 +176,8 @@ def main() -> None:
         "proposer_in_step_ms": {"median": statistics.median(in_step) * 1e3, "mean": statistics.mean(in_step) * 1e3},
         "proposer_replay_ms_per_step": per_step * 1e3,
         "share_of_median_step": statistics.median(in_step) / statistics.median(steps),
+        # every proposer call (prefill steps' tree building included) over the decode steps' time
+        "amortized_share": sum(spent) / sum(steps),
         "replay_share_of_median_step": per_step / statistics.median(steps),
     }
     if before:
