@@ -382,7 +382,8 @@ class SuffixProposer:
         """The draft's length now; grows only the request's own tree and reads the global tree as it is (its
         matcher peeked at, not moved), so asking changes no proposal."""
         local = self._sync(request, history, own=True)
-        return len(self._draft(local, history, cap, local.matcher.peek(history)).ids)
+        in_global = local.matcher.peek(history) if self.max_cached_requests > 0 else ()
+        return len(self._draft(local, history, cap, in_global).ids)
 
     def release(self, request: ExecutorRequest, output_ids: Sequence[int]) -> None:
         local = self._local.pop(request.request_id, None)
