@@ -336,7 +336,16 @@ class SuffixProposer:
     ``max_spec_factor``: a match of m ids drafts at most ``floor(max_spec_factor * m)`` ids;
     ``min_token_prob``: a guess whose path probability falls below it ends the draft.  vLLM's
     ``suffix_decoding_*`` options of the same names.
+
+    The next turn of a conversation (multi-turn chat, an agent loop) is a new request whose prompt repeats
+    the last one's prompt and answer: the trees of the last ``FINISHED_KEPT`` requests to leave are kept, and a
+    new request whose ids start with all the ids one of them holds takes that tree over (the longest such)
+    and adds only the rest, instead of adding its whole prompt again (O(max_tree_depth) per id: the
+    largest cost left once proposals are incremental).  The tree is then exactly the one its ids would
+    build, so proposals are unchanged.
     """
+
+    FINISHED_KEPT = 16
 
     def __init__(
         self,
@@ -353,6 +362,8 @@ class SuffixProposer:
         # request id -> its cursor in the global tree, oldest first (running and finished requests)
         self._cached: OrderedDict[str, Cursor] = OrderedDict()
         self._local: dict[str, _Local] = {}
+        # request id -> the tree and cursor of a request that left, newest last (FINISHED_KEPT of them)
+        self._finished: OrderedDict[str, tuple[SuffixTree, Cursor]] = OrderedDict()
 
     @classmethod
     def build(cls, ctx: ProposerContext) -> SuffixProposer:
@@ -387,6 +398,10 @@ class SuffixProposer:
 
     def release(self, request: ExecutorRequest, output_ids: Sequence[int]) -> None:
         local = self._local.pop(request.request_id, None)
+        if local is not None and local.cursor.ids:  # for the conversation's next turn
+            self._finished[request.request_id] = (local.tree, local.cursor)
+            while len(self._finished) > self.FINISHED_KEPT:
+                self._finished.popitem(last=False)
         if self.max_cached_requests > 0:
             self._sync_global(request.request_id, local is not None and local.in_global, output_ids, 0)
 
@@ -420,8 +435,8 @@ class SuffixProposer:
         if local is not None and not _extends(history, 0, local.cursor.ids, self.max_tree_depth):
             local = None
         if local is None:
-            tree = SuffixTree(self.max_tree_depth)
-            local = _Local(tree, tree.cursor(), request.prompt_len, Matcher(self.global_tree))
+            tree, cursor = self._adopt(history)
+            local = _Local(tree, cursor, request.prompt_len, Matcher(self.global_tree))
             local.in_global = self._local.pop(rid, None) is not None and rid not in self._cached
             self._local[rid] = local
         cursor = local.cursor
@@ -431,6 +446,20 @@ class SuffixProposer:
             self._sync_global(rid, local.in_global, history, local.prompt_len)
             local.in_global = True
         return local
+
+    def _adopt(self, history: Sequence[int]) -> tuple[SuffixTree, Cursor]:
+        """The tree and cursor of the finished request holding the longest prefix of ``history`` (taken out of
+        the kept ones), else a new tree's."""
+        found, longest = None, 0
+        for key, (_, cursor) in self._finished.items():
+            held = cursor.ids
+            n = len(held)
+            if longest < n <= len(history) and held[-1] == history[n - 1] and list(history[:n]) == held:
+                found, longest = key, n
+        if found is not None:
+            return self._finished.pop(found)
+        tree = SuffixTree(self.max_tree_depth)
+        return tree, tree.cursor()
 
     def _sync_global(self, rid: str, added: bool, ids: Sequence[int], start: int) -> None:
         """Add the output ids of ``rid`` (``ids[start:]``) that the global tree lacks (re-adding them all if they

@@ -323,9 +323,31 @@ class Op:
     preempt = st.tuples(st.just("preempt"), st.integers(1, 4))
     # the request leaves; the next one (this prompt) starts with a prefill step
     release = st.tuples(st.just("release"), st.lists(st.integers(0, 3), min_size=1, max_size=4))
+    # the request leaves and the conversation's next turn starts: its prompt repeats the last prompt and
+    # answer (all of it, or a cut one: a re-tokenized answer) and adds these ids
+    turn = st.tuples(st.just("turn"), st.integers(0, 3), st.lists(st.integers(0, 3), max_size=4))
     # the governor's question (rank 0 only), which must move nothing
     ask = st.tuples(st.just("ask"), st.integers(1, 5))
-    any = st.lists(st.one_of(grow, rollback, preempt, release, ask), max_size=30)
+    any = st.lists(st.one_of(grow, rollback, preempt, release, turn, ask), max_size=30)
+
+
+def test_the_next_turn_takes_over_the_last_turns_tree() -> None:
+    """A request whose prompt repeats a finished request's prompt and answer adds only its new ids to that
+    request's tree; a prompt that does not repeat them all builds its own."""
+    proposer = SuffixProposer(max_tree_depth=6)
+    first = req("t1", [5, 6, 7])
+    proposer.propose([window(first, [5, 6, 7], 0)])
+    proposer.score(first, [5, 6, 7, 8, 9], 2)
+    tree = proposer._local["t1"].tree
+    proposer.release(first, [8, 9])
+    second = req("t2", [5, 6, 7, 8, 9, 1, 2])
+    proposer.propose([window(second, [5, 6, 7, 8, 9, 1, 2], 0)])
+    assert proposer._local["t2"].tree is tree and not proposer._finished
+    assert shape(tree.root) == shape(tree_of([[5, 6, 7, 8, 9, 1, 2]], 6).root)
+    proposer.release(second, [])
+    other = req("t3", [5, 6, 7, 8, 3])  # diverges inside what t2 held
+    proposer.propose([window(other, [5, 6, 7, 8, 3], 0)])
+    assert proposer._local["t3"].tree is not tree and list(proposer._finished) == ["t2"]
 
 
 def window(r: ExecutorRequest, history: list[int], slots: int) -> Window:
@@ -382,12 +404,17 @@ def test_the_incremental_state_equals_one_built_from_nothing_across_rollback_pre
             for k in range(op[1], len(full), op[1]):
                 proposer.propose([window(r, full[:k], 0)])
                 synced(full[:k])
-        elif op[0] == "release":
+        elif op[0] in ("release", "turn"):
             proposer.release(r, output)
             if r.request_id in expected:
                 expected[r.request_id] = list(output)
             serial += 1
-            prompt, output = op[1], []
+            if op[0] == "release":
+                prompt = op[1]
+            else:
+                said = prompt + output
+                prompt = said[: len(said) - op[1]] + op[2] or [0]
+            output = []
             r = req(f"r{serial}", prompt)
             proposer.propose([window(r, prompt, 0)])
             synced(prompt)
