@@ -817,6 +817,7 @@ def test_the_governor_backs_off_a_request_whose_guesses_never_pay(
     config = EngineConfig(page_size=4, num_pages=256, speculative=spec)
     backed_off, outs = probes(config)
     assert outs == probes(EngineConfig(page_size=4, num_pages=256))[1]
-    monkeypatch.setattr(Acceptance, "GRACE", 10**9)  # the governor before the back-off
+    monkeypatch.setattr(Acceptance, "GRACE", 10**9)  # the governor before the back-off (and the pooled prior)
+    monkeypatch.setattr(Acceptance, "prior_rate", lambda self: 0.5)
     every_so_often, _ = probes(config)
     assert backed_off <= 12 < 20 < every_so_often
