@@ -817,7 +817,8 @@ def test_the_governor_backs_off_a_request_whose_guesses_never_pay(
     config = EngineConfig(page_size=4, num_pages=256, speculative=spec)
     backed_off, outs = probes(config)
     assert outs == probes(EngineConfig(page_size=4, num_pages=256))[1]
-    monkeypatch.setattr(Acceptance, "GRACE", 10**9)  # the governor before the back-off (and the pooled prior)
-    monkeypatch.setattr(Acceptance, "prior_rate", lambda self: 0.5)
+    monkeypatch.setattr(Acceptance, "GRACE", 10**9)  # no back-off: the pooled prior alone probes less ...
+    pooled_only, _ = probes(config)
+    monkeypatch.setattr(Acceptance, "prior_rate", lambda self: 0.5)  # ... than the governor before both
     every_so_often, _ = probes(config)
-    assert backed_off <= 12 < 20 < every_so_often
+    assert backed_off <= 12 < 20 < every_so_often and pooled_only < every_so_often
