@@ -53,20 +53,12 @@ class _Record:
 class Acceptance:
     """Per-request acceptance estimates: ``alpha``, the chance that the next guess is accepted, and a back-off.
 
-    ``(accepted + 2 * prior) / (accepted + rejected + 2)`` over counts that decay by ``decay`` per decode
+    ``(accepted + 1) / (accepted + rejected + 2)`` over counts that decay by ``decay`` per decode
     window (a window's first rejection counts once; guesses after it were never judged).  A window
-    with nothing proposed only decays them, so a request that stopped proposing drifts back to the prior
+    with nothing proposed only decays them, so a request that stopped proposing drifts back to 0.5
     and is tried again.
 
-    ``prior`` (``prior_rate``) is what the engine's recent windows say, not a fixed 0.5:
-    ``(accepted + 1) / (accepted + rejected + 2)`` over every request's windows with a proposal, decaying by
-    ``pool_decay`` per such window (0.5 before the first).  A new request, whose own counts are nothing yet,
-    starts from it: on text where guesses rarely hold, a turn's fresh requests no longer speculate on a 0.5
-    each (which at batch 8, 8 fresh requests at once, bought a step of guess rows for every one of them
-    before each had failed twice), and where they mostly hold they speculate from their first window.  An
-    empirical-Bayes prior: a Beta of strength 2 whose mean is the pooled rate.
-
-    That estimate never falls below about 0.29 x the prior (0.14 with the defaults and a 0.5 prior), which at batch > 1,
+    That estimate never falls below about ``1 - decay`` / 2 (0.14 with the defaults), which at batch > 1,
     where a guess row costs little, still looks worth a guess, and at batch 1 brings a probe every ~11
     steps.  So a request whose windows keep failing also backs off exponentially: after ``misses >=
     GRACE`` windows in a row with every guess rejected it sits out ``2 ** (misses - GRACE + 1)`` windows
@@ -76,21 +68,13 @@ class Acceptance:
     GRACE = 2
     MAX_BACKOFF = 8
 
-    def __init__(self, decay: float = 0.8, pool_decay: float = 0.98) -> None:
+    def __init__(self, decay: float = 0.8) -> None:
         self.decay = decay
-        self.pool_decay = pool_decay
         self._records: dict[str, _Record] = {}
-        self._pooled = _Record()  # every request's windows with a proposal
-
-    def prior_rate(self) -> float:
-        """The pooled acceptance of the recent windows of every request (0.5 before any): a new request's rate."""
-        pool = self._pooled
-        return (pool.accepted + 1.0) / (pool.accepted + pool.rejected + 2.0)
 
     def rate(self, request_id: str) -> float:
-        prior = self.prior_rate()
         r = self._records.get(request_id)
-        return prior if r is None else (r.accepted + 2.0 * prior) / (r.accepted + r.rejected + 2.0)
+        return 0.5 if r is None else (r.accepted + 1.0) / (r.accepted + r.rejected + 2.0)
 
     def waiting(self, request_id: str) -> bool:
         """Whether the request sits out the coming window (its guesses kept failing)."""
@@ -102,10 +86,6 @@ class Acceptance:
         r = self._records.setdefault(request_id, _Record())
         r.accepted = r.accepted * self.decay + accepted
         r.rejected = r.rejected * self.decay + (1.0 if accepted < proposed else 0.0)
-        if proposed:
-            pool = self._pooled
-            pool.accepted = pool.accepted * self.pool_decay + accepted
-            pool.rejected = pool.rejected * self.pool_decay + (1.0 if accepted < proposed else 0.0)
         if r.wait > 0:
             r.wait -= 1
         if proposed and accepted:
