@@ -92,7 +92,8 @@ def table(report: dict[str, Any], batch: int) -> str:
                 continue
             mark = " (best)" if kind == best.get("llama_cpp") else ""
             lines.append(
-                f"| {workload} | llama.cpp {kind}{mark} | {r['tok_s']:.1f} | | {r['tok_s'] / theirs:.2f} | | "
+                f"| {workload} | llama.cpp {kind}{mark} | {r['tok_s']:.1f} | | "
+                f"{_num(r['tok_s'] / theirs if theirs else None, '.2f')} | | "
                 f"same ids: {r['identical']}/{r['requests']} |"
             )
     return "\n".join(lines)
