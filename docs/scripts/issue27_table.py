@@ -110,7 +110,11 @@ def targets(report: dict[str, Any]) -> list[str]:
         return max(found, key=lambda nr: nr[1]["tok_s"]) if found else None
 
     def line(ok: bool, text: str, r: dict[str, Any] | None = None) -> str:
-        why = "" if ok or r is None else f"; acceptance by position {_positions(r)}, kept/step {r['tokens_per_decode_step']}"
+        why = (
+            ""
+            if ok or r is None
+            else f"; acceptance by position {_positions(r)}, kept/step {r['tokens_per_decode_step']}"
+        )
         return f"- [{'met' if ok else 'MISSED'}] {text}{why}"
 
     for workload, least in SPEEDUP_TARGETS:
@@ -120,7 +124,9 @@ def targets(report: dict[str, Any]) -> list[str]:
             out.append(f"- [not measured] batch 1 {workload}: >= {least}x off")
             continue
         name, r = top
-        out.append(line(r["speedup"] >= least, f"batch 1 {workload}: best {name} {r['speedup']:.2f}x off (>= {least}x)", r))
+        out.append(
+            line(r["speedup"] >= least, f"batch 1 {workload}: best {name} {r['speedup']:.2f}x off (>= {least}x)", r)
+        )
     for workload, least in LLAMA_TARGETS:
         side = peer.get(f"{workload}/batch-1", {}).get("best")
         if not side:
@@ -137,10 +143,14 @@ def targets(report: dict[str, Any]) -> list[str]:
         )
     novel = cells.get("novel/batch-1", {}).get("eagle")
     if novel is None:
-        out.append(f"- [not measured] batch 1 novel: eagle >= {EAGLE_KEPT} kept tokens per step (no eagle configuration)")
+        out.append(
+            f"- [not measured] batch 1 novel: eagle >= {EAGLE_KEPT} kept tokens per step (no eagle configuration)"
+        )
     else:
         kept = novel["tokens_per_decode_step"] or 0.0
-        out.append(line(kept >= EAGLE_KEPT, f"batch 1 novel: eagle {kept:.2f} kept tokens per step (>= {EAGLE_KEPT})", novel))
+        out.append(
+            line(kept >= EAGLE_KEPT, f"batch 1 novel: eagle {kept:.2f} kept tokens per step (>= {EAGLE_KEPT})", novel)
+        )
     for workload in WORKLOADS:
         cell = cells.get(f"{workload}/batch-8")
         if cell is None:
@@ -159,7 +169,10 @@ def targets(report: dict[str, Any]) -> list[str]:
 
 def render(report: dict[str, Any]) -> str:
     peer = report.get("llama_cpp")
-    head = [f"Model {report['model']}; llama.cpp: " + (f"{', '.join(peer['ggufs'].values())} ({peer['version']})" if peer else "not run")]
+    head = [
+        f"Model {report['model']}; llama.cpp: "
+        + (f"{', '.join(peer['ggufs'].values())} ({peer['version']})" if peer else "not run")
+    ]
     parts = ["\n".join(head)] + [table(report, b) for b in (1, 8)] + ["Targets:\n" + "\n".join(targets(report))]
     return "\n\n".join(parts) + "\n"
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib.util
 import json
 import pstats
-import importlib.util
 import statistics
 import subprocess
 import sys
@@ -148,7 +148,9 @@ def main() -> None:
     if args.baseline:
         source = subprocess.run(
             ["git", "show", f"{args.baseline}:mechserve/executor/proposers_suffix.py"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         path = Path(tempfile.mkdtemp()) / "baseline_suffix.py"
         path.write_text(source)

@@ -290,11 +290,10 @@ def costs(args: argparse.Namespace) -> dict[str, Any]:
     relative to one row at batch 1; ``row_cost``/``jump_cost`` fitted as the ``Governor`` uses them."""
     import torch
 
+    from mechserve.bench.runners import MODES
     from mechserve.engine.executors import configure_threads
     from mechserve.kv.paged import Span, build_attention_batch
     from mechserve.model.loader import load_model
-
-    from mechserve.bench.runners import MODES
 
     configure_threads()
     dtype, quantization = MODES[args.mode]

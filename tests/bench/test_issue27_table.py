@@ -56,7 +56,10 @@ def report() -> dict[str, Any]:
             "suffix": _r(100.0 * best, best, 2.5, (0.8, 0.6)),
         }
         # llama.cpp's best: 120 tok/s, so chat's suffix is 1.67x (met), agent's 1.25x (missed)
-        side = {"bf16": {"tok_s": 110.0, "identical": 3, "requests": 4}, "q8_0": {"tok_s": 120.0, "identical": 0, "requests": 4}}
+        side = {
+            "bf16": {"tok_s": 110.0, "identical": 3, "requests": 4},
+            "q8_0": {"tok_s": 120.0, "identical": 0, "requests": 4},
+        }
         peers[f"{workload}/batch-1"] = {
             **side,
             "best": {
@@ -70,7 +73,11 @@ def report() -> dict[str, Any]:
         }
         # batch 8: only novel's ngram is slower than off
         slow = 0.9 if workload == "novel" else 1.05
-        cells[f"{workload}/batch-8"] = {"off": _r(300.0, None), "ngram": _r(300.0 * slow, slow), "suffix": _r(330.0, 1.1)}
+        cells[f"{workload}/batch-8"] = {
+            "off": _r(300.0, None),
+            "ngram": _r(300.0 * slow, slow),
+            "suffix": _r(330.0, 1.1),
+        }
     return {
         "model": "smollm2",
         "mode": "fast",

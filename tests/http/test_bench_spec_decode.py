@@ -176,7 +176,9 @@ def test_llama_cpp_runs_beside_every_cell_on_the_same_prompts(
         best = side["best"]
         assert best["config"] == "suffix" and best["config_tok_s"] == cell["suffix"]["tok_s"]
         top = max(side[k]["tok_s"] for k in ("q8_0", "bf16"))
-        assert best["llama_cpp_tok_s"] == top and best["ratio"] == pytest.approx(cell["suffix"]["tok_s"] / top, rel=0.01)
+        assert best["llama_cpp_tok_s"] == top and best["ratio"] == pytest.approx(
+            cell["suffix"]["tok_s"] / top, rel=0.01
+        )
     assert sum(b["n_predict"] for b in bodies) == 2 * sum(c["off"]["output_tokens"] for c in report["cells"].values())
     # the prompts are the ids off saw (our chat template's): chat, batch 1, the first GGUF takes session 0's four
     # turns first, each prompt longer by the answer before it and the next question
@@ -207,7 +209,10 @@ def test_llama_cpp_asked_for_but_not_built_is_one_error_before_anything_runs(
     monkeypatch.setenv(llama_cpp.SERVER_ENV, str(server))
     assert main(["bench", "spec-decode", "--model", str(tiny_dir), "--llama-cpp"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"llama.cpp runs the embedded model's GGUFs (--model smollm2) or a GGUF file, not {tiny_dir}" in err
+    assert (
+        err.count("\n") == 1
+        and f"llama.cpp runs the embedded model's GGUFs (--model smollm2) or a GGUF file, not {tiny_dir}" in err
+    )
 
 
 @pytest.mark.parametrize(
