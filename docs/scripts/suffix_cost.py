@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mechserve.api.config import SpeculativeConfig
+from mechserve.api.config import SpeculativeConfig, dtype_name
 from mechserve.api.params import SamplingParams
 from mechserve.bench.runners import MODES
 from mechserve.bench.spec_decode import Tally, run_sessions
@@ -71,7 +71,8 @@ def main() -> None:
     dtype, quantization = MODES[args.mode]
     loaded = load_model("smollm2", dtype=dtype, quantization=quantization)
     spec = SpeculativeConfig(method="suffix", num_speculative_tokens=4)
-    llm = LLM(loaded, speculative_config=spec, num_pages=512, max_step_tokens=2048)
+    size = {"dtype": dtype_name(loaded.model.dtype), "quantization": getattr(loaded.model, "quantization", None)}
+    llm = LLM(loaded, speculative_config=spec, num_pages=512, max_step_tokens=2048, **size)
     executor = llm.core.executor
     proposer = executor.proposer
     assert isinstance(proposer, SuffixProposer)
