@@ -180,7 +180,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(str(exc)) from None
     dtype, quantization = MODES[args.mode]
     loaded = load_model(args.model, dtype=dtype, quantization=quantization)
-    size = {"dtype": dtype_name(loaded.model.dtype), "quantization": getattr(loaded.model, "quantization", None)}
+    size: dict[str, Any] = {
+        "dtype": dtype_name(loaded.model.dtype),
+        "quantization": getattr(loaded.model, "quantization", None),
+    }
     llms = {
         name: LLM(
             loaded, speculative_config=cfg, num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, **size
