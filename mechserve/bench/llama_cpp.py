@@ -257,15 +257,19 @@ def ensure_gguf(kind: str) -> Path:
 # Requests and replies ---------------------------------------------------------------------------------------------
 
 
-def completion_body(prompt_ids: Sequence[int], max_tokens: int, *, stream: bool = True) -> dict[str, Any]:
+def completion_body(
+    prompt_ids: Sequence[int], max_tokens: int, *, stream: bool = True, cache_prompt: bool = False
+) -> dict[str, Any]:
     """The ``/completion`` request for one benchmark request: exactly ``max_tokens`` greedy ids after the
-    token-id prompt, prompt caching off (every prompt is computed, as in the other engines)."""
+    token-id prompt, prompt caching off (every prompt is computed, as in the other engines) unless
+    ``cache_prompt`` (the server's default: a slot reuses the KV of the longest prefix it holds, as the
+    spec-decode bench's multi-turn sessions do on our side with the prefix cache)."""
     return {
         "prompt": [int(t) for t in prompt_ids],
         "n_predict": int(max_tokens),
         "temperature": 0.0,
         "ignore_eos": True,
-        "cache_prompt": False,
+        "cache_prompt": cache_prompt,
         "stream": stream,
         "return_tokens": True,
     }
@@ -371,9 +375,9 @@ class LlamaServer:
         done = subprocess.run([self.command[0], "--version"], capture_output=True, text=True, check=False)
         return " ".join((done.stdout + done.stderr).split())[:200]
 
-    def complete(self, prompt_ids: Sequence[int], max_tokens: int) -> Completion:
+    def complete(self, prompt_ids: Sequence[int], max_tokens: int, *, cache_prompt: bool = False) -> Completion:
         """One streamed completion (``completion_body``)."""
-        body = json.dumps(completion_body(prompt_ids, max_tokens)).encode()
+        body = json.dumps(completion_body(prompt_ids, max_tokens, cache_prompt=cache_prompt)).encode()
         request = urllib.request.Request(self.url + "/completion", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=3600) as reply:
             return read_completion(_lines(reply))
@@ -415,17 +419,18 @@ def reset_proc_peak_rss(pid: int) -> None:
 
 
 def run_requests(
-    server: LlamaServer, requests: Sequence[tuple[Sequence[int], int]], *, sequential: bool
+    server: LlamaServer, requests: Sequence[tuple[Sequence[int], int]], *, sequential: bool, cache_prompt: bool = False
 ) -> tuple[list[float], list[Completion], float]:
     """Send every request (all at once, one thread each, or one after another); the arrival time of each,
-    its completion, and the wall time from the first arrival to the last token."""
+    its completion, and the wall time from the first arrival to the last token.  ``cache_prompt``: see
+    ``completion_body``."""
     arrivals = [0.0] * len(requests)
     results: list[Completion | BaseException | None] = [None] * len(requests)
 
     def one(i: int) -> None:
         arrivals[i] = time.perf_counter()
         try:
-            results[i] = server.complete(*requests[i])
+            results[i] = server.complete(*requests[i], cache_prompt=cache_prompt)
         except BaseException as exc:  # reported below, on the caller's thread
             results[i] = exc
 

@@ -20,6 +20,11 @@ position j, the share that accepted it: m09's ``drafted``/``accepted`` per windo
 ``drafted`` / ``spec_accepted``.  ``--json`` writes the whole report as one JSON object on stdout (the
 per-cell tables go to stderr as each cell finishes).
 
+``--mode`` runs the model as ``bench run``'s modes do (exact: float32; fast: bfloat16; q4_1, q8_0: GGUF
+blocks); ``--llama-cpp`` runs llama-server beside every cell, on the same prompt ids and the same number of
+new ids per request, in each of ``--llama-cpp-modes`` (``mechserve.bench.spec_llama_cpp``), and reports its
+tok/s per GGUF and the best proposer's tok/s over llama.cpp's best (``llama_cpp`` in the JSON report).
+
 ``--costs`` instead measures what a target step of M rows costs (batch 1 and 8), the numbers
 behind ``speculative.Governor``'s cost model.
 """
@@ -55,6 +60,7 @@ class Tally:
     drafted: int = 0
     spec_accepted: int = 0
     outputs: list[list[int]] = field(default_factory=list)
+    calls: list[list[tuple[list[int], list[int]]]] = field(default_factory=list)  # per call: (prompt ids, output ids)
     drafted_at: list[int] = field(default_factory=list)  # [j]: windows that drafted a guess at position j + 1
     accepted_at: list[int] = field(default_factory=list)  # [j]: windows that accepted it
 
@@ -125,6 +131,7 @@ def one_call(llm: Any, conversations: Sequence[list[dict[str, str]]], params: An
     for o in outs:
         tally.output_tokens += len(o.outputs[0].token_ids)
         tally.outputs.append(list(o.outputs[0].token_ids))
+    tally.calls.append([(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs])
     for rec in llm.trace:
         tally.drafted += sum(rec.drafted.values())
         tally.spec_accepted += sum(rec.accepted.values())
@@ -154,38 +161,75 @@ def run_sessions(llm: Any, sessions: Sequence[Session], params: Any, tally: Tall
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (set, batch, configuration) cell; return the report."""
+    from mechserve.api.config import dtype_name
     from mechserve.api.params import SamplingParams
+    from mechserve.bench import spec_llama_cpp
+    from mechserve.bench.runners import MODES
     from mechserve.engine.executors import configure_threads
     from mechserve.entrypoints.llm import LLM
     from mechserve.model.loader import load_model
 
+    peer_modes = check_llama_cpp_flags(args)
     threads = configure_threads()
-    loaded = load_model(args.model)
     configs = configurations(args)
+    peer = None
+    if args.llama_cpp:  # asked for: found and its GGUFs made before anything runs, or one error
+        try:
+            peer = spec_llama_cpp.LlamaCppBeside(args.model, peer_modes, threads)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(str(exc)) from None
+    dtype, quantization = MODES[args.mode]
+    loaded = load_model(args.model, dtype=dtype, quantization=quantization)
+    size: dict[str, Any] = {
+        "dtype": dtype_name(loaded.model.dtype),
+        "quantization": getattr(loaded.model, "quantization", None),
+    }
     llms = {
-        name: LLM(loaded, speculative_config=cfg, num_pages=args.num_pages, max_step_tokens=args.max_step_tokens)
+        name: LLM(
+            loaded, speculative_config=cfg, num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, **size
+        )
         for name, cfg in configs.items()
     }
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     for llm in llms.values():  # warm-up: first-call allocations, kernels
         llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     cells: dict[str, dict[str, Any]] = {}
+    beside: dict[str, dict[str, Any]] = {}
     every = workloads()
-    for set_name in args.sets:
-        sessions = every[set_name][: args.prompts]
-        for batch in args.batches:
-            tallies = {name: Tally() for name in llms}
-            for _ in range(1 if batch == 1 else args.repeats):
-                for start in range(0, len(sessions), batch):
-                    for name, llm in llms.items():
-                        run_sessions(llm, sessions[start : start + batch], params, tallies[name])
-            off = tallies["off"]
-            cell = {name: t.report(None if name == "off" else off) for name, t in tallies.items()}
-            cells[f"{set_name}/batch-{batch}"] = cell
-            # with --json the tables still show progress, on stderr
-            print(table(f"{set_name}, batch {batch}", cell), file=sys.stderr if args.json else sys.stdout, flush=True)
-    return {
+    out = sys.stderr if args.json else sys.stdout  # with --json the tables still show progress, on stderr
+    try:
+        for set_name in args.sets:
+            sessions = every[set_name][: args.prompts]
+            for batch in args.batches:
+                tallies = {name: Tally() for name in llms}
+                peers = {kind: spec_llama_cpp.PeerTally() for kind in peer.kinds} if peer else {}
+                for _ in range(1 if batch == 1 else args.repeats):
+                    for start in range(0, len(sessions), batch):
+                        done = len(tallies["off"].calls)
+                        for name, llm in llms.items():
+                            run_sessions(llm, sessions[start : start + batch], params, tallies[name])
+                        if peer is not None:  # the same turns, right after ours
+                            try:
+                                peer.run(batch, tallies["off"].calls[done:], peers, loaded.eos_token_ids)
+                            except OSError as exc:
+                                raise SystemExit(f"llama.cpp: {exc}") from None
+                off = tallies["off"]
+                cell = {name: t.report(None if name == "off" else off) for name, t in tallies.items()}
+                key = f"{set_name}/batch-{batch}"
+                cells[key] = cell
+                shown = table(f"{set_name}, batch {batch}", cell)
+                if peer is not None:
+                    side = {kind: t.report() for kind, t in peers.items()}
+                    beside[key] = {**side, "best": spec_llama_cpp.best(cell, side)}
+                    shown += "\n" + spec_llama_cpp.lines(side, beside[key]["best"])
+                print(shown, file=out, flush=True)
+        version = peer.version() if peer is not None else None
+    finally:
+        if peer is not None:
+            peer.close()
+    report: dict[str, Any] = {
         "model": args.model,
+        "mode": args.mode,
         "threads": threads,
         "max_tokens": args.max_tokens,
         "spec_len": args.spec_len,
@@ -193,6 +237,34 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "prompts_per_set": args.prompts,
         "cells": cells,
     }
+    if peer is not None:
+        report["llama_cpp"] = {
+            "ggufs": {kind: path.name for kind, path in peer.ggufs.items()},
+            "version": version,
+            "threads": threads,
+            "cache_prompt": True,
+            "cells": beside,
+        }
+    return report
+
+
+def check_llama_cpp_flags(args: argparse.Namespace) -> list[str]:
+    """The bench modes llama.cpp runs (``--llama-cpp-modes``, default ``spec_llama_cpp.DEFAULT_MODES``; none
+    without ``--llama-cpp``).  Raises ``SystemExit`` (one line) for ``--llama-cpp-modes`` without
+    ``--llama-cpp`` or with a GGUF ``--model`` (run as it is), and for a block mode with a GGUF ``--model``."""
+    from mechserve.bench.spec_llama_cpp import DEFAULT_MODES
+    from mechserve.model.gguf_file import is_gguf
+
+    gguf = is_gguf(args.model)
+    if gguf and args.mode not in ("exact", "fast"):
+        raise SystemExit(f"--mode {args.mode}: a GGUF file runs its weights as it stores them; choose exact or fast")
+    if args.llama_cpp_modes is not None and not args.llama_cpp:
+        raise SystemExit("--llama-cpp-modes needs --llama-cpp")
+    if args.llama_cpp_modes is not None and gguf:
+        raise SystemExit("--llama-cpp-modes: llama.cpp runs a GGUF --model as it is, in one mode")
+    if not args.llama_cpp:
+        return []
+    return list(dict.fromkeys(args.llama_cpp_modes or DEFAULT_MODES))
 
 
 def table(title: str, cell: dict[str, dict[str, Any]]) -> str:
@@ -217,16 +289,18 @@ def table(title: str, cell: dict[str, dict[str, Any]]) -> str:
 
 
 def costs(args: argparse.Namespace) -> dict[str, Any]:
-    """Median time of a target forward of ``batch`` decode windows of M rows each (context ~300),
+    """Median time of a target forward of ``batch`` decode windows of M rows each (context ~300, ``--mode``),
     relative to one row at batch 1; ``row_cost``/``jump_cost`` fitted as the ``Governor`` uses them."""
     import torch
 
+    from mechserve.bench.runners import MODES
     from mechserve.engine.executors import configure_threads
     from mechserve.kv.paged import Span, build_attention_batch
     from mechserve.model.loader import load_model
 
     configure_threads()
-    model = load_model(args.model, tokenizer=False).model
+    dtype, quantization = MODES[args.mode]
+    model = load_model(args.model, dtype=dtype, tokenizer=False, quantization=quantization).model
     ps, ctx = 16, 300
     shapes = [(b, m) for b in (1, 8) for m in (1, 2, 3, 4, 5, 6, 8)]
     prepared = {}
@@ -302,12 +376,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--repeats", type=_count(1, 100), default=1, help="rounds at batch > 1 (1); --costs: x4 timing rounds")
     add("--num-pages", type=_count(1, 1 << 20), default=512, help="KV pages per engine (512)")
     add("--max-step-tokens", type=_count(1, 1 << 16), default=2048, help="token budget per step (2048)")
+    add("--mode", choices=("exact", "fast", "q4_1", "q8_0"), default="exact", help="as bench run's (exact)")
+    add(
+        "--llama-cpp",
+        action="store_true",
+        help="llama-server beside every cell (the same prompt ids and new ids per request; an error if not built)",
+    )
+    add(
+        "--llama-cpp-modes",
+        nargs="+",
+        choices=("exact", "fast", "q4_1", "q8_0"),
+        default=None,
+        help="the GGUFs llama.cpp runs, by bench mode (fast q8_0 q4_1: BF16, Q8_0, Q4_1)",
+    )
     add("--json", action="store_true", help="print only the report, as one JSON object")
     add("--costs", action="store_true", help="measure the cost of a step by rows instead")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark (or ``--costs``); print the tables or the JSON report; returns 0."""
+    if args.costs and (args.llama_cpp or args.llama_cpp_modes is not None):
+        raise SystemExit("--llama-cpp: not with --costs (which times our steps alone)")
     report = costs(args) if args.costs else bench(args)
     if args.json or args.costs:
         print(json.dumps(report, indent=None if args.json else 2))

@@ -11,6 +11,7 @@ test_spec_sampling.py (chi-square), structured/test_constrained_engine.py and en
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,10 @@ from tiny_checkpoints import Tiny, random_prompts
 from mechserve.api.config import EngineConfig, SpeculativeConfig
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
-from mechserve.executor.proposers_suffix import Node, SuffixProposer, SuffixTree
+from mechserve.executor.proposers import Window
+from mechserve.executor.proposers_suffix import Match, Node, SuffixProposer, SuffixTree, best_draft
 from mechserve.executor.request import ExecutorRequest
+from mechserve.executor.sampling import Row
 from mechserve.model.loader import LoadedModel
 
 
@@ -241,3 +244,187 @@ def test_proposals_do_not_depend_on_which_requests_available_was_asked_about() -
         if step == 15:
             for p in (asked, silent):
                 p.release(req("r0", [*prompts[0], *base]), outputs[0][:15])
+
+
+# The incremental state (issue 27: the proposer's cost) ---------------------------------------------------------------
+
+
+def forward_draft(matched: Sequence[Node], num: int, factor: float, min_prob: float) -> Match:
+    """The draft rule as first written: every match length tried, shortest first, ties to the longer match."""
+    best = Match()
+    if num <= 0:
+        return best
+    for m, node in enumerate(matched, 1):
+        budget = min(num, int(factor * m))
+        ids: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(ids) < budget and node.best >= 0:
+            child = (node.children or {})[node.best]
+            prob *= child.count / node.out
+            if prob < min_prob:
+                break
+            ids.append(node.best)
+            score += prob
+            node = child
+        if ids and score >= best.score:
+            best = Match(tuple(ids), score, m)
+    return best
+
+
+def known_tail(history: Sequence[int], depth: int) -> list[int]:
+    tail = list(history[-(depth - 1) :])
+    return tail[max((j + 1 for j, t in enumerate(tail) if t < 0), default=0) :]
+
+
+def tree_of(seqs: Sequence[Sequence[int]], depth: int) -> SuffixTree:
+    tree = SuffixTree(depth)
+    for s in seqs:
+        tree.add(s)
+    return tree
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(
+    added=seqs,
+    context=st.lists(st.integers(0, 4), max_size=8),
+    depth=st.integers(2, 6),
+    num=st.integers(0, 6),
+    factor=st.sampled_from([0.5, 1.0, 2.5]),
+    min_prob=st.sampled_from([0.0, 0.1, 0.5]),
+    beat=st.tuples(st.floats(0, 3), st.integers(0, 5)),
+)
+def test_the_pruned_search_drafts_what_trying_every_match_length_drafts(
+    added: list[list[int]],
+    context: list[int],
+    depth: int,
+    num: int,
+    factor: float,
+    min_prob: float,
+    beat: tuple[float, int],
+) -> None:
+    """``best_draft`` tries the longest match first and stops where no shorter one can win: the same draft as
+    trying them all, and ``beat`` kept unless a draft has a higher score, or as high from a longer match."""
+    matched = tree_of(added, depth).matches(context)
+    args = (num, factor, min_prob)
+    assert best_draft(matched, *args) == forward_draft(matched, *args)
+    rival = Match((9,), *beat)
+    every = forward_draft(matched, *args)
+    wins = every.ids and (every.score, every.length) > (rival.score, rival.length)
+    assert best_draft(matched, *args, beat=rival) == (every if wins else rival)
+
+
+class Op:
+    """The steps a request's history takes between two proposals, as the executor hands them over."""
+
+    grow = st.tuples(st.just("grow"), st.lists(st.integers(0, 3), min_size=1, max_size=5))
+    # a rejected or cut tail: the last n output ids replaced (a stop cut, a rollback past a re-sent id)
+    rollback = st.tuples(st.just("rollback"), st.integers(1, 6), st.lists(st.integers(0, 3), max_size=4))
+    # preempted and recomputed: prefill chunks from the prompt's first k ids (no drafts), then the same ids again
+    preempt = st.tuples(st.just("preempt"), st.integers(1, 4))
+    # the request leaves; the next one (this prompt) starts with a prefill step
+    release = st.tuples(st.just("release"), st.lists(st.integers(0, 3), min_size=1, max_size=4))
+    # the request leaves and the conversation's next turn starts: its prompt repeats the last prompt and
+    # answer (all of it, or a cut one: a re-tokenized answer) and adds these ids
+    turn = st.tuples(st.just("turn"), st.integers(0, 3), st.lists(st.integers(0, 3), max_size=4))
+    # the governor's question (rank 0 only), which must move nothing
+    ask = st.tuples(st.just("ask"), st.integers(1, 5))
+    any = st.lists(st.one_of(grow, rollback, preempt, release, turn, ask), max_size=30)
+
+
+def test_the_next_turn_takes_over_the_last_turns_tree() -> None:
+    """A request whose prompt repeats a finished request's prompt and answer adds only its new ids to that
+    request's tree; a prompt that does not repeat them all builds its own."""
+    proposer = SuffixProposer(max_tree_depth=6)
+    first = req("t1", [5, 6, 7])
+    proposer.propose([window(first, [5, 6, 7], 0)])
+    proposer.score(first, [5, 6, 7, 8, 9], 2)
+    tree = proposer._local["t1"].tree
+    proposer.release(first, [8, 9])
+    second = req("t2", [5, 6, 7, 8, 9, 1, 2])
+    proposer.propose([window(second, [5, 6, 7, 8, 9, 1, 2], 0)])
+    assert proposer._local["t2"].tree is tree and not proposer._finished
+    assert shape(tree.root) == shape(tree_of([[5, 6, 7, 8, 9, 1, 2]], 6).root)
+    proposer.release(second, [])
+    other = req("t3", [5, 6, 7, 8, 3])  # diverges inside what t2 held
+    proposer.propose([window(other, [5, 6, 7, 8, 3], 0)])
+    assert proposer._local["t3"].tree is not tree and list(proposer._finished) == ["t2"]
+
+
+def window(r: ExecutorRequest, history: list[int], slots: int) -> Window:
+    return Window(None, list(history), slots, Row(r.params, 0, request=r))  # type: ignore[arg-type]
+
+
+@settings(max_examples=120, deadline=None, database=None)
+@given(ops=Op.any, depth=st.integers(2, 6), cached=st.sampled_from([1, 2, 100]), num=st.integers(1, 5))
+def test_the_incremental_state_equals_one_built_from_nothing_across_rollback_preemption_and_release(
+    ops: list[tuple[Any, ...]], depth: int, cached: int, num: int
+) -> None:
+    """The request tree grown id by id, the global tree synced by its cursors, the global matches extended by
+    the new ids and the pruned draft search: after every step, what a proposer built from nothing over the
+    same ids would hold and draft.  The global matches may trail a refresh (``Matcher.REFRESH``) but only by
+    missing longer matches: they are always the first ones a fresh search finds."""
+    proposer = SuffixProposer(max_tree_depth=depth, max_cached_requests=cached, min_token_prob=0.0)
+    expected: OrderedDict[str, list[int]] = OrderedDict()  # the global tree's requests and outputs, oldest first
+    serial = 0
+    prompt: list[int] = [1, 2, 1]
+    output: list[int] = []
+    r = req("r0", prompt)
+
+    def synced(history: list[int]) -> None:
+        """Model the global tree after a proposal that saw ``history`` for ``r``."""
+        if r.request_id not in expected:
+            expected[r.request_id] = []
+            while len(expected) > cached:
+                expected.popitem(last=False)
+        expected[r.request_id] = history[len(prompt) :]
+
+    def check(history: list[int], got: Match) -> None:
+        assert shape(proposer.global_tree.root) == shape(tree_of(list(expected.values()), depth).root)
+        local = proposer._local[r.request_id]
+        assert shape(local.tree.root) == shape(tree_of([history], depth).root)
+        fresh = proposer.global_tree.matches(known_tail(history, depth))
+        nodes = local.matcher._nodes
+        assert len(nodes) <= len(fresh) and all(a is b for a, b in zip(nodes, fresh))
+        want = forward_draft(tree_of([history], depth).matches(known_tail(history, depth)), num, 1.0, 0.0)
+        other = forward_draft(nodes, num, 1.0, 0.0)
+        if (other.score, other.length) > (want.score, want.length) and other.ids:
+            want = other
+        assert got == want
+        assert proposer.propose([window(r, history, num)])[0].tokens == got.ids  # the same: nothing moved
+
+    proposer.propose([window(r, prompt, 0)])  # the prefill step
+    synced(prompt)
+    for op in ops:
+        if op[0] == "grow":
+            output += op[1]
+        elif op[0] == "rollback":
+            output = output[: max(0, len(output) - op[1])] + op[2]
+        elif op[0] == "preempt":
+            full = prompt + output
+            for k in range(op[1], len(full), op[1]):
+                proposer.propose([window(r, full[:k], 0)])
+                synced(full[:k])
+        elif op[0] in ("release", "turn"):
+            proposer.release(r, output)
+            if r.request_id in expected:
+                expected[r.request_id] = list(output)
+            serial += 1
+            if op[0] == "release":
+                prompt = op[1]
+            else:
+                said = prompt + output
+                prompt = said[: len(said) - op[1]] + op[2] or [0]
+            output = []
+            r = req(f"r{serial}", prompt)
+            proposer.propose([window(r, prompt, 0)])
+            synced(prompt)
+            continue
+        history = prompt + output
+        if op[0] == "ask":
+            before = shape(proposer.global_tree.root), list(proposer._cached)
+            assert 0 <= proposer.available(r, history, op[1]) <= op[1]
+            assert (shape(proposer.global_tree.root), list(proposer._cached)) == before
+            continue
+        got = proposer.score(r, history, num)
+        synced(history)
+        check(history, got)

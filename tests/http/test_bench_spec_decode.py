@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,3 +68,163 @@ def test_bench_spec_decode_flags_are_checked(capsys, flag: str, value: str) -> N
     assert main(["bench", "spec-decode", flag, value]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mechserve: error: ") and flag in err and err.count("\n") == 1
+
+
+FAKE_SERVER = r'''
+"""A stand-in for llama-server: /health, and /completion streaming n_predict ids (7s) as llama-server's events."""
+import argparse, json, os, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+parser = argparse.ArgumentParser()
+for flag in ("-m", "-np", "-c", "-t", "-tb", "--host", "--port"):
+    parser.add_argument(flag)
+parser.add_argument("--version", action="store_true")
+args = parser.parse_args()
+if args.version:
+    print("version: fake")
+    sys.exit(0)
+log = os.environ["FAKE_LLAMA_LOG"]
+
+
+def write(entry):
+    with open(log, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+write({"started": os.getpid(), "slots": int(args.np), "context": int(args.c), "gguf": os.path.basename(args.m)})
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        write({"pid": os.getpid(), "gguf": os.path.basename(args.m), "body": body})
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for _ in range(body["n_predict"]):
+            self.wfile.write(b'data: {"tokens": [7], "stop": false}\n\n')
+        self.wfile.write(b'data: {"tokens": [], "stop": true, "timings": {"predicted_ms": 1.0}}\n\n')
+
+
+ThreadingHTTPServer((args.host, int(args.port)), Handler).serve_forever()
+'''
+
+
+def test_llama_cpp_runs_beside_every_cell_on_the_same_prompts(
+    capsys, tiny_dir: Path, tiny: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--llama-cpp``: every turn ``off`` answered goes to a llama-server per GGUF with ``batch`` slots, with the
+    prompt ids ``off`` saw, ``off``'s number of new ids, greedy, prompt cache on; reported per GGUF and as the
+    best proposer's tok/s over llama.cpp's best.  (A fake llama-server: the tiny model has no GGUF.)"""
+    import os
+    import sys
+
+    from mechserve.bench import llama_cpp, spec_llama_cpp
+    from mechserve.bench.spec_workloads import workloads
+    from mechserve.entrypoints.prompts import Chat, encode_chat
+
+    server = tmp_path / "llama-server"
+    server.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    server.chmod(0o755)
+    log = tmp_path / "log.jsonl"
+    monkeypatch.setenv(llama_cpp.SERVER_ENV, str(server))
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
+    made = []
+
+    def gguf_for(model: str, mode: str) -> Path:
+        made.append(mode)
+        return tmp_path / f"tiny-{llama_cpp.MODE_GGUF[mode]}.gguf"
+
+    monkeypatch.setattr(spec_llama_cpp, "gguf_for", gguf_for)
+    argv = ["bench", "spec-decode", "--model", str(tiny_dir), "--prompts", "3", "--max-tokens", "5"]
+    argv += ["--batches", "1", "2", "--configs", "suffix", "--sets", "chat", "novel", "--num-pages", "128"]
+    assert main([*argv, "--llama-cpp", "--llama-cpp-modes", "q8_0", "fast", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert made == ["q8_0", "fast"]
+    peer = report["llama_cpp"]
+    assert peer["ggufs"] == {"q8_0": "tiny-q8_0.gguf", "bf16": "tiny-bf16.gguf"} and peer["version"] == "version: fake"
+    assert set(peer["cells"]) == set(report["cells"]) == {f"{w}/batch-{b}" for w in ("chat", "novel") for b in (1, 2)}
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    starts = [e for e in entries if "started" in e]
+    # one server per GGUF and batch size, its slots the batch, kept across workloads; all stopped at the end
+    assert sorted((e["gguf"], e["slots"]) for e in starts) == sorted(
+        (f"tiny-{k}.gguf", b) for k in ("q8_0", "bf16") for b in (1, 2)
+    )
+    for e in starts:
+        with pytest.raises(ProcessLookupError):
+            os.kill(e["started"], 0)
+    bodies = [e["body"] for e in entries if "body" in e and e["body"]["prompt"] != [1, 2, 3, 4]]  # warm-ups aside
+    assert all(b["temperature"] == 0.0 and b["cache_prompt"] and b["ignore_eos"] for b in bodies)
+    for key, cell in report["cells"].items():
+        side = peer["cells"][key]
+        off = cell["off"]
+        for kind in ("q8_0", "bf16"):
+            # off's requests (none answered with no id here), each with off's number of new ids
+            assert side[kind]["output_tokens"] == off["output_tokens"] and side[kind]["tok_s"] > 0
+            assert side[kind]["requests"] == (3 * 4 if key.startswith("chat") else 3)
+            assert side[kind]["identical"] == 0  # the fake answers 7s
+        best = side["best"]
+        assert best["config"] == "suffix" and best["config_tok_s"] == cell["suffix"]["tok_s"]
+        top = max(side[k]["tok_s"] for k in ("q8_0", "bf16"))
+        assert best["llama_cpp_tok_s"] == top and best["ratio"] == pytest.approx(
+            cell["suffix"]["tok_s"] / top, rel=0.01
+        )
+    assert sum(b["n_predict"] for b in bodies) == 2 * sum(c["off"]["output_tokens"] for c in report["cells"].values())
+    # the prompts are the ids off saw (our chat template's): chat, batch 1, the first GGUF takes session 0's four
+    # turns first, each prompt longer by the answer before it and the next question
+    session = workloads()["chat"][0]
+    first = [{"role": "system", "content": session.system}] if session.system else []
+    first.append({"role": "user", "content": session.turns[0]})
+    turns = [b["prompt"] for b in bodies[:4]]
+    assert turns[0] == encode_chat(tiny.tokenizer, Chat(first))[1]
+    assert [len(t) for t in turns] == sorted({len(t) for t in turns})
+
+
+def test_llama_cpp_asked_for_but_not_built_is_one_error_before_anything_runs(
+    capsys, tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mechserve.bench import llama_cpp
+
+    monkeypatch.delenv(llama_cpp.SERVER_ENV, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("MECHSERVE_CACHE", str(tmp_path / "cache"))
+    argv = ["bench", "spec-decode", "--model", "smollm2", "--prompts", "1", "--sets", "novel", "--llama-cpp"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--llama-cpp: llama-server not found" in err and "make llama-cpp" in err
+    # a model llama.cpp cannot run here is named, not skipped
+    server = tmp_path / "llama-server"
+    server.write_text("#!/bin/sh\nexit 0\n")
+    server.chmod(0o755)
+    monkeypatch.setenv(llama_cpp.SERVER_ENV, str(server))
+    assert main(["bench", "spec-decode", "--model", str(tiny_dir), "--llama-cpp"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1
+        and f"llama.cpp runs the embedded model's GGUFs (--model smollm2) or a GGUF file, not {tiny_dir}" in err
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--llama-cpp-modes", "fast"], "--llama-cpp-modes needs --llama-cpp"),
+        (["--costs", "--llama-cpp"], "--llama-cpp: not with --costs"),
+        (["--mode", "q5"], "--mode"),
+        (["--llama-cpp", "--llama-cpp-modes", "f16"], "--llama-cpp-modes"),
+    ],
+)
+def test_bench_spec_decode_llama_cpp_flags_are_checked(capsys, argv: list[str], needle: str) -> None:
+    assert main(["bench", "spec-decode", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mechserve: error: ") and needle in err and err.count("\n") == 1
