@@ -1451,8 +1451,8 @@ UNKNOWN_FIELDS = [
     "A key of a body is known when this table has a row for it (at the top of a body), or when the part of the "
     "body it is in has it: the parts' keys are those of the `openai` and `anthropic` SDKs' request types (a test "
     "checks every key of those types, and every row of the SDKs' top-level types, against the server). Any other "
-    "key is a 400 `unsupported_parameter` naming its path (`max_token`, `messages.0.contnet`, `tools.0.function.paramters`) "
-    "with the closest known name beside it when one is close, on every endpoint, `/tokenize` and `/detokenize` "
+    "key is a 400 `unsupported_parameter` naming its path (`max_token`, `messages.0.contnet`, "
+    "`tools.0.function.paramters`) with the closest known name beside it when one is close, on every endpoint, `/tokenize` and `/detokenize` "
     "included. The parts whose keys are checked:",
     "",
     "* completions and chat: `stream_options`, `response_format` and its `json_schema`, each message of "

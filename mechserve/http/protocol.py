@@ -7,8 +7,8 @@ a non-neutral value with ``UnsupportedField`` naming it.  A key outside the tabl
 not declared by the model of its part (inside: a message, a content part, a tool, ``stream_options``,
 ``response_format``, ...) is *unknown*: ``unknown_fields`` lists them with their dotted paths, and the
 server refuses them with a 400 naming each (``mechserve.http.unknown``; ``serve
---ignore-unknown-fields`` ignores them instead).  Types are strict (``"0.5"`` is not a number, ``1`` is not a boolean), every field
-takes ``null`` for its default (OpenAI's fields are nullable), ranges are OpenAI's
+--ignore-unknown-fields`` ignores them instead).  Types are strict (``"0.5"`` is not a number, ``1``
+is not a boolean), every field takes ``null`` for its default (OpenAI's fields are nullable), ranges are OpenAI's
 (``temperature`` in [0, 2], ``top_p`` in (0, 1], ``n`` in [1, 64], at most 16 stop strings) and
 every string must be valid Unicode (a lone surrogate such as ``"\\ud800"`` is a 400 naming its
 field).
@@ -17,6 +17,7 @@ field).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from typing import Annotated, Any, ClassVar, Literal
@@ -54,6 +55,7 @@ class _Body(BaseModel):
     endpoint: ClassVar[str] = ""
 
     @classmethod
+    @functools.cache
     def known_names(cls) -> tuple[str, ...]:
         """The keys this part may carry: its declared fields (by their JSON names) and, for a top-level body,
         every row of its endpoint's field table."""

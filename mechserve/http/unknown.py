@@ -158,7 +158,8 @@ class IgnoredFieldsHeader:
 
         async def sending(message: Any) -> None:
             if message["type"] == "http.response.start" and ignored:
-                message = {**message, "headers": [*message.get("headers", ()), (IGNORED_HEADER.encode(), _value(ignored))]}
+                header = (IGNORED_HEADER.encode(), _value(ignored))
+                message = {**message, "headers": [*message.get("headers", ()), header]}
             await send(message)
 
         await self.app(scope, receive, sending)
