@@ -276,11 +276,11 @@ def _block_keys(blocks: Any, where: str) -> list[Unknown]:
     """The unknown keys of content blocks (``BLOCK_KEYS``; a tool_result's text blocks too)."""
     found: list[Unknown] = []
     for j, block in each(blocks):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind in BLOCK_KEYS:
-            found += keys_outside(block, BLOCK_KEYS[kind], f"{where}{j}.")
-            if kind == "tool_result":
-                found += _block_keys(block.get("content"), f"{where}{j}.content.")
+        if not isinstance(block, dict) or block.get("type") not in BLOCK_KEYS:
+            continue  # not a block, or a block of another type: refused by its type
+        found += keys_outside(block, BLOCK_KEYS[block["type"]], f"{where}{j}.")
+        if block["type"] == "tool_result":
+            found += _block_keys(block.get("content"), f"{where}{j}.content.")
     return found
 
 

@@ -1501,8 +1501,8 @@ def render_markdown() -> str:
         "with a *neutral* value, one that changes nothing: `null` always, and the values listed. "
         "A field outside this table, or a key that the part of the body it is in does not have (`messages.0.contnet`), "
         "is refused too: a 400 `unsupported_parameter` whose `param` is its path and whose message suggests the "
-        "closest known name (`unknown field 'max_token' (did you mean 'max_tokens'?)`), where vLLM would ignore it "
-        "([Unknown fields](#unknown-fields)). "
+        "closest known name (`unknown field 'max_token' (did you mean 'max_tokens'?)`), as OpenAI's and Anthropic's "
+        "own APIs refuse it (vLLM ignores it; [Unknown fields](#unknown-fields)). "
         "`/v1/completions` is *completions*, `/v1/chat/completions` is *chat*, `/v1/responses` is *responses*, "
         "Anthropic's `/v1/messages` is *messages* and `/v1/messages/count_tokens` *count_tokens*.",
         "",

@@ -55,13 +55,10 @@ class _Body(BaseModel):
     endpoint: ClassVar[str] = ""
 
     @classmethod
-    @functools.cache
     def known_names(cls) -> tuple[str, ...]:
         """The keys this part may carry: its declared fields (by their JSON names) and, for a top-level body,
         every row of its endpoint's field table."""
-        declared = [info.alias or name for name, info in cls.model_fields.items()]
-        rows = [f.name for f in fields_for(cls.endpoint)] if cls.endpoint else []
-        return tuple(sorted(set(declared) | set(rows)))
+        return _known_names(cls)
 
     def unknown_fields(self, where: str = "") -> list[Unknown]:
         """Every unknown key of this part and the parts inside it, with its dotted path under ``where`` (``""``
@@ -84,6 +81,13 @@ class _Body(BaseModel):
         if problem is not None:
             raise ValueError(f"not valid Unicode: {problem}")
         return value
+
+
+@functools.cache
+def _known_names(model: type[_Body]) -> tuple[str, ...]:
+    declared = [info.alias or name for name, info in model.model_fields.items()]
+    rows = [f.name for f in fields_for(model.endpoint)] if model.endpoint else []
+    return tuple(sorted(set(declared) | set(rows)))
 
 
 def _unknown_inside(value: Any, where: str) -> list[Unknown]:

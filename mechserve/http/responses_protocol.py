@@ -159,7 +159,7 @@ class ResponsesRequest(_Body):
         for i, item in each(self.input):
             at = f"{where}input.{i}."
             kind = item.get("type", "message" if "role" in item else None) if isinstance(item, dict) else None
-            if kind not in ITEM_KEYS:
+            if kind not in ITEM_KEYS or not isinstance(item, dict):
                 continue
             found += keys_outside(item, ITEM_KEYS[kind], at)
             parts = item.get("output") if kind == "function_call_output" else item.get("content")

@@ -4,7 +4,9 @@ A key of a body is *known* when the endpoint's field table (``mechserve.http.fie
 (honoured or refused) or, inside the body, when the model of that part declares it (a chat message's
 ``role``/``content``/..., a tool's ``type``/``function``, ``stream_options.include_usage``, ...).  Every
 other key is *unknown*: most often a typo (``max_token``, ``temprature``, ``messages.0.contnet``), which a
-server that ignored it would answer as if the field had never been sent.  The request models report
+server that ignored it would answer as if the field had never been sent (OpenAI's own API refuses such a
+key, "Unrecognized request argument supplied", and Anthropic's, "Extra inputs are not permitted"; vLLM
+ignores it and logs it).  The request models report
 their unknown keys (``mechserve.http.protocol._Body.unknown_fields``, as ``Unknown`` s with dotted paths);
 ``judge`` decides::
 
@@ -16,7 +18,7 @@ their unknown keys (``mechserve.http.protocol._Body.unknown_fields``, as ``Unkno
                                   echoed in the response header ``x-mechserve-ignored-fields``
 
 The flag exists for proxies and gateways (LiteLLM, API gateways) that add their own keys to bodies;
-vLLM and SGLang ignore unknown keys always (vLLM logs them), and have no switch either way.  The log keeps
+vLLM and SGLang have no switch either way.  The log keeps
 at most ``MAX_LOGGED`` patterns (a body of a million invented keys cannot grow it), and the header names at
 most ``MAX_HEADER_PATTERNS`` of a request's, escaped to printable ASCII.
 """
