@@ -304,7 +304,8 @@ class ResponseState:
 def _declared(fmt: Any) -> dict[str, Any]:
     """``text.format`` as returned with the response: its declared fields that were set (an ignored unknown key,
     under ``--ignore-unknown-fields``, is not echoed as if it had been honoured)."""
-    return dict(fmt.model_dump(by_alias=True, exclude_none=True, exclude=set(fmt.model_extra or ())))
+    extra = fmt.model_extra or {}
+    return {k: v for k, v in fmt.model_dump(by_alias=True, exclude_none=True).items() if k not in extra}
 
 
 def input_items(given: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
