@@ -51,6 +51,7 @@ from mechserve.http import responses as r
 from mechserve.http.anthropic_api import anthropic_routes
 from mechserve.http.chat_path import ChatPath, ChatRun
 from mechserve.http.errors import APIError, engine_error, install
+from mechserve.http.fields import CHAT, COMPLETIONS
 from mechserve.http.instrument import Instrument
 from mechserve.http.protocol import (
     ChatCompletionRequest,
@@ -61,7 +62,6 @@ from mechserve.http.protocol import (
     TokenizeRequest,
     UnsupportedField,
 )
-from mechserve.http.fields import CHAT, COMPLETIONS
 from mechserve.http.responses_api import MAX_STORED_RESPONSES, responses_routes
 from mechserve.http.streaming import ChatStream, CompletionStream, EventStream
 from mechserve.http.unknown import IgnoredFieldsHeader, UnknownPolicy, judge_unknown

@@ -1452,7 +1452,8 @@ UNKNOWN_FIELDS = [
     "body it is in has it: the parts' keys are those of the `openai` and `anthropic` SDKs' request types (a test "
     "checks every key of those types, and every row of the SDKs' top-level types, against the server). Any other "
     "key is a 400 `unsupported_parameter` naming its path (`max_token`, `messages.0.contnet`, "
-    "`tools.0.function.paramters`) with the closest known name beside it when one is close, on every endpoint, `/tokenize` and `/detokenize` "
+    "`tools.0.function.paramters`) with the closest known name beside it when one is close, on every endpoint, "
+    "`/tokenize` and `/detokenize` "
     "included. The parts whose keys are checked:",
     "",
     "* completions and chat: `stream_options`, `response_format` and its `json_schema`, each message of "
@@ -1475,7 +1476,8 @@ UNKNOWN_FIELDS = [
     "`logprobs`, a call's `namespace`, an output's `name`, an Anthropic call's `caller` (direct) and "
     "`toolset_name`, a tool's `eager_input_streaming`. Refused inside parts: an assistant message's `audio` and "
     "`refusal`, `stream_options.include_obfuscation: true`, a Responses tool's `defer_loading`, `async`, "
-    "`allowed_callers` other than direct and `output_schema`, an Anthropic tool's `defer_loading`, "
+    "`allowed_callers` other than direct and `output_schema`, a Responses call's `async`, an Anthropic tool's "
+    "`defer_loading`, "
     "`allowed_callers` other than direct and `input_examples`, a programmatic `caller`.",
     "",
     "`mechserve serve --ignore-unknown-fields` accepts and ignores unknown keys instead, at every depth (for "

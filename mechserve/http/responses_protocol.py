@@ -61,7 +61,7 @@ MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 # is automatic).
 ITEM_KEYS = {
     "message": ("type", "role", "content", "id", "status", "phase"),
-    "function_call": ("type", "call_id", "name", "arguments", "id", "status", "caller", "namespace"),
+    "function_call": ("type", "call_id", "name", "arguments", "id", "status", "caller", "namespace", "async"),
     "function_call_output": ("type", "call_id", "output", "id", "status", "caller", "name", "namespace"),
 }
 PART_KEYS = {
@@ -410,6 +410,8 @@ def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
     caller = item.get("caller")
     if caller is not None and not (isinstance(caller, Mapping) and caller.get("type") == "direct"):
         raise ParamError(f"{where}.caller", f"{where}.caller: programmatic tool calls are not supported")
+    if item.get("async"):
+        raise ParamError(f"{where}.async", f"{where}.async is not supported (no asynchronous tool calls)")
     return {
         "id": item["call_id"],
         "type": "function",

@@ -76,7 +76,12 @@ CASES: list[tuple[str, dict[str, Any], str, str | None]] = [
     (DETOKENIZE, {"token": [1]}, "token", "tokens"),
     (CHAT, {"frobnicate": 3}, "frobnicate", None),
     # chat's parts
-    (CHAT, {"messages": [{"role": "user", "contnet": "w1", "content": "w1"}]}, "messages.0.contnet", "messages.0.content"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "contnet": "w1", "content": "w1"}]},
+        "messages.0.contnet",
+        "messages.0.content",
+    ),
     (
         CHAT,
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "w1", "txt": "w2"}]}]},
@@ -154,7 +159,12 @@ CASES: list[tuple[str, dict[str, Any], str, str | None]] = [
         "input.1.call",
         "input.1.caller",
     ),
-    (RESPONSES, {"text": {"format": {"type": "json_object", "shema": OBJECT}}}, "text.format.shema", "text.format.schema"),
+    (
+        RESPONSES,
+        {"text": {"format": {"type": "json_object", "shema": OBJECT}}},
+        "text.format.shema",
+        "text.format.schema",
+    ),
     (RESPONSES, {"text": {"verbosty": "medium"}}, "text.verbosty", "text.verbosity"),
     (
         RESPONSES,
@@ -165,7 +175,11 @@ CASES: list[tuple[str, dict[str, Any], str, str | None]] = [
     # Anthropic's parts
     (
         MESSAGES,
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "w1", "cache_contol": {"type": "ephemeral"}}]}]},
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "w1", "cache_contol": {"type": "ephemeral"}}]}
+            ]
+        },
         "messages.0.content.0.cache_contol",
         "messages.0.content.0.cache_control",
     ),
@@ -182,7 +196,12 @@ CASES: list[tuple[str, dict[str, Any], str, str | None]] = [
         "tool_choice.disable_parallel",
         "tool_choice.disable_parallel_tool_use",
     ),
-    (COUNT_TOKENS, {"messages": [{"role": "user", "content": "w1", "contnet": "w2"}]}, "messages.0.contnet", "messages.0.content"),
+    (
+        COUNT_TOKENS,
+        {"messages": [{"role": "user", "content": "w1", "contnet": "w2"}]},
+        "messages.0.contnet",
+        "messages.0.content",
+    ),
     (COUNT_TOKENS, {"system": [{"type": "text", "text": "s", "txt": "x"}]}, "system.0.txt", "system.0.text"),
     (
         TOKENIZE_CHAT,
@@ -414,9 +433,13 @@ def test_an_assistant_messages_audio_is_refused() -> None:
 
 def test_include_obfuscation_is_refused_only_when_true() -> None:
     for endpoint in (COMPLETIONS, CHAT):
-        ok = MODELS[endpoint].model_validate(body_of(endpoint, {"stream": True, "stream_options": {"include_obfuscation": False}}))
+        ok = MODELS[endpoint].model_validate(
+            body_of(endpoint, {"stream": True, "stream_options": {"include_obfuscation": False}})
+        )
         ok.check_supported()
-        bad = MODELS[endpoint].model_validate(body_of(endpoint, {"stream": True, "stream_options": {"include_obfuscation": True}}))
+        bad = MODELS[endpoint].model_validate(
+            body_of(endpoint, {"stream": True, "stream_options": {"include_obfuscation": True}})
+        )
         with pytest.raises(openai_p.UnsupportedField, match="include_obfuscation"):
             bad.check_supported()
 
@@ -519,7 +542,10 @@ PROXY_KEYS: dict[str, tuple[dict[str, Any], str]] = {
         {"litellm_trace": "t1", "text": {"format": {"type": "text", "x": 1}}},
         "litellm_trace, text.format.x",
     ),
-    MESSAGES: ({"litellm_trace": "t1", "messages": [{"role": "user", "content": "w1 w2", "id": 7}]}, "litellm_trace, messages.*.id"),
+    MESSAGES: (
+        {"litellm_trace": "t1", "messages": [{"role": "user", "content": "w1 w2", "id": 7}]},
+        "litellm_trace, messages.*.id",
+    ),
     COUNT_TOKENS: ({"litellm_trace": "t1"}, "litellm_trace"),
     TOKENIZE: ({"litellm_trace": "t1"}, "litellm_trace"),
     TOKENIZE_CHAT: ({"litellm_trace": "t1"}, "litellm_trace"),
@@ -593,7 +619,10 @@ def test_the_routers_tokenize_query_keeps_a_text_blocks_text_alone() -> None:
 
     block = {"type": "text", "text": "w1", "cache_control": {"type": "ephemeral"}}
     use = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
-    body = {"system": [block], "messages": [{"role": "user", "content": [block]}, {"role": "assistant", "content": [use]}]}
+    body = {
+        "system": [block],
+        "messages": [{"role": "user", "content": [block]}, {"role": "assistant", "content": [use]}],
+    }
     assert chat_messages("/v1/messages", body) == [
         {"role": "system", "content": [{"type": "text", "text": "w1"}]},
         {"role": "user", "content": [{"type": "text", "text": "w1"}]},
