@@ -222,6 +222,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"sandbox process bounded to {RENDER_TIMEOUT_S:g} s and {RENDER_MEMORY_BYTES >> 20} MiB",
     )
     add(
+        "--ignore-unknown-fields",
+        action="store_true",
+        help="accept and ignore request body keys the server does not know (by default each is a 400 naming it, "
+        "with the closest known name); for proxies that add their own keys: each is logged once and named in "
+        "the response header x-mechserve-ignored-fields",
+    )
+    add(
         "--allow-special-tokens-in-content",
         action="store_true",
         help="encode special-token strings in chat messages (<|im_end|>) as the special tokens, as vLLM and "
@@ -322,6 +329,7 @@ def _serve(args: argparse.Namespace, uvicorn: Any, server_module: Any, events: A
         max_request_bytes=args.max_request_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
         max_stored_responses=args.max_stored_responses,
+        ignore_unknown_fields=args.ignore_unknown_fields,
     )
     config = uvicorn.Config(
         app,

@@ -41,9 +41,11 @@ from mechserve.entrypoints.tools import CLOSE
 from mechserve.http.anthropic_protocol import CountTokensRequest, MessagesRequest
 from mechserve.http.chat_path import ChatPath, ChatRun
 from mechserve.http.errors import APIError, engine_error
+from mechserve.http.fields import COUNT_TOKENS, MESSAGES
 from mechserve.http.protocol import UnsupportedField
 from mechserve.http.reply_blocks import Block, BlockEvent, ReplyBlocks, arguments_object
 from mechserve.http.streaming import NamedEventStream
+from mechserve.http.unknown import judge_unknown
 
 
 class MessageState:
@@ -161,6 +163,7 @@ def anthropic_routes(app: FastAPI, path: ChatPath) -> None:
 
     @app.post("/v1/messages")
     async def create_message(body: MessagesRequest, request: Request) -> Response:
+        judge_unknown(request, body, MESSAGES)
         message_id = "msg_" + secrets.token_hex(12)
         run = await _start(path, body, message_id)
         state = MessageState(body, run, message_id)
@@ -173,7 +176,8 @@ def anthropic_routes(app: FastAPI, path: ChatPath) -> None:
         return JSONResponse(state.whole(outputs[0]))
 
     @app.post("/v1/messages/count_tokens")
-    async def count_tokens(body: CountTokensRequest) -> JSONResponse:
+    async def count_tokens(body: CountTokensRequest, request: Request) -> JSONResponse:
+        judge_unknown(request, body, COUNT_TOKENS)
         chat = _translated(body)
         path.check_model(chat.model)
         try:

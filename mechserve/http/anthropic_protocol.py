@@ -39,9 +39,33 @@ from mechserve.api.limits import MAX_NEW_TOKENS
 from mechserve.entrypoints.tools import MAX_TOOLS
 from mechserve.http.fields import COUNT_TOKENS, MESSAGES, refused_field
 from mechserve.http.protocol import MAX_STOP, ChatCompletionRequest, UnsupportedField, _Body
+from mechserve.http.unknown import Unknown, each, keys_outside
 
 MEDIA_BLOCKS = ("image", "document", "search_result")
 THINKING_BLOCKS = ("thinking", "redacted_thinking")
+# The keys of the JSON objects read by hand, as the anthropic SDK's types have them (a test checks they agree).
+# Besides those the translation reads, these are accepted and change nothing: ``cache_control`` (the prefix
+# cache is automatic), a call's ``caller`` and ``toolset_name``, a tool's ``eager_input_streaming`` (a
+# call's input streams as it is generated either way).
+MESSAGE_KEYS = ("role", "content")
+BLOCK_KEYS = {
+    "text": ("type", "text", "cache_control", "citations"),
+    "tool_use": ("type", "id", "name", "input", "cache_control", "caller", "toolset_name"),
+    "tool_result": ("type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"),
+}
+TOOL_KEYS = (
+    "type",
+    "name",
+    "description",
+    "input_schema",
+    "cache_control",
+    "strict",
+    "allowed_callers",
+    "defer_loading",
+    "eager_input_streaming",
+    "input_examples",
+)
+TOOL_CHOICE_KEYS = ("type", "name", "disable_parallel_tool_use")
 
 
 class CacheControl(_Body):
@@ -84,6 +108,21 @@ class _AnthropicBody(_Body):
     user_profile_id: str | None = None
     workspace_id: str | None = None
     chat_template: str | None = None  # vLLM's chat field (refused unless --trust-request-chat-template)
+
+    def _unknown_keys(self, where: str) -> list[Unknown]:
+        """The keys of the messages and their blocks (``MESSAGE_KEYS``, ``BLOCK_KEYS``), of the system blocks, of
+        client tools (``TOOL_KEYS``) and of ``tool_choice``; blocks and tools of other types are refused by type
+        when translated."""
+        found: list[Unknown] = []
+        for i, message in each(self.messages):
+            found += keys_outside(message, MESSAGE_KEYS, f"{where}messages.{i}.")
+            if isinstance(message, dict):
+                found += _block_keys(message.get("content"), f"{where}messages.{i}.content.")
+        found += _block_keys(self.system, f"{where}system.")
+        for i, tool in each(self.tools):
+            if isinstance(tool, dict) and tool.get("type") in (None, "custom"):
+                found += keys_outside(tool, TOOL_KEYS, f"{where}tools.{i}.")
+        return found + keys_outside(self.tool_choice, TOOL_CHOICE_KEYS, f"{where}tool_choice.")
 
     def check_supported(self) -> None:
         """Raises ``UnsupportedField`` for a refused field (the table's) or an honoured field's refused value."""
@@ -233,6 +272,18 @@ class MessagesRequest(_AnthropicBody):
         }
 
 
+def _block_keys(blocks: Any, where: str) -> list[Unknown]:
+    """The unknown keys of content blocks (``BLOCK_KEYS``; a tool_result's text blocks too)."""
+    found: list[Unknown] = []
+    for j, block in each(blocks):
+        if not isinstance(block, dict) or block.get("type") not in BLOCK_KEYS:
+            continue  # not a block, or a block of another type: refused by its type
+        found += keys_outside(block, BLOCK_KEYS[block["type"]], f"{where}{j}.")
+        if block["type"] == "tool_result":
+            found += _block_keys(block.get("content"), f"{where}{j}.content.")
+    return found
+
+
 def system_text(system: str | Sequence[Any] | None) -> str | None:
     """The system prompt: a string, or text blocks joined by newlines; ``ParamError`` naming another block."""
     if system is None or isinstance(system, str):
@@ -313,6 +364,9 @@ def _tool_use(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     arguments = block.get("input")
     if not isinstance(arguments, dict):
         raise ParamError(f"{where}.input", f"{where}.input must be an object")
+    caller = block.get("caller")
+    if caller is not None and not (isinstance(caller, Mapping) and caller.get("type") == "direct"):
+        raise ParamError(f"{where}.caller", f"{where}.caller: programmatic tool calls are not supported")
     text = json.dumps(arguments, ensure_ascii=False)
     return {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": text}}
 
@@ -346,6 +400,14 @@ def chat_tool(tool: Any, where: str) -> dict[str, Any]:
         )
     if "input_schema" not in tool:
         raise ParamError(f"{where}.input_schema", f"{where}.input_schema is required")
+    if tool.get("defer_loading"):
+        raise ParamError(f"{where}.defer_loading", f"{where}.defer_loading is not supported (no tool search)")
+    if tool.get("allowed_callers") not in (None, ["direct"]):
+        raise ParamError(f"{where}.allowed_callers", f"{where}.allowed_callers: only direct calls are supported")
+    if tool.get("input_examples"):
+        raise ParamError(
+            f"{where}.input_examples", f"{where}.input_examples is not supported (the template shows no examples)"
+        )
     function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
     for key in ("description", "strict"):
         if tool.get(key) is not None:

@@ -51,6 +51,7 @@ from mechserve.http import responses as r
 from mechserve.http.anthropic_api import anthropic_routes
 from mechserve.http.chat_path import ChatPath, ChatRun
 from mechserve.http.errors import APIError, engine_error, install
+from mechserve.http.fields import CHAT, COMPLETIONS
 from mechserve.http.instrument import Instrument
 from mechserve.http.protocol import (
     ChatCompletionRequest,
@@ -63,6 +64,7 @@ from mechserve.http.protocol import (
 )
 from mechserve.http.responses_api import MAX_STORED_RESPONSES, responses_routes
 from mechserve.http.streaming import ChatStream, CompletionStream, EventStream
+from mechserve.http.unknown import IgnoredFieldsHeader, UnknownPolicy, judge_unknown
 
 T = TypeVar("T")
 MAX_PROMPTS = 256  # prompts in one completions request
@@ -76,6 +78,7 @@ def build_app(
     max_request_bytes: int = MAX_REQUEST_BYTES,
     trust_request_chat_template: bool = False,
     max_stored_responses: int = MAX_STORED_RESPONSES,
+    ignore_unknown_fields: bool = False,
 ) -> FastAPI:
     """The server's app over ``llm``, answering to ``model_name`` (default ``llm.model_name``).
 
@@ -86,8 +89,11 @@ def build_app(
     (vLLM's ``--trust-request-chat-template``): then it is rendered in a sandbox process
     (``llm.prompt_policy``, which every endpoint's prompts go through: chat, ``/tokenize``, and the
     Responses and Messages requests translated into chat).  ``/v1/responses`` keeps at most
-    ``max_stored_responses`` responses (the oldest go first).  The app's lifespan starts ``llm``'s
-    engine thread if it is not running yet, and then also stops it.
+    ``max_stored_responses`` responses (the oldest go first).  A body key that neither the field table nor
+    the model of its part knows is a 400 naming it (``mechserve.http.unknown``), unless
+    ``ignore_unknown_fields`` (``--ignore-unknown-fields``, for proxies that add their own keys): then it is
+    ignored, logged once and named in the response's ``x-mechserve-ignored-fields`` header.  The app's
+    lifespan starts ``llm``'s engine thread if it is not running yet, and then also stops it.
     """
     name = model_name or llm.model_name
     templates = "sandbox" if trust_request_chat_template else "refuse"
@@ -108,7 +114,9 @@ def build_app(
     app.state.llm = llm
     app.state.model_name = name
     app.state.created = int(time.time())
+    app.state.unknown_fields = UnknownPolicy(ignore=ignore_unknown_fields)
     install(app)
+    app.add_middleware(IgnoredFieldsHeader)
     app.add_middleware(Guard, api_key=api_key, max_body=max_request_bytes)
     app.add_middleware(Instrument, metrics=llm.metrics)
     _routes(app, llm, name)
@@ -148,6 +156,7 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        judge_unknown(request, body, COMPLETIONS)
         model_name = _check_model(body.model, name)
         prompts, params = _prepare(body, body.prompts, llm)
         await _compile(body, params, llm)
@@ -167,6 +176,7 @@ def _routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        judge_unknown(request, body, CHAT)
         response_id = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
         run = await _start_chat(llm, name, body, response_id)
         handles, params, tools, render = run.handles, run.params, run.tools, run.render
@@ -229,7 +239,8 @@ def _tokenizer_routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         return JSONResponse({"version": __version__})
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+    async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+        judge_unknown(request, body, "tokenize")
         _check_model(body.model, name)
         prompt: str | Chat = body.prompt if isinstance(body, TokenizeCompletionRequest) else body_chat(body)
         param = "prompt" if isinstance(body, TokenizeCompletionRequest) else "messages"
@@ -240,7 +251,8 @@ def _tokenizer_routes(app: FastAPI, llm: AsyncLLM, name: str) -> None:
         )
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+    async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+        judge_unknown(request, body, "detokenize")
         _check_model(body.model, name)
         return JSONResponse({"prompt": await _tokenizer_call(llm.detokenize(body.tokens), "tokens")})
 

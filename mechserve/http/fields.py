@@ -5,7 +5,9 @@ extensions of them, llama.cpp server's sampling names and Anthropic's Messages A
 **honours** the field (and what it becomes: a ``SamplingParams`` field, a prompt option, a response
 option) or **refuses** it, and why.  ``mechserve.http.protocol`` decides from it::
 
-    a field outside the table                    ignored, as vLLM does
+    a field outside the table                    a 400 naming it, code ``unsupported_parameter``
+                                                 (``mechserve.http.unknown``; ``serve
+                                                 --ignore-unknown-fields`` ignores it instead)
     an honoured field                            typed and range-checked by the endpoint's pydantic
                                                  model (a 400 naming it when it is wrong), then used;
                                                  ``refused_values`` are the values it still refuses
@@ -440,6 +442,23 @@ FIELDS: tuple[Field, ...] = (
     ),
     _f("verbosity", (CHAT,), OPENAI, why="not supported", bad={"verbosity": "low"}),
     _f("web_search_options", (CHAT,), OPENAI, why="not supported: no web search", bad={"web_search_options": {}}),
+    _f("moderation", (CHAT,), OPENAI, why="not supported: no moderation model", bad={"moderation": {"model": "m"}}),
+    _f(
+        "prompt_cache_retention",
+        (CHAT,),
+        OPENAI,
+        why="not supported beyond `in_memory`: the prefix cache lives in memory, its pages evicted as needed",
+        neutral=("in_memory",),
+        bad={"prompt_cache_retention": "24h"},
+    ),
+    _f(
+        "prompt_cache_options",
+        (CHAT,),
+        OPENAI,
+        why="not supported: the prefix cache is automatic (no explicit mode, lifetimes or prewarming)",
+        neutral=({},),
+        bad={"prompt_cache_options": {"mode": "explicit"}},
+    ),
     _f(
         "prompt_cache_key",
         (CHAT,),
@@ -1363,6 +1382,36 @@ MESSAGES_FIELDS: tuple[Field, ...] = (
         why="not supported: no context editing",
         bad={"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}},
     ),
+    # the beta endpoint's fields (client.beta.messages: the same bodies, with an anthropic-beta header)
+    _f(
+        "billing_policy",
+        ANTHROPIC_BOTH,
+        ANTHROPIC,
+        why="not supported: nothing is billed",
+        bad={"billing_policy": {"type": "billing_policy", "bill_to": "user_profile"}},
+    ),
+    _f(
+        "compaction",
+        ANTHROPIC_BOTH,
+        ANTHROPIC,
+        why="not supported: no compaction",
+        bad={"compaction": {"type": "enabled"}},
+    ),
+    _f(
+        "fallback_credit_token",
+        _M,
+        ANTHROPIC,
+        why="not supported: nothing is billed",
+        bad={"fallback_credit_token": "t"},
+    ),
+    _f("fallbacks", _M, ANTHROPIC, why="not supported: one model, which never declines", bad={"fallbacks": ["m"]}),
+    _f(
+        "thread",
+        _M,
+        ANTHROPIC,
+        why="not supported: no server-held conversations; send the whole conversation",
+        bad={"thread": {"type": "create"}},
+    ),
     _f(
         "chat_template",
         ANTHROPIC_BOTH,
@@ -1396,6 +1445,50 @@ def refused_field(endpoint: str, body: Mapping[str, Any], present: Sequence[str]
     return None
 
 
+UNKNOWN_FIELDS = [
+    "## Unknown fields",
+    "",
+    "A key of a body is known when this table has a row for it (at the top of a body), or when the part of the "
+    "body it is in has it: the parts' keys are those of the `openai` and `anthropic` SDKs' request types (a test "
+    "checks every key of those types, and every row of the SDKs' top-level types, against the server). Any other "
+    "key is a 400 `unsupported_parameter` naming its path (`max_token`, `messages.0.contnet`, "
+    "`tools.0.function.paramters`) with the closest known name beside it when one is close, on every endpoint, "
+    "`/tokenize` and `/detokenize` "
+    "included. The parts whose keys are checked:",
+    "",
+    "* completions and chat: `stream_options`, `response_format` and its `json_schema`, each message of "
+    "`messages` with its text parts and its `tool_calls` (and their `function`), each function tool of `tools` "
+    "and its `function`, a named `tool_choice` and its `function` (`structured_outputs` refuses its unknown keys "
+    "itself);",
+    "* responses: `text` and `text.format`, `stream_options`, each `input` item of type `message`, "
+    "`function_call` or `function_call_output` with their `input_text` and `output_text` parts, each function "
+    "tool, a named `tool_choice`;",
+    "* messages and count_tokens: each message and its `text`, `tool_use` and `tool_result` blocks (a "
+    "`tool_result`'s text blocks too), the `system` blocks, each client tool, `tool_choice`, `output_config` "
+    "and its `format`, `output_format`, `cache_control`, `metadata`;",
+    "* a part of another type (an image part, a built-in tool, a `custom` tool) is refused by its type before its "
+    "keys are looked at; JSON schemas, `metadata` maps, `logit_bias` and `chat_template_kwargs` are free-form and "
+    "are not checked.",
+    "",
+    "Keys of those parts that change nothing here are accepted: a text part's `prompt_cache_breakpoint` and "
+    "Anthropic's `cache_control` (the prefix cache is automatic); what an earlier response returned and a client "
+    "sends back: a Responses item's `id`, `status` and `phase`, an `output_text`'s `annotations` and "
+    "`logprobs`, a call's `namespace`, an output's `name`, an Anthropic call's `caller` (direct) and "
+    "`toolset_name`, a tool's `eager_input_streaming`. Refused inside parts: an assistant message's `audio` and "
+    "`refusal`, `stream_options.include_obfuscation: true`, a Responses tool's `defer_loading`, `async`, "
+    "`allowed_callers` other than direct and `output_schema`, a Responses call's `async`, an Anthropic tool's "
+    "`defer_loading`, "
+    "`allowed_callers` other than direct and `input_examples`, a programmatic `caller`.",
+    "",
+    "`mechserve serve --ignore-unknown-fields` accepts and ignores unknown keys instead, at every depth (for "
+    "proxies and gateways, such as LiteLLM, that add their own keys; vLLM and SGLang always ignore them and have "
+    "no such switch): each key's path, with list indices as `*` (`messages.*.id`), is logged once per server, "
+    "and a response to a request that had any names them in its `x-mechserve-ignored-fields` header "
+    "(comma-separated, at most 32).",
+    "",
+]
+
+
 def render_markdown() -> str:
     """docs/api-fields.md: every row, per origin, with what each endpoint does with it."""
     lines = [
@@ -1408,7 +1501,10 @@ def render_markdown() -> str:
         "(`code: unsupported_parameter`, or `invalid_value` for a bad value; Anthropic's error body names it "
         "at the start of its `message`). A refused field is accepted "
         "with a *neutral* value, one that changes nothing: `null` always, and the values listed. "
-        "Fields outside this table are ignored, as vLLM does. "
+        "A field outside this table, or a key that the part of the body it is in does not have (`messages.0.contnet`), "
+        "is refused too: a 400 `unsupported_parameter` whose `param` is its path and whose message suggests the "
+        "closest known name (`unknown field 'max_token' (did you mean 'max_tokens'?)`), as OpenAI's and Anthropic's "
+        "own APIs refuse it (vLLM ignores it; [Unknown fields](#unknown-fields)). "
         "`/v1/completions` is *completions*, `/v1/chat/completions` is *chat*, `/v1/responses` is *responses*, "
         "Anthropic's `/v1/messages` is *messages* and `/v1/messages/count_tokens` *count_tokens*.",
         "",
@@ -1442,6 +1538,7 @@ def render_markdown() -> str:
             cells = [f"`{f.name}`", where, honoured or "—", f.why or "—", neutral]
             lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
         lines.append("")
+    lines += UNKNOWN_FIELDS
     lines += [
         "## What the server answers beyond OpenAI's shapes",
         "",

@@ -3,9 +3,12 @@
 What each field does is decided by one table, ``mechserve.http.fields`` (rendered as
 docs/api-fields.md): the models below declare exactly its honoured fields, with their types and
 ranges; its refused fields arrive as extra keys (``model_extra``) and ``check_supported`` answers
-a non-neutral value with ``UnsupportedField`` naming it; fields outside the table are ignored, as
-vLLM does.  Types are strict (``"0.5"`` is not a number, ``1`` is not a boolean), every field
-takes ``null`` for its default (OpenAI's fields are nullable), ranges are OpenAI's
+a non-neutral value with ``UnsupportedField`` naming it.  A key outside the table (at the top) or
+not declared by the model of its part (inside: a message, a content part, a tool, ``stream_options``,
+``response_format``, ...) is *unknown*: ``unknown_fields`` lists them with their dotted paths, and the
+server refuses them with a 400 naming each (``mechserve.http.unknown``; ``serve
+--ignore-unknown-fields`` ignores them instead).  Types are strict (``"0.5"`` is not a number, ``1``
+is not a boolean), every field takes ``null`` for its default (OpenAI's fields are nullable), ranges are OpenAI's
 (``temperature`` in [0, 2], ``top_p`` in (0, 1], ``n`` in [1, 64], at most 16 stop strings) and
 every string must be valid Unicode (a lone surrogate such as ``"\\ud800"`` is a 400 naming its
 field).
@@ -14,6 +17,7 @@ field).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from typing import Annotated, Any, ClassVar, Literal
@@ -25,7 +29,8 @@ from mechserve.api.limits import MAX_FILTER_IDS, MAX_LOGPROBS, MAX_NEW_TOKENS, M
 from mechserve.api.params import SamplingParams, StructuredOutputsParams
 from mechserve.entrypoints.prompts import Chat, PromptInput, Text, unicode_problem
 from mechserve.entrypoints.tools import MAX_TOOLS, ToolPlan, history_message, parse_tool_choice, parse_tools
-from mechserve.http.fields import CHAT, COMPLETIONS, refused_field
+from mechserve.http.fields import CHAT, COMPLETIONS, fields_for, refused_field
+from mechserve.http.unknown import Unknown, each, keys_outside
 
 MAX_STOP = 16
 INT64 = 2**63
@@ -42,7 +47,31 @@ class UnsupportedField(ValueError):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    """A request body or a part of one.  Keys no field declares are kept (``model_extra``) so that
+    ``unknown_fields`` can name them; a top-level body (``endpoint`` set) also keeps its table's refused
+    fields there, which are known."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    endpoint: ClassVar[str] = ""
+
+    @classmethod
+    def known_names(cls) -> tuple[str, ...]:
+        """The keys this part may carry: its declared fields (by their JSON names) and, for a top-level body,
+        every row of its endpoint's field table."""
+        return _known_names(cls)
+
+    def unknown_fields(self, where: str = "") -> list[Unknown]:
+        """Every unknown key of this part and the parts inside it, with its dotted path under ``where`` (``""``
+        or a prefix ending in ``.``), in the body's order: extra keys outside ``known_names``, then each
+        declared field's (models, lists of models, and the objects ``_unknown_keys`` reads by hand)."""
+        found = keys_outside(self.model_extra or {}, self.known_names(), where)
+        for name, info in type(self).model_fields.items():
+            found += _unknown_inside(getattr(self, name), f"{where}{info.alias or name}.")
+        return found + self._unknown_keys(where)
+
+    def _unknown_keys(self, where: str) -> list[Unknown]:
+        """The unknown keys of the plain JSON objects this part reads by hand (tools, items); none by default."""
+        return []
 
     @field_validator("*", mode="before")
     @classmethod
@@ -54,8 +83,27 @@ class _Body(BaseModel):
         return value
 
 
+@functools.cache
+def _known_names(model: type[_Body]) -> tuple[str, ...]:
+    declared = [info.alias or name for name, info in model.model_fields.items()]
+    rows = [f.name for f in fields_for(model.endpoint)] if model.endpoint else []
+    return tuple(sorted(set(declared) | set(rows)))
+
+
+def _unknown_inside(value: Any, where: str) -> list[Unknown]:
+    """The unknown keys of a field's value: a model's own, or each model's of a list (by index)."""
+    if isinstance(value, _Body):
+        return value.unknown_fields(where)
+    if isinstance(value, list):
+        return [u for i, item in enumerate(value) for u in _unknown_inside(item, f"{where}{i}.")]
+    return []
+
+
 class StreamOptions(_Body):
+    """``stream_options``: ``include_usage``; ``include_obfuscation`` is refused when true (none is sent)."""
+
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None
 
 
 class JsonSchemaFormat(_Body):
@@ -145,6 +193,10 @@ class _Request(_Body):
             raise UnsupportedField(row.name, row.refusal())
         if self.stream_options is not None and not self.stream:
             raise UnsupportedField("stream_options", "stream_options is only allowed when stream is true")
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            raise UnsupportedField(
+                "stream_options", "stream_options.include_obfuscation true is not supported: no obfuscation is sent"
+            )
         if self.n_predict is not None and self.max_tokens is not None and self.n_predict != self.max_tokens:
             raise UnsupportedField("n_predict", "n_predict and max_tokens disagree; give one of them")
         if self.stream and self.samples > 1 and self.prompt_logprobs is not None:
@@ -302,8 +354,11 @@ class CompletionRequest(_Request):
 
 
 class TextPart(_Body):
+    """A text content part; ``prompt_cache_breakpoint`` is accepted (the prefix cache is automatic)."""
+
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: dict[str, Any] | None = None
 
 
 class ToolCallFunction(_Body):
@@ -330,6 +385,11 @@ class ToolCallItem(_Body):
     type: Literal["function"]
     function: ToolCallFunction
 
+    def as_template_call(self) -> dict[str, Any]:
+        """The call in OpenAI's shape, its declared fields only (an ignored unknown key is not passed on)."""
+        function = {"name": self.function.name, "arguments": self.function.arguments}
+        return {"id": self.id, "type": self.type, "function": function}
+
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -341,6 +401,14 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None
     function_call: Any = None
     refusal: str | None = None
+    audio: Any = None
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("an assistant message's audio is not supported: text is the only output")
+        return value
 
     @field_validator("function_call")
     @classmethod
@@ -379,7 +447,7 @@ class ChatMessage(_Body):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            message["tool_calls"] = [c.as_template_call() for c in self.tool_calls]
             message = history_message(message)
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
@@ -405,6 +473,12 @@ class ChatCompletionRequest(_Request):
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+
+    def _unknown_keys(self, where: str) -> list[Unknown]:
+        """The keys of a function tool (``type``, ``function``: ``name``, ``description``, ``parameters``,
+        ``strict``) and of a named ``tool_choice`` (``type``, ``function``: ``name``), as OpenAI's types
+        have them; tools of another type are refused by type (``parse_tools``)."""
+        return function_tool_keys(self.tools, where) + function_choice_keys(self.tool_choice, where)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -468,6 +542,28 @@ class ChatCompletionRequest(_Request):
         )
 
 
+TOOL_KEYS = ("type", "function")
+FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+
+
+def function_tool_keys(tools: Any, where: str) -> list[Unknown]:
+    """The unknown keys of chat's function tools (``TOOL_KEYS``, ``FUNCTION_KEYS``) under ``where``."""
+    found: list[Unknown] = []
+    for i, tool in each(tools):
+        if isinstance(tool, dict) and tool.get("type") == "function":
+            found += keys_outside(tool, TOOL_KEYS, f"{where}tools.{i}.")
+            found += keys_outside(tool.get("function"), FUNCTION_KEYS, f"{where}tools.{i}.function.")
+    return found
+
+
+def function_choice_keys(choice: Any, where: str) -> list[Unknown]:
+    """The unknown keys of chat's named ``tool_choice`` (``{"type": "function", "function": {"name"}}``)."""
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        return []
+    inner = keys_outside(choice.get("function"), ("name",), f"{where}tool_choice.function.")
+    return keys_outside(choice, TOOL_KEYS, f"{where}tool_choice.") + inner
+
+
 # /tokenize and /detokenize: vLLM's request shapes (vllm/entrypoints/openai/protocol.py).
 
 
@@ -494,6 +590,9 @@ class TokenizeChatRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+
+    def _unknown_keys(self, where: str) -> list[Unknown]:
+        return function_tool_keys(self.tools, where)
 
     def check_supported(self) -> None:
         """Raises ``UnsupportedField`` for a field set to something ``/tokenize`` cannot do, ``ParamError`` for

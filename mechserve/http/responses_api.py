@@ -51,10 +51,12 @@ from mechserve.api.outputs import ABORT, LENGTH, RequestOutput, SampleDelta
 from mechserve.http import responses as r
 from mechserve.http.chat_path import ChatPath, ChatRun
 from mechserve.http.errors import APIError, engine_error
+from mechserve.http.fields import RESPONSES
 from mechserve.http.protocol import UnsupportedField
 from mechserve.http.reply_blocks import BlockEvent, ReplyBlocks, arguments_object
 from mechserve.http.responses_protocol import ResponsesRequest, rename
 from mechserve.http.streaming import NamedEventStream
+from mechserve.http.unknown import judge_unknown
 
 MAX_STORED_RESPONSES = 1024
 IN_PROGRESS = "in_progress"
@@ -269,7 +271,7 @@ class ResponseState:
             "store": body.stored,
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {
-                "format": {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True),
+                "format": {"type": "text"} if fmt is None else _declared(fmt),
                 "verbosity": "medium",
             },
             "tool_choice": "auto" if body.tool_choice is None else body.tool_choice,
@@ -297,6 +299,13 @@ class ResponseState:
                 for b in calls
             ]
         return [*self._history, message]
+
+
+def _declared(fmt: Any) -> dict[str, Any]:
+    """``text.format`` as returned with the response: its declared fields that were set (an ignored unknown key,
+    under ``--ignore-unknown-fields``, is not echoed as if it had been honoured)."""
+    extra = fmt.model_extra or {}
+    return {k: v for k, v in fmt.model_dump(by_alias=True, exclude_none=True).items() if k not in extra}
 
 
 def input_items(given: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -370,6 +379,7 @@ def responses_routes(app: FastAPI, path: ChatPath, *, max_stored: int = MAX_STOR
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        judge_unknown(request, body, RESPONSES)
         response_id = f"resp_{body.request_id or uuid.uuid4().hex}"
         history = _history(store, body.previous_response_id)
         try:

@@ -39,6 +39,7 @@ from mechserve.api.limits import MAX_LOGPROBS, MAX_NEW_TOKENS
 from mechserve.entrypoints.tools import MAX_TOOLS
 from mechserve.http.fields import RESPONSES, refused_field
 from mechserve.http.protocol import INT64, MAX_STOP, ChatCompletionRequest, UnsupportedField, _Body
+from mechserve.http.unknown import Unknown, each, keys_outside
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA = 16  # OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512
@@ -53,6 +54,31 @@ RESPONSES_NAMES: tuple[tuple[str, str], ...] = (
 # Input content parts that carry text; the rest (images, files, audio) are refused by name.
 TEXT_PARTS = ("input_text", "output_text")
 MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+# The keys of the JSON objects read by hand, as the openai SDK's types have them (a test checks they agree).
+# Besides those the translation reads, these are accepted and change nothing: an item's ``id``, ``status``
+# and ``phase`` and an output_text's ``annotations`` and ``logprobs`` (what an earlier response returned),
+# a call's ``namespace``, an output's ``name``, a text part's ``prompt_cache_breakpoint`` (the prefix cache
+# is automatic).
+ITEM_KEYS = {
+    "message": ("type", "role", "content", "id", "status", "phase"),
+    "function_call": ("type", "call_id", "name", "arguments", "id", "status", "caller", "namespace", "async"),
+    "function_call_output": ("type", "call_id", "output", "id", "status", "caller", "name", "namespace"),
+}
+PART_KEYS = {
+    "input_text": ("type", "text", "prompt_cache_breakpoint"),
+    "output_text": ("type", "text", "annotations", "logprobs"),
+}
+TOOL_KEYS = (
+    "type",
+    "name",
+    "description",
+    "parameters",
+    "strict",
+    "defer_loading",
+    "async",
+    "allowed_callers",
+    "output_schema",
+)
 
 
 class TextFormat(_Body):
@@ -124,6 +150,28 @@ class ResponsesRequest(_Body):
     request_id: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
     # vLLM's chat field, on every API translated into chat (refused unless --trust-request-chat-template)
     chat_template: str | None = None
+
+    def _unknown_keys(self, where: str) -> list[Unknown]:
+        """The keys of the input items and their text parts (``ITEM_KEYS``, ``PART_KEYS``), of function tools
+        (``TOOL_KEYS``) and of a named ``tool_choice``; items, parts and tools of other types are refused by
+        type when translated."""
+        found: list[Unknown] = []
+        for i, item in each(self.input):
+            at = f"{where}input.{i}."
+            kind = item.get("type", "message" if "role" in item else None) if isinstance(item, dict) else None
+            if kind not in ITEM_KEYS or not isinstance(item, dict):
+                continue
+            found += keys_outside(item, ITEM_KEYS[kind], at)
+            parts = item.get("output") if kind == "function_call_output" else item.get("content")
+            field = "output" if kind == "function_call_output" else "content"
+            found += _part_keys(parts, f"{at}{field}.")
+        for i, tool in each(self.tools):
+            if isinstance(tool, dict) and tool.get("type") == "function":
+                found += keys_outside(tool, TOOL_KEYS, f"{where}tools.{i}.")
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            found += keys_outside(choice, ("type", "name"), f"{where}tool_choice.")
+        return found
 
     @field_validator("input")
     @classmethod
@@ -274,6 +322,15 @@ class ResponsesRequest(_Body):
             raise ParamError("input", f"input: the conversation is not valid ({where}: {first['msg']})") from None
 
 
+def _part_keys(parts: Any, where: str) -> list[Unknown]:
+    found: list[Unknown] = []
+    for j, part in each(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in PART_KEYS:
+            found += keys_outside(part, PART_KEYS[kind], f"{where}{j}.")
+    return found
+
+
 def input_messages(items: Sequence[Any]) -> list[dict[str, Any]]:
     """Responses input items as chat messages: messages, a run of ``function_call`` items as one assistant
     message with ``tool_calls`` (after the assistant's text, if it came just before), ``function_call_output``
@@ -353,6 +410,8 @@ def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
     caller = item.get("caller")
     if caller is not None and not (isinstance(caller, Mapping) and caller.get("type") == "direct"):
         raise ParamError(f"{where}.caller", f"{where}.caller: programmatic tool calls are not supported")
+    if item.get("async"):
+        raise ParamError(f"{where}.async", f"{where}.async is not supported (no asynchronous tool calls)")
     return {
         "id": item["call_id"],
         "type": "function",

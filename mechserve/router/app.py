@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from mechserve.http.errors import APIError, install
+from mechserve.http.unknown import IGNORED_HEADER
 from mechserve.router.events import EventSubscriber
 from mechserve.router.fleet import TOKENIZED, NoWorker, Worker, WorkerFleet
 
@@ -49,6 +50,8 @@ NOT_STORED = (
     "GET, DELETE, cancel and previous_response_id need that worker"
 )
 PASSED_HEADERS = ("authorization", "content-type", "accept")
+# What a worker's answer says that the client must see too: the unknown keys it ignored (--ignore-unknown-fields).
+PASSED_BACK = (IGNORED_HEADER,)
 
 
 class Proxy:
@@ -237,6 +240,7 @@ class Proxy:
                 self._stream(worker, request_id, response, path),
                 status_code=response.status_code,
                 media_type="text/event-stream",
+                headers=passed_back(response.headers),
             )
         try:
             content = await response.aread()
@@ -246,7 +250,12 @@ class Proxy:
             raise APIError(502, f"worker {worker.url} failed while answering: {why}", code="worker_failed") from None
         finally:
             await self._close(worker, request_id, response)
-        return Response(content, status_code=response.status_code, media_type=response.headers.get("content-type"))
+        return Response(
+            content,
+            status_code=response.status_code,
+            media_type=response.headers.get("content-type"),
+            headers=passed_back(response.headers),
+        )
 
     async def _stream(
         self, worker: Worker, request_id: str, response: httpx.Response, path: str
@@ -300,7 +309,17 @@ class Proxy:
             raise APIError(
                 503, f"worker {worker.url} is unavailable: {describe(exc)}", code="worker_unavailable"
             ) from None
-        return Response(reply.content, status_code=reply.status_code, media_type=reply.headers.get("content-type"))
+        return Response(
+            reply.content,
+            status_code=reply.status_code,
+            media_type=reply.headers.get("content-type"),
+            headers=passed_back(reply.headers),
+        )
+
+
+def passed_back(headers: httpx.Headers) -> dict[str, str]:
+    """The worker's answer's headers the client sees too (``PASSED_BACK``)."""
+    return {name: headers[name] for name in PASSED_BACK if name in headers}
 
 
 def refuse_stored(body: dict[str, Any]) -> None:
@@ -319,13 +338,13 @@ def chat_messages(path: str, body: dict[str, Any]) -> list[Any] | None:
     routes by), or None when the body's shape is not one the router reads (the policy then routes without it)."""
     if path == "/v1/chat/completions":
         messages = body.get("messages")
-        return messages if isinstance(messages, list) else None
+        return [_text_only(m) for m in messages] if isinstance(messages, list) else None
     if path == "/v1/messages":
         messages, system = body.get("messages"), body.get("system")
         if not isinstance(messages, list):
             return None
         head = [{"role": "system", "content": system}] if isinstance(system, (str, list)) and system else []
-        return head + messages
+        return [_text_only(m) for m in head + messages]
     given, instructions = body.get("input"), body.get("instructions")
     head = [{"role": "system", "content": instructions}] if isinstance(instructions, str) and instructions else []
     if isinstance(given, str):
@@ -333,6 +352,19 @@ def chat_messages(path: str, body: dict[str, Any]) -> list[Any] | None:
     if isinstance(given, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in given):
         return head + [{"role": m["role"], "content": m["content"]} for m in given]
     return None
+
+
+def _text_only(message: Any) -> Any:
+    """A message as ``/tokenize`` reads it: a text part's (block's) text alone, without the keys a chat
+    message's part does not have (Anthropic's ``cache_control``, which ``/tokenize`` refuses as unknown)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    text = ("type", "text")
+    parts = [
+        {k: p[k] for k in text if k in p} if isinstance(p, dict) and p.get("type") == "text" else p for p in content
+    ]
+    return {**message, "content": parts}
 
 
 class WorkerFailed(Exception):

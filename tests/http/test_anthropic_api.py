@@ -49,7 +49,8 @@ def client(served: Served, **options: Any) -> anthropic.Anthropic:
 
 
 def post(served: Served, body: dict[str, Any], path: str = "/v1/messages", **headers: str) -> httpx.Response:
-    full = {"model": TINY_NAME, "max_tokens": 2, "messages": USER, **body}
+    cap = {"max_tokens": 2} if path == "/v1/messages" else {}  # count_tokens has no max_tokens (unknown there)
+    full = {"model": TINY_NAME, **cap, "messages": USER, **body}
     return httpx.post(served.url + path, json=full, headers=headers, timeout=60)
 
 

@@ -138,9 +138,12 @@ def test_fields_the_server_cannot_honour_are_400_not_ignored(tiny_server, path: 
     assert_error(post(tiny_server, path, {**base, **body}), 400, param=param)
 
 
-def test_unknown_fields_are_ignored(tiny_server) -> None:
+def test_unknown_fields_are_refused_naming_them(tiny_server) -> None:
+    """They were ignored (``metadata`` is a chat field: completions has none); tests/http/test_unknown_fields.py
+    checks every endpoint and depth, and the operator's --ignore-unknown-fields."""
     response = post(tiny_server, "/v1/completions", {**OK, "frobnicate": 3, "metadata": {"a": "b"}})
-    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+    message = assert_error(response, 400, param="frobnicate", code="unsupported_parameter")
+    assert message == "unknown field 'frobnicate'; also unknown: 'metadata'"
 
 
 def test_an_unknown_model_is_404(tiny_server) -> None:
