@@ -484,8 +484,11 @@ def _run_roofline(
     ``decode_probe`` measures at that batch and context (``roofline.decode_roofline``), and beside the
     run's own pure decode steps at that batch (one token for each of ``batch`` requests and nothing else):
     ``run_steps`` (how many), ``run_step_s`` (their median wall time, the scheduler and sampling included)
-    and ``run_over_roofline`` (None when there were none).  ``bandwidth`` in bytes/s, ``peak`` in GFLOP/s.
-    None when the run decoded nothing."""
+    and ``run_over_roofline`` (None when there were none), ``run_forward_s`` (the median of those steps'
+    time inside the model's forward, where the run recorded it: the step less the scheduler, sampling and
+    commit) and ``other_cores`` (the CPU that other processes used during the run, in cores; see
+    ``runners.other_load``).  ``bandwidth`` in bytes/s, ``peak`` in GFLOP/s.  None when the run decoded
+    nothing."""
     import statistics
 
     from mechserve.bench.roofline import decode_roofline
@@ -498,16 +501,16 @@ def _run_roofline(
         return None
     batch = round(statistics.median(rows))
     r = decode_roofline(model, batch, round(context), bandwidth, peak, repeats)
-    steps = [
-        seconds
-        for n, tokens, seconds in zip(
-            series, stats.get("tokens_per_step_series", []), stats.get("step_time_series_s", []), strict=False
-        )
-        if n == batch and tokens == batch
-    ]
+    tokens = stats.get("tokens_per_step_series", [])
+    pure = [i for i, (n, t) in enumerate(zip(series, tokens, strict=False)) if n == batch and t == batch]
+    step_series, forward_series = stats.get("step_time_series_s", []), stats.get("forward_time_series_s")
+    steps = [step_series[i] for i in pure if i < len(step_series)]
     r["run_steps"] = len(steps)
     r["run_step_s"] = statistics.median(steps) if steps else None
     r["run_over_roofline"] = r["run_step_s"] / r["roofline_s"] if steps else None
+    forwards = [forward_series[i] for i in pure if i < len(forward_series)] if forward_series else []
+    r["run_forward_s"] = statistics.median(forwards) if forwards else None
+    r["other_cores"] = stats.get("other_cores")
     return r
 
 
