@@ -1,6 +1,6 @@
 """The engine's batch-1 decode step beside the roofline probe's forward, in one process, side by side.
 
-    PYTHONPATH=$PWD python docs/scripts/step_vs_probe.py MODE [--threads 2,1] [--rounds 4] [--steps 48]
+    PYTHONPATH=$PWD python docs/scripts/step_vs_probe.py MODE [--threads 2,2pin,1] [--rounds 4] [--steps 48]
 
 Issue 28's batch-1 table put ``bench run``'s own decode steps 2-4 ms above the probe of the same
 forward (``run.ROOFLINE_STEPS``), measured minutes apart and in another process.  This script takes
@@ -103,15 +103,40 @@ class Block:
         }
 
 
+def pin(on: bool) -> None:
+    """With ``on``, the main thread on CPU 0 and every other thread of this process (the OpenMP workers) spread
+    over the other CPUs; else every thread on every CPU this process may use."""
+    cpus = sorted(os.sched_getaffinity(0) | {c for t in Path("/proc/self/task").iterdir() for c in _cpus(int(t.name))})
+    main = threading.get_native_id()
+    others = [int(t.name) for t in Path("/proc/self/task").iterdir() if int(t.name) != main]
+    for i, tid in enumerate([main, *others]):
+        try:
+            os.sched_setaffinity(tid, {cpus[min(i, len(cpus) - 1)]} if on else set(cpus))
+        except OSError:
+            pass
+
+
+def _cpus(tid: int) -> set[int]:
+    try:
+        return os.sched_getaffinity(tid)
+    except OSError:
+        return set()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("mode", choices=sorted(MODES))
-    p.add_argument("--threads", default="2,1", help="thread counts, alternated in each round")
+    p.add_argument(
+        "--threads",
+        default="2,2pin,1",
+        help="thread counts, alternated in each round; Npin: N threads with the main thread pinned to CPU 0 and "
+        "the OpenMP workers to the others",
+    )
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=48, help="forwards per block")
     p.add_argument("--context", type=int, default=512)
     args = p.parse_args()
-    counts = [int(t) for t in args.threads.split(",")]
+    counts = args.threads.split(",")
     dtype, quantization = MODES[args.mode]
     loaded = load_model("smollm2", dtype=dtype, tokenizer=False, quantization=quantization)
     model = loaded.model
@@ -188,11 +213,13 @@ def main() -> None:
         return f"others {r['others_cores']:.2f} cores, steal {r['steal_cores']:.2f} | per step: {th}"
 
     ms = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
-    summary: dict[int, dict[str, list[float]]] = {t: {"step": [], "forward": [], "gap": []} for t in counts}
+    summary: dict[str, dict[str, list[float]]] = {t: {"step": [], "forward": [], "gap": []} for t in counts}
     print(f"mode {args.mode}, batch 1, context {ctx}; load average {os.getloadavg()}")
     for rnd in range(args.rounds):
         for t in counts:
-            torch.set_num_threads(t)
+            torch.set_num_threads(int(t.removesuffix("pin")))
+            model.forward(*probe_args)  # the team exists
+            pin(t.endswith("pin"))
             probe, pb = probe_block(0.0)
             steps, fwds, eb = engine_block()
             outside = max(ms(steps) - ms(fwds), 0.0) / 1e3
