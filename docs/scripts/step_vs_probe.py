@@ -189,21 +189,27 @@ def main() -> None:
         return times, b
 
     def engine_block() -> tuple[list[float], list[float], Block]:
+        """One request's pure decode steps (one token computed): each step's seconds and its forward's."""
         params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
         core.add_request(list(workload.requests[0].prompt_ids), params)
-        core.step()  # the prefill
+        while not core.step().record.tokens:  # the prefill, chunked or not
+            pass
         steps: list[float] = []
-        fwd_s.clear()
+        fwds: list[float] = []
         core.model.forward = timed_forward  # type: ignore[method-assign]
         try:
             with Block() as b:
                 while core.has_unfinished():
+                    fwd_s.clear()
                     t = time.perf_counter()
-                    core.step()
-                    steps.append(time.perf_counter() - t)
+                    out = core.step()
+                    took = time.perf_counter() - t
+                    if sum(out.record.executed.values()) == 1 and len(fwd_s) == 1:
+                        steps.append(took)
+                        fwds.append(fwd_s[0])
         finally:
             del core.model.forward
-        return steps, list(fwd_s), b
+        return steps, fwds, b
 
     def fmt(r: dict[str, Any]) -> str:
         th = "; ".join(
