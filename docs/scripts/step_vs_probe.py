@@ -25,6 +25,7 @@ the ratios engine step / probe and engine forward / probe per thread count (medi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import threading
@@ -110,10 +111,8 @@ def pin(on: bool) -> None:
     main = threading.get_native_id()
     others = [int(t.name) for t in Path("/proc/self/task").iterdir() if int(t.name) != main]
     for i, tid in enumerate([main, *others]):
-        try:
+        with contextlib.suppress(OSError):  # a thread that has ended
             os.sched_setaffinity(tid, {cpus[min(i, len(cpus) - 1)]} if on else set(cpus))
-        except OSError:
-            pass
 
 
 def _cpus(tid: int) -> set[int]:
