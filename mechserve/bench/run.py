@@ -464,6 +464,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     _say(_line(wname, record))
                     if record.get("roofline"):
                         _say(f"  roofline {wname}/{mode}/{res.variant}: {roofline_line(record['roofline'])}")
+                    warning = shared_machine_warning(res.engine_stats, threads)
+                    if warning:
+                        _say(f"  {wname}/{mode}/{res.variant}: {warning}")
         _compare(entry)
     results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     results["machine"]["load_average_at_end"] = _loadavg()
@@ -474,6 +477,24 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for p in write_plots(results, args.out):
             print(f"plot: {p}", file=sys.stderr)
     return results
+
+
+# Other processes' CPU during a run, in cores, above which its times are not an idle machine's figures.
+SHARED_CORES = 0.2
+
+
+def shared_machine_warning(stats: dict[str, Any] | None, threads: int) -> str | None:
+    """A warning when other processes used more than ``SHARED_CORES`` cores during a run (``stats``: its
+    ``engine_stats``, with ``other_cores`` from ``runners.other_load``), else None.  With as many threads
+    as cores every barrier of a forward waits for the thread another process holds off its core, so such a
+    run's steps sit well above the probe's (docs/benchmarks.md, issue 28's batch-1 steps)."""
+    others = (stats or {}).get("other_cores")
+    if others is None or others <= SHARED_CORES:
+        return None
+    return (
+        f"warning: other processes used {others:.2f} cores during this run; its times are not an idle "
+        f"machine's (on {threads} thread(s), every barrier waits for a thread they hold off its core)"
+    )
 
 
 def _run_roofline(

@@ -14,7 +14,7 @@ from tiny_models import save_tiny, tiny_config
 
 from mechserve.bench import roofline as rf
 from mechserve.bench import runners
-from mechserve.bench.run import _run_roofline
+from mechserve.bench.run import SHARED_CORES, _run_roofline, shared_machine_warning
 from mechserve.model.loader import load_model
 from mechserve.model.quantized import QuantizedMatrix
 
@@ -177,3 +177,14 @@ def test_other_load_is_the_machines_busy_time_less_this_processs_per_second() ->
     assert runners.other_load(None, (1.0, 0.0), 0.0, 1.0) == {"other_cores": None, "steal_cores": None}
     reading = runners.machine_cpu()
     assert reading is None or (reading[0] > 0 and reading[1] >= 0)
+
+
+def test_a_run_on_a_shared_machine_says_so() -> None:
+    """Above ``SHARED_CORES`` of other processes' CPU a run gets a warning naming the load; at or below it, or
+    without the figure (another engine, an older record), none."""
+    said = shared_machine_warning({"other_cores": 0.61}, 2)
+    assert said is not None and "other processes used 0.61 cores during this run" in said and "2 thread(s)" in said
+    assert shared_machine_warning({"other_cores": SHARED_CORES}, 2) is None
+    assert shared_machine_warning({"other_cores": 0.0}, 1) is None
+    assert shared_machine_warning({"other_cores": None}, 2) is None
+    assert shared_machine_warning({}, 2) is None and shared_machine_warning(None, 2) is None
