@@ -58,11 +58,19 @@ def _roof_cells(r: dict[str, Any] | None) -> list[str]:
     if not line:
         return ["-"] * 4
     run_ms = line.get("run_step_s")
+    run = "-"
+    if run_ms is not None:
+        extra = ""
+        if line.get("run_forward_s") is not None:  # since issue 28's gap: the steps' time in the forward
+            extra += f"; forward {line['run_forward_s'] * 1e3:.1f}"
+        if line.get("other_cores") is not None:  # and the CPU other processes used during the run
+            extra += f"; others {line['other_cores']:.2f} cores"
+        run = f"{run_ms * 1e3:.1f} ({line['run_over_roofline']:.2f}x, {line['run_steps']} steps{extra})"
     return [
         f"{line['batch']} @ {line['context']}",
         f"{line['roofline_s'] * 1e3:.1f} ({line['bound']})",
         f"{line['measured_s'] * 1e3:.1f} ({line['measured_over_roofline']:.2f}x)",
-        "-" if run_ms is None else f"{run_ms * 1e3:.1f} ({line['run_over_roofline']:.2f}x, {line['run_steps']} steps)",
+        run,
     ]
 
 

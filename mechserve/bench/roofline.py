@@ -171,7 +171,8 @@ def decode_roofline(
 
 
 def roofline_line(r: dict[str, Any]) -> str:
-    """``decode_roofline``'s result as one line of text (with the run's own steps when ``run_steps`` is there)."""
+    """``decode_roofline``'s result as one line of text (with the run's own steps when ``run_steps`` is there, their
+    time in the forward when ``run_forward_s`` is, and the machine's other load when ``other_cores`` is)."""
     line = (
         f"decode step at batch {r['batch']}, context {r['context']}: {r['bytes'] / 1e6:.0f} MB / "
         f"{r['bandwidth_gb_per_s']:.1f} GB/s = {r['memory_s'] * 1e3:.1f} ms, {r['flops'] / 1e9:.2f} GFLOP / "
@@ -183,6 +184,10 @@ def roofline_line(r: dict[str, Any]) -> str:
             f"; the run's {r['run_steps']} decode steps at batch {r['batch']}: median {r['run_step_s'] * 1e3:.1f} ms"
             f" = {r['run_over_roofline']:.2f}x"
         )
+        if r.get("run_forward_s") is not None:
+            line += f" (forward {r['run_forward_s'] * 1e3:.1f} ms)"
+        if r.get("other_cores") is not None:
+            line += f"; other processes used {r['other_cores']:.2f} cores during the run"
     elif "run_steps" in r:
         line += f"; the run had no pure decode step at batch {r['batch']}"
     return line

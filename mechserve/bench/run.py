@@ -464,6 +464,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     _say(_line(wname, record))
                     if record.get("roofline"):
                         _say(f"  roofline {wname}/{mode}/{res.variant}: {roofline_line(record['roofline'])}")
+                    warning = shared_machine_warning(res.engine_stats, threads)
+                    if warning:
+                        _say(f"  {wname}/{mode}/{res.variant}: {warning}")
         _compare(entry)
     results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     results["machine"]["load_average_at_end"] = _loadavg()
@@ -476,6 +479,24 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+# Other processes' CPU during a run, in cores, above which its times are not an idle machine's figures.
+SHARED_CORES = 0.2
+
+
+def shared_machine_warning(stats: dict[str, Any] | None, threads: int) -> str | None:
+    """A warning when other processes used more than ``SHARED_CORES`` cores during a run (``stats``: its
+    ``engine_stats``, with ``other_cores`` from ``runners.other_load``), else None.  With as many threads
+    as cores every barrier of a forward waits for the thread another process holds off its core, so such a
+    run's steps sit well above the probe's (docs/benchmarks.md, issue 28's batch-1 steps)."""
+    others = (stats or {}).get("other_cores")
+    if others is None or others <= SHARED_CORES:
+        return None
+    return (
+        f"warning: other processes used {others:.2f} cores during this run; its times are not an idle "
+        f"machine's (on {threads} thread(s), every barrier waits for a thread they hold off its core)"
+    )
+
+
 def _run_roofline(
     model: Any, stats: dict[str, Any] | None, bandwidth: float, peak: float, repeats: int = 3
 ) -> dict[str, Any] | None:
@@ -484,8 +505,11 @@ def _run_roofline(
     ``decode_probe`` measures at that batch and context (``roofline.decode_roofline``), and beside the
     run's own pure decode steps at that batch (one token for each of ``batch`` requests and nothing else):
     ``run_steps`` (how many), ``run_step_s`` (their median wall time, the scheduler and sampling included)
-    and ``run_over_roofline`` (None when there were none).  ``bandwidth`` in bytes/s, ``peak`` in GFLOP/s.
-    None when the run decoded nothing."""
+    and ``run_over_roofline`` (None when there were none), ``run_forward_s`` (the median of those steps'
+    time inside the model's forward, where the run recorded it: the step less the scheduler, sampling and
+    commit) and ``other_cores`` (the CPU that other processes used during the run, in cores; see
+    ``runners.other_load``).  ``bandwidth`` in bytes/s, ``peak`` in GFLOP/s.  None when the run decoded
+    nothing."""
     import statistics
 
     from mechserve.bench.roofline import decode_roofline
@@ -498,16 +522,16 @@ def _run_roofline(
         return None
     batch = round(statistics.median(rows))
     r = decode_roofline(model, batch, round(context), bandwidth, peak, repeats)
-    steps = [
-        seconds
-        for n, tokens, seconds in zip(
-            series, stats.get("tokens_per_step_series", []), stats.get("step_time_series_s", []), strict=False
-        )
-        if n == batch and tokens == batch
-    ]
+    tokens = stats.get("tokens_per_step_series", [])
+    pure = [i for i, (n, t) in enumerate(zip(series, tokens, strict=False)) if n == batch and t == batch]
+    step_series, forward_series = stats.get("step_time_series_s", []), stats.get("forward_time_series_s")
+    steps = [step_series[i] for i in pure if i < len(step_series)]
     r["run_steps"] = len(steps)
     r["run_step_s"] = statistics.median(steps) if steps else None
     r["run_over_roofline"] = r["run_step_s"] / r["roofline_s"] if steps else None
+    forwards = [forward_series[i] for i in pure if i < len(forward_series)] if forward_series else []
+    r["run_forward_s"] = statistics.median(forwards) if forwards else None
+    r["other_cores"] = stats.get("other_cores")
     return r
 
 

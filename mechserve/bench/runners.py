@@ -78,6 +78,41 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def parse_proc_stat(text: str, hz: int) -> tuple[float, float]:
+    """``(busy, steal)``: CPU seconds of every CPU together since boot from the text of ``/proc/stat`` (its first
+    line, in clock ticks of ``1 / hz`` s: user, nice, system, irq and softirq are busy; idle and iowait are
+    not; steal is the time a virtual machine's CPUs were ready but the host ran something else).  Raises
+    ``ValueError`` for text without a ``cpu`` line of at least 8 counters."""
+    first = text.splitlines()[0].split() if text else []
+    if len(first) < 9 or first[0] != "cpu":
+        raise ValueError(f"not /proc/stat's cpu line: {first[:1]}")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, first[1:9])
+    return (user + nice + system + irq + softirq) / hz, steal / hz
+
+
+def machine_cpu() -> tuple[float, float] | None:
+    """``parse_proc_stat`` of this machine now; None where ``/proc/stat`` cannot be read (not Linux)."""
+    try:
+        return parse_proc_stat(Path("/proc/stat").read_text(), os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError):
+        return None
+
+
+def other_load(
+    before: tuple[float, float] | None, after: tuple[float, float] | None, own_cpu_s: float, wall_s: float
+) -> dict[str, float | None]:
+    """What else the machine ran during ``wall_s`` seconds in which this process used ``own_cpu_s`` CPU seconds,
+    from two ``machine_cpu`` readings: ``other_cores`` (the CPU seconds of every other process per second, in
+    cores; 0.5 is half a core busy all along) and ``steal_cores`` (the same for the host's steal).  Both None
+    where either reading is missing.  A 2-core machine's two OpenMP threads wait at every barrier for the one
+    that another process holds off its core, so a run's steps there are only comparable beside these figures
+    (docs/benchmarks.md, issue 28's batch-1 steps)."""
+    if before is None or after is None or wall_s <= 0:
+        return {"other_cores": None, "steal_cores": None}
+    busy, steal = after[0] - before[0], after[1] - before[1]
+    return {"other_cores": max(busy - own_cpu_s, 0.0) / wall_s, "steal_cores": max(steal, 0.0) / wall_s}
+
+
 def peak_rss() -> int | None:
     """This process's peak resident set size in bytes since the last reset (``VmHWM``); None if unknown."""
     try:
@@ -177,10 +212,12 @@ class MechserveRunner(Runner):
         finished: dict[str, Any] = {}
 
         last = [0.0]
+        forwards_at: list[int] = []  # how many forwards had run at the end of each step
 
         def seen(out: Any) -> None:
             now = time.perf_counter()
             step_s.append(now - last[0])
+            forwards_at.append(len(fwd_s))
             records.append(out.record)
             finished.update((o.request_id, o) for o in out.finished)
             last[0] = time.perf_counter()
@@ -191,6 +228,7 @@ class MechserveRunner(Runner):
 
         ids: list[str] = []
         reset_peak_rss()
+        machine_before, cpu_before = machine_cpu(), time.process_time()
         with _timed(core.executor, "execute", exec_s), _timed(core.model, "forward", fwd_s):
             start = time.perf_counter()
             for r in workload.requests:
@@ -200,6 +238,7 @@ class MechserveRunner(Runner):
                     drain()
             drain()
             duration = time.perf_counter() - start
+        load = other_load(machine_before, machine_cpu(), time.process_time() - cpu_before, duration)
         rss = peak_rss()
         timings, outputs = [], []
         for rid, r in zip(ids, workload.requests):
@@ -215,6 +254,9 @@ class MechserveRunner(Runner):
             scheduler_time_s=step_total - exec_total,
             scheduler_fraction=(step_total - exec_total) / step_total if step_total else None,
             step_time_series_s=step_s,
+            # each step's seconds inside the model's forward (a step may run none, or a prompt-logprob recompute)
+            forward_time_series_s=[sum(fwd_s[a:b]) for a, b in zip([0, *forwards_at], forwards_at)],
+            **load,
         )
         c = core.config
         settings = {

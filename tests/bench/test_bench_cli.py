@@ -75,6 +75,12 @@ def test_bench_run_quick_end_to_end(tmp_path: Path, tiny_dir: Path, capsys: pyte
         )
     ms = next(r for r in runs if r["engine"] == "mechserve")
     assert ms["engine_stats"].keys() >= ENGINE_STATS
+    # each step's time inside the forward (one forward per step here), and what else the machine ran meanwhile
+    st = ms["engine_stats"]
+    assert len(st["forward_time_series_s"]) == len(st["step_time_series_s"]) == st["steps"]
+    assert all(0 <= f < s for f, s in zip(st["forward_time_series_s"], st["step_time_series_s"]))
+    assert sum(st["forward_time_series_s"]) == pytest.approx(st["forward_time_s"])
+    assert st["other_cores"] >= 0 and st["steal_cores"] >= 0
     # the decode step at the run's typical batch beside its roofline, in the JSON and as a line
     line = ms["roofline"]
     assert 1 <= line["batch"] <= 6 and line["context"] > 0 and line["bytes"] > 0 and line["flops"] > 0

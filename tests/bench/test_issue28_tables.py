@@ -107,6 +107,10 @@ def test_the_batch_1_table_gives_the_effective_read_rate_of_the_runs_own_steps()
         "| 30.0 |"  # 150 MB in 5 ms
     )
     assert len(lines) == 3
+    # a run that recorded its steps' forward and the machine's other load shows both beside its steps
+    doc = _doc()
+    doc["workloads"]["latency"]["runs"][0]["roofline"] |= {"run_forward_s": 0.0042, "other_cores": 0.61}
+    assert "| 5.0 (2.00x, 12 steps; forward 4.2; others 0.61 cores) |" in tables.batch1_table(doc)[2]
 
 
 def test_the_fixed_steps_and_the_header() -> None:

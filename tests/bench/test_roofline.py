@@ -13,7 +13,8 @@ import torch
 from tiny_models import save_tiny, tiny_config
 
 from mechserve.bench import roofline as rf
-from mechserve.bench.run import _run_roofline
+from mechserve.bench import runners
+from mechserve.bench.run import SHARED_CORES, _run_roofline, shared_machine_warning
 from mechserve.model.loader import load_model
 from mechserve.model.quantized import QuantizedMatrix
 
@@ -117,6 +118,13 @@ def test_a_runs_line_is_at_its_typical_batch_beside_its_own_decode_steps(monkeyp
     assert asked == [(3, 12)]
     assert r["run_steps"] == 4 and r["run_step_s"] == pytest.approx(0.0095)  # median of 10, 8, 12, 9 ms
     assert r["run_over_roofline"] == pytest.approx(0.0095 / 0.002)
+    assert r["run_forward_s"] is None and r["other_cores"] is None  # a run that recorded neither
+    # the forward of the same pure steps, where the run recorded one per step, and the machine's other load
+    forwards = [0.4, 0.3, 0.007, 0.006, 0.011, 0.008, 0.15, 0.004, 0.018]
+    stats = {**_stats(rows, tokens, seconds, 12.4), "forward_time_series_s": forwards, "other_cores": 0.7}
+    r = _run_roofline(model, stats, 10e9, 50.0)
+    assert r["run_forward_s"] == pytest.approx(0.0075)  # median of 7, 6, 11, 8 ms
+    assert r["run_step_s"] == pytest.approx(0.0095) and r["other_cores"] == 0.7
     # no pure decode step at the typical batch: the line says so rather than inventing one
     r = _run_roofline(model, _stats([2, 2, 2], [9, 9, 9], [0.1, 0.1, 0.1]), 10e9, 50.0)
     assert r["run_steps"] == 0 and r["run_step_s"] is None and r["run_over_roofline"] is None
@@ -147,3 +155,36 @@ def test_the_line_names_the_runs_steps() -> None:
     with_run = {**r, "run_steps": 12, "run_step_s": 0.04, "run_over_roofline": 2.0}
     assert rf.roofline_line(with_run).endswith("; the run's 12 decode steps at batch 32: median 40.0 ms = 2.00x")
     assert rf.roofline_line({**r, "run_steps": 0}).endswith("; the run had no pure decode step at batch 32")
+    split = {**with_run, "run_forward_s": 0.031, "other_cores": 0.64}
+    assert rf.roofline_line(split).endswith(
+        "; the run's 12 decode steps at batch 32: median 40.0 ms = 2.00x (forward 31.0 ms); "
+        "other processes used 0.64 cores during the run"
+    )
+
+
+def test_other_load_is_the_machines_busy_time_less_this_processs_per_second() -> None:
+    """``/proc/stat``'s first line in ticks: busy is user + nice + system + irq + softirq (idle and iowait are
+    not), steal apart; what other processes used is the machine's busy time less this process's CPU."""
+    text = "cpu  1000 50 250 9000 40 5 15 30 0 0\ncpu0 500 25 125 4500 20 2 7 15 0 0\n"
+    assert runners.parse_proc_stat(text, 100) == (13.2, 0.3)
+    with pytest.raises(ValueError, match="cpu line"):
+        runners.parse_proc_stat("intr 1 2 3\n", 100)
+    # 2 s of wall: the machine was busy 3 CPU seconds, 1.2 of them this process's; the host stole 0.5 s
+    load = runners.other_load((10.0, 1.0), (13.0, 1.5), 1.2, 2.0)
+    assert load["other_cores"] == pytest.approx(0.9) and load["steal_cores"] == pytest.approx(0.25)
+    # clock ticks are coarser than a process's CPU time: never a negative load
+    assert runners.other_load((10.0, 1.0), (10.0, 1.0), 0.01, 1.0)["other_cores"] == 0.0
+    assert runners.other_load(None, (1.0, 0.0), 0.0, 1.0) == {"other_cores": None, "steal_cores": None}
+    reading = runners.machine_cpu()
+    assert reading is None or (reading[0] > 0 and reading[1] >= 0)
+
+
+def test_a_run_on_a_shared_machine_says_so() -> None:
+    """Above ``SHARED_CORES`` of other processes' CPU a run gets a warning naming the load; at or below it, or
+    without the figure (another engine, an older record), none."""
+    said = shared_machine_warning({"other_cores": 0.61}, 2)
+    assert said is not None and "other processes used 0.61 cores during this run" in said and "2 thread(s)" in said
+    assert shared_machine_warning({"other_cores": SHARED_CORES}, 2) is None
+    assert shared_machine_warning({"other_cores": 0.0}, 1) is None
+    assert shared_machine_warning({"other_cores": None}, 2) is None
+    assert shared_machine_warning({}, 2) is None and shared_machine_warning(None, 2) is None
