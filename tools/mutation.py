@@ -36,6 +36,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -287,8 +288,9 @@ def _mutmut(work: Path, *args: str, capture: bool = False) -> subprocess.Complet
     ``work/load.json`` (the figures docs/mutation.md reports beside each wall time)."""
     if capture:
         return subprocess.run([str(MUTMUT), *args], cwd=work, env=_env(), text=True, capture_output=True, check=False)
-    loads_file = work / "load.json"
+    loads_file, cpu_file = work / "load.json", work / "cpu.json"
     loads: list[float] = json.loads(loads_file.read_text()) if loads_file.exists() else []
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(work / "mutmut.log", "a") as log:
         proc = subprocess.Popen([str(MUTMUT), *args], cwd=work, env=_env(), text=True, stdout=log, stderr=log)
         while True:
@@ -299,6 +301,11 @@ def _mutmut(work: Path, *args: str, capture: bool = False) -> subprocess.Complet
                 break
             except subprocess.TimeoutExpired:
                 continue
+    # CPU seconds of mutmut and every process under it (each reaped by its parent): with one worker and
+    # one thread per process, about what the run's wall time would be on an idle machine.
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    cpu_file.write_text(json.dumps(round(cpu + (json.loads(cpu_file.read_text()) if cpu_file.exists() else 0.0), 1)))
     return subprocess.CompletedProcess(proc.args, rc, "", "")
 
 
@@ -408,7 +415,7 @@ def summarise(
     diffs = _diffs(work, mod, survivors)
     everyone = _all_mutant_names(work, mod)
     durations = [d for k, d in _meta(work, mod).get("durations_by_key", {}).items() if k in statuses and d]
-    loads_file = work / "load.json"
+    loads_file, cpu_file = work / "load.json", work / "cpu.json"
     loads: list[float] = json.loads(loads_file.read_text()) if loads_file.exists() else []
     summary: dict[str, object] = {
         "module": mod.path,
@@ -427,6 +434,7 @@ def summarise(
         "caught_by_type_check": counts.get("caught by type check", 0),
         "statuses": counts,
         "wall_s": round(wall, 1),
+        "cpu_s": json.loads(cpu_file.read_text()) if cpu_file.exists() else None,
         # mutmut's own time per mutant run (fork to exit), not counting generation and the stats run
         "mutant_s_total": round(sum(durations), 1),
         "mutant_s_mean": round(sum(durations) / len(durations), 2) if durations else None,
@@ -463,13 +471,13 @@ def rerun_survivors(mod: Module, why: str = "tests added since") -> dict[str, ob
 def report() -> str:
     rows = [
         "| module | test files or ids | killed / run (generated) | killed by the first run | score | wall "
-        "| s per mutant | load avg mean (min-max) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| CPU | s per mutant | load avg mean (min-max) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mod in MODULES:
         f = SCRATCH / mod.name / "summary.json"
         if not f.exists():
-            rows.append(f"| `{mod.path}` | — | not run | | | | | |")
+            rows.append(f"| `{mod.path}` | — | not run | | | | | | |")
             continue
         s = json.loads(f.read_text())
         run = s["run"] - s["not_checked"]
@@ -489,9 +497,10 @@ def report() -> str:
         per = "" if s.get("mutant_s_mean") is None else f"{s['mutant_s_mean']:.1f}"
         load = s.get("load")
         loads = f"{load['mean']} ({load['min']}-{load['max']})" if load else ""
+        cpu = "" if s.get("cpu_s") is None else f"{s['cpu_s'] / 60:.1f} min"
         rows.append(
             f"| `{mod.path}` | {len(s['tests'])} | {killed} / {run} ({generated}) "
-            f"| {s['killed']} | {score:.1f}% | {s['wall_s'] / 60:.1f} min | {per} | {loads} |"
+            f"| {s['killed']} | {score:.1f}% | {s['wall_s'] / 60:.1f} min | {cpu} | {per} | {loads} |"
         )
     return "\n".join(rows)
 
