@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,12 @@ HTTP_MODEL_TESTS = (
 )
 HTTP_NO_SERVER = ("--deselect", "tests/http/test_field_layer.py::test_the_engine_receives_the_view")
 
+# E1 on every plan item of m13 and m14 (parametrized by rung; docs/mutation.md, m13's `_plan` 30).
+PLAN_KNOWN_IDS = (
+    "tests/property/test_plan_known_ids.py::test_a_recomputed_prompt_chunk_knows_only_prompt_ids",
+    "tests/property/test_plan_known_ids.py::test_every_plan_item_knows_exactly_its_known_ids",
+)
+
 # m14's own tests (its note and its properties) and the ladder-wide properties' cases for m14 (each is
 # parametrized by rung; the other rungs' cases exercise other files).
 M14_TESTS = (
@@ -119,6 +126,7 @@ M14_TESTS = (
     "tests/property/test_ladder_properties.py::test_trace_round_trips_and_is_deterministic[m14_forced_runs]",
     "tests/property/test_speculation_properties.py::test_decode_window_verdicts_follow_the_script[m14_forced_runs]",
     "tests/property/test_speculation_properties.py::test_decode_window_verdicts_cut_at_stop_ids[m14_forced_runs]",
+    *(f"{t}[m14_forced_runs]" for t in PLAN_KNOWN_IDS),
 )
 
 # m15's router: the policies (`choose` and what it calls), the state only commit/observe/finish change,
@@ -223,6 +231,7 @@ MODULES: tuple[Module, ...] = (
             "tests/notes/test_m13_output_caching.py",
             "tests/property/test_m13_properties.py",
             "tests/property/test_m13_edges.py",
+            *(f"{t}[m13_output_caching]" for t in PLAN_KNOWN_IDS),
         ),
         sample=0.1,
     ),
@@ -364,15 +373,23 @@ def _all_mutant_names(work: Path, mod: Module) -> list[str]:
 
 
 def run_module(
-    mod: Module, *, sample: float, seed: int, keep: bool, max_examples: int | None, recheck: bool = True
+    mod: Module,
+    *,
+    sample: float,
+    seed: int,
+    keep: bool,
+    max_examples: int | None,
+    recheck: bool = True,
+    only: Sequence[str] = (),
 ) -> dict[str, object]:
-    """Sweep ``mod``'s mutants (a seeded ``sample`` of those of its selected functions), then, when the
-    sweep capped the property tests (``max_examples``) and ``recheck``, run the survivors again with
-    the tests' own example counts (``rerun_survivors``)."""
+    """Sweep ``mod``'s mutants (a seeded ``sample`` of those of its selected functions, or the mutants
+    matching ``only``, fnmatch patterns of mutmut's full names), then, when the sweep capped the
+    property tests (``max_examples``) and ``recheck``, run the survivors again with the tests' own
+    example counts (``rerun_survivors``)."""
     work = _prepare(mod, keep, max_examples=max_examples)
     started = time.monotonic()
-    names: list[str] = mod.patterns()
-    if sample < 1.0:
+    names: list[str] = list(only) or mod.patterns()
+    if sample < 1.0 and not only:
         # Generate the mutants (and collect stats) running one mutant only, then
         # draw the seeded sample from the selected functions' mutants and run it.
         first = _mutmut(work, "run", "--max-children", "1", _probe(mod))
@@ -521,6 +538,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="do not run a capped sweep's survivors again with the tests' own example counts",
     )
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="run only the mutants whose mutmut names match (fnmatch; repeatable), e.g. '*_plan__mutmut_30'",
+    )
     ap.add_argument("--keep", action="store_true", help="reuse the scratch copy and mutmut's cache")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--report", action="store_true", help="print the Markdown table of the last runs")
@@ -569,7 +593,13 @@ def main(argv: list[str] | None = None) -> int:
     for mod in chosen:
         sample = args.sample if args.sample is not None else mod.sample
         s = run_module(
-            mod, sample=sample, seed=args.seed, keep=args.keep, max_examples=cap(mod), recheck=not args.no_recheck
+            mod,
+            sample=sample,
+            seed=args.seed,
+            keep=args.keep,
+            max_examples=cap(mod),
+            recheck=not args.no_recheck,
+            only=args.only,
         )
         print(
             f"mutation: {mod.name}: killed {s['killed']} / {s['run']} "
