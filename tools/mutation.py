@@ -41,8 +41,8 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -577,9 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         for mod in chosen:
             work = SCRATCH / mod.name
             wall = (work / "mutmut.log").stat().st_mtime - (work / "pyproject.toml").stat().st_mtime
-            summarise(
-                mod, work, [], sample=1.0, seed=args.seed, wall=wall, max_examples=cap(mod), partial=True
-            )
+            summarise(mod, work, [], sample=1.0, seed=args.seed, wall=wall, max_examples=cap(mod), partial=True)
         print(report())
         return 0
     if args.rerun_survivors:

@@ -25,9 +25,7 @@ def state(policy: str, replicas: int = 2, **kw: Any) -> m.RouterState:
 
 
 def views(n: int, step: int = -1, waiting: Sequence[int] = (), kv: Sequence[float] = ()) -> list[m.ReplicaView]:
-    return [
-        m.ReplicaView(i, step, 0, waiting[i] if waiting else 0, kv[i] if kv else 0.0) for i in range(n)
-    ]
+    return [m.ReplicaView(i, step, 0, waiting[i] if waiting else 0, kv[i] if kv else 0.0) for i in range(n)]
 
 
 def stored(replica: int, tokens: Sequence[int]) -> m.KVEventBatch:
@@ -59,9 +57,7 @@ def decide(rid: str, replica: int) -> m.Decision:
         ({"load_guard": 1}, "load_guard must be True or False, not 1"),
     ],
 )
-def test_a_router_setting_out_of_range_is_refused_with_its_whole_message(
-    setting: dict[str, Any], message: str
-) -> None:
+def test_a_router_setting_out_of_range_is_refused_with_its_whole_message(setting: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError) as refused:
         m.RouterConfig(**setting)
     assert str(refused.value) == message
@@ -221,7 +217,7 @@ def test_precise_names_only_the_weighted_scorers_that_won() -> None:
     s.observe(stored(1, SYSTEM))
     # replica 0: 0 + 4 x 1.0 = 4; replica 1 (the prefix): 3 + 4 x 0.1 = 3.4.  Replica 0's queue is shorter
     # too, but the queue scorer weighs nothing, so it is not named.
-    d = m.choose(req("q", SYSTEM + [9]), s, views(2, waiting=(0, 5), kv=(0.0, 0.9)))
+    d = m.choose(req("q", [*SYSTEM, 9]), s, views(2, waiting=(0, 5), kv=(0.0, 0.9)))
     assert (d.replica, d.rule, d.matched) == (0, "load:kv_usage", 0)
 
 

@@ -30,7 +30,7 @@ def planned(eng: Any) -> list[tuple[Any, int, int]]:
     """Run ``eng`` by its halves, checking every plan item's known ids when it is planned; returns
     ``(item, prompt_len, output ids then)`` for each item."""
     seen = []
-    while eng.waiting or eng.running or getattr(eng, "live", None):
+    while eng.waiting or eng.due or eng.running or eng._rejected or eng._aborted:  # as Engine.run
         assert eng.step_counter < 500, "did not stop"
         plan = eng.schedule()
         by_id = {r.request_id: r for r in eng.requests}
@@ -47,8 +47,9 @@ def planned(eng: Any) -> list[tuple[Any, int, int]]:
 @pytest.mark.parametrize("name", RUNGS)
 def test_a_recomputed_prompt_chunk_knows_only_prompt_ids(name: str) -> None:
     mod = rung(name)
-    reqs = [mod.Request("a", list(range(1, 9)), 6), mod.Request("b", list(range(11, 19)), 6, arrival_step=2)]
-    seen = planned(mod.Engine(reqs, max_step_tokens=4, page_size=2, num_pages=7, prefix_caching=False))
+    # b (admitted last) is preempted once it has an output id, and recomputes its 8-id prompt 3 ids a step
+    reqs = [mod.Request("a", [1, 2, 3, 4], 8), mod.Request("b", list(range(11, 19)), 8)]
+    seen = planned(mod.Engine(reqs, max_step_tokens=3, page_size=2, num_pages=8, prefix_caching=False))
     # the case the mutant broke happened: a chunk ending inside the prompt of a request with output ids
     assert any(n_out and item.start_position + item.num_tokens < plen for item, plen, n_out in seen)
 
