@@ -207,6 +207,7 @@ MODULES: tuple[Module, ...] = (
             "tests/executor/test_penalties.py",
             "tests/executor/test_spec_sampling.py",
             "tests/executor/test_sampling_engine.py",
+            "tests/executor/test_sampler_streams.py",
             "tests/structured/test_request_failures.py",
         ),
         forkserver=True,
