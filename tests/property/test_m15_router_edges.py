@@ -199,6 +199,22 @@ def test_the_tree_evicts_a_replicas_least_recently_sent_leaves_and_keeps_other_t
     ]
 
 
+def test_a_parent_is_evicted_only_once_no_child_of_the_replica_is_left() -> None:
+    tree = m.ApproxTree(1, 1, 3)
+    tree.insert([1, 2], 0, 0)
+    tree.insert([1, 3], 0, 1)  # 1 now has two children of replica 0
+    tree.insert([9, 10], 0, 2)  # 5 tokens: 2 goes, then 3 (1 is no leaf while 3 is there), and 1 stays
+    assert tree.to_json() == {
+        "nodes": {
+            "1": {"parent": None, "tenants": {0: 1}},
+            "9": {"parent": None, "tenants": {0: 2}},
+            "10": {"parent": 9, "tenants": {0: 2}},
+        },
+        "size": [3],
+    }
+    assert tree.nodes[1].children == set()
+
+
 def test_cache_aware_counts_the_match_of_the_smallest_tree_only_when_it_holds_it() -> None:
     s = state("cache_aware", 3)
     s.commit(req("x", SYSTEM), decide("x", 0))  # replica 0: the system prompt's 2 blocks, 8 tokens
