@@ -196,7 +196,11 @@ MODULES: tuple[Module, ...] = (
     Module(
         "router",
         "mechserve/spec/m15_routing.py",
-        ("tests/notes/test_m15_routing.py", "tests/property/test_m15_properties.py"),
+        (
+            "tests/notes/test_m15_routing.py",
+            "tests/property/test_m15_properties.py",
+            "tests/property/test_m15_router_edges.py",
+        ),
         functions=ROUTER_FUNCTIONS,
     ),
     Module(
