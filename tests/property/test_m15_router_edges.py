@@ -258,3 +258,23 @@ def test_a_log_entry_of_no_known_kind_is_refused_by_its_keys() -> None:
     with pytest.raises(ValueError) as refused:
         m.replay(m.RouterConfig("round_robin", 2, 4), [{"other": 1, "also": 2}])
     assert str(refused.value) == "a router log entry is route, events or finished, not ['also', 'other']"
+
+
+@pytest.mark.parametrize(
+    ("loads", "replica", "why"),
+    [
+        ([100, 200], 0, "range 100..200, more than 64 apart and 2.00x > 1.5x"),
+        ([70, 0], 1, "range 0..70, more than 64 apart and 70.00x > 1.5x"),  # no load: the ratio is against 1
+    ],
+)
+def test_cache_awares_load_rule_decides_and_says_why(loads: list[int], replica: int, why: str) -> None:
+    s = state("cache_aware", 2)
+    s.outstanding = list(loads)
+    reason = f"a goes to replica {replica}, the least loaded: outstanding requests {why}, so the load rule wins."
+    assert m.choose(req("a", SYSTEM), s, views(2)) == m.Decision("a", replica, "cache_aware", "imbalanced", 0, reason)
+
+
+def test_cache_awares_load_rule_needs_more_than_the_relative_threshold() -> None:
+    s = state("cache_aware", 2)
+    s.outstanding = [195, 130]  # 65 apart (> 64), and 195 is exactly 1.5 x 130: not more
+    assert m.choose(req("a", SYSTEM), s, views(2)).rule == "smallest_tree"
