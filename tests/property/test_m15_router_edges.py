@@ -278,3 +278,23 @@ def test_cache_awares_load_rule_needs_more_than_the_relative_threshold() -> None
     s = state("cache_aware", 2)
     s.outstanding = [195, 130]  # 65 apart (> 64), and 195 is exactly 1.5 x 130: not more
     assert m.choose(req("a", SYSTEM), s, views(2)).rule == "smallest_tree"
+
+
+def test_the_rotation_and_least_loaded_decisions_whole() -> None:
+    s = state("round_robin", 2)
+    s.next_replica = 1
+    rotation = "a goes to replica 1, next in rotation."
+    assert m.choose(req("a", SYSTEM), s, views(2)) == m.Decision("a", 1, "round_robin", "rotation", 0, rotation)
+    s = state("least_loaded", 2)
+    s.outstanding = [2, 1]
+    fewest = "a goes to replica 1, which has the fewest outstanding requests (1)."
+    assert m.choose(req("a", SYSTEM), s, views(2)) == m.Decision("a", 1, "least_loaded", "least_loaded", 0, fewest)
+
+
+def test_an_eviction_of_a_block_precise_never_indexed_changes_nothing() -> None:
+    s = state("precise", 2)
+    s.observe(stored(0, SYSTEM))
+    before = dict(s.index)
+    s.observe(m.KVEventBatch(1, (m.BlockRemoved((12345,)),), 1))  # replica 1 never said it held it
+    s.observe(m.KVEventBatch(2, (m.BlockRemoved((54321,)),), 0))  # nor did replica 0
+    assert s.index == before and s.resident[0] == set(before)
