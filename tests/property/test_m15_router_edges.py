@@ -298,3 +298,13 @@ def test_an_eviction_of_a_block_precise_never_indexed_changes_nothing() -> None:
     s.observe(m.KVEventBatch(1, (m.BlockRemoved((12345,)),), 1))  # replica 1 never said it held it
     s.observe(m.KVEventBatch(2, (m.BlockRemoved((54321,)),), 0))  # nor did replica 0
     assert s.index == before and s.resident[0] == set(before)
+
+
+def test_a_router_keeps_no_log_unless_asked() -> None:
+    config = m.RouterConfig("round_robin", 2, 4)
+    quiet, logged = m.Router(config), m.Router(config, log=True)
+    for router in (quiet, logged):
+        router.route(req("a", SYSTEM), views(2))
+        router.finish("a")
+    assert quiet.log is None
+    assert logged.log is not None and [next(iter(e)) for e in logged.log] == ["route", "finished"]
