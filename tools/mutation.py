@@ -468,22 +468,23 @@ def summarise(
     return summary
 
 
-def rerun_survivors(mod: Module, why: str = "tests added since") -> dict[str, object]:
-    """Run the last run's survivors again against today's tests with the tests' own hypothesis example
-    counts (fresh copy, fresh stats); record the result and ``why`` in its summary."""
+def rerun_survivors(mod: Module, why: str = "tests added since", max_examples: int | None = None) -> dict[str, object]:
+    """Run the last run's survivors again against today's tests, by default with the tests' own hypothesis
+    example counts (fresh copy, fresh stats); record the result, the cap and ``why`` in its summary."""
     f = SCRATCH / mod.name / "summary.json"
     summary = json.loads(f.read_text())
     names = sorted(summary["survivors"])
     again: dict[str, str] = {}
     started = time.monotonic()
     if names:
-        work = _prepare(mod, keep=False, max_examples=None, scratch=mod.name + "-rerun")
+        work = _prepare(mod, keep=False, max_examples=max_examples, scratch=mod.name + "-rerun")
         proc = _mutmut(work, "run", "--max-children", "1", *names)
         if proc.returncode != 0:
             raise SystemExit(f"mutmut failed re-running {mod.name} (exit {proc.returncode}); see {work / 'mutmut.log'}")
         again = {k: v for k, v in _statuses(work).items() if k in set(names)}
     summary["rerun"] = again
     summary["rerun_why"] = why
+    summary["rerun_max_examples"] = max_examples
     summary["rerun_wall_s"] = round(time.monotonic() - started, 1)
     summary["still_surviving"] = sorted(k for k, v in again.items() if v not in KILLED)
     f.write_text(json.dumps(summary, indent=1))
@@ -557,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rerun-survivors",
         action="store_true",
-        help="run the last run's survivors against the current tests (the tests' own example counts)",
+        help="run the last run's survivors against the current tests (the tests' own example counts unless --max-examples)",
     )
     args = ap.parse_args(argv)
     if args.max_examples is not None and args.max_examples < 0:
@@ -587,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.rerun_survivors:
         for mod in chosen:
-            s = rerun_survivors(mod)
+            s = rerun_survivors(mod, max_examples=args.max_examples or None)
             print(
                 f"mutation: {mod.name}: {len(s['rerun'])} survivors re-run, {len(s['still_surviving'])} still survive"
             )
