@@ -234,7 +234,33 @@ def test_precise_names_only_the_weighted_scorers_that_won() -> None:
     # replica 0: 0 + 4 x 1.0 = 4; replica 1 (the prefix): 3 + 4 x 0.1 = 3.4.  Replica 0's queue is shorter
     # too, but the queue scorer weighs nothing, so it is not named.
     d = m.choose(req("q", [*SYSTEM, 9]), s, views(2, waiting=(0, 5), kv=(0.0, 0.9)))
-    assert (d.replica, d.rule, d.matched) == (0, "load:kv_usage", 0)
+    why = (
+        "q goes to replica 0, which holds 0 of its prompt tokens, not to replica 1 (8): the load scorers outweigh "
+        "the prefix (kv_usage: queue 0 vs 5, KV usage 0.00 vs 0.90; score 4.00 vs 3.40)."
+    )
+    assert d == m.Decision("q", 0, "precise", "load:kv_usage", 0, why)
+
+
+@pytest.mark.parametrize(("policy", "holds"), [("precise", "holds"), ("oracle", "holds or will hold")])
+def test_precise_and_the_oracle_decide_by_the_prefix_or_by_load_and_say_so(policy: str, holds: str) -> None:
+    s = state(policy, 2)
+    s.observe(stored(1, SYSTEM))  # precise: replica 1 holds both blocks of the prompt
+    q = req("q", [*SYSTEM, 9], oracle=(0, 2))
+    why = f"q goes to replica 1, which {holds} 8 of its 9 prompt tokens, as much as any (score 7.00: queue 0, KV usage 0.00)."
+    assert m.choose(q, s, views(2)) == m.Decision("q", 1, policy, "longest_prefix", 8, why)
+    fresh = req("f", list(range(11, 20)), oracle=(0, 0))  # no replica holds its first block
+    why = (
+        f"f goes to replica 0: no replica {holds} its first block, so queue (0) and KV usage (0.00) decide "
+        "(score 4.00)."
+    )
+    assert m.choose(fresh, s, views(2, kv=(0.0, 0.5))) == m.Decision("f", 0, policy, "no_prefix", 0, why)
+
+
+def test_precise_adds_what_it_sent_only_to_the_reports_from_before_it_sent() -> None:
+    s = state("precise", 2)
+    s.commit(req("a", list(range(1, 9)), step=5), decide("a", 0))  # sent to replica 0 at step 5
+    mixed = [m.ReplicaView(0, 5, 0, 0, 0.0), m.ReplicaView(1, 4, 0, 1, 0.0)]  # 0 reported after, 1 before
+    assert m.choose(req("q", list(range(11, 19)), step=5), s, mixed).replica == 0  # queues 0 and 1 + 0
 
 
 def test_precise_adds_what_it_sent_since_a_replicas_report_and_not_before() -> None:
