@@ -334,3 +334,21 @@ def test_a_router_keeps_no_log_unless_asked() -> None:
         router.finish("a")
     assert quiet.log is None
     assert logged.log is not None and [next(iter(e)) for e in logged.log] == ["route", "finished"]
+
+
+def test_choose_names_the_views_it_needs() -> None:
+    s = state("round_robin", 3)
+    for wrong in (views(2), [*views(2), m.ReplicaView(5, -1, 0, 0, 0.0)]):
+        with pytest.raises(ValueError) as refused:
+            m.choose(req("a", SYSTEM), s, wrong)
+        assert str(refused.value) == "choose needs one view per replica in order 0..2"
+
+
+def test_a_replica_that_cleared_its_cache_holds_nothing_until_it_stores_again() -> None:
+    s = state("precise", 2)
+    s.observe(stored(0, SYSTEM))
+    s.observe(m.KVEventBatch(1, (m.AllBlocksCleared(),), 0))
+    assert (s.resident[0], s.index) == (set(), {})
+    s.observe(stored(0, SYSTEM[:4]))
+    h0 = m.block_hashes(SYSTEM, 4, m.hash_root())[0]
+    assert (s.resident[0], s.index) == ({h0}, {h0: 1})
