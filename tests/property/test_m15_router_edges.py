@@ -352,3 +352,42 @@ def test_a_replica_that_cleared_its_cache_holds_nothing_until_it_stores_again() 
     s.observe(stored(0, SYSTEM[:4]))
     h0 = m.block_hashes(SYSTEM, 4, m.hash_root())[0]
     assert (s.resident[0], s.index) == ({h0}, {h0: 1})
+
+
+def prefix_state(**kw: Any) -> m.RouterState:
+    """precise over 3 replicas: replica 0 holds the prompt's first block, replicas 1 and 2 both blocks."""
+    s = state("precise", 3, **kw)
+    s.observe(stored(0, SYSTEM[:4]))
+    s.observe(stored(1, SYSTEM))
+    s.observe(stored(2, SYSTEM))
+    return s
+
+
+def test_when_the_load_wins_precise_names_the_best_longest_holder_it_passed_over() -> None:
+    s = prefix_state(queue_weight=2.5, kv_weight=1.0)
+    busy = views(3, waiting=(0, 4, 4), kv=(0.0, 1.0, 1.0))
+    # replica 0: 0 + 2.5 x 1 + 1 x 1.0 = 3.5; replicas 1 and 2: 3 x 1 + 0 + 0 = 3
+    why = (
+        "q goes to replica 0, which holds 4 of its prompt tokens, not to replica 1 (8): the load scorers outweigh "
+        "the prefix (queue and kv_usage: queue 0 vs 4, KV usage 0.00 vs 1.00; score 3.50 vs 3.00)."
+    )
+    q = req("q", [*SYSTEM, 9])
+    assert m.choose(q, s, busy) == m.Decision("q", 0, "precise", "load:queue+kv_usage", 4, why)
+    s.outstanding = [0, 0, 1]  # of the two equal longest holders, the one with fewer outstanding requests
+    assert "not to replica 1 (8)" in m.choose(q, s, busy).reason
+    s.outstanding = [0, 1, 0]
+    assert "not to replica 2 (8)" in m.choose(q, s, busy).reason
+    queue_only = prefix_state(queue_weight=4.0, kv_weight=1.0)  # 4 + 0.5 = 4.5 against 3 + 0.6 = 3.6
+    d = m.choose(q, queue_only, views(3, waiting=(0, 4, 4), kv=(0.5, 0.4, 0.4)))
+    assert (d.replica, d.rule) == (0, "load:queue")  # replica 0's KV usage is the higher: not named
+
+
+def test_when_the_guard_leaves_every_longest_holder_out_precise_names_the_least_loaded() -> None:
+    s = prefix_state(balance_abs_threshold=2, balance_rel_threshold=1.5)
+    s.outstanding = [0, 10, 5]  # replicas 1 and 2 are both overloaded
+    why = (
+        "q goes to replica 0, which holds 4 of its prompt tokens, not to replica 2 (8): replica 2 is overloaded "
+        "(5 outstanding requests against the fewest, 0: more than 2 apart and over 1.5x), so the load guard "
+        "leaves it out (score 7.00)."
+    )
+    assert m.choose(req("q", [*SYSTEM, 9]), s, views(3)) == m.Decision("q", 0, "precise", "load:imbalanced", 4, why)
