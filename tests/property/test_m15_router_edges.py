@@ -225,7 +225,10 @@ def test_cache_aware_counts_the_match_of_the_smallest_tree_only_when_it_holds_it
     assert (d.replica, d.rule, d.matched) == (0, "smallest_tree", 8)  # the smallest tree is the one that holds it
     s.commit(req("w", list(range(501, 513))), decide("w", 0))  # now replica 0's tree (20 tokens) is the largest
     d = m.choose(q, s, views(3))
-    assert (d.replica, d.rule, d.matched) == (1, "smallest_tree", 0)
+    assert (d.replica, d.policy, d.rule, d.matched) == (1, "cache_aware", "smallest_tree", 0)
+    at = state("cache_aware", 3, cache_threshold=0.25)  # 8 of 32 tokens is the threshold itself: not above it
+    at.commit(req("x", SYSTEM), decide("x", 1))
+    assert m.choose(q, at, views(3)).rule == "smallest_tree"
 
 
 def test_precise_names_only_the_weighted_scorers_that_won() -> None:
