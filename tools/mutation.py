@@ -386,7 +386,7 @@ def run_module(
     max_examples: int | None,
     recheck: bool = True,
     only: Sequence[str] = (),
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """Sweep ``mod``'s mutants (a seeded ``sample`` of those of its selected functions, or the mutants
     matching ``only``, fnmatch patterns of mutmut's full names), then, when the sweep capped the
     property tests (``max_examples``) and ``recheck``, run the survivors again with the tests' own
@@ -424,7 +424,7 @@ def summarise(
     wall: float,
     max_examples: int | None,
     partial: bool = False,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """Count the verdicts in ``work`` (of ``names``, mutant names or patterns, when given; always only
     the selected functions') and keep each survivor's diff, the per-mutant durations and the load."""
     statuses = {k: v for k, v in _statuses(work).items() if mod.selects(k)}
@@ -439,7 +439,7 @@ def summarise(
     durations = [d for k, d in _meta(work, mod).get("durations_by_key", {}).items() if k in statuses and d]
     loads_file, cpu_file = work / "load.json", work / "cpu.json"
     loads: list[float] = json.loads(loads_file.read_text()) if loads_file.exists() else []
-    summary: dict[str, object] = {
+    summary: dict[str, Any] = {
         "module": mod.path,
         "tests": list(mod.tests),
         "functions": list(mod.functions),
@@ -468,7 +468,7 @@ def summarise(
     return summary
 
 
-def rerun_survivors(mod: Module, why: str = "tests added since", max_examples: int | None = None) -> dict[str, object]:
+def rerun_survivors(mod: Module, why: str = "tests added since", max_examples: int | None = None) -> dict[str, Any]:
     """Run the last run's survivors again against today's tests, by default with the tests' own hypothesis
     example counts (fresh copy, fresh stats); record the result, the cap and ``why`` in its summary."""
     f = SCRATCH / mod.name / "summary.json"
