@@ -152,3 +152,16 @@ def test_process_logits_equals_the_reference(
     )
     got = process_logits(torch.tensor([logits]), [row])[0]
     assert_close(got, reference(logits, row))
+
+
+def test_the_grammars_mask_comes_last_and_alone_when_the_filters_leave_it_nothing() -> None:
+    """The grammar's mask (``Row.allowed``) is applied to the processed row; should min_tokens have banned
+    every id the grammar allows, the mask alone applies to the raw logits (``_mask_row``)."""
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
+    allowed = torch.tensor([False, True, True, False, False])
+    biased = SamplingParams(temperature=1.0, logit_bias={1: 10.0})
+    assert process_logits(logits, [Row(biased, 0, allowed=allowed)])[0].tolist() == [INF, 12.0, 3.0, INF, INF]
+    banned = SamplingParams(temperature=1.0, min_tokens=2, logit_bias={1: 10.0})
+    out = process_logits(logits, [Row(banned, 0, banned=(1, 2), allowed=allowed)])
+    assert out[0].tolist() == [INF, 2.0, 3.0, INF, INF]
+    assert logits.tolist() == [[1.0, 2.0, 3.0, 4.0, 5.0]]

@@ -259,3 +259,8 @@ def test_the_chi_square_check_has_power(small_vocab: Tiny) -> None:
     hot = [SamplingParams(temperature=1.5, seed=s) for s in range(DRAWS)]
     draws = sample_once_each(small_vocab, hot)
     assert chi2_pvalue(draws, reference_probs(small_vocab, SamplingParams(temperature=1.0))) < CHI2_ALPHA
+
+
+def test_token_logprobs_of_no_rows_is_empty() -> None:
+    """A batch of no rows asks for no top ids (``max`` of no counts is 0) and gets no logprobs."""
+    assert token_logprobs(torch.zeros(0, 30), [], []) == []
