@@ -25,7 +25,7 @@ def _bounded(kind: Callable[[str], float], low: float, high: float, what: str) -
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
         if not low <= value <= high or value != value:
-            raise argparse.ArgumentTypeError(f"must be {what} in [{low:g}, {high:g}], got {text}")
+            raise argparse.ArgumentTypeError(f"must be {what} in [{low}, {high}], got {text}")
         return value
 
     return convert
