@@ -31,7 +31,14 @@ from mechserve.api.limits import (
     MAX_SUFFIX_TREE_DEPTH,
 )
 from mechserve.api.proposers import ALIASES as METHOD_ALIASES
-from mechserve.api.proposers import DEFAULT_METHOD, DEFAULT_MODEL_METHOD, METHOD_OPTIONS, METHODS, proposer_method
+from mechserve.api.proposers import (
+    DEFAULT_METHOD,
+    DEFAULT_MODEL_METHOD,
+    METHOD_OPTIONS,
+    METHODS,
+    PROPOSERS,
+    proposer_method,
+)
 
 # vLLM's chunked-prefill default; a smaller budget splits a long prompt into many slower steps.
 DEFAULT_MAX_STEP_TOKENS = 2048
@@ -258,14 +265,17 @@ class SpeculativeConfig:
             return config
         if not isinstance(config, Mapping):
             raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(config).__name__}")
-        fields = {cls.ALIASES.get(k, k): v for k, v in config.items()}
+        aliases = dict(cls.ALIASES)
+        named = config.get("method")
+        entry = PROPOSERS.get(METHOD_ALIASES.get(named, named)) if isinstance(named, str) else None
+        if entry is not None:  # vLLM's "model" is the method's own model field (an EAGLE head's directory)
+            aliases["model"] = entry.model_field
+        fields = {aliases.get(k, k): v for k, v in config.items()}
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}")
         if isinstance(fields.get("method"), str):
             fields["method"] = METHOD_ALIASES.get(fields["method"], fields["method"])
-        if fields.get("method") == "eagle" and "draft_model" in fields and "eagle_head" not in fields:
-            fields["eagle_head"] = fields.pop("draft_model")  # vLLM's "model" names an EAGLE head's path
         if fields.get("draft_model") and "method" not in fields:
             fields["method"] = DEFAULT_MODEL_METHOD
         return cls(**fields)

@@ -18,6 +18,8 @@ looked up here and nowhere else compared as a string::
                                                to the proposer's ``observe`` (an EAGLE head)
         options                                the SpeculativeConfig fields only it reads (a --flag each, the
                                                field's name in dashes); another method refuses them set
+        model_field                            the SpeculativeConfig field vLLM's ``model`` names for it
+                                               (``draft_model``; an EAGLE head's directory: ``eagle_head``)
 
 Read by: ``api/config.py`` (``SpeculativeConfig`` checks the method and its model), the CLI
 (``--spec-method``'s choices, ``serve``'s startup line), the engine (loading the method's model, its
@@ -73,6 +75,7 @@ class ProposerMethod:
     ranks: bool = True
     hidden: bool = False
     page_bytes: str | None = None
+    model_field: str = "draft_model"
     governor: str | None = None
     options: tuple[str, ...] = ()
 
@@ -117,14 +120,6 @@ PROPOSERS: Mapping[str, ProposerMethod] = {
             ),
         ),
         ProposerMethod(
-            "eagle",
-            "an EAGLE head trained on the model (mechserve train-draft)",
-            "mechserve.executor.proposers_eagle:EagleProposer.build",
-            ranks=False,
-            hidden=True,
-            options=("eagle_head", "eagle_draft_vocab"),
-        ),
-        ProposerMethod(
             "draft",
             "draft model",
             "mechserve.executor.proposers:DraftModelProposer.build",
@@ -132,6 +127,15 @@ PROPOSERS: Mapping[str, ProposerMethod] = {
             ranks=False,
             page_bytes="mechserve.engine.pool:page_bytes",
             governor="mechserve.executor.governor:draft_governor",
+        ),
+        ProposerMethod(
+            "eagle",
+            "an EAGLE head trained on the model (mechserve train-draft)",
+            "mechserve.executor.proposers_eagle:EagleProposer.build",
+            ranks=False,
+            hidden=True,
+            options=("eagle_head", "eagle_draft_vocab"),
+            model_field="eagle_head",
         ),
     )
 }
