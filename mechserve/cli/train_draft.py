@@ -82,10 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--fr-vocab",
-        type=_bounded(int, 1, 10**7, "an integer"),
+        type=_bounded(int, 0, 10**7, "an integer"),
         default=8192,
         metavar="N",
-        help="the evaluation also measures drafting among the N most frequent ids (FR-Spec) (8192)",
+        help="the training's cross-entropy runs over the N ids most frequent in the model's outputs, and the "
+        "evaluation also measures drafting among them (FR-Spec); 0: the whole vocabulary (8192)",
     )
     add("--output", type=Path, default=None, metavar="DIR", help="where to write the head (default: the cache's)")
 
@@ -122,10 +123,10 @@ def run(args: argparse.Namespace) -> int:
     say("acceptance by position on held-out prompts (each given the guesses before it were accepted):")
     say("  position  " + "  ".join(f"{j + 1:>6d}" for j in range(len(result.acceptance))))
     say("  all ids   " + "  ".join(f"{a:6.3f}" for a in result.acceptance))
-    say(f"  top {settings.fr_vocab:<5d} " + "  ".join(f"{a:6.3f}" for a in result.acceptance_fr))
+    say(f"  top {result.fr_vocab:<5d} " + "  ".join(f"{a:6.3f}" for a in result.acceptance_fr))
     say(
         f"mean kept tokens per step (estimated, {settings.spec_len} guesses): {result.kept:.3f} "
-        f"(FR-Spec top {settings.fr_vocab}: {result.kept_fr:.3f})"
+        f"(FR-Spec top {result.fr_vocab}: {result.kept_fr:.3f})"
     )
     say(f"wrote {result.directory} ({result.steps} steps on {result.tokens} output tokens)")
     sys.stdout.flush()
