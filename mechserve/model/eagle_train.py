@@ -246,6 +246,10 @@ def train_head(
             curve.append((step, *mean))  # type: ignore[arg-type]
             window_loss = []
             say(f"step {step:5d}  loss {mean[0]:.4f}  regression {mean[1]:.4f}  cross-entropy {mean[2]:.4f}")
+    if window_loss:  # the last steps since the last report
+        mean = [sum(v) / len(window_loss) for v in zip(*window_loss)]
+        curve.append((step, *mean))  # type: ignore[arg-type]
+        say(f"step {step:5d}  loss {mean[0]:.4f}  regression {mean[1]:.4f}  cross-entropy {mean[2]:.4f}")
     head.eval()
     return curve
 

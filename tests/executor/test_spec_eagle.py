@@ -189,8 +189,14 @@ def test_a_head_of_another_model_is_refused_naming_both(
         TorchExecutor(wider.model, 32, 4, speculative=eagle_spec(head))
 
 
-def test_no_head_trained_says_to_run_train_draft(tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_head_lives_in_the_cache_under_the_fingerprint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MECHSERVE_CACHE", str(tmp_path))
+    assert eagle.head_dir("ab" * 32) == tmp_path / "eagle" / ("ab" * 8)
+
+
+def test_no_head_trained_says_to_run_train_draft(tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the cache's head directory, moved here (MECHSERVE_CACHE would also move the built kernels)
+    monkeypatch.setattr(eagle, "head_dir", lambda fingerprint: tmp_path / fingerprint[:16])
     spec = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
     with pytest.raises(HeadError, match=r"no EAGLE head has been trained for the loaded model .*run `mechserve train-draft"):
         TorchExecutor(tiny.model, 32, 4, speculative=spec)
@@ -324,6 +330,6 @@ def test_train_draft_output_that_is_a_file_is_refused(tmp_path: Path, capsys: py
 def test_generate_cli_without_a_head_is_one_line(
     tiny_with_tokenizer: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("MECHSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(eagle, "head_dir", lambda fingerprint: tmp_path / fingerprint[:16])
     code, _, err = cli(["generate", "w5 w6", "--model", str(tiny_with_tokenizer), "--spec-method", "eagle"], capsys)
     assert code == 2 and "run `mechserve train-draft" in err and len(err.strip().splitlines()) == 1
