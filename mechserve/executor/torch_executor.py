@@ -446,13 +446,13 @@ class TorchExecutor:
         self._proposed = [len(d.tokens) for d in proposed]
         step = self._flatten(plan, [self._fill(d, w) for d, w in zip(proposed, windows)])
         self._recompute_prompt_logprobs(plan)
-        if self._hidden:
-            hidden: list[torch.Tensor] = []
+        hidden: list[torch.Tensor] | None = [] if self._hidden else None
+        if hidden is None:
+            logits = self.model.forward(step.input_ids, step.positions, self.cache, step.batch, step.logit_rows)
+        else:
             logits = self.model.forward(
                 step.input_ids, step.positions, self.cache, step.batch, step.logit_rows, hidden_out=hidden
             )
-        else:
-            logits = self.model.forward(step.input_ids, step.positions, self.cache, step.batch, step.logit_rows)
         self.counters.forwards += 1
         self.counters.rows += int(step.input_ids.numel())
         logits = sampling_logits(logits, step.rows, host=bool(step.prompt_rows or step.num_logprobs or step.sampled))
@@ -462,7 +462,7 @@ class TorchExecutor:
         targets = self._isolated(step.rows, lambda: self._targets(step, sampling))
         recorded = self._record_logprobs(step, sampling, targets) if step.num_logprobs else None
         outcomes = self._verdicts(plan, step.guesses, targets, recorded)
-        if self._hidden:
+        if hidden is not None:
             self._observe_hidden(plan, step, outcomes, hidden[0])
         return outcomes
 

@@ -243,12 +243,12 @@ def train_head(
         window_loss.append((float(loss), float(reg), float(ce)))
         if step == 1 or step % 10 == 0:
             mean = [sum(v) / len(window_loss) for v in zip(*window_loss)]
-            curve.append((step, *mean))  # type: ignore[arg-type]
+            curve.append((step, mean[0], mean[1], mean[2]))
             window_loss = []
             say(f"step {step:5d}  loss {mean[0]:.4f}  regression {mean[1]:.4f}  cross-entropy {mean[2]:.4f}")
     if window_loss:  # the last steps since the last report
         mean = [sum(v) / len(window_loss) for v in zip(*window_loss)]
-        curve.append((step, *mean))  # type: ignore[arg-type]
+        curve.append((step, mean[0], mean[1], mean[2]))
         say(f"step {step:5d}  loss {mean[0]:.4f}  regression {mean[1]:.4f}  cross-entropy {mean[2]:.4f}")
     head.eval()
     return curve
@@ -312,7 +312,7 @@ def train(
     end = started + settings.time_budget_s
     torch.manual_seed(settings.seed)
     loaded = load_model(model_name, dtype=torch.float32)
-    target = loaded.model
+    target: Any = loaded.model
     if not isinstance(target.lm_head, torch.Tensor):
         raise ValueError("train-draft needs the model's float weights (it trains through the LM head)")
     fingerprint = eagle.model_fingerprint(target)
