@@ -24,9 +24,10 @@ from executor.test_spec_sampling import PARAMS, PROMPT, SMALL_V, chi_square_p, s
 from tiny_checkpoints import Tiny, build_tiny, random_prompts
 from tiny_models import VOCAB, save_word_tokenizer
 
-from mechserve.api.config import SpeculativeConfig
+from mechserve.api.config import EngineConfig, SpeculativeConfig
 from mechserve.api.params import SamplingParams
 from mechserve.cli.main import main
+from mechserve.engine.core import EngineCore
 from mechserve.executor.proposers_eagle import EagleProposer
 from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.sampling import Sampler
@@ -35,6 +36,7 @@ from mechserve.model import eagle
 from mechserve.model.eagle import EagleHead, HeadConfig, HeadError, Shared
 from mechserve.model.eagle_train import TrainSettings, draft_vocab, evaluate, record, train_head
 from mechserve.model.llama import LlamaModel
+from mechserve.model.loader import LoadedModel
 from mechserve.spec import m14_forced_runs as m14
 
 
@@ -136,6 +138,40 @@ def test_the_proposer_keeps_the_targets_features_of_the_kept_rows(tiny: Tiny, he
 
     got = run(tiny.model, PROMPTS[:4], 16, spec=eagle_spec(head), budget=64, page_size=4, on_step=on_step)
     assert checked > 20 and total(got.records, "accepted") > 0
+
+
+def engine(tiny: Tiny, spec: SpeculativeConfig | None) -> EngineCore:
+    config = EngineConfig(page_size=4, num_pages=128, prefix_caching=True, output_caching=True, speculative=spec)
+    return EngineCore(LoadedModel(tiny.path, tiny.model, None, ()), config)
+
+
+def answers(c: EngineCore, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[list[int]]:
+    ids = [c.add_request(list(p), sp) for p, sp in zip(prompts, params)]
+    done: dict[str, list[int]] = {}
+    while c.has_unfinished():
+        for o in c.step().finished:
+            done[o.request_id] = list(o.outputs[0].token_ids)
+    return [done[i] for i in ids]
+
+
+def test_penalties_and_prefix_and_output_caching_keep_the_output(tiny: Tiny, head: Path) -> None:
+    """Penalties, logit bias and seeded sampling, then a second turn whose prompts hold the answers (reused
+    from the prefix and output caches): the head changes no id."""
+    shared = [5, 6, 7, 8, 5, 6, 7, 8]
+    prompts = [shared + t for t in random_prompts([3, 6, 2, 5], seed=4)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=9, repetition_penalty=1.7, frequency_penalty=0.6),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=9, presence_penalty=1.2, logit_bias={3: 2.0}),
+        SamplingParams(temperature=0.0, max_tokens=9, presence_penalty=-0.5),
+        SamplingParams(temperature=1.2, seed=11, top_k=20, max_tokens=9, repetition_penalty=0.8, frequency_penalty=1.0),
+    ]
+    plain, fast = engine(tiny, None), engine(tiny, eagle_spec(head))
+    first = answers(plain, prompts, params)
+    assert answers(fast, prompts, params) == first
+    follow = [[*p, *a, 9, 10] for p, a in zip(prompts, first)]
+    assert answers(fast, follow, params) == answers(plain, follow, params)
+    assert fast.executor.stats().proposed > 0
+    fast.check_pages()
 
 
 def test_seeded_sampling_ids_do_not_change(tiny: Tiny, head: Path) -> None:
