@@ -240,7 +240,7 @@ def train_head(
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         step += 1
-        window_loss.append((float(loss), float(reg), float(ce)))
+        window_loss.append((loss.item(), reg.item(), ce.item()))
         if step == 1 or step % 10 == 0:
             mean = [sum(v) / len(window_loss) for v in zip(*window_loss)]
             curve.append((step, mean[0], mean[1], mean[2]))
