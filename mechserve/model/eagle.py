@@ -345,18 +345,18 @@ def load(directory: Path, target: Any, fingerprint: str | None = None) -> Loaded
     fingerprint = fingerprint or model_fingerprint(target)
     want = HeadConfig.of(target, shape.window)
     name = model_name(target)
+    trained = config.get("target", "?")
     if shape.shape_of() != want.shape_of():
-        mine = ", ".join(f"{k}={v}" for k, v in shape.shape_of().items())
-        theirs = ", ".join(f"{k}={v}" for k, v in want.shape_of().items())
+        mine, theirs = shape.shape_of(), want.shape_of()
+        differ = ", ".join(f"{k} {mine[k]} vs {theirs[k]}" for k in mine if mine[k] != theirs[k])
         raise HeadError(
-            f"the EAGLE head in {directory} has the shape of another model ({mine}; trained for "
-            f"{config.get('target', '?')}), not that of the loaded model {name} ({theirs})"
+            f"the EAGLE head trained for {trained} has another shape than the loaded model {name} ({differ}; "
+            f"the head is in {directory})"
         )
     if trained_for != fingerprint:
         raise HeadError(
-            f"the EAGLE head in {directory} was trained for {config.get('target', '?')} (fingerprint "
-            f"{trained_for[:16]}), not for the loaded model {name} (fingerprint {fingerprint[:16]}); "
-            f"run `mechserve train-draft` for it"
+            f"the EAGLE head trained for {trained} does not match the loaded model {name}; run `mechserve "
+            f"train-draft` for it (fingerprints {trained_for[:16]} vs {fingerprint[:16]}; the head is in {directory})"
         )
     try:
         tensors = load_file(str(directory / HEAD_FILE))
@@ -384,8 +384,8 @@ def find(target: Any, directory: str | Path | None = None) -> LoadedHead:
     found = head_dir(fingerprint)
     if not (found / CONFIG_FILE).is_file():
         raise HeadError(
-            f"no EAGLE head has been trained for the loaded model {model_name(target)} (looked in {found}); "
-            f"run `mechserve train-draft --model MODEL` first, or give one with --eagle-head DIR"
+            f"no EAGLE head has been trained for the loaded model {model_name(target)}: run `mechserve train-draft "
+            f"--model MODEL` first, or give one with --eagle-head DIR (looked in {found})"
         )
     return load(found, target, fingerprint)
 

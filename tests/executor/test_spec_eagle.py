@@ -218,11 +218,18 @@ def test_a_head_of_another_model_is_refused_naming_both(
     with pytest.raises(HeadError) as err:
         TorchExecutor(other.model, 32, 4, speculative=eagle_spec(head))
     message = str(err.value)
-    assert f"the EAGLE head in {head} was trained for {tiny.path}" in message
-    assert f"not for the loaded model {other.path}" in message and "train-draft" in message
+    assert message.startswith(
+        f"the EAGLE head trained for {tiny.path} does not match the loaded model {other.path}; run `mechserve "
+        "train-draft` for it"
+    )
+    assert f"the head is in {head}" in message
     wider = build_tiny(tmp_path_factory.mktemp("other-shape"), hidden_size=32)
-    with pytest.raises(HeadError, match="has the shape of another model .*hidden=64.*hidden=32"):
+    with pytest.raises(HeadError) as err:
         TorchExecutor(wider.model, 32, 4, speculative=eagle_spec(head))
+    assert str(err.value).startswith(
+        f"the EAGLE head trained for {tiny.path} has another shape than the loaded model {wider.path} "
+        "(hidden 64 vs 32, head_dim 16 vs 8"
+    )
 
 
 def test_the_head_lives_in_the_cache_under_the_fingerprint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -234,7 +241,7 @@ def test_no_head_trained_says_to_run_train_draft(tiny: Tiny, tmp_path: Path, mon
     # the cache's head directory, moved here (MECHSERVE_CACHE would also move the built kernels)
     monkeypatch.setattr(eagle, "head_dir", lambda fingerprint: tmp_path / fingerprint[:16])
     spec = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
-    with pytest.raises(HeadError, match=r"no EAGLE head has been trained for the loaded model .*run `mechserve train-draft"):
+    with pytest.raises(HeadError, match=r"no EAGLE head has been trained for the loaded model .*: run `mechserve train-draft"):
         TorchExecutor(tiny.model, 32, 4, speculative=spec)
     # written where train-draft writes it, it is found
     eagle.save(
@@ -263,17 +270,20 @@ def test_the_head_files_round_trip(tiny: Tiny, head: Path, tmp_path: Path) -> No
         eagle.load(tmp_path, tiny.model)
 
 
-def test_training_beats_an_untrained_head(tiny: Tiny, head: Path) -> None:
-    """The trained head's acceptance on its own model's greedy text is above an untrained one's."""
-    prompts = random_prompts([7, 5, 9, 6], seed=99)
+def test_training_lowers_the_loss_and_raises_the_acceptance(tiny: Tiny) -> None:
+    """On the text it was trained on (a random model's text has nothing to generalise from), the head's loss
+    falls and its chain acceptance rises well above an untrained head's."""
+    prompts = random_prompts([6, 9, 4, 11, 7, 5, 8, 10], seed=99)
     outputs = run(tiny.model, prompts, 24).outputs
     data = [record(tiny.model, [*p, *outputs[f"r{i}"]], len(p) - 1) for i, p in enumerate(prompts)]
-    settings = TrainSettings(window=4, spec_len=3)
-    trained = evaluate(eagle.load(head, tiny.model).head, Shared(tiny.model), data, settings)
-    fresh = EagleHead(HeadConfig.of(tiny.model, 4))
-    fresh.init_weights(0)
-    untrained = evaluate(fresh, Shared(tiny.model), data, settings)
-    assert eagle.expected_kept(trained) > eagle.expected_kept(untrained)
+    settings = TrainSettings(window=4, spec_len=3, batch_size=8, steps=120, lr=3e-3)
+    head = EagleHead(HeadConfig.of(tiny.model, 4))
+    head.init_weights(0)
+    untrained = evaluate(head, Shared(tiny.model), data, settings)
+    curve = train_head(head, Shared(tiny.model), data, settings, math.inf, lambda line: None)
+    trained = evaluate(head, Shared(tiny.model), data, settings)
+    assert curve[-1][1] < curve[0][1] / 2 and curve[-1][0] == 120
+    assert trained[0] > 0.5 > untrained[0] and eagle.expected_kept(trained) > eagle.expected_kept(untrained) + 0.5
 
 
 def test_speculative_config_takes_eagle_options() -> None:
