@@ -240,7 +240,9 @@ class SpeculativeConfig:
         if self.eagle_head is not None and (not isinstance(self.eagle_head, str) or not self.eagle_head.strip()):
             raise ValueError(f"eagle_head must be the path of a head's directory, got {self.eagle_head!r}")
         if not _is_int(self.eagle_draft_vocab) or self.eagle_draft_vocab < 0:
-            raise ValueError(f"eagle_draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {self.eagle_draft_vocab!r}")
+            raise ValueError(
+                f"eagle_draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {self.eagle_draft_vocab!r}"
+            )
         for f in dataclasses.fields(self):
             owner = METHOD_OPTIONS.get(f.name, method)
             if owner != method and getattr(self, f.name) != f.default:

@@ -117,7 +117,10 @@ def _runs_a_model(args: argparse.Namespace, argv: Sequence[str] | None) -> bool:
     words = sys.argv[1:] if argv is None else list(argv)
     if "-h" in words or "--help" in words:
         return False
-    return args.command in ("generate", "serve", "bench", "conform", "train-draft") or getattr(args, "backend", None) == "torch"
+    return (
+        args.command in ("generate", "serve", "bench", "conform", "train-draft")
+        or getattr(args, "backend", None) == "torch"
+    )
 
 
 def _silence_stdout() -> None:

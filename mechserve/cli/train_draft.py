@@ -64,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="guesses per draft the training windows and the evaluation cover (4)",
     )
-    add("--batch-size", type=_bounded(int, 1, 4096, "an integer"), default=24, metavar="N", help="windows per step (24)")
+    add(
+        "--batch-size", type=_bounded(int, 1, 4096, "an integer"), default=24, metavar="N", help="windows per step (24)"
+    )
     add("--lr", type=_bounded(float, 1e-7, 1.0, "a number"), default=1e-3, help="AdamW's peak learning rate (1e-3)")
     add(
         "--steps",

@@ -196,9 +196,7 @@ class EagleHead(nn.Module):
         gate, up = self.gate_up(_rms(x, self.post_norm, self.config.rms_norm_eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
-    def forward(
-        self, shared: Shared, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, shared: Shared, ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Training: every row of [B, T] causal windows -> the predicted features f^ [B, T, hidden] (normed)."""
         x = self.inputs(shared, ids, feats)
         cos, sin = shared.rope(positions)
@@ -225,7 +223,7 @@ class EagleHead(nn.Module):
         is the row of the window's last known id's predecessor.  Guess 1 comes from that last row; guess
         ``r + 1`` from the row ``(f^_r, guess r)`` one position on, attending to every valid row before.
         """
-        b, s = ids.shape
+        b = ids.shape[0]
         cos, sin = shared.rope(positions)
         x_all = self.inputs(shared, ids, feats)
         q, k, v = self.qkv_of(x_all, cos, sin)

@@ -254,9 +254,7 @@ def train_head(
     return curve
 
 
-def evaluate(
-    head: EagleHead, shared: Shared, data: Sequence[Recorded], settings: TrainSettings
-) -> list[float]:
+def evaluate(head: EagleHead, shared: Shared, data: Sequence[Recorded], settings: TrainSettings) -> list[float]:
     """Chain acceptance per position on ``data`` (greedy outputs): guess ``j`` of a draft from position ``p`` is
     accepted when it and every guess before it equal the target's argmax; entry ``j - 1`` is the share of
     drafts whose guesses ``1 .. j`` were all accepted, divided by the share for ``1 .. j - 1``."""

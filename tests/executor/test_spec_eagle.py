@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 import torch
-from executor.test_spec_decode import PROMPTS, run, total
-from executor.test_spec_sampling import PARAMS, PROMPT, SMALL_V, chi_square_p, small_model, target_joint
 from tiny_checkpoints import Tiny, build_tiny, random_prompts
 from tiny_models import VOCAB, save_word_tokenizer
 
+from executor.test_spec_decode import PROMPTS, run, total
+from executor.test_spec_sampling import PARAMS, PROMPT, SMALL_V, chi_square_p, small_model, target_joint
 from mechserve.api.config import EngineConfig, SpeculativeConfig
 from mechserve.api.params import SamplingParams
 from mechserve.cli.main import main
@@ -106,9 +106,7 @@ def test_batch_one_equals_plain_decoding(tiny: Tiny, head: Path, plain: dict[str
         assert run(tiny.model, [p], 16, spec=eagle_spec(head, 4)).outputs["r0"] == plain[f"r{i}"]
 
 
-def test_preemption_mid_speculation_gives_the_same_output(
-    tiny: Tiny, head: Path, plain: dict[str, list[int]]
-) -> None:
+def test_preemption_mid_speculation_gives_the_same_output(tiny: Tiny, head: Path, plain: dict[str, list[int]]) -> None:
     need = max(m14.pages_for(len(p) + 16, 2) for p in PROMPTS)
     got = run(tiny.model, PROMPTS, 16, spec=eagle_spec(head), page_size=2, num_pages=need + 6, budget=24)
     assert got.outputs == plain
@@ -241,7 +239,9 @@ def test_no_head_trained_says_to_run_train_draft(tiny: Tiny, tmp_path: Path, mon
     # the cache's head directory, moved here (MECHSERVE_CACHE would also move the built kernels)
     monkeypatch.setattr(eagle, "head_dir", lambda fingerprint: tmp_path / fingerprint[:16])
     spec = SpeculativeConfig(method="eagle", num_speculative_tokens=3)
-    with pytest.raises(HeadError, match=r"no EAGLE head has been trained for the loaded model .*: run `mechserve train-draft"):
+    with pytest.raises(
+        HeadError, match=r"no EAGLE head has been trained for the loaded model .*: run `mechserve train-draft"
+    ):
         TorchExecutor(tiny.model, 32, 4, speculative=spec)
     # written where train-draft writes it, it is found
     eagle.save(
@@ -262,7 +262,9 @@ def test_the_head_files_round_trip(tiny: Tiny, head: Path, tmp_path: Path) -> No
     again = eagle.load(tmp_path, tiny.model)
     for (name, a), (_, b) in zip(loaded.head.state_dict().items(), again.head.state_dict().items()):
         assert torch.equal(a, b), name
-    assert torch.equal(loaded.draft_vocab, again.draft_vocab) and sorted(again.draft_vocab.tolist()) == list(range(VOCAB))
+    assert torch.equal(loaded.draft_vocab, again.draft_vocab) and sorted(again.draft_vocab.tolist()) == list(
+        range(VOCAB)
+    )
     assert again.config["shape"] == loaded.config["shape"] and again.config["x"] == 2
     assert again.config["target_fingerprint"] == eagle.model_fingerprint(tiny.model)
     (tmp_path / eagle.HEAD_FILE).write_bytes(b"not safetensors")
@@ -361,7 +363,7 @@ def test_train_draft_trains_writes_and_generate_uses_the_head(
     ],
 )
 def test_train_draft_cli_errors(flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = cli(["train-draft", *flags], capsys)
+    code, _, err = cli(["train-draft", *flags], capsys)
     assert code == 2
     assert needle in err and len(err.strip().splitlines()) == 1
 
