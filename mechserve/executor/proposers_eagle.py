@@ -84,7 +84,7 @@ class EagleProposer:
         last = len(hist) - 1
         for p in [p for p in rows if p >= last or hist[p] != rows[p][0]]:
             del rows[p]
-        found = []
+        found: list[int] = []
         p = last - 1
         while p >= 0 and p in rows and len(found) < self.window and hist[p + 1] >= 0:
             found.append(p)
