@@ -31,7 +31,14 @@ from mechserve.api.limits import (
     MAX_SUFFIX_TREE_DEPTH,
 )
 from mechserve.api.proposers import ALIASES as METHOD_ALIASES
-from mechserve.api.proposers import DEFAULT_METHOD, DEFAULT_MODEL_METHOD, METHOD_OPTIONS, METHODS, proposer_method
+from mechserve.api.proposers import (
+    DEFAULT_METHOD,
+    DEFAULT_MODEL_METHOD,
+    METHOD_OPTIONS,
+    METHODS,
+    PROPOSERS,
+    proposer_method,
+)
 
 # vLLM's chunked-prefill default; a smaller budget splits a long prompt into many slower steps.
 DEFAULT_MAX_STEP_TOKENS = 2048
@@ -161,7 +168,10 @@ class SpeculativeConfig:
     ``suffix_decoding_max_cached_requests`` (10000 requests' outputs in the global tree, oldest evicted
     first; 0: none), ``suffix_decoding_max_spec_factor`` (1.0: a match of m ids drafts at most
     m ids) and ``suffix_decoding_min_token_prob`` (0.1: a guess less likely than that ends the draft);
-    another method refuses them set) or ``"draft"`` (``draft_model``, a ``MODEL[:layers=N]`` spec, e.g.
+    another method refuses them set), ``"eagle"`` (an EAGLE head fed the target's hidden states,
+    ``mechserve.model.eagle``: ``eagle_head`` a directory ``mechserve train-draft`` wrote, default the
+    one it wrote for the loaded model; ``eagle_draft_vocab`` N > 0: the head chooses among the N ids most
+    frequent in its training outputs, FR-Spec, 0: all) or ``"draft"`` (``draft_model``, a ``MODEL[:layers=N]`` spec, e.g.
     ``"smollm2:layers=4"``); a method with a model of its own needs ``draft_model``, one without
     refuses it.  ``num_speculative_tokens`` is the
     engine's ``spec_len``: the most guesses per decode window.  ``adaptive``: before each step the
@@ -181,6 +191,8 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    eagle_head: str | None = None
+    eagle_draft_vocab: int = 0
 
     def __post_init__(self) -> None:
         method = proposer_method(self.method)  # ValueError naming the registered methods
@@ -225,6 +237,12 @@ class SpeculativeConfig:
             raise ValueError(f"suffix_decoding_max_spec_factor must be a number in (0, {MAX_SPEC_LEN}], got {factor!r}")
         if not _is_number(prob) or not 0 <= prob <= 1:
             raise ValueError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
+        if self.eagle_head is not None and (not isinstance(self.eagle_head, str) or not self.eagle_head.strip()):
+            raise ValueError(f"eagle_head must be the path of a head's directory, got {self.eagle_head!r}")
+        if not _is_int(self.eagle_draft_vocab) or self.eagle_draft_vocab < 0:
+            raise ValueError(
+                f"eagle_draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {self.eagle_draft_vocab!r}"
+            )
         for f in dataclasses.fields(self):
             owner = METHOD_OPTIONS.get(f.name, method)
             if owner != method and getattr(self, f.name) != f.default:
@@ -249,7 +267,12 @@ class SpeculativeConfig:
             return config
         if not isinstance(config, Mapping):
             raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict, got {type(config).__name__}")
-        fields = {cls.ALIASES.get(k, k): v for k, v in config.items()}
+        aliases = dict(cls.ALIASES)
+        named = config.get("method")
+        entry = PROPOSERS.get(METHOD_ALIASES.get(named, named)) if isinstance(named, str) else None
+        if entry is not None:  # vLLM's "model" is the method's own model field (an EAGLE head's directory)
+            aliases["model"] = entry.model_field
+        fields = {aliases.get(k, k): v for k, v in config.items()}
         unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}")

@@ -13,8 +13,13 @@ looked up here and nowhere else compared as a string::
         governor(model, target, max_k)         the adaptive governor that prices its guesses (None: the
                                                model-free default, executor.governor.Governor())
         ranks                                  whether it runs on tensor-parallel ranks (world_size > 1)
+        hidden                                 the target forward also returns its final hidden states at the
+                                               sampling rows, and the executor hands each request's kept rows
+                                               to the proposer's ``observe`` (an EAGLE head)
         options                                the SpeculativeConfig fields only it reads (a --flag each, the
                                                field's name in dashes); another method refuses them set
+        model_field                            the SpeculativeConfig field vLLM's ``model`` names for it
+                                               (``draft_model``; an EAGLE head's directory: ``eagle_head``)
 
 Read by: ``api/config.py`` (``SpeculativeConfig`` checks the method and its model), the CLI
 (``--spec-method``'s choices, ``serve``'s startup line), the engine (loading the method's model, its
@@ -25,8 +30,8 @@ Adding a model-free proposer is two files: its class (``executor/proposers.py``,
 ``Proposer`` protocol there) and its entry below.  One with its own model also sets ``needs_model``,
 ``page_bytes`` and ``governor``, and loads through ``SpeculativeConfig.draft_model``
 (``mechserve.model.draft.load_draft_model``: a Llama-family checkpoint with the target's vocabulary);
-a model of another shape (an EAGLE head: see the ``Proposer`` protocol for how it gets the target's
-hidden states) also needs its loader in ``mechserve/model/``.
+a model of another shape (the EAGLE head, ``mechserve.model.eagle``) loads in its own ``build`` and sets
+``hidden`` to be fed the target's hidden states.
 """
 
 from __future__ import annotations
@@ -68,7 +73,9 @@ class ProposerMethod:
     build: str
     needs_model: bool = False
     ranks: bool = True
+    hidden: bool = False
     page_bytes: str | None = None
+    model_field: str = "draft_model"
     governor: str | None = None
     options: tuple[str, ...] = ()
 
@@ -120,6 +127,15 @@ PROPOSERS: Mapping[str, ProposerMethod] = {
             ranks=False,
             page_bytes="mechserve.engine.pool:page_bytes",
             governor="mechserve.executor.governor:draft_governor",
+        ),
+        ProposerMethod(
+            "eagle",
+            "an EAGLE head trained on the model (mechserve train-draft)",
+            "mechserve.executor.proposers_eagle:EagleProposer.build",
+            ranks=False,
+            hidden=True,
+            options=("eagle_head", "eagle_draft_vocab"),
+            model_field="eagle_head",
         ),
     )
 }

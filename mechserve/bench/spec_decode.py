@@ -42,7 +42,10 @@ from typing import Any
 
 from mechserve.bench.spec_workloads import WORKLOADS, Session, workloads
 
-CONFIGS = ("off", "ngram", "ngram-fixed", "suffix", "suffix-fixed", "draft", "draft-adaptive")
+CONFIGS = (
+    "off", "ngram", "ngram-fixed", "suffix", "suffix-fixed", "draft", "draft-adaptive", "eagle", "eagle-fr",
+    "eagle-adaptive",
+)  # fmt: skip
 DEFAULT_CONFIGS = ("off", "ngram", "suffix", "draft")
 
 
@@ -105,6 +108,10 @@ def configurations(args: argparse.Namespace) -> dict[str, Any]:
         "draft-adaptive": SpeculativeConfig(
             method="draft", num_speculative_tokens=min(k, 3), draft_model=f"{args.model}:layers={args.draft_layers}"
         ),
+        # the EAGLE head `mechserve train-draft` wrote for the model (whole vocabulary; FR-Spec's top 8192 ids)
+        "eagle": SpeculativeConfig(method="eagle", num_speculative_tokens=k, adaptive=False),
+        "eagle-fr": SpeculativeConfig(method="eagle", num_speculative_tokens=k, adaptive=False, eagle_draft_vocab=8192),
+        "eagle-adaptive": SpeculativeConfig(method="eagle", num_speculative_tokens=k),
     }
     names = ["off", *[c for c in args.configs if c != "off"]]
     unknown = [c for c in names if c not in every]

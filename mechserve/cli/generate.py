@@ -223,6 +223,21 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         help=suffix + "a guess whose estimated probability falls below P ends the draft (0.1)",
     )
     add(
+        "--eagle-head",
+        default=None,
+        metavar="DIR",
+        help="an EAGLE head (--spec-method eagle): the directory `mechserve train-draft` wrote (default: the one "
+        "it wrote for the loaded model in $MECHSERVE_CACHE/eagle)",
+    )
+    add(
+        "--eagle-draft-vocab",
+        type=integer(0, 1 << 30),
+        default=None,
+        metavar="N",
+        help="an EAGLE head (--spec-method eagle) chooses among the N ids most frequent in its training outputs "
+        "(FR-Spec); 0: the whole vocabulary (0)",
+    )
+    add(
         "--spec-fixed",
         action="store_true",
         help="every decode step carries --spec-len guesses (default: fewer, down to none, when they do not pay)",

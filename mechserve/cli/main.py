@@ -1,4 +1,4 @@
-"""The ``mechserve`` command: ``mechs``, ``demo``, ``run``, ``diff``, ``generate``, ``conform``, ``viz``, ``serve``, ``router`` and ``bench``.
+"""The ``mechserve`` command: ``mechs``, ``demo``, ``run``, ``diff``, ``generate``, ``conform``, ``viz``, ``serve``, ``router``, ``bench`` and ``train-draft``.
 
 Every problem, from a usage error to an engine exception part-way through a
 run, is printed as one ``mechserve: error: ...`` line on stderr with exit
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from mechserve import __version__
 from mechserve.api.env import attention_mode, linear_mode
-from mechserve.cli import bench, conform, demo, diff, lazy, mechs, router, run, serve, viz
+from mechserve.cli import bench, conform, demo, diff, lazy, mechs, router, run, serve, train_draft, viz
 from mechserve.cli.errors import CliError, report
 from mechserve.cli.parser import Parser
 from mechserve.workload import WorkloadError
@@ -30,6 +30,7 @@ COMMANDS = (
     ("serve", serve, serve.HELP),
     ("router", router, router.HELP),
     ("bench", bench, bench.HELP),
+    ("train-draft", train_draft, train_draft.HELP),
 )
 PASSTHROUGH = {"generate"}
 # Set to get a traceback instead of the one-line report for unexpected errors.
@@ -116,7 +117,10 @@ def _runs_a_model(args: argparse.Namespace, argv: Sequence[str] | None) -> bool:
     words = sys.argv[1:] if argv is None else list(argv)
     if "-h" in words or "--help" in words:
         return False
-    return args.command in ("generate", "serve", "bench", "conform") or getattr(args, "backend", None) == "torch"
+    return (
+        args.command in ("generate", "serve", "bench", "conform", "train-draft")
+        or getattr(args, "backend", None) == "torch"
+    )
 
 
 def _silence_stdout() -> None:

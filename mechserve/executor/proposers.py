@@ -137,13 +137,12 @@ class Proposer(Protocol):
     ``release(request, output_ids)``: the request left, with the output ids the executor last knew (a
     stop string cut after the step may leave a few past the kept end).
 
-    A proposer with a model fed the target's hidden states (EAGLE, Medusa) is not built yet; it would get
-    them so: the target forward (``Model.forward``, ``mechserve.model.protocol``) would also return the
-    final hidden states ([rows, hidden] float32, after the last norm, before the LM head) at each sampling
-    row when the
-    registry entry asks for them, and after the verdicts the executor would hand each request's rows of
-    the ids it kept to the proposer (a ``observe(request, hidden)`` hook), whose next ``propose`` starts
-    from them; the head's KV would live in the pool's pages like the draft model's (``page_bytes``).
+    A proposer fed the target's hidden states (the EAGLE head, ``executor/proposers_eagle.py``) also has
+    ``observe(request, position, ids, hidden)``: its registry entry sets ``hidden``, the target forward
+    (``Model.forward``'s ``hidden_out``) returns the final hidden states ([rows, hidden] float32, after the
+    last norm, before the LM head) at each sampling row, and after the verdicts the executor hands each
+    request's kept rows (its last known row and its accepted guesses: positions ``position ..``, whose ids
+    are ``ids``) to ``observe``; its next ``propose`` starts from them.
     """
 
     def propose(self, windows: Sequence[Window]) -> list[Draft]: ...

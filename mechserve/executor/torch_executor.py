@@ -235,6 +235,8 @@ class TorchExecutor:
         # without a config, a draft model given means the model-based method
         method = proposer_method(DEFAULT_MODEL_METHOD if speculative is None and draft_model else spec.method)
         self.proposer: Proposer = self._new_proposer(method, spec, num_pages, proposer, draft_model)
+        # the method's proposer is fed the target's final hidden states at the kept rows (an EAGLE head)
+        self._hidden = method.hidden and proposer is None
         if governor is None:
             governor = (
                 Governor()
@@ -444,7 +446,13 @@ class TorchExecutor:
         self._proposed = [len(d.tokens) for d in proposed]
         step = self._flatten(plan, [self._fill(d, w) for d, w in zip(proposed, windows)])
         self._recompute_prompt_logprobs(plan)
-        logits = self.model.forward(step.input_ids, step.positions, self.cache, step.batch, step.logit_rows)
+        hidden: list[torch.Tensor] | None = [] if self._hidden else None
+        if hidden is None:
+            logits = self.model.forward(step.input_ids, step.positions, self.cache, step.batch, step.logit_rows)
+        else:
+            logits = self.model.forward(
+                step.input_ids, step.positions, self.cache, step.batch, step.logit_rows, hidden_out=hidden
+            )
         self.counters.forwards += 1
         self.counters.rows += int(step.input_ids.numel())
         logits = sampling_logits(logits, step.rows, host=bool(step.prompt_rows or step.num_logprobs or step.sampled))
@@ -453,7 +461,28 @@ class TorchExecutor:
             self._record_prompt_logprobs(step.prompt_rows, logits[len(step.rows) :])
         targets = self._isolated(step.rows, lambda: self._targets(step, sampling))
         recorded = self._record_logprobs(step, sampling, targets) if step.num_logprobs else None
-        return self._verdicts(plan, step.guesses, targets, recorded)
+        outcomes = self._verdicts(plan, step.guesses, targets, recorded)
+        if hidden is not None:
+            self._observe_hidden(plan, step, outcomes, hidden[0])
+        return outcomes
+
+    def _observe_hidden(
+        self, plan: tuple[PlanItem, ...], step: _Step, outcomes: tuple[Outcome, ...], hidden: torch.Tensor
+    ) -> None:
+        """Hand each sampling item's kept rows of ``hidden`` ([R + prompt rows, hidden] float32, the sampling
+        rows first) to the proposer's ``observe``: the last known row and the accepted guesses' rows."""
+        observe = getattr(self.proposer, "observe", None)
+        if observe is None:
+            return
+        row = 0
+        for item, guesses, outcome in zip(plan, step.guesses, outcomes):
+            if not item.sample:
+                continue
+            kept = outcome.accepted_draft_tokens + 1
+            position = item.start_position + len(item.token_ids) - 1
+            ids = [item.token_ids[-1], *guesses[: outcome.accepted_draft_tokens]]
+            observe(self._requests[item.request_id].record, position, ids, hidden[row : row + kept])
+            row += len(guesses) + 1
 
     def _isolated(self, rows: list[Any], call: Callable[[], T]) -> T:
         """``call()``, with a request whose row processing raises (``RowError``) failed alone: its rows among

@@ -429,8 +429,8 @@ FIELDS: tuple[Field, ...] = (
         "prediction",
         (CHAT,),
         OPENAI,
-        why="not supported: predicted outputs (speculation uses prompt lookup, suffix decoding or a draft model "
-        "instead: serve --spec-method ngram, suffix or draft)",
+        why="not supported: predicted outputs (speculation uses prompt lookup, suffix decoding, a draft model or "
+        "an EAGLE head instead: serve --spec-method ngram, suffix, draft or eagle)",
         bad={"prediction": {"type": "content", "content": "w1"}},
     ),
     _f(

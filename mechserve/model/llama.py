@@ -264,6 +264,7 @@ class LlamaModel:
         cache: PagedKVCache,
         batch: AttentionBatch,
         logit_rows: torch.Tensor | None = None,
+        hidden_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One step over a flat batch.
 
@@ -271,6 +272,9 @@ class LlamaModel:
         mapping and attention groups; ``logit_rows``: [R] int64 rows whose
         logits are wanted (None = all).  Returns [R, vocab] float32 logits.
         K/V of every row is written to ``cache`` at ``batch.slot_mapping``.
+        ``hidden_out``: a list that receives the final hidden states of the
+        same R rows ([R, hidden] float32, after the last norm, before the LM
+        head: what an EAGLE head is fed).
         """
         a = self.arch
         h, kv, d = a.num_heads, a.num_kv_heads, a.head_dim
@@ -316,4 +320,6 @@ class LlamaModel:
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
         x = rms_norm(x, self.norm, a.rms_norm_eps)
+        if hidden_out is not None:
+            hidden_out.append(x.float())
         return linear(x, self.lm_head, out_dtype=torch.float32)  # [R, V]

@@ -91,6 +91,7 @@ class Model(ModelShape, Protocol):
         cache: PagedKVCache,
         batch: AttentionBatch,
         logit_rows: torch.Tensor | None = None,
+        hidden_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One engine step over a flattened batch: every scheduled token of every request as one row.
 
@@ -99,7 +100,10 @@ class Model(ModelShape, Protocol):
         (``kv.paged.build_attention_batch`` with ``arch.num_heads // arch.num_kv_heads`` and
         ``distinct_sliding_windows``); ``logit_rows``: [R] int64, the rows whose logits are wanted (None: all
         T).  Writes every row's K/V at ``batch.slot_mapping`` before any row reads it; returns
-        [R, arch.vocab_size] float32 logits on ``device``.
+        [R, arch.vocab_size] float32 logits on ``device``.  ``hidden_out`` (a list, or None): receives the
+        final hidden states of the same R rows, [R, hidden] float32 after the last norm and before the LM
+        head (what a hidden-state proposer such as an EAGLE head is fed); a model that cannot give them
+        raises ``NotImplementedError``.
         """
         ...
 

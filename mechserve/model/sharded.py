@@ -244,8 +244,12 @@ class ShardedLlama(LlamaModel):
         cache: PagedKVCache,
         batch: AttentionBatch,
         logit_rows: torch.Tensor | None = None,
+        hidden_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """One step of this rank (``LlamaModel.forward``'s contract; a collective call, see the class)."""
+        """One step of this rank (``LlamaModel.forward``'s contract; a collective call, see the class).
+        ``hidden_out`` is refused (``NotImplementedError``): a hidden-state proposer runs on one rank."""
+        if hidden_out is not None:
+            raise NotImplementedError("a tensor-parallel rank does not return hidden states (an EAGLE head)")
         a, hs = self.full_arch, self.shape.heads
         d = a.head_dim
         cos, sin = self.rope(positions)

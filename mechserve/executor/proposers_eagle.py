@@ -1,0 +1,135 @@
+"""The EAGLE proposer (``--spec-method eagle``): chain drafts from a head fed the target's hidden states.
+
+The head (``mechserve.model.eagle``, trained by ``mechserve train-draft``) needs the target's feature (final
+hidden state) at every row it reads.  The registry entry asks for them (``ProposerMethod.hidden``): the
+target forward returns them at each sampling row, and after the verdicts the executor hands each request's
+kept rows to ``observe`` (the last known row and the accepted guesses: their ids are the request's).  Per
+request the proposer keeps the features of its last ``window`` positions::
+
+    history (ids by position) ... t_{L-1} t_L          L: the window's last known position
+    features kept             ... f_{L-2} f_{L-1}      (none yet for L: its row is computed this step)
+    head rows                 (f_p, t_{p+1}) for p = L - window .. L - 1, then its own chain
+
+A window drafts only when ``f_{L-1}`` is known (a request's first decode step after its prefill has it: the
+prefill's sampling row; after ids the target never computed, forced ids (m14) or a prefix-cache hit that
+skipped the prompt's last row, it has none and the window is padded until the next step computes it).
+Features at or past ``L`` (a rollback, a cut at a stop id, a preemption) are dropped, and a feature whose
+position's id changed is dropped with everything after it.
+
+Guesses are the head's argmax (point masses) for every request, sampling ones included: verification draws
+``t ~ p`` and accepts while ``t`` equals the guess, so the emitted ids are distributed as without
+speculation (and a seeded request's ids do not change at all).  ``vocab`` (FR-Spec, Zhao et al. 2025,
+arXiv 2502.14856): the head's argmax over only the first ``vocab`` ids of its frequency-ranked draft
+vocabulary (0: the whole vocabulary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from mechserve.executor.proposers import NO_DRAFT, Draft, Window
+from mechserve.model.eagle import LoadedHead, Shared, find
+
+if TYPE_CHECKING:
+    from mechserve.api.proposers import ProposerContext
+    from mechserve.executor.request import ExecutorRequest
+
+
+@dataclass(slots=True)
+class _Features:
+    """One request's kept features: position -> (the id at that position, [hidden] float32)."""
+
+    rows: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+
+class EagleProposer:
+    """Chain drafting with an EAGLE head (module docstring) for ``target``."""
+
+    def __init__(self, target: object, loaded: LoadedHead, vocab: int = 0) -> None:
+        self.loaded = loaded
+        self.head = loaded.head
+        self.window = loaded.head.config.window
+        ids = loaded.draft_vocab[:vocab].contiguous() if vocab else None
+        self.shared = Shared(target, ids)
+        self._features: dict[str, _Features] = {}
+
+    @classmethod
+    def build(cls, ctx: ProposerContext) -> EagleProposer:
+        """The registry's factory: the head ``ctx.speculative.eagle_head`` names, else the one trained for
+        ``ctx.model`` (``mechserve.model.eagle.find``; ``HeadError`` when there is none or it does not match)."""
+        spec = ctx.speculative
+        loaded = find(ctx.model, spec.eagle_head)
+        return cls(ctx.model, loaded, spec.eagle_draft_vocab)
+
+    def observe(self, request: ExecutorRequest, position: int, ids: Sequence[int], hidden: torch.Tensor) -> None:
+        """The target's features of ``request`` at ``position`` .. ``position + n - 1`` (``hidden``: [n, hidden]
+        float32), whose ids are ``ids`` (n of them)."""
+        rows = self._features.setdefault(request.request_id, _Features()).rows
+        for j, t in enumerate(ids):
+            rows[position + j] = (int(t), hidden[j])
+        low = position + len(ids) - self.window - 1
+        for p in [p for p in rows if p < low]:
+            del rows[p]
+
+    def _context(self, w: Window) -> list[int]:
+        """The positions whose features the window's head rows read (ending at ``L - 1``; empty: none)."""
+        state = self._features.get(w.item.request_id)
+        if state is None:
+            return []
+        rows, hist = state.rows, w.history
+        last = len(hist) - 1
+        for p in [p for p in rows if p >= last or hist[p] != rows[p][0]]:
+            del rows[p]
+        found: list[int] = []
+        p = last - 1
+        while p >= 0 and p in rows and len(found) < self.window and hist[p + 1] >= 0:
+            found.append(p)
+            p -= 1
+        return found[::-1]
+
+    def available(self, request: ExecutorRequest, history: Sequence[int], cap: int) -> int:
+        state = self._features.get(request.request_id)
+        last = len(history) - 1
+        if state is None or last < 1 or (last - 1) not in state.rows:
+            return 0
+        return cap if state.rows[last - 1][0] == history[last - 1] else 0
+
+    def release(self, request: ExecutorRequest, output_ids: Sequence[int]) -> None:
+        self._features.pop(request.request_id, None)
+
+    def propose(self, windows: Sequence[Window]) -> list[Draft]:
+        drafts = [NO_DRAFT] * len(windows)
+        ready: list[tuple[int, list[int]]] = []
+        for i, w in enumerate(windows):
+            context = self._context(w)
+            if w.slots > 0 and context:
+                ready.append((i, context))
+        if not ready:
+            return drafts
+        width = max(len(c) for _, c in ready)
+        hidden = self.head.config.hidden
+        b = len(ready)
+        ids = torch.zeros(b, width, dtype=torch.int64)
+        positions = torch.zeros(b, width, dtype=torch.int64)
+        valid = torch.zeros(b, width, dtype=torch.bool)
+        feats = torch.zeros(b, width, hidden, dtype=torch.float32)
+        for j, (i, context) in enumerate(ready):
+            w = windows[i]
+            rows = self._features[w.item.request_id].rows
+            pad = width - len(context)
+            ids[j, pad:] = torch.tensor([w.history[p + 1] for p in context])
+            positions[j, pad:] = torch.tensor(context)
+            valid[j, pad:] = True
+            feats[j, pad:] = torch.stack([rows[p][1] for p in context])
+        steps = max(windows[i].slots for i, _ in ready)
+        guesses = self.head.draft(self.shared, ids, feats, positions, valid, steps).tolist()
+        for j, (i, _) in enumerate(ready):
+            drafts[i] = Draft(tuple(guesses[j][: windows[i].slots]))
+        return drafts
+
+
+__all__ = ["EagleProposer"]
