@@ -224,12 +224,32 @@ def gguf_tokenizer(f: GGUFFile) -> Any:
             tok = AutoTokenizer.from_pretrained(f.path.parent, gguf_file=f.path.name)
     except Exception as exc:
         raise ModelLoadError(f"{f.path}: cannot build its tokenizer: {exc}") from None
+    if kind == "llama":
+        spm_like_llama_cpp(tok, add_space_prefix=bool(f.get("tokenizer.ggml.add_space_prefix", True)))
+        return tok
     splits = PRE_TOKENIZERS.get(f.get("tokenizer.ggml.pre", ""))
     if splits is not None:
         steps: list[Any] = [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits]
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
         tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
     return tok
+
+
+def spm_like_llama_cpp(tok: Any, *, add_space_prefix: bool) -> None:
+    """Make ``tok`` (transformers' SentencePiece tokenizer of a GGUF) split text as llama.cpp does
+    (``llama-vocab.cpp``, ``llama_vocab::impl::tokenize``, ``LLAMA_VOCAB_TYPE_SPM``): the text is cut at
+    special tokens; every text piece between them (each one follows a special token or starts the text) gets
+    a ``' '`` prefix when ``tokenizer.ggml.add_space_prefix`` (default true), and every space becomes U+2581;
+    then the pieces are merged.  transformers' Metaspace ``prepend_scheme="first"`` instead prefixes only the
+    text's first piece and not one that already starts with a space, so ``' Hello'``, ``'<s>hi'`` and
+    ``'   '`` came out differently.  The tokenizers library runs the normalizer on each piece between added
+    tokens, which is llama.cpp's rule."""
+    from tokenizers import normalizers
+
+    steps: list[Any] = [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    steps.append(normalizers.Replace(" ", "\u2581"))
+    tok.backend_tokenizer.normalizer = normalizers.Sequence(steps)
+    tok.backend_tokenizer.pre_tokenizer = None
 
 
 def gguf_eos_ids(f: GGUFFile) -> tuple[int, ...]:
