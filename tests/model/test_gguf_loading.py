@@ -437,3 +437,28 @@ def test_llama_cpps_pre_tokenizer_is_honoured(tmp_path, pre, want) -> None:
     write_gguf(path, tiny_hf("llama", vocab_size=len(vocab.tokens)), "llama", "q8_0", vocab)
     tok = load_model(str(path)).tokenizer
     assert tok("a 12 x123 1212").input_ids == want
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_llama_tokenize_on_a_few_hundred_strings(tmp_path) -> None:
+    """A SentencePiece GGUF against ``llama-tokenize``'s ids on the same vocabulary (``spm_vocab_gguf``),
+    pinned in ``tests/data/llama-tokenize-spm.json`` (written by ``tests/data/llama_tokenize_spm_cases.py``):
+    llama.cpp prefixes every text piece that starts the text or follows a special token with a space, so
+    ``' Hello  world'``, ``'<s>hi</s>'``, ``'<s>[INST] hi [/INST]'`` and ``'   '`` (issue 30) tokenize as there,
+    as do whitespace runs, leading and trailing spaces, many scripts and byte fallback."""
+    import json
+    import sys
+
+    data = Path(__file__).parents[1] / "data"
+    sys.path.insert(0, str(data))
+    try:
+        from llama_tokenize_spm_cases import spm_vocab_gguf
+    finally:
+        sys.path.remove(str(data))
+    doc = json.loads((data / "llama-tokenize-spm.json").read_text("utf-8"))
+    assert len(doc["cases"]) >= 250
+    tok = gguf_model.gguf_tokenizer(GGUFFile.open(spm_vocab_gguf(tmp_path / "spm.gguf")))
+    differ = [c["text"] for c in doc["cases"] if tok(c["text"]).input_ids != c["ids"]]
+    assert differ == []
+    by_text = {c["text"]: c["ids"] for c in doc["cases"]}
+    assert by_text["<s>hi</s>"][:2] == [1, 1] and by_text["<s>hi</s>"][-1] == 2  # the specials parsed
+    assert len(by_text["   "]) == 2  # BOS, then one piece for four U+2581
