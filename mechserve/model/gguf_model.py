@@ -224,6 +224,7 @@ def gguf_tokenizer(f: GGUFFile) -> Any:
             tok = AutoTokenizer.from_pretrained(f.path.parent, gguf_file=f.path.name)
     except Exception as exc:
         raise ModelLoadError(f"{f.path}: cannot build its tokenizer: {exc}") from None
+    specials_like_llama_cpp(tok, f)
     if kind == "llama":
         spm_like_llama_cpp(tok, add_space_prefix=bool(f.get("tokenizer.ggml.add_space_prefix", True)))
         return tok
@@ -233,6 +234,48 @@ def gguf_tokenizer(f: GGUFFile) -> Any:
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
         tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
     return tok
+
+
+# llama.cpp's ``tokenizer.ggml.pre`` values whose BPE vocabulary adds a BOS when the file has no
+# ``tokenizer.ggml.add_bos_token`` (llama-vocab.cpp, ``llama_vocab::impl::load``); other BPE ones add none.
+BOS_BY_DEFAULT_PRE = frozenset(
+    ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "tekken", "chameleon")
+)
+
+
+def specials_like_llama_cpp(tok: Any, f: GGUFFile) -> None:
+    """Make ``tok`` add the BOS and EOS llama.cpp adds: ``tokenizer.ggml.add_bos_token`` /
+    ``add_eos_token`` when the file has them, else llama.cpp's default for the vocabulary (SentencePiece:
+    BOS, no EOS; BPE: BOS only for the pre-tokenizers in ``BOS_BY_DEFAULT_PRE``, e.g. Llama 3's; no EOS).
+    The default BOS and EOS ids are llama.cpp's too (SentencePiece 1 and 2, BPE 11).  Raises
+    ``ModelLoadError`` when the id to add is outside the vocabulary."""
+    from tokenizers import processors
+
+    spm = f.get("tokenizer.ggml.model") == "llama"
+    add_bos = f.get("tokenizer.ggml.add_bos_token")
+    if not isinstance(add_bos, bool):
+        add_bos = spm or f.get("tokenizer.ggml.pre", "") in BOS_BY_DEFAULT_PRE
+    add_eos = f.get("tokenizer.ggml.add_eos_token")
+    add_eos = add_eos if isinstance(add_eos, bool) else False
+    tokens = f.get("tokenizer.ggml.tokens") or []
+    texts: dict[str, str] = {}
+    specials: list[tuple[str, int]] = []
+    for flag, key, default in ((add_bos, "bos", 1 if spm else 11), (add_eos, "eos", 2 if spm else 11)):
+        if not flag:
+            continue
+        i = f.get(f"tokenizer.ggml.{key}_token_id", default)
+        if not isinstance(i, int) or not 0 <= i < len(tokens):
+            raise ModelLoadError(f"{f.path}: tokenizer.ggml.{key}_token_id {i!r} is not a token of its vocabulary")
+        texts[key] = tokens[i]
+        if (tokens[i], i) not in specials:
+            specials.append((tokens[i], i))
+    bos = [f"{texts['bos']}:0"] if "bos" in texts else []
+    eos = [f"{texts['eos']}:0"] if "eos" in texts else []
+    single = " ".join([*bos, "$A:0", *eos])
+    pair = " ".join([single, *(b.replace(":0", ":1") for b in bos), "$B:1", *(e.replace(":0", ":1") for e in eos)])
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=specials
+    )
 
 
 def spm_like_llama_cpp(tok: Any, *, add_space_prefix: bool) -> None:
@@ -304,6 +347,7 @@ def open_model(path: Path) -> GGUFFile:
 
 __all__ = [
     "ARCHITECTURES",
+    "BOS_BY_DEFAULT_PRE",
     "EOG_TEXTS",
     "PRE_TOKENIZERS",
     "apply_rope_freqs",
@@ -314,4 +358,6 @@ __all__ = [
     "gguf_tokenizer",
     "open_model",
     "rope_freqs",
+    "specials_like_llama_cpp",
+    "spm_like_llama_cpp",
 ]

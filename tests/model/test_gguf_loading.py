@@ -462,3 +462,56 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_llama_tokenize_on_a_few_hundred
     by_text = {c["text"]: c["ids"] for c in doc["cases"]}
     assert by_text["<s>hi</s>"][:2] == [1, 1] and by_text["<s>hi</s>"][-1] == 2  # the specials parsed
     assert len(by_text["   "]) == 2  # BOS, then one piece for four U+2581
+
+
+@pytest.mark.parametrize(
+    ("model", "pre", "key", "want_bos"),
+    [
+        ("gpt2", "llama-bpe", None, True),  # Llama 3 without the key: llama.cpp adds BOS
+        ("gpt2", "gpt-2", None, False),
+        ("gpt2", "qwen2", None, False),
+        ("gpt2", "llama-bpe", False, False),  # the file's key wins
+        ("gpt2", "gpt-2", True, True),
+        ("llama", "default", None, True),  # SentencePiece: BOS by default
+        ("llama", "default", False, False),
+    ],
+)
+def test_bos_is_added_as_llama_cpp_adds_it(tmp_path, bpe, model, pre, key, want_bos) -> None:
+    """``tokenizer.ggml.add_bos_token`` when the file has it, else llama.cpp's default for the vocabulary
+    and pre-tokenizer (llama-vocab.cpp ``load``): Llama 3's BPE vocabulary without the key got no BOS."""
+    import gguf
+
+    if model == "gpt2":
+        tokens, types, bos = [*bpe.tokens, "<|begin_of_text|>"], [*bpe.types, 3], len(bpe.tokens)
+    else:
+        tokens = [
+            "<unk>",
+            "<s>",
+            "</s>",
+            *[f"<0x{b:02X}>" for b in range(256)],
+            "\u2581",
+            "h",
+            "i",
+            "\u2581h",
+            "\u2581hi",
+        ]
+        types, bos = [2, 3, 3, *[6] * 256, 1, 1, 1, 1, 1], 1
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    w.add_tokenizer_model(model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if model == "gpt2":
+        w.add_token_merges(bpe.merges)
+    else:
+        w.add_token_scores([0.0] * (len(tokens) - 5) + [-1.0, -2.0, -3.0, -4.0, -5.0])
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(bos + 1 if model == "llama" else 0)
+    if key is not None:
+        w.add_add_bos_token(key)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ids = gguf_model.gguf_tokenizer(GGUFFile.open(tmp_path / "v.gguf"))("hi").input_ids
+    assert (ids[:1] == [bos]) == want_bos and bos not in ids[1:]
