@@ -302,7 +302,7 @@ def test_an_unknown_type_number_and_an_unknown_tensor_are_named(tmp_path, bpe, n
 def test_not_a_gguf_and_the_options_a_gguf_refuses(tmp_path, bpe) -> None:
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"GGML" + bytes(100))
-    with pytest.raises(ModelLoadError, match="neither a directory nor a GGUF file"):
+    with pytest.raises(ModelLoadError, match=r"model\.gguf is not a GGUF file \(104 bytes, starting b'GGML"):
         load_model(str(fake))
     hf = tiny_hf("llama", vocab_size=len(bpe.tokens))
     path = tmp_path / "m.gguf"
@@ -515,3 +515,30 @@ def test_bos_is_added_as_llama_cpp_adds_it(tmp_path, bpe, model, pre, key, want_
     w.close()
     ids = gguf_model.gguf_tokenizer(GGUFFile.open(tmp_path / "v.gguf"))("hi").input_ids
     assert (ids[:1] == [bos]) == want_bos and bos not in ids[1:]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["bench", "run", "--model", "{bad}", "--out", "{tmp}/b"], "{bad} is not a GGUF file (104 bytes"),
+        (["generate", "--model", "{bad}", "hi"], "{bad} is not a GGUF file (104 bytes"),
+        (["generate", "--model", "{tmp}/nonexistent.gguf", "hi"], "model not found: {tmp}/nonexistent.gguf (a"),
+        (["generate", "--model", "{good}", "--chat", "hi"], "--chat: the model has no chat template; give one with"),
+    ],
+)
+def test_a_model_that_does_not_load_is_one_line_not_an_internal_error(tmp_path, bpe, argv, says) -> None:
+    """Issue 30: ``bench run --model badmagic.gguf`` said "internal error: ModelLoadError: ..."; ``generate
+    --chat`` on a GGUF without a template said "pass chat_template=" (Python's name, not the CLI's flag)."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + bytes(100))
+    good = tmp_path / "m.gguf"
+    write_gguf(good, tiny_hf("llama", vocab_size=len(bpe.tokens)), "llama", "q8_0", bpe)
+    names = {"bad": bad, "good": good, "tmp": tmp_path}
+    argv = [a.format(**names) for a in argv]
+    done = subprocess.run([sys.executable, "-m", "mechserve", *argv], capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert says.format(**names) in lines[0] and "internal error" not in lines[0] and "Error:" not in lines[0]
