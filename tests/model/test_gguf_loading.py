@@ -542,3 +542,16 @@ def test_a_model_that_does_not_load_is_one_line_not_an_internal_error(tmp_path, 
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert says.format(**names) in lines[0] and "internal error" not in lines[0] and "Error:" not in lines[0]
+
+
+def test_a_missing_tensor_is_named_by_its_gguf_name_before_the_tokenizer(tmp_path, bpe, no_work) -> None:
+    """Issue 30: a GGUF missing a tensor named only the Hugging Face name, and only after building the
+    tokenizer (a vocab-only file took 98 s to refuse); ``no_work`` fails the test if either is read first."""
+    hf = tiny_hf("llama", vocab_size=len(bpe.tokens))
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf, "llama", "q8_0", bpe, skip=("model.layers.1.self_attn.k_proj.weight",))
+    with pytest.raises(ModelLoadError) as err:
+        load_model(str(path))
+    assert str(err.value) == (
+        f"{path} is missing tensor blk.1.attn_k.weight (model.layers.1.self_attn.k_proj.weight)"
+    ), err.value
