@@ -29,7 +29,9 @@ as llama.cpp runs it, without a sliding window.
 **Tokenizer** (``gguf_tokenizer``): transformers' GGUF tokenizer (``AutoTokenizer.from_pretrained(dir,
 gguf_file=name)``: BPE ``gpt2`` and SentencePiece ``llama`` vocabularies, control and user-defined
 tokens, ``tokenizer.chat_template``), with the pre-tokenizer of llama.cpp's ``tokenizer.ggml.pre``
-where transformers has none for it (``PRE_TOKENIZERS``), so the ids are llama.cpp's.
+where transformers has none for it (``PRE_TOKENIZERS``), a SentencePiece vocabulary split as llama.cpp
+splits it (``spm_like_llama_cpp``) and the BOS/EOS llama.cpp adds (``specials_like_llama_cpp``), so the ids
+are llama.cpp's (pinned in tests/data/llama-tokenize-*.json).
 
 **Weights**: ``formats.GGUFTensors``, a ``weights.TensorSource`` over the file, through the one weight-name
 map (``weights.gguf_to_hf``); the family is the registry's entry for the architecture's model type
