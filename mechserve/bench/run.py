@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         results = benchmark(args)
     except (OSError, ValueError) as exc:
-        raise CliError(f"bench run: {type(exc).__name__}: {exc}") from None
+        raise CliError(f"bench run: {exc}") from None
     print(f"results: {args.out / 'results.json'}", file=sys.stderr)
     return 0 if results else 2
 

@@ -512,6 +512,10 @@ def prompt_ids(tokenizer: Any, text: str, chat: bool) -> tuple[str, list[int]]:
         return text, list(tokenizer(text).input_ids)
     from mechserve.entrypoints.prompts import apply_chat_template
 
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "--chat: the model has no chat template; give one with --chat-template FILE_OR_TEMPLATE, or drop --chat"
+        )
     templated = apply_chat_template(tokenizer, [{"role": "user", "content": text}], True, None)
     return templated, list(tokenizer(templated, add_special_tokens=False).input_ids)
 

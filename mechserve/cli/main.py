@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from mechserve import __version__
 from mechserve.api.env import attention_mode, linear_mode
+from mechserve.api.errors import ModelLoadError
 from mechserve.cli import bench, conform, demo, diff, lazy, mechs, router, run, serve, train_draft, viz
 from mechserve.cli.errors import CliError, report
 from mechserve.cli.parser import Parser
@@ -78,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args) or 0)
     except SystemExit as exc:  # --help and --version
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else report(str(exc.code))
-    except (CliError, WorkloadError) as exc:
+    except (CliError, WorkloadError, ModelLoadError) as exc:  # a model that does not load is the user's error
         return report(str(exc))
     except BrokenPipeError:
         _silence_stdout()

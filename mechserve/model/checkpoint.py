@@ -109,14 +109,28 @@ def resolve_model(model: str = EMBEDDED) -> Path:
         return ensure_embedded()
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"model directory not found: {model}")
+        raise ModelLoadError(f"model not found: {model} (a directory or a .gguf file)")
     if path.is_file() and is_gguf(path):  # issue 30: model/gguf_model.py reads it
         return path
     if not path.is_dir():
-        raise ModelLoadError(f"model path is neither a directory nor a GGUF file: {model}")
+        raise ModelLoadError(f"{model} is not a GGUF file ({first_bytes(path)}) nor a model directory")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{model} has no config.json (expected a Hugging Face model directory)")
     return path
+
+
+def first_bytes(path: Path, n: int = 8) -> str:
+    """What a file that is not GGUF starts with, for an error: ``empty``, or its size and first ``n`` bytes
+    (GGUF files start with ``b'GGUF'``)."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(n)
+        size = path.stat().st_size
+    except OSError as exc:
+        return f"cannot read it: {exc.strerror}"
+    if not head:
+        return "it is empty"
+    return f"{size} bytes, starting {head!r}, not b'GGUF'"
 
 
 def embedded_gguf() -> Path:

@@ -29,7 +29,9 @@ as llama.cpp runs it, without a sliding window.
 **Tokenizer** (``gguf_tokenizer``): transformers' GGUF tokenizer (``AutoTokenizer.from_pretrained(dir,
 gguf_file=name)``: BPE ``gpt2`` and SentencePiece ``llama`` vocabularies, control and user-defined
 tokens, ``tokenizer.chat_template``), with the pre-tokenizer of llama.cpp's ``tokenizer.ggml.pre``
-where transformers has none for it (``PRE_TOKENIZERS``), so the ids are llama.cpp's.
+where transformers has none for it (``PRE_TOKENIZERS``), a SentencePiece vocabulary split as llama.cpp
+splits it (``spm_like_llama_cpp``) and the BOS/EOS llama.cpp adds (``specials_like_llama_cpp``), so the ids
+are llama.cpp's (pinned in tests/data/llama-tokenize-*.json).
 
 **Weights**: ``formats.GGUFTensors``, a ``weights.TensorSource`` over the file, through the one weight-name
 map (``weights.gguf_to_hf``); the family is the registry's entry for the architecture's model type
@@ -224,12 +226,75 @@ def gguf_tokenizer(f: GGUFFile) -> Any:
             tok = AutoTokenizer.from_pretrained(f.path.parent, gguf_file=f.path.name)
     except Exception as exc:
         raise ModelLoadError(f"{f.path}: cannot build its tokenizer: {exc}") from None
+    specials_like_llama_cpp(tok, f)
+    if kind == "llama":
+        spm_like_llama_cpp(tok, add_space_prefix=bool(f.get("tokenizer.ggml.add_space_prefix", True)))
+        return tok
     splits = PRE_TOKENIZERS.get(f.get("tokenizer.ggml.pre", ""))
     if splits is not None:
         steps: list[Any] = [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits]
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
         tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
     return tok
+
+
+# llama.cpp's ``tokenizer.ggml.pre`` values whose BPE vocabulary adds a BOS when the file has no
+# ``tokenizer.ggml.add_bos_token`` (llama-vocab.cpp, ``llama_vocab::impl::load``); other BPE ones add none.
+BOS_BY_DEFAULT_PRE = frozenset(
+    ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "tekken", "chameleon")
+)
+
+
+def specials_like_llama_cpp(tok: Any, f: GGUFFile) -> None:
+    """Make ``tok`` add the BOS and EOS llama.cpp adds: ``tokenizer.ggml.add_bos_token`` /
+    ``add_eos_token`` when the file has them, else llama.cpp's default for the vocabulary (SentencePiece:
+    BOS, no EOS; BPE: BOS only for the pre-tokenizers in ``BOS_BY_DEFAULT_PRE``, e.g. Llama 3's; no EOS).
+    The default BOS and EOS ids are llama.cpp's too (SentencePiece 1 and 2, BPE 11).  Raises
+    ``ModelLoadError`` when the id to add is outside the vocabulary."""
+    from tokenizers import processors
+
+    spm = f.get("tokenizer.ggml.model") == "llama"
+    add_bos = f.get("tokenizer.ggml.add_bos_token")
+    if not isinstance(add_bos, bool):
+        add_bos = spm or f.get("tokenizer.ggml.pre", "") in BOS_BY_DEFAULT_PRE
+    add_eos = f.get("tokenizer.ggml.add_eos_token")
+    add_eos = add_eos if isinstance(add_eos, bool) else False
+    tokens = f.get("tokenizer.ggml.tokens") or []
+    texts: dict[str, str] = {}
+    specials: list[tuple[str, int]] = []
+    for flag, key, default in ((add_bos, "bos", 1 if spm else 11), (add_eos, "eos", 2 if spm else 11)):
+        if not flag:
+            continue
+        i = f.get(f"tokenizer.ggml.{key}_token_id", default)
+        if not isinstance(i, int) or not 0 <= i < len(tokens):
+            raise ModelLoadError(f"{f.path}: tokenizer.ggml.{key}_token_id {i!r} is not a token of its vocabulary")
+        texts[key] = tokens[i]
+        if (tokens[i], i) not in specials:
+            specials.append((tokens[i], i))
+    bos = [f"{texts['bos']}:0"] if "bos" in texts else []
+    eos = [f"{texts['eos']}:0"] if "eos" in texts else []
+    single = " ".join([*bos, "$A:0", *eos])
+    pair = " ".join([single, *(b.replace(":0", ":1") for b in bos), "$B:1", *(e.replace(":0", ":1") for e in eos)])
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=specials
+    )
+
+
+def spm_like_llama_cpp(tok: Any, *, add_space_prefix: bool) -> None:
+    """Make ``tok`` (transformers' SentencePiece tokenizer of a GGUF) split text as llama.cpp does
+    (``llama-vocab.cpp``, ``llama_vocab::impl::tokenize``, ``LLAMA_VOCAB_TYPE_SPM``): the text is cut at
+    special tokens; every text piece between them (each one follows a special token or starts the text) gets
+    a ``' '`` prefix when ``tokenizer.ggml.add_space_prefix`` (default true), and every space becomes U+2581;
+    then the pieces are merged.  transformers' Metaspace ``prepend_scheme="first"`` instead prefixes only the
+    text's first piece and not one that already starts with a space, so ``' Hello'``, ``'<s>hi'`` and
+    ``'   '`` came out differently.  The tokenizers library runs the normalizer on each piece between added
+    tokens, which is llama.cpp's rule."""
+    from tokenizers import normalizers
+
+    steps: list[Any] = [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    steps.append(normalizers.Replace(" ", "\u2581"))
+    tok.backend_tokenizer.normalizer = normalizers.Sequence(steps)
+    tok.backend_tokenizer.pre_tokenizer = None
 
 
 def gguf_eos_ids(f: GGUFFile) -> tuple[int, ...]:
@@ -284,6 +349,7 @@ def open_model(path: Path) -> GGUFFile:
 
 __all__ = [
     "ARCHITECTURES",
+    "BOS_BY_DEFAULT_PRE",
     "EOG_TEXTS",
     "PRE_TOKENIZERS",
     "apply_rope_freqs",
@@ -294,4 +360,6 @@ __all__ = [
     "gguf_tokenizer",
     "open_model",
     "rope_freqs",
+    "specials_like_llama_cpp",
+    "spm_like_llama_cpp",
 ]

@@ -41,6 +41,7 @@ from mechserve.model.memory import release_freed
 from mechserve.model.protocol import Model, ModelShape
 from mechserve.model.registry import find_family, load_config
 from mechserve.model.sharded import ShardedLlama
+from mechserve.model.weights import missing_gguf_tensors
 
 M = TypeVar("M", bound=ModelShape)
 
@@ -132,8 +133,14 @@ def _load_gguf(
         raise ModelLoadError(f"a GGUF model runs with dtype float32 or bfloat16, not {dtype_name(dtype)}")
     f = gguf_model.open_model(path)
     config = gguf_model.gguf_config(f)
+    family = gguf_model.family(f)
+    source = GGUFTensors(f, config, dtype)
+    missing = missing_gguf_tensors(source, family.arch(config))
+    if missing:  # before the tokenizer: a vocab-only file took 98 s to refuse (issue 30)
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelLoadError(f"{path} is missing tensor {', '.join(missing[:3])}{more}")
     tok = gguf_model.gguf_tokenizer(f) if tokenizer else None
-    forward = gguf_model.family(f).build(config, GGUFTensors(f, config, dtype))
+    forward = family.build(config, source)
     gguf_model.apply_rope_freqs(forward, gguf_model.rope_freqs(f))
     return LoadedModel(path, forward, tok, gguf_model.gguf_eos_ids(f))
 

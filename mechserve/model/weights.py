@@ -222,6 +222,25 @@ def _fuse(pieces: list[Matrix]) -> Matrix:
     raise ModelLoadError("cannot stack float tensors with quantized blocks")
 
 
+def missing_gguf_tensors(source: TensorSource, arch: LlamaArch) -> list[str]:
+    """The tensors a model shaped ``arch`` needs that ``source`` (a GGUF file's ``GGUFTensors``) lacks,
+    each as ``GGUF name (Hugging Face name)``, so a loader can refuse the file before any slow step
+    (building its tokenizer, reading its weights).  The LM head is optional (the embedding when absent)."""
+    missing: list[str] = []
+    for part in MODEL_PARTS:
+        if part.name == "lm_head":
+            continue
+        missing += [f"{p.gguf} ({p.hf})" for p in part.pieces if not source.has(p.hf)]
+    for i in range(arch.num_layers):
+        for part in LAYER_PARTS:
+            if part.when is not None and not getattr(arch, part.when):
+                continue
+            for p in part.pieces:
+                if not source.has(p.hf.format(i=i)):
+                    missing.append(f"{p.gguf.format(i=i)} ({p.hf.format(i=i)})")
+    return missing
+
+
 @cache
 def _gguf_patterns() -> tuple[tuple[re.Pattern[str], Part, Piece], ...]:
     found = []
@@ -255,4 +274,5 @@ __all__ = [
     "TensorSource",
     "assemble",
     "gguf_to_hf",
+    "missing_gguf_tensors",
 ]

@@ -177,7 +177,7 @@ def test_empty_prompt_is_refused_before_loading(capsys: pytest.CaptureFixture[st
 
 def test_missing_model_dir(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = call([PROMPT, "--model", "/no/such/dir"], capsys)
-    one_error_line(rc, err, "model directory not found: /no/such/dir")
+    one_error_line(rc, err, "model not found: /no/such/dir (a directory or a .gguf file)")
 
 
 def test_never_fits_is_rejected_at_the_door(tiny_dir: tuple[Path, object], capsys) -> None:

@@ -73,7 +73,10 @@ def test_a_failing_check_exits_1_and_shows_the_failing_workload(
         (["--checks", ","], "--checks: name at least one check"),
         (["--workloads", "0"], "--workloads: must be between 1 and 100000, got 0"),
         (["--seed", "x"], "--seed: must be an integer"),
-        (["--model", "/no/such/model/dir", "--checks", "kv"], "model directory not found: /no/such/model/dir"),
+        (
+            ["--model", "/no/such/model/dir", "--checks", "kv"],
+            "model not found: /no/such/model/dir (a directory or a .gguf file)",
+        ),
     ],
 )
 def test_errors_are_one_line_with_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

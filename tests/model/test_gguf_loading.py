@@ -302,7 +302,7 @@ def test_an_unknown_type_number_and_an_unknown_tensor_are_named(tmp_path, bpe, n
 def test_not_a_gguf_and_the_options_a_gguf_refuses(tmp_path, bpe) -> None:
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"GGML" + bytes(100))
-    with pytest.raises(ModelLoadError, match="neither a directory nor a GGUF file"):
+    with pytest.raises(ModelLoadError, match=r"model\.gguf is not a GGUF file \(104 bytes, starting b'GGML"):
         load_model(str(fake))
     hf = tiny_hf("llama", vocab_size=len(bpe.tokens))
     path = tmp_path / "m.gguf"
@@ -437,3 +437,121 @@ def test_llama_cpps_pre_tokenizer_is_honoured(tmp_path, pre, want) -> None:
     write_gguf(path, tiny_hf("llama", vocab_size=len(vocab.tokens)), "llama", "q8_0", vocab)
     tok = load_model(str(path)).tokenizer
     assert tok("a 12 x123 1212").input_ids == want
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_llama_tokenize_on_a_few_hundred_strings(tmp_path) -> None:
+    """A SentencePiece GGUF against ``llama-tokenize``'s ids on the same vocabulary (``spm_vocab_gguf``),
+    pinned in ``tests/data/llama-tokenize-spm.json`` (written by ``tests/data/llama_tokenize_spm_cases.py``):
+    llama.cpp prefixes every text piece that starts the text or follows a special token with a space, so
+    ``' Hello  world'``, ``'<s>hi</s>'``, ``'<s>[INST] hi [/INST]'`` and ``'   '`` (issue 30) tokenize as there,
+    as do whitespace runs, leading and trailing spaces, many scripts and byte fallback."""
+    import json
+    import sys
+
+    data = Path(__file__).parents[1] / "data"
+    sys.path.insert(0, str(data))
+    try:
+        from llama_tokenize_spm_cases import spm_vocab_gguf
+    finally:
+        sys.path.remove(str(data))
+    doc = json.loads((data / "llama-tokenize-spm.json").read_text("utf-8"))
+    assert len(doc["cases"]) >= 250
+    tok = gguf_model.gguf_tokenizer(GGUFFile.open(spm_vocab_gguf(tmp_path / "spm.gguf")))
+    differ = [c["text"] for c in doc["cases"] if tok(c["text"]).input_ids != c["ids"]]
+    assert differ == []
+    by_text = {c["text"]: c["ids"] for c in doc["cases"]}
+    assert by_text["<s>hi</s>"][:2] == [1, 1] and by_text["<s>hi</s>"][-1] == 2  # the specials parsed
+    assert len(by_text["   "]) == 2  # BOS, then one piece for four U+2581
+
+
+@pytest.mark.parametrize(
+    ("model", "pre", "key", "want_bos"),
+    [
+        ("gpt2", "llama-bpe", None, True),  # Llama 3 without the key: llama.cpp adds BOS
+        ("gpt2", "gpt-2", None, False),
+        ("gpt2", "qwen2", None, False),
+        ("gpt2", "llama-bpe", False, False),  # the file's key wins
+        ("gpt2", "gpt-2", True, True),
+        ("llama", "default", None, True),  # SentencePiece: BOS by default
+        ("llama", "default", False, False),
+    ],
+)
+def test_bos_is_added_as_llama_cpp_adds_it(tmp_path, bpe, model, pre, key, want_bos) -> None:
+    """``tokenizer.ggml.add_bos_token`` when the file has it, else llama.cpp's default for the vocabulary
+    and pre-tokenizer (llama-vocab.cpp ``load``): Llama 3's BPE vocabulary without the key got no BOS."""
+    import gguf
+
+    if model == "gpt2":
+        tokens, types, bos = [*bpe.tokens, "<|begin_of_text|>"], [*bpe.types, 3], len(bpe.tokens)
+    else:
+        tokens = [
+            "<unk>",
+            "<s>",
+            "</s>",
+            *[f"<0x{b:02X}>" for b in range(256)],
+            "\u2581",
+            "h",
+            "i",
+            "\u2581h",
+            "\u2581hi",
+        ]
+        types, bos = [2, 3, 3, *[6] * 256, 1, 1, 1, 1, 1], 1
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    w.add_tokenizer_model(model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if model == "gpt2":
+        w.add_token_merges(bpe.merges)
+    else:
+        w.add_token_scores([0.0] * (len(tokens) - 5) + [-1.0, -2.0, -3.0, -4.0, -5.0])
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(bos + 1 if model == "llama" else 0)
+    if key is not None:
+        w.add_add_bos_token(key)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ids = gguf_model.gguf_tokenizer(GGUFFile.open(tmp_path / "v.gguf"))("hi").input_ids
+    assert (ids[:1] == [bos]) == want_bos and bos not in ids[1:]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["bench", "run", "--model", "{bad}", "--out", "{tmp}/b"], "{bad} is not a GGUF file (104 bytes"),
+        (["generate", "--model", "{bad}", "hi"], "{bad} is not a GGUF file (104 bytes"),
+        (["generate", "--model", "{tmp}/nonexistent.gguf", "hi"], "model not found: {tmp}/nonexistent.gguf (a"),
+        (["generate", "--model", "{good}", "--chat", "hi"], "--chat: the model has no chat template; give one with"),
+    ],
+)
+def test_a_model_that_does_not_load_is_one_line_not_an_internal_error(tmp_path, bpe, argv, says) -> None:
+    """Issue 30: ``bench run --model badmagic.gguf`` said "internal error: ModelLoadError: ..."; ``generate
+    --chat`` on a GGUF without a template said "pass chat_template=" (Python's name, not the CLI's flag)."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + bytes(100))
+    good = tmp_path / "m.gguf"
+    write_gguf(good, tiny_hf("llama", vocab_size=len(bpe.tokens)), "llama", "q8_0", bpe)
+    names = {"bad": bad, "good": good, "tmp": tmp_path}
+    argv = [a.format(**names) for a in argv]
+    done = subprocess.run([sys.executable, "-m", "mechserve", *argv], capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert says.format(**names) in lines[0] and "internal error" not in lines[0] and "Error:" not in lines[0]
+
+
+def test_a_missing_tensor_is_named_by_its_gguf_name_before_the_tokenizer(tmp_path, bpe, no_work) -> None:
+    """Issue 30: a GGUF missing a tensor named only the Hugging Face name, and only after building the
+    tokenizer (a vocab-only file took 98 s to refuse); ``no_work`` fails the test if either is read first."""
+    hf = tiny_hf("llama", vocab_size=len(bpe.tokens))
+    path = tmp_path / "m.gguf"
+    write_gguf(path, hf, "llama", "q8_0", bpe, skip=("model.layers.1.self_attn.k_proj.weight",))
+    with pytest.raises(ModelLoadError) as err:
+        load_model(str(path))
+    assert str(err.value) == (
+        f"{path} is missing tensor blk.1.attn_k.weight (model.layers.1.self_attn.k_proj.weight)"
+    ), err.value

@@ -16,14 +16,27 @@ from mechserve.model.loader import load_model
 
 
 def test_missing_directory(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="model directory not found"):
+    with pytest.raises(ModelLoadError, match=r"model not found: .* \(a directory or a \.gguf file\)"):
         load_model(str(tmp_path / "nope"))
 
 
-def test_a_file_is_not_a_model_directory(tmp_path: Path) -> None:
-    (tmp_path / "weights.bin").write_bytes(b"")
-    with pytest.raises(ModelLoadError, match="neither a directory nor a GGUF file"):
-        resolve_model(str(tmp_path / "weights.bin"))
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"", "it is empty"),
+        (b"GG", "2 bytes, starting b'GG', not b'GGUF'"),
+        (b"GGML" + bytes(100), "104 bytes, starting b'GGML\\x00\\x00\\x00\\x00', not b'GGUF'"),
+        (b"\x10\x00\x00\x00\x00\x00\x00\x00{}", "starting b'\\x10\\x00"),  # a safetensors header
+    ],
+)
+def test_a_file_that_is_not_gguf_says_what_it_starts_with(tmp_path: Path, content: bytes, says: str) -> None:
+    """Issue 30: a non-GGUF file (wrong magic, safetensors named .gguf, empty, 2 bytes) said only "neither a
+    directory nor a GGUF file"; it names the path and what the file starts with."""
+    path = tmp_path / "weights.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ModelLoadError) as err:
+        resolve_model(str(path))
+    assert str(err.value).startswith(f"{path} is not a GGUF file (") and says in str(err.value), err.value
 
 
 def test_directory_without_config(tmp_path: Path) -> None:
