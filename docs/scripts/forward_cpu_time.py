@@ -29,7 +29,7 @@ if what == "prefill":
     table = list(range(1, n // page + 2))
     cache = m.new_cache(len(table) + 1, page)
     slots = [table[p // page] * page + p % page for p in range(n)]
-    batch = build_attention_batch([Span(0, 0, n, table)], slots, page, g, m.distinct_windows)
+    batch = build_attention_batch([Span(0, 0, n, table)], slots, page, g, m.distinct_sliding_windows)
     args = (torch.randint(100, 40000, (n,)), torch.arange(n), cache, batch, torch.tensor([n - 1]))
 else:
     b, ctx = map(int, size.split(","))
@@ -42,7 +42,7 @@ else:
         table = list(range(1 + i * per, 1 + (i + 1) * per))
         spans.append(Span(i, ctx, 1, table))
         slots.append(table[ctx // page] * page + ctx % page)
-    batch = build_attention_batch(spans, slots, page, g, m.distinct_windows)
+    batch = build_attention_batch(spans, slots, page, g, m.distinct_sliding_windows)
     args = (torch.randint(100, 40000, (b,)), torch.full((b,), ctx), cache, batch, torch.arange(b))
 best = float("inf")
 for _ in range(7):
