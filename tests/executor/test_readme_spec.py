@@ -14,6 +14,7 @@ import pytest
 from mechserve.cli.engine_args import speculative_config
 from mechserve.cli.generate import add_arguments
 from mechserve.cli.parser import Parser
+from mechserve.cli.train_draft import add_arguments as add_train_draft_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = (ROOT / "README.md").read_text(encoding="utf-8").split("### Speculative decoding", 1)[1].split("\n### ", 1)[0]
@@ -32,7 +33,7 @@ def parse(argv: list[str]) -> object:
 
 
 def test_the_commands_parse_into_what_they_say() -> None:
-    (bash,) = blocks("bash")
+    bash, head = blocks("bash")
     lookup, draft, suffix = [shlex.split(line, comments=True)[1:] for line in bash.splitlines() if line.strip()]
     ngram = speculative_config(parse(lookup))
     assert (ngram.method, ngram.num_speculative_tokens, ngram.adaptive) == ("ngram", 4, True)
@@ -41,6 +42,13 @@ def test_the_commands_parse_into_what_they_say() -> None:
     trees = speculative_config(parse(suffix))
     assert (trees.method, trees.num_speculative_tokens, trees.suffix_decoding_max_tree_depth) == ("suffix", 8, 24)
     assert "bench spec-decode" in SECTION and "BENCH_TABLE" not in SECTION
+    train, eagle = [shlex.split(line, comments=True) for line in head.splitlines() if line.strip()]
+    assert train[:4] == ["nice", "-n", "19", "mechserve"] and train[4] == "train-draft"
+    train_parser = Parser(prog="mechserve train-draft")
+    add_train_draft_arguments(train_parser)
+    assert train_parser.parse_args(train[5:]).time_budget == 28
+    head_config = speculative_config(parse(eagle[1:]))
+    assert (head_config.method, head_config.num_speculative_tokens) == ("eagle", 4)
 
 
 @pytest.mark.e2e
