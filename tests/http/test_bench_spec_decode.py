@@ -177,8 +177,8 @@ def test_llama_cpp_runs_beside_every_cell_on_the_same_prompts(
         assert best["config"] == "suffix" and best["config_tok_s"] == cell["suffix"]["tok_s"]
         top = max(side[k]["tok_s"] for k in ("q8_0", "bf16"))
         assert best["llama_cpp_tok_s"] == top and best["ratio"] == pytest.approx(
-            cell["suffix"]["tok_s"] / top, rel=0.01
-        )
+            cell["suffix"]["tok_s"] / top, abs=5.1e-4
+        )  # the report rounds ratios to 3 decimals
     assert sum(b["n_predict"] for b in bodies) == 2 * sum(c["off"]["output_tokens"] for c in report["cells"].values())
     # the prompts are the ids off saw (our chat template's): chat, batch 1, the first GGUF takes session 0's four
     # turns first, each prompt longer by the answer before it and the next question
