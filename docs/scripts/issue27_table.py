@@ -5,7 +5,7 @@ issue's targets met or missed, in one command.
     python docs/scripts/issue27_table.py bench-results/issue27/spec-decode.json     # the table of a finished run
 
 Runs ``python -m mechserve bench spec-decode --mode fast --batches 1 8 --configs off ngram suffix draft
-[eagle] --llama-cpp --json`` (``eagle`` where the bench has that configuration; llama.cpp in BF16, Q8_0 and
+[eagle eagle-adaptive] --llama-cpp --json`` (the eagle ones where the bench has them; llama.cpp in BF16, Q8_0 and
 Q4_1, so it must be built: ``make llama-cpp``), all workloads but the copy set, 8 sessions of 128 new tokens
 each (``--quick``: 2 sessions of 32, a smoke run whose batch "8" holds 2 sessions); arguments after ``--`` go
 to the bench and come last (``-- --prompts 4``).  Writes the report to ``OUT/spec-decode.json``
@@ -17,8 +17,8 @@ tokens per decode step and the acceptance at each draft position; then llama.cpp
 issue's, in fast mode): at batch 1 the best proposer per workload at >= 1.8x ``off`` on chat, agent and
 code-edit, >= 1.3x on summarise, >= 0.97x on novel, and >= 1.5x llama.cpp's best on chat, agent and code-edit;
 the trained head (``eagle``) at >= 2.0 kept tokens per step on novel at batch 1; at batch 8 no adaptive
-configuration (``ngram``, ``suffix``, ``eagle``: those the governor sizes) slower than ``off`` on any workload
-(``draft`` runs a fixed 3 guesses: not the governor's, shown, not judged).  A miss prints its acceptance per
+configuration (``ngram``, ``suffix``, ``eagle-adaptive``: those the governor sizes) slower than ``off`` on any workload
+(``draft`` runs a fixed 3 guesses and ``eagle`` a fixed 4: not the governor's, shown, not judged).  A miss prints its acceptance per
 position beside it.  The figures are only as good as the machine was idle: say so when it was not.
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 WORKLOADS = ("chat", "agent", "code-edit", "summarise", "novel")
-ADAPTIVE = ("ngram", "suffix", "eagle")
+ADAPTIVE = ("ngram", "suffix", "eagle-adaptive")
 # (workload, least speedup over off of the best proposer at batch 1)
 SPEEDUP_TARGETS = (("chat", 1.8), ("agent", 1.8), ("code-edit", 1.8), ("summarise", 1.3), ("novel", 0.97))
 LLAMA_TARGETS = (("chat", 1.5), ("agent", 1.5), ("code-edit", 1.5))
@@ -41,10 +41,10 @@ EAGLE_KEPT = 2.0
 
 
 def configs() -> list[str]:
-    """off ngram suffix draft, and eagle where the bench knows it."""
+    """off ngram suffix draft, and eagle (fixed length) and eagle-adaptive where the bench knows them."""
     from mechserve.bench.spec_decode import CONFIGS
 
-    return ["off", "ngram", "suffix", "draft", *(["eagle"] if "eagle" in CONFIGS else [])]
+    return ["off", "ngram", "suffix", "draft", *(c for c in ("eagle", "eagle-adaptive") if c in CONFIGS)]
 
 
 def bench_command(quick: bool, extra: list[str]) -> list[str]:
