@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from mechserve.bench.workloads import WORKLOADS
+from mechserve.cli.parser import Bounded
 
 ENGINE_NAMES = ("mechserve", "hf", "llama-cpp", "vllm")
 MODE_NAMES = ("exact", "fast", "q4_1", "q8_0")
@@ -68,25 +69,13 @@ def _choices(kind: str, allowed: tuple[str, ...], all_value: tuple[str, ...] | N
     return convert
 
 
-def _positive_int(text: str, limit: int | None = None) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    if limit is not None and value > limit:
-        raise argparse.ArgumentTypeError(f"must be <= {limit}, got {text!r}")
-    return value
-
-
 def _engine_int(name: str) -> Any:
     """An engine size ``name`` (``mechserve.cli.engine_args.setting``: the range ``EngineConfig`` checks); the
     bench's ``--spec-len`` is a variant's guesses, at least 1."""
+    from mechserve.api.config import setting_range
     from mechserve.cli.engine_args import setting
 
-    check = setting(name)
-    return lambda text: check(text) if name != "spec_len" else _positive_int(str(check(text)))
+    return Bounded(int, ge=1, le=setting_range(name)[1]) if name == "spec_len" else setting(name)
 
 
 def _engine_settings(args: argparse.Namespace) -> Any:
@@ -177,13 +166,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--hf-batch-size",
-        type=_positive_int,
+        type=Bounded(int, ge=1),
         default=None,
         help="hf static batch size (default: all requests in one batch)",
     )
     add(
         "--threads",
-        type=_positive_int,
+        type=Bounded(int, ge=1),
         default=None,
         help="torch intra-op threads for every engine (default: one per usable CPU). On a machine shared "
         "with other busy processes, 1 avoids OpenMP threads waiting on each other at every barrier",
