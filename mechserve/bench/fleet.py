@@ -109,7 +109,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--page-size", type=Bounded(int, ge=1, le=4096), default=16, help="tokens per page (default 16)")
     add("--num-pages", type=Bounded(int, ge=1, le=1_000_000), default=2048, help="pages per replica (default 2048)")
-    add("--max-running", type=Bounded(int, ge=1, le=1_000_000), default=64, help="running requests per replica (default 64)")
+    add(
+        "--max-running",
+        type=Bounded(int, ge=1, le=1_000_000),
+        default=64,
+        help="running requests per replica (default 64)",
+    )
     add(
         "--cache-threshold",
         type=Bounded(float, ge=0.0, le=1.0),

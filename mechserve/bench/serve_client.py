@@ -88,8 +88,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model", default=None, help="the model name to send (default: the server's first model)")
     add("--api-key", default=None, metavar="KEY", help="sent as 'Authorization: Bearer KEY'")
     add("--endpoint", choices=("completions", "chat"), default=d.endpoint, help="which API to drive")
-    add("--rate", type=Bounded(float, gt=0), default=d.rate, help="requests per second, Poisson (default inf: all at once)")
-    add("--num-requests", type=Bounded(int, ge=1), default=d.num_requests, metavar="N", help=f"default {d.num_requests}")
+    add(
+        "--rate",
+        type=Bounded(float, gt=0),
+        default=d.rate,
+        help="requests per second, Poisson (default inf: all at once)",
+    )
+    add(
+        "--num-requests", type=Bounded(int, ge=1), default=d.num_requests, metavar="N", help=f"default {d.num_requests}"
+    )
     add("--duration", type=Bounded(float, gt=0), default=None, metavar="S", help="stop sending after S seconds")
     add(
         "--input-len",
@@ -98,7 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"prompt words (default {d.input_len})",
     )
-    add("--output-len", type=Bounded(int, ge=1), default=d.output_len, metavar="N", help=f"tokens (default {d.output_len})")
+    add(
+        "--output-len",
+        type=Bounded(int, ge=1),
+        default=d.output_len,
+        metavar="N",
+        help=f"tokens (default {d.output_len})",
+    )
     add("--max-concurrency", type=Bounded(int, ge=1), default=None, metavar="N", help="requests in flight at most")
     add("--seed", type=int, default=d.seed, help="seed of the prompts and the arrival times")
     add("--timeout", type=Bounded(float, gt=0), default=d.timeout, metavar="S", help="per request, seconds")
@@ -302,5 +315,3 @@ async def _gated(gate: asyncio.Semaphore | None, work: Coroutine[Any, Any, Reque
 
 def _chunk_text(choice: dict[str, Any]) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-
-

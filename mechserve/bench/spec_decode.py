@@ -364,9 +364,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--prompts", type=Bounded(int, ge=1, le=8), default=8, help="sessions per workload (at most 8)")
     add("--max-tokens", type=Bounded(int, ge=1, le=4096), default=128, help="new tokens per request (128)")
-    add("--spec-len", type=Bounded(int, ge=1, le=16), default=4, help="guesses per window (4; the draft model uses at most 3)")
+    add(
+        "--spec-len",
+        type=Bounded(int, ge=1, le=16),
+        default=4,
+        help="guesses per window (4; the draft model uses at most 3)",
+    )
     add("--draft-layers", type=Bounded(int, ge=1, le=1024), default=4, help="layers the draft model keeps (4)")
-    add("--repeats", type=Bounded(int, ge=1, le=100), default=1, help="rounds at batch > 1 (1); --costs: x4 timing rounds")
+    add(
+        "--repeats",
+        type=Bounded(int, ge=1, le=100),
+        default=1,
+        help="rounds at batch > 1 (1); --costs: x4 timing rounds",
+    )
     add("--num-pages", type=Bounded(int, ge=1, le=1 << 20), default=512, help="KV pages per engine (512)")
     add("--max-step-tokens", type=Bounded(int, ge=1, le=1 << 16), default=2048, help="token budget per step (2048)")
     add("--mode", choices=("exact", "fast", "q4_1", "q8_0"), default="exact", help="as bench run's (exact)")

@@ -255,7 +255,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default="smollm2", help="'smollm2' (default), a local model directory or a GGUF file")
     add("--batches", nargs="+", type=Bounded(int, ge=1, le=256), default=[1, 32], help="batch sizes (1 32)")
-    add("--max-tokens", type=Bounded(int, ge=1, le=4096), default=96, help="new tokens per request in the e2e part (96)")
+    add(
+        "--max-tokens", type=Bounded(int, ge=1, le=4096), default=96, help="new tokens per request in the e2e part (96)"
+    )
     add("--rounds", type=Bounded(int, ge=1, le=100), default=1, help="e2e rounds per batch size (1)")
     add("--reps", type=Bounded(int, ge=1, le=100), default=5, help="cold compiles per constraint (5)")
     add("--num-pages", type=Bounded(int, ge=1, le=1 << 20), default=1024, help="KV pages of the e2e engine (1024)")

@@ -56,9 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(its reference: transformers on the file's weights decoded to float32)",
     )
     parser.add_argument(
-        "--workloads", type=Bounded(int, ge=1, le=MAX_WORKLOADS), default=10, metavar="N", help="random workloads per check (default 10)"
+        "--workloads",
+        type=Bounded(int, ge=1, le=MAX_WORKLOADS),
+        default=10,
+        metavar="N",
+        help="random workloads per check (default 10)",
     )
-    parser.add_argument("--seed", type=Bounded(int, ge=0, le=2**32 - 1), default=0, metavar="S", help="hypothesis seed (default 0)")
+    parser.add_argument(
+        "--seed", type=Bounded(int, ge=0, le=2**32 - 1), default=0, metavar="S", help="hypothesis seed (default 0)"
+    )
     parser.add_argument(
         "--checks",
         type=check_list,

@@ -258,7 +258,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         "the Python API's default is vLLM's 1.0)",
     )
     add("--top-p", type=NUMBER, default=1.0, metavar="P", help="nucleus sampling: keep the top tokens of mass P")
-    add("--top-k", type=Bounded(int, ge=-1, le=1 << 31), default=0, metavar="K", help="keep the K most likely tokens (0: off)")
+    add(
+        "--top-k",
+        type=Bounded(int, ge=-1, le=1 << 31),
+        default=0,
+        metavar="K",
+        help="keep the K most likely tokens (0: off)",
+    )
     add("--min-p", type=NUMBER, default=0.0, metavar="P", help="drop tokens below P x the top probability")
     add(
         "--seed",
@@ -284,7 +290,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         help="a token id that ends the output (repeatable)",
     )
     add("--ignore-eos", action="store_true", help="treat the model's EOS as an ordinary token")
-    add("--min-tokens", type=Bounded(int, ge=0, le=MAX_NEW_TOKENS), default=0, metavar="N", help="no EOS or stop before N tokens")
+    add(
+        "--min-tokens",
+        type=Bounded(int, ge=0, le=MAX_NEW_TOKENS),
+        default=0,
+        metavar="N",
+        help="no EOS or stop before N tokens",
+    )
     add(
         "--logprobs",
         type=Bounded(int, ge=0, le=MAX_LOGPROBS),
@@ -292,7 +304,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="show each token's log-probability and the top N alternatives",
     )
-    add("--n", type=Bounded(int, ge=1, le=MAX_SAMPLES), default=1, metavar="N", help="independent samples of the prompt")
+    add(
+        "--n", type=Bounded(int, ge=1, le=MAX_SAMPLES), default=1, metavar="N", help="independent samples of the prompt"
+    )
 
 
 # SamplingParams field -> the flag that sets it, for error messages.

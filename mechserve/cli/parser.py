@@ -97,7 +97,7 @@ def _range_text(ge: float | None, gt: float | None, le: float | None) -> str:
 
 def _bound_text(bound: float) -> str:
     """A bound as a person writes it: ``1440`` for ``1440.0``, ``1e-07``, every digit of a large integer."""
-    if isinstance(bound, int) or bound.is_integer() and abs(bound) < 1e16:
+    if isinstance(bound, int) or (bound.is_integer() and abs(bound) < 1e16):
         return str(int(bound))
     return f"{bound:g}"
 

@@ -58,8 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--worker-urls", nargs="+", type=worker_url, default=None, metavar="URL", help="the workers' base URLs")
     add("--policy", choices=POLICIES, default="cache_aware", help="m15's routing policy (default cache_aware)")
     add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    add("--port", type=Bounded(int, ge=0, le=65535), default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})")
-    add("--cache-threshold", type=Bounded(float, ge=0, le=1), default=0.3, help="cache_aware: share of the prompt to match (0.3)")
+    add(
+        "--port", type=Bounded(int, ge=0, le=65535), default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})"
+    )
+    add(
+        "--cache-threshold",
+        type=Bounded(float, ge=0, le=1),
+        default=0.3,
+        help="cache_aware: share of the prompt to match (0.3)",
+    )
     add(
         "--balance-abs-threshold",
         type=Bounded(int, ge=0, le=1 << 31),
@@ -72,7 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.5,
         help="cache_aware, and precise's load guard: load ratio (1.5)",
     )
-    add("--max-tree-size", type=Bounded(int, ge=0, le=1 << 40), default=1 << 26, help="cache_aware: tokens per worker's tree")
+    add(
+        "--max-tree-size",
+        type=Bounded(int, ge=0, le=1 << 40),
+        default=1 << 26,
+        help="cache_aware: tokens per worker's tree",
+    )
     add(
         "--block-size",
         type=Bounded(int, ge=1, le=ENGINE_LIMITS["page_size"]),
@@ -94,9 +106,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--kv-events-topic", default="", metavar="TOPIC", help="precise: the workers' --kv-events-topic ('')")
     add("--decision-log", default=None, metavar="FILE", help="write every routing input and decision (JSON lines)")
-    add("--health-check-interval-secs", type=Bounded(float, gt=0, unit="seconds"), default=0.5, help="seconds between health rounds (0.5)")
-    add("--health-check-timeout-secs", type=Bounded(float, gt=0, unit="seconds"), default=1.0, help="a health check's timeout (1)")
-    add("--request-timeout-secs", type=Bounded(float, gt=0, unit="seconds"), default=1800.0, help="a routed request's timeout (1800)")
+    add(
+        "--health-check-interval-secs",
+        type=Bounded(float, gt=0, unit="seconds"),
+        default=0.5,
+        help="seconds between health rounds (0.5)",
+    )
+    add(
+        "--health-check-timeout-secs",
+        type=Bounded(float, gt=0, unit="seconds"),
+        default=1.0,
+        help="a health check's timeout (1)",
+    )
+    add(
+        "--request-timeout-secs",
+        type=Bounded(float, gt=0, unit="seconds"),
+        default=1800.0,
+        help="a routed request's timeout (1800)",
+    )
     add(
         "--worker-api-key",
         type=api_key(),

@@ -160,7 +160,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="admit a request at once even while a running request is still computing the prompt prefix they "
         "share (by default it waits until that prefix is cached, so the prefix is computed once)",
     )
-    add("--seed", type=Bounded(int, ge=0, le=(1 << 63) - 1), default=0, metavar="N", help="seed of unseeded sampling requests")
+    add(
+        "--seed",
+        type=Bounded(int, ge=0, le=(1 << 63) - 1),
+        default=0,
+        metavar="N",
+        help="seed of unseeded sampling requests",
+    )
     add_aliased(
         parser,
         "--world-size",

@@ -51,9 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="guesses per draft the training windows and the evaluation cover (4)",
     )
-    add(
-        "--batch-size", type=Bounded(int, ge=1, le=4096), default=24, metavar="N", help="windows per step (24)"
-    )
+    add("--batch-size", type=Bounded(int, ge=1, le=4096), default=24, metavar="N", help="windows per step (24)")
     add("--lr", type=Bounded(float, ge=1e-7, le=1.0), default=1e-3, help="AdamW's peak learning rate (1e-3)")
     add(
         "--steps",
