@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from mechserve.bench.fleet_workloads import WORKLOADS, Sizes
-from mechserve.cli.parser import Bounded
+from mechserve.cli.parser import Bounded, names
 
 POLICY_NAMES = ("round_robin", "least_loaded", "cache_aware", "precise", "oracle")
 DEFAULT_A, DEFAULT_B = 0.036, (0.745 - 0.036) / 512
@@ -45,19 +45,6 @@ DEFAULT_RATE = {"tenants": 1.0, "multiturn": 1.0, "rag": 0.5, "uniform": 1.0}
 TARGET_WORKLOADS = ("tenants", "multiturn")
 TARGET_REPLICAS = (16, 64)
 MAX_REPLICAS = 256
-
-
-def _names(kind: str, allowed: Sequence[str]) -> Any:
-    def convert(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        bad = [n for n in names if n not in allowed]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {kind} {', '.join(bad) or repr(text)}; choose from {', '.join(allowed)}"
-            )
-        return list(dict.fromkeys(names))
-
-    return convert
 
 
 def _counts(text: str) -> list[int]:
@@ -76,13 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--requests", type=Bounded(int, ge=1, le=1_000_000), default=10_000, help="requests per run (default 10000)")
     add(
         "--workloads",
-        type=_names("workload", WORKLOADS),
+        type=names("workload", WORKLOADS),
         default=list(WORKLOADS),
         help=f"from {','.join(WORKLOADS)} (default all)",
     )
     add(
         "--policies",
-        type=_names("policy", POLICY_NAMES),
+        type=names("policy", POLICY_NAMES),
         default=list(POLICY_NAMES),
         help="routing policies (default all)",
     )

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from mechserve.bench.workloads import WORKLOADS
-from mechserve.cli.parser import Bounded
+from mechserve.cli.parser import Bounded, names
 
 ENGINE_NAMES = ("mechserve", "hf", "llama-cpp", "vllm")
 MODE_NAMES = ("exact", "fast", "q4_1", "q8_0")
@@ -52,21 +52,6 @@ MODE_NAMES = ("exact", "fast", "q4_1", "q8_0")
 # (issue 28's targets); --quick: the quick workloads' sizes.
 ROOFLINE_STEPS = ((1, 512), (32, 300))
 ROOFLINE_STEPS_QUICK = ((1, 64), (8, 64))
-
-
-def _choices(kind: str, allowed: tuple[str, ...], all_value: tuple[str, ...] | None = None) -> Any:
-    def convert(text: str) -> list[str]:
-        if all_value is not None and text == "all":
-            return list(all_value)
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        bad = [n for n in names if n not in allowed]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {kind} {', '.join(bad) or repr(text)}; choose from {', '.join(allowed)}"
-            )
-        return list(dict.fromkeys(names))
-
-    return convert
 
 
 def _engine_int(name: str) -> Any:
@@ -113,19 +98,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add(
         "--workload",
-        type=_choices("workload", WORKLOADS, WORKLOADS),
+        type=names("workload", WORKLOADS, WORKLOADS),
         default=["throughput"],
         help=f"comma-separated, or 'all': {', '.join(WORKLOADS)} (default throughput)",
     )
     add(
         "--engine",
-        type=_choices("engine", ENGINE_NAMES),
+        type=names("engine", ENGINE_NAMES),
         default=["mechserve", "hf"],
         help=f"comma-separated: {', '.join(ENGINE_NAMES)} (default mechserve,hf; absent optional ones are skipped)",
     )
     add(
         "--mode",
-        type=_choices("mode", MODE_NAMES),
+        type=names("mode", MODE_NAMES),
         default=["exact"],
         help="comma-separated: exact (fp32), fast (bf16), q4_1, q8_0 (GGUF blocks, bf16 activations); default exact",
     )

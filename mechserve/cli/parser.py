@@ -1,12 +1,12 @@
 """An ``argparse`` parser whose usage errors are one line, not a usage dump (D3), the argparse types every
-command shares (``Bounded``: a number in a range; ``device_text``, ``api_key``), and the engine flags every
+command shares (``Bounded``: a number in a range; ``names``: a comma-separated list of names; ``device_text``, ``api_key``), and the engine flags every
 real-model command shares (``--device``, ``--compile``)."""
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Generic, NoReturn, TypeVar
 
@@ -81,6 +81,25 @@ class Bounded(Generic[Number]):
         ):
             raise argparse.ArgumentTypeError(f"expected {self.expected}, got {text!r}")
         return value
+
+
+def names(kind: str, allowed: Sequence[str], every: Sequence[str] | None = None) -> Callable[[str], list[str]]:
+    """An argparse ``type=``: comma-separated names of ``allowed`` (``run,prefix``), at least one, each kept once in
+    the order given; with ``every``, the word ``all`` stands for those.  Anything else raises
+    ``argparse.ArgumentTypeError``: ``unknown workload chat; choose from tenants, multiturn, rag, uniform``."""
+
+    def convert(text: str) -> list[str]:
+        if every is not None and text == "all":
+            return list(every)
+        given = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in given if n not in allowed]
+        if bad or not given:
+            raise argparse.ArgumentTypeError(
+                f"unknown {kind} {', '.join(bad) or repr(text)}; choose from {', '.join(allowed)}"
+            )
+        return list(dict.fromkeys(given))
+
+    return convert
 
 
 def _range_text(ge: float | None, gt: float | None, le: float | None) -> str:
