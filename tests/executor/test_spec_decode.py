@@ -718,9 +718,12 @@ def test_generate_cli_speculates_with_either_proposer(
         (["--spec-len", "2", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min 3 is more than --ngram-max 2"),
         (["--draft-model", "smollm2:layers=0"], "layers must be >= 1"),
         (["--suffix-decoding-max-tree-depth", "8"], "--suffix-decoding-max-tree-depth is an option of --spec-method"),
-        (["--spec-method", "suffix", "--suffix-decoding-max-tree-depth", "1"], "must be >= 2, got 1"),
+        (
+            ["--spec-method", "suffix", "--suffix-decoding-max-tree-depth", "1"],
+            "expected an integer in [2, 256], got '1'",
+        ),
         (["--spec-method", "suffix", "--suffix-decoding-min-token-prob", "2"], "--suffix-decoding-min-token-prob"),
-        (["--spec-method", "suffix", "--suffix-decoding-max-spec-factor", "x"], "must be a number"),
+        (["--spec-method", "suffix", "--suffix-decoding-max-spec-factor", "x"], "expected a finite number, got 'x'"),
     ],
 )
 def test_generate_cli_speculation_errors(flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -354,10 +354,10 @@ def test_train_draft_trains_writes_and_generate_uses_the_head(
 @pytest.mark.parametrize(
     "flags, needle",
     [
-        (["--time-budget", "0"], "--time-budget: must be a number of minutes in [0.05, 1440], got 0"),
-        (["--window", "0"], "--window: must be an integer in [1, 64], got 0"),
-        (["--time-budget", "x"], "--time-budget: must be a number of minutes, got 'x'"),
-        (["--steps", "0"], "--steps: must be an integer in [1, 10000000], got 0"),
+        (["--time-budget", "0"], "--time-budget: expected a number of minutes in [0.05, 1440], got '0'"),
+        (["--window", "0"], "--window: expected an integer in [1, 64], got '0'"),
+        (["--time-budget", "x"], "--time-budget: expected a number of minutes in [0.05, 1440], got 'x'"),
+        (["--steps", "0"], "--steps: expected an integer in [1, 10000000], got '0'"),
         (["--model", "/nonexistent/model"], "train-draft: "),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
