@@ -163,6 +163,15 @@ def test_penalties_and_prefix_and_output_caching_keep_the_output(tiny: Tiny, hea
     assert drafted_and_accepted(records + later)[1] > 0
 
 
+def test_adaptive_speculation_with_the_head_keeps_the_output(tiny: Tiny, head: Path, plain: dict[str, list[int]]) -> None:
+    """The governor sizes each window (down to none) from the head's acceptance so far: the ids do not change."""
+    adaptive = SpeculativeConfig(method="eagle", num_speculative_tokens=4, eagle_head=str(head))
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    got, records = answer(engine(tiny, adaptive), PROMPTS, params)
+    assert got == [plain[f"r{i}"] for i in range(len(PROMPTS))]
+    assert drafted_and_accepted(records)[1] > 0
+
+
 def test_seeded_sampling_ids_do_not_change(tiny: Tiny, head: Path) -> None:
     """The head's guesses are point masses: a seeded request draws the ids it draws without speculation."""
     params = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=16, ignore_eos=True)
