@@ -208,7 +208,11 @@ def test_draft_model_speculation_keeps_greedy_ids(byte_model: LoadedModel, byte_
 # An EAGLE head: guesses from the model's hidden states, never the grammar's; verification keeps only what the mask
 # and the target allow.  JSON keys and punctuation are forced runs (m14), which the head has no features for.
 REGEX = r"(ab|a|b){24,40}c"
-EAGLE_CASES = [({"json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON)), ({"regex": REGEX}, None)]
+# (constraint, check of a finished text, max_tokens, a pool that holds one request but not the three at once)
+EAGLE_CASES = [
+    ({"json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON), 120, 40),
+    ({"regex": REGEX}, lambda t: re.fullmatch(REGEX, t) or pytest.fail(t), 60, 24),
+]
 
 
 @pytest.fixture(scope="module")
@@ -217,36 +221,34 @@ def byte_head(byte_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory)
     (what ``train-draft`` would see were its prompts these) and its unconstrained continuations."""
     tok = byte_model.tokenizer
     sequences = []
-    for so, _ in EAGLE_CASES:
-        outs, _ = run(byte_model, EXACT_PROMPTS, greedy(so, max_tokens=120))
+    for so, _, max_tokens, _ in EAGLE_CASES:
+        outs, _ = run(byte_model, EXACT_PROMPTS, greedy(so, max_tokens=max_tokens))
         sequences += [(tok.encode(p), o.token_ids) for p, o in zip(EXACT_PROMPTS, outs)]
     sequences += greedy_sequences(byte_model.model, [tok.encode(p) for p in PROMPTS], 24)
     return train_tiny_head(byte_model.model, tmp_path_factory.mktemp("byte-head"), sequences, steps=80)
 
 
 @pytest.mark.parametrize("case", range(len(EAGLE_CASES)), ids=["json", "regex"])
-@pytest.mark.parametrize(
-    "config",
-    [{}, {"num_pages": 48, "max_step_tokens": 6}, {"prefix_caching": False, "output_caching": False}],
-    ids=["batch", "preemption", "no-prefix-caching"],
-)
+@pytest.mark.parametrize("variant", ["batch", "preemption", "no-prefix-caching"])
 def test_an_eagle_head_keeps_constrained_greedy_ids_and_they_validate(
-    byte_model: LoadedModel, byte_head: Path, case: int, config: dict[str, Any]
+    byte_model: LoadedModel, byte_head: Path, case: int, variant: str
 ) -> None:
-    so, check = EAGLE_CASES[case]
-    params = greedy(so, max_tokens=120)
+    so, check, max_tokens, tight = EAGLE_CASES[case]
+    config: dict[str, Any] = {
+        "batch": {},
+        "preemption": {"num_pages": tight, "max_step_tokens": 6},
+        "no-prefix-caching": {"prefix_caching": False, "output_caching": False},
+    }[variant]
+    params = greedy(so, max_tokens=max_tokens)
     alone = [run(byte_model, [p], params)[0][0].token_ids for p in EXACT_PROMPTS]
     outs, records = run(byte_model, EXACT_PROMPTS, params, speculative=eagle_spec(byte_head, 4), **config)
     assert [o.token_ids for o in outs] == alone
     for out in outs:
         assert out.finish_reason == "stop", out.text
-        if check is not None:
-            check(out.text)
-        else:
-            assert re.fullmatch(REGEX, out.text), out.text
+        check(out.text)
     drafted, accepted = drafted_and_accepted(records)
     assert drafted > 0 and accepted > 0
-    if "num_pages" in config:
+    if variant == "preemption":
         assert any(r.preempted for r in records)
 
 
