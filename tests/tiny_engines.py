@@ -118,7 +118,9 @@ def drafted_and_accepted(records: Sequence[Any]) -> tuple[int, int]:
 # EAGLE heads trained in seconds ------------------------------------------------------------------------------------
 
 
-def greedy_sequences(model: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[list[int], list[int]]]:
+def greedy_sequences(
+    model: Any, prompts: Sequence[Sequence[int]], max_tokens: int
+) -> list[tuple[list[int], list[int]]]:
     """Each prompt with ``model``'s greedy continuation of ``max_tokens`` ids (teacher-forced forwards, no engine)."""
     found = []
     for p in prompts:

@@ -365,7 +365,7 @@ def _read_config(directory: Path, fix: str) -> tuple[dict[str, Any], HeadConfig,
     shape, trained_for = config.get("shape"), config.get("target_fingerprint")
     fields = {f.name for f in dataclasses.fields(HeadConfig)}
     if not isinstance(shape, dict) or set(shape) - fields or not fields - {"window"} <= set(shape):
-        raise HeadError(f"{unreadable} has no \"shape\" with the fields {', '.join(sorted(fields))}; {fix}")
+        raise HeadError(f'{unreadable} has no "shape" with the fields {", ".join(sorted(fields))}; {fix}')
     for key, value in shape.items():
         if key == "rms_norm_eps":
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
@@ -375,7 +375,7 @@ def _read_config(directory: Path, fix: str) -> tuple[dict[str, Any], HeadConfig,
             what = "a number > 0" if key == "rms_norm_eps" else "an integer >= 1"
             raise HeadError(f"{unreadable}: shape.{key} must be {what}, got {value!r}; {fix}")
     if not isinstance(trained_for, str) or not trained_for:
-        raise HeadError(f"{unreadable} has no \"target_fingerprint\" (the model it was trained for); {fix}")
+        raise HeadError(f'{unreadable} has no "target_fingerprint" (the model it was trained for); {fix}')
     return config, HeadConfig(**shape), trained_for
 
 

@@ -96,7 +96,9 @@ def _bad_ranking(tensors: dict[str, torch.Tensor]) -> None:
 
 
 # The fix each kind of fault names: write a head into that directory, train one for this model, or ask for fewer ids.
-WRITE = "write one there with `mechserve train-draft --model {model} --output {d}`, or name another with --eagle-head DIR"
+WRITE = (
+    "write one there with `mechserve train-draft --model {model} --output {d}`, or name another with --eagle-head DIR"
+)
 RETRAIN = "train one for it with `mechserve train-draft --model {model}` and name it with --eagle-head"
 FEWER = "give 1 to 128 (--eagle-draft-vocab N), or 0 for all of them"
 
@@ -320,7 +322,9 @@ def test_async_llm_and_the_server_refuse_at_start(
     assert (result.code, result.err) == (2, f"mechserve: error: {message}\n")
 
 
-def test_data_parallel_replicas_report_the_same_error(tiny: LoadedModel, tiny_dir: tuple[Path, Any], tmp_path: Path) -> None:
+def test_data_parallel_replicas_report_the_same_error(
+    tiny: LoadedModel, tiny_dir: tuple[Path, Any], tmp_path: Path
+) -> None:
     """Each replica process loads the head; the one that fails says why, and ``LLM(data_parallel_size=2)`` (as
     ``serve -dp 2``) raises that line."""
     missing = tmp_path / "nowhere"

@@ -404,9 +404,7 @@ def test_bc16_stop_or_eos_inside_an_accepted_run_wins_over_the_cap(
 
 
 @pytest.mark.parametrize("proposer", PROPOSERS)
-def test_bc22_zero_and_two_drafts_share_steps(
-    cycle_model: LlamaModel, cycle_head: Path, proposer: str
-) -> None:
+def test_bc22_zero_and_two_drafts_share_steps(cycle_model: LlamaModel, cycle_head: Path, proposer: str) -> None:
     """A (5 tokens) has 0 drafts at its last step while B (10 tokens) has 2; each equals its run alone.
     B with 11 tokens ends on a step where every window has 0 drafts: plain decode, one token."""
     spec, draft = cycle_setup(proposer, cycle_model, 2, cycle_head)

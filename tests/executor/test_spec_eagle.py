@@ -47,7 +47,6 @@ from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.model import eagle
 from mechserve.model.eagle import EagleHead, HeadConfig, HeadError, Shared
 from mechserve.model.eagle_train import TrainSettings, evaluate, record, train_head
-from mechserve.model.llama import LlamaModel
 from mechserve.model.loader import LoadedModel
 from mechserve.spec import m14_forced_runs as m14
 
@@ -163,7 +162,9 @@ def test_penalties_and_prefix_and_output_caching_keep_the_output(tiny: Tiny, hea
     assert drafted_and_accepted(records + later)[1] > 0
 
 
-def test_adaptive_speculation_with_the_head_keeps_the_output(tiny: Tiny, head: Path, plain: dict[str, list[int]]) -> None:
+def test_adaptive_speculation_with_the_head_keeps_the_output(
+    tiny: Tiny, head: Path, plain: dict[str, list[int]]
+) -> None:
     """The governor sizes each window (down to none) from the head's acceptance so far: the ids do not change."""
     adaptive = SpeculativeConfig(method="eagle", num_speculative_tokens=4, eagle_head=str(head))
     params = SamplingParams(temperature=0.0, max_tokens=16)
