@@ -23,6 +23,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
+import torch
 from tiny_models import (
     CHAT_TEMPLATE,
     VOCAB,
@@ -139,12 +140,24 @@ def train_tiny_head(
     steps: int = 60,
     window: int = 4,
     spec_len: int = 3,
+    chosen: bool = False,
 ) -> Path:
     """An EAGLE head for ``model`` (a ``LlamaModel``) trained in seconds on ``sequences`` (prompt ids, output ids:
     the model's own outputs, as ``train-draft`` trains on them), written into ``directory`` as ``train-draft``
-    writes one; returns ``directory``."""
+    writes one; returns ``directory``.
+
+    ``chosen``: the guesses are trained toward the ids the outputs hold rather than the model's argmax, with the
+    cross-entropy weighted as the regression: for outputs a grammar chose (structured outputs), where a random
+    model's argmax is almost never allowed, so that guesses are accepted and verification is tested over them.
+    """
     data = [record(model, [*p, *o], len(p) - 1) for p, o in sequences if o]
-    settings = TrainSettings(window=window, spec_len=spec_len, batch_size=8, steps=steps, lr=3e-3)
+    if chosen:
+        for r in data:
+            nxt = torch.tensor(r.ids[r.first + 1 :], dtype=torch.int64)  # the id that followed each row
+            r.labels[: len(nxt)] = nxt
+    settings = TrainSettings(
+        window=window, spec_len=spec_len, batch_size=8, steps=steps, lr=3e-3, cls_weight=1.0 if chosen else 0.1
+    )
     head = eagle.EagleHead(eagle.HeadConfig.of(model, window))
     head.init_weights(0)
     train_head(head, eagle.Shared(model), data, settings, math.inf, lambda line: None)
