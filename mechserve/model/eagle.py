@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mechserve.api.errors import HeadError
+from mechserve.api.errors import HeadError, ModelLoadError
+from mechserve.model.checkpoint import EMBEDDED, embedded_dir
 from mechserve.model.linear import dequantize_rows, linear
 from mechserve.model.quantized import QuantizedMatrix
 
@@ -322,9 +323,15 @@ class LoadedHead:
 
 
 def train_command(target: Any, directory: Path | None = None) -> str:
-    """The ``mechserve train-draft`` command that writes a head for ``target`` (into ``directory``, else the cache)."""
+    """The ``mechserve train-draft`` command that writes a head for ``target`` (into ``directory``, else the cache):
+    ``--model smollm2`` for the embedded model, else the directory it was loaded from (``MODEL`` if unknown)."""
     name = model_name(target)
-    words = ["mechserve", "train-draft", "--model", "MODEL" if name == "<in memory>" else shlex.quote(name)]
+    try:
+        embedded = name == str(embedded_dir())
+    except ModelLoadError:  # no cache directory can be named: then the model is not the embedded one
+        embedded = False
+    shown = EMBEDDED if embedded else "MODEL" if name == "<in memory>" else shlex.quote(name)
+    words = ["mechserve", "train-draft", "--model", shown]
     if directory is not None:
         words += ["--output", shlex.quote(str(directory))]
     return " ".join(words)

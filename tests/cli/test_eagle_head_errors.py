@@ -333,3 +333,16 @@ def test_data_parallel_replicas_report_the_same_error(
     with pytest.raises(ValueError) as caught:
         LLM(str(tiny_dir[0]), data_parallel_size=2, speculative_config=spec, num_pages=16)
     assert str(caught.value) == message
+
+
+def test_the_fix_names_the_model_as_train_draft_takes_it(
+    tiny: LoadedModel, tiny_dir: tuple[Path, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded model by its name (not its converted directory in the cache), another by its directory, and
+    ``--output`` only for a head named by its directory."""
+    assert eagle.train_command(tiny.model) == f"mechserve train-draft --model {tiny_dir[0]}"
+    assert eagle.train_command(tiny.model, tmp_path / "a b") == (
+        f"mechserve train-draft --model {tiny_dir[0]} --output '{tmp_path / 'a b'}'"
+    )
+    monkeypatch.setattr(eagle, "embedded_dir", lambda: Path(tiny_dir[0]))
+    assert eagle.train_command(tiny.model) == "mechserve train-draft --model smollm2"
