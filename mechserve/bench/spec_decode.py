@@ -168,8 +168,13 @@ def run_sessions(llm: Any, sessions: Sequence[Session], params: Any, tally: Tall
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every (set, batch, configuration) cell; return the report."""
+    """Run every (set, batch, configuration) cell; return the report.
+
+    Raises ``SystemExit`` (one line naming the configuration) when a configuration's engine cannot be built:
+    no EAGLE head trained for the model (``eagle*``: run ``mechserve train-draft``), or a draft model that
+    cannot serve it (``--draft-layers`` past the model's layers), before anything is measured."""
     from mechserve.api.config import dtype_name
+    from mechserve.api.errors import ModelLoadError
     from mechserve.api.params import SamplingParams
     from mechserve.bench import spec_llama_cpp
     from mechserve.bench.runners import MODES
@@ -192,12 +197,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": dtype_name(loaded.model.dtype),
         "quantization": getattr(loaded.model, "quantization", None),
     }
-    llms = {
-        name: LLM(
-            loaded, speculative_config=cfg, num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, **size
-        )
-        for name, cfg in configs.items()
-    }
+    llms: dict[str, Any] = {}
+    for name, cfg in configs.items():
+        try:
+            llms[name] = LLM(
+                loaded, speculative_config=cfg, num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, **size
+            )
+        except (ModelLoadError, ValueError) as exc:  # an EAGLE head or a draft model that cannot serve the model
+            raise SystemExit(f"configuration {name}: {exc}") from None
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     for llm in llms.values():  # warm-up: first-call allocations, kernels
         llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)

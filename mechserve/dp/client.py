@@ -75,6 +75,7 @@ POLICIES = ("precise", "cache_aware", "round_robin", "least_loaded")
 """``--routing-policy``'s choices (m15's policies a real router serves), the default first."""
 WATCH_S = 0.1  # how often the API server looks at the replica processes
 START_TIMEOUT_S = 600.0  # a replica loads its model within this
+STARTED_GRACE_MS = 1000  # after a replica exited during startup, how long its last message (why) may take to arrive
 QUERY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 30.0
 KEEP_DECISIONS = 10_000  # the router's decision log keeps its newest entries only (a server runs for days)
@@ -257,7 +258,8 @@ class DataParallelLLM(AsyncLLM):
         deadline = time.monotonic() + timeout
         while len(ready) < self.size:
             for r in self._replicas:
-                if r.index not in ready and r.process.poll() is not None:
+                # a replica that failed to start sends why (StartFailed) before it exits: read that first
+                if r.index not in ready and r.process.poll() is not None and not self._outbox.poll(STARTED_GRACE_MS):
                     raise ValueError(
                         f"data-parallel replica {r.index} exited with status {r.process.returncode} before it was ready"
                     )
