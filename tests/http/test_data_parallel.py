@@ -26,7 +26,7 @@ from server_process import save_chatml_byte_model
 from server_support import TINY_NAME, Served, serving
 
 from mechserve.api.config import EngineConfig
-from mechserve.dp.client import DataParallelLLM
+from mechserve.dp.client import DataParallelLLM, replica_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [  # shared prefixes, so the cache-reading policies have something to read
@@ -239,6 +239,29 @@ def test_metrics_carry_each_replicas_series_under_the_engine_label(dp: Served) -
     assert text.count("# TYPE vllm:num_requests_running gauge") == 1  # one family, two engines
     assert 'http_requests_total{handler="/v1/completions",method="POST",status="2xx"}' in text
     assert httpx.get(dp.url + "/health", timeout=10).status_code == 200
+
+
+def test_unseeded_sampling_differs_between_replicas_and_seeded_does_not(byte_dir: Path) -> None:
+    """The same prompt sent twice at temperature 1, unseeded, one copy to each replica (round robin): the two
+    replicas' samplers are seeded apart (``replica_config``: seed + index), so the draws differ as two draws
+    of one engine do.  With one seed everywhere both replicas' first unseeded request sampled the same text
+    (the trial of issue 26 found it).  A seeded request gives the same text on either replica."""
+    llm = start(byte_dir, "round_robin")
+    with serving(llm) as served:
+        unseeded = [complete(served.url, PROMPTS[0], max_tokens=16, temperature=1.0, ignore_eos=True) for _ in range(2)]
+        seeded = [complete(served.url, PROMPTS[0], max_tokens=16, temperature=1.0, seed=11) for _ in range(2)]
+    assert all(r.status_code == 200 for r in unseeded + seeded), [r.text for r in unseeded + seeded]
+    replicas = [e["decision"]["replica"] for e in llm.fleet.log if "decision" in e]
+    assert replicas == [0, 1, 0, 1], replicas
+    texts = [r.json()["choices"][0]["text"] for r in unseeded]
+    assert texts[0] != texts[1], texts
+    assert seeded[0].json()["choices"][0]["text"] == seeded[1].json()["choices"][0]["text"]
+
+
+def test_replica_config_moves_only_the_seed() -> None:
+    config = EngineConfig(page_size=4, num_pages=64, seed=5, spec_len=2)
+    assert [replica_config(config, i) for i in range(3)] == [config.replace(seed=s) for s in (5, 6, 7)]
+    assert replica_config(config.replace(seed=None), 1).seed is None  # unseeded: each replica seeds itself
 
 
 # No page leaked across the router ----------------------------------------------------------------------------------
