@@ -552,6 +552,7 @@ class DataParallelLLM(AsyncLLM):
         r.alive, r.reason = False, reason
         log.error("data-parallel replica %d (pid %d) is down: %s; the others keep serving", index, r.pid, reason)
         self.fleet.down(self.fleet.workers[index], reason)
+        self.fleet_metrics.down(index)
         for rid, req in list(self._requests.items()):
             if req.replica == index:
                 self._end(rid, EngineDeadError(f"data-parallel replica {index} (pid {r.pid}) is down: {reason}"))
@@ -585,7 +586,8 @@ class DataParallelLLM(AsyncLLM):
         return [await self._ask(r.index, "pages") for r in self._replicas if r.alive]
 
     async def refresh_metrics(self) -> None:
-        """Ask every live replica for its metrics (``/metrics`` calls this first); a down replica keeps its last."""
+        """Ask every live replica for its metrics (``/metrics`` calls this first); a down replica keeps its last
+        counters and histograms (``FleetMetrics.down``)."""
         results = await asyncio.gather(
             *(self._ask(r.index, "metrics") for r in self._replicas if r.alive), return_exceptions=True
         )

@@ -121,6 +121,18 @@ def engine_samples(url: str, name: str) -> dict[str, float]:
     return out
 
 
+def running_gauges(text: str) -> dict[str, float]:
+    """``engine label -> vllm:num_requests_running`` in a ``/metrics`` body."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        s.labels["engine"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "vllm:num_requests_running"
+    }
+
+
 # Greedy parity, every policy --------------------------------------------------------------------------------------
 
 
@@ -327,6 +339,7 @@ def test_a_replica_killed_mid_stream_ends_its_requests_with_an_error_and_the_oth
         victim_pid = llm.replica_pids()[0]
         long = {"model": TINY_NAME, "prompt": PROMPTS[2], "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
         plain_result: dict[str, httpx.Response] = {}
+        running_before: dict[str, float] = {}
 
         async def run() -> list[str]:
             async with httpx.AsyncClient(timeout=120) as client:
@@ -341,6 +354,8 @@ def test_a_replica_killed_mid_stream_ends_its_requests_with_an_error_and_the_oth
                         if len(lines) == 1:
                             while len(llm._requests) < 3:  # both plain requests are placed
                                 await asyncio.sleep(0.01)
+                            scrape = (await client.get(served.url + "/metrics")).text  # the victim at work
+                            running_before.update(running_gauges(scrape))
                             os.kill(victim_pid, signal.SIGKILL)
                 done, pending = await asyncio.wait(plains, return_when=asyncio.FIRST_COMPLETED)
                 plain_result["on_victim"] = done.pop().result()
@@ -363,6 +378,11 @@ def test_a_replica_killed_mid_stream_ends_its_requests_with_an_error_and_the_oth
         (survivor,) = wait_idle_pages(served)
         assert survivor.free == survivor.total, survivor
         assert llm.running and llm.error is None
+        # /metrics: the dead replica keeps its counters but reports no gauge (it was running the stream when
+        # last asked; its gauge must not say so for ever), the survivor's gauges go on
+        assert running_before.get("0", 0) >= 1, running_before
+        assert running_gauges(httpx.get(served.url + "/metrics", timeout=30).text) == {"1": 0.0}
+        assert engine_samples(served.url, "vllm:prompt_tokens_total")["0"] > 0
 
 
 # Flags ---------------------------------------------------------------------------------------------------------------
