@@ -218,7 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ENDPOINT",
         help="publish the prefix cache's changes as vLLM's KV events (KVEventBatch, msgpack) on a ZeroMQ PUB "
-        "socket bound here, e.g. tcp://*:5557 (docs/kv-events.md); default: off",
+        "socket bound here, e.g. tcp://*:5557 (docs/fleet.md, 'KV events: the schema'); default: off",
     )
     add("--kv-events-topic", default="", metavar="TOPIC", help="the KV events' ZeroMQ topic (vLLM's default '')")
     add(

@@ -81,6 +81,20 @@ STOP_TIMEOUT_S = 30.0
 KEEP_DECISIONS = 10_000  # the router's decision log keeps its newest entries only (a server runs for days)
 
 
+def replica_config(config: EngineConfig, index: int) -> EngineConfig:
+    """Replica ``index``'s engine config: ``config`` with the seed of its unseeded sampling requests moved to
+    ``config.seed + index`` (None stays None: every replica then seeds itself afresh).
+
+    Each replica's sampler draws unseeded requests' randomness from one generator seeded with ``seed``; with
+    the same seed everywhere, the k-th unseeded request of two replicas would draw the same numbers, so the
+    same prompt sent twice (one copy per replica) would sample the same text.  Megatron-LM seeds its
+    data-parallel ranks ``seed + dp_rank`` for the same reason.  Replica 0 keeps ``config.seed``; seeded
+    requests (``SamplingParams.seed``) are untouched, so their ids do not depend on the replica."""
+    if config.seed is None:
+        return config
+    return config.replace(seed=config.seed + index)
+
+
 @dataclass
 class Front:
     """What the API server holds of the model in place of an ``EngineCore``: the engine ``config``, the
@@ -140,7 +154,8 @@ class DataParallelLLM(AsyncLLM):
     """``data_parallel_size`` engine-core processes behind one ``AsyncLLM`` interface (see the module docstring).
 
     ``model`` must be loadable by path in another process (``"smollm2"``, a directory, a GGUF file, or a
-    ``LoadedModel`` with its ``path``); ``config`` is every replica's engine config; ``threads`` (default
+    ``LoadedModel`` with its ``path``); ``config`` is every replica's engine config, but for the seed of
+    unseeded requests, ``seed + index`` on replica ``index`` (``replica_config``); ``threads`` (default
     every CPU this process may use, at least one per replica) is split evenly, ``threads // data_parallel_size`` per replica;
     ``routing_policy`` is one of ``POLICIES``.  ``kv_events`` (a ``KVEventPublisher``, optional) republishes
     every replica's KV events with its ``data_parallel_rank``.  The replicas start here and this returns
@@ -246,8 +261,8 @@ class DataParallelLLM(AsyncLLM):
             inbox.setsockopt(zmq.LINGER, 0)
             inbox.bind(f"ipc://{self._dir}/in-{i}")
             spec = ReplicaSpec(
-                model, config, i, self.size, self.threads_each, self.model_name, f"ipc://{self._dir}/in-{i}",
-                f"ipc://{self._dir}/out",
+                model, replica_config(config, i), i, self.size, self.threads_each, self.model_name,
+                f"ipc://{self._dir}/in-{i}", f"ipc://{self._dir}/out",
             )  # fmt: skip
             argv = [sys.executable, "-m", "mechserve.dp.replica", msgspec.json.encode(spec).decode()]
             # a session of its own: a terminal's Ctrl-C or a signal to the server's process group reaches the
@@ -539,6 +554,7 @@ class DataParallelLLM(AsyncLLM):
         r.alive, r.reason = False, reason
         log.error("data-parallel replica %d (pid %d) is down: %s; the others keep serving", index, r.pid, reason)
         self.fleet.down(self.fleet.workers[index], reason)
+        self.fleet_metrics.down(index)
         for rid, req in list(self._requests.items()):
             if req.replica == index:
                 self._end(rid, EngineDeadError(f"data-parallel replica {index} (pid {r.pid}) is down: {reason}"))
@@ -572,7 +588,8 @@ class DataParallelLLM(AsyncLLM):
         return [await self._ask(r.index, "pages") for r in self._replicas if r.alive]
 
     async def refresh_metrics(self) -> None:
-        """Ask every live replica for its metrics (``/metrics`` calls this first); a down replica keeps its last."""
+        """Ask every live replica for its metrics (``/metrics`` calls this first); a down replica keeps its last
+        counters and histograms (``FleetMetrics.down``)."""
         results = await asyncio.gather(
             *(self._ask(r.index, "metrics") for r in self._replicas if r.alive), return_exceptions=True
         )
