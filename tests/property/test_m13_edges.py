@@ -1,49 +1,78 @@
-"""The top rung's edges that mutation testing found untested (docs/mutation.md): the engine's own refusals,
-an object offered twice, ``abort`` of an unknown id, ``drop_finished``, and a hold on a one-block prompt."""
+"""The top rungs' edges that mutation testing found untested (docs/mutation.md), on m13 and on m14, whose
+engine is m13's plus forced runs (the same code in both files, so each rung's mutants need its own case):
+the engine's own refusals, an object offered twice, ``abort`` of an unknown id, ``drop_finished``, a hold on
+a one-block prompt, whether a draft is said to be capped, and what a stop from outside leaves in
+``generated`` when it cuts off the EOS or stop id the request had just finished on."""
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import pytest
 
-from mechserve.spec import m13_output_caching as m
+RUNGS = ["m13_output_caching", "m14_forced_runs"]
 
-R = m.Request
+
+@pytest.fixture(params=RUNGS)
+def m(request: pytest.FixtureRequest) -> Any:
+    return importlib.import_module(f"mechserve.spec.{request.param}")
 
 
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
+        ({"spec_len": -1}, "spec_len must be >= 0"),
         ({"max_step_tokens": 0}, "max_step_tokens must be > 0"),
+        ({"num_pages": 0}, "num_pages must be > 0"),
+        ({"page_size": 0}, "page_size must be > 0"),
         ({"world_size": 0}, "world_size must be > 0"),
         ({"max_waiting": 0}, "max_waiting must be > 0"),
         ({"max_running": 0}, "max_running must be > 0"),
         ({"max_model_len": 0}, "max_model_len must be > 0"),
     ],
 )
-def test_a_setting_out_of_range_is_refused_by_name(setting: dict[str, int], message: str) -> None:
+def test_a_setting_out_of_range_is_refused_by_name(m: Any, setting: dict[str, int], message: str) -> None:
     kwargs = {"max_step_tokens": 4, "page_size": 2, "num_pages": 8} | setting
     with pytest.raises(ValueError, match=f"^{message}$"):
         m.Engine([], **kwargs)
 
 
-def test_a_request_object_with_output_already_is_not_offered_again() -> None:
+def test_each_setting_at_its_least_value_is_accepted(m: Any) -> None:
+    eng = m.Engine(
+        [], max_step_tokens=1, page_size=1, num_pages=1, spec_len=0, world_size=1, max_waiting=1, max_running=1,
+        max_model_len=1,
+    )  # fmt: skip
+    assert (eng.max_step_tokens, eng.pool.page_size, eng.pool.num_pages, eng.spec_len, eng.world_size) == (1,) * 4 + (
+        1,
+    ) and (eng.max_waiting, eng.max_running, eng.max_model_len) == (1, 1, 1)
+
+
+def test_as_many_rank_executors_as_ranks_or_a_refusal_naming_both(m: Any) -> None:
+    one = [m.LocalExecutor({}, {})]
+    with pytest.raises(ValueError, match=r"^1 rank executor\(s\) for world_size 2$"):
+        m.Engine([], 4, 2, 8, world_size=2, executors=one)
+    assert m.Engine([], 4, 2, 8, world_size=1, executors=one).executor is not None
+
+
+def test_a_request_object_with_output_already_is_not_offered_again(m: Any) -> None:
     eng = m.Engine([], 4, 2, 8)
-    used = R("a", [1, 2, 3], 2)
+    used = m.Request("a", [1, 2, 3], 2)
     used.output_ids = [5]  # still WAITING, but it has run before
     with pytest.raises(ValueError, match="offered before"):
         eng.add_request(used)
 
 
-def test_abort_of_an_unknown_or_finished_request_is_false() -> None:
-    eng = m.Engine([R("a", [1, 2, 3], 1)], 4, 2, 8)
+def test_abort_of_an_unknown_or_finished_request_is_false(m: Any) -> None:
+    eng = m.Engine([m.Request("a", [1, 2, 3], 1)], 4, 2, 8)
     assert eng.abort("nobody") is False
     eng.run()
     assert eng.abort("a") is False
     assert [r.state for r in eng.requests] == [m.RequestState.FINISHED]
 
 
-def test_drop_finished_lets_go_once_the_leaving_is_recorded() -> None:
-    eng = m.Engine([R("a", [1, 2, 3], 1), R("b", [1, 2, 3, 4, 5, 6, 7], 8)], 4, 2, 8)
+def test_drop_finished_lets_go_once_the_leaving_is_recorded(m: Any) -> None:
+    eng = m.Engine([m.Request("a", [1, 2, 3], 1), m.Request("b", [1, 2, 3, 4, 5, 6, 7], 8)], 4, 2, 8)
     assert eng.drop_finished() == []
     eng.step()
     eng.step()
@@ -55,13 +84,84 @@ def test_drop_finished_lets_go_once_the_leaving_is_recorded() -> None:
     assert [r.request_id for r in eng.drop_finished()] == ["b"] and eng.requests == []
 
 
-def test_a_one_block_prompt_is_held_while_its_block_is_computed() -> None:
+def test_a_one_block_prompt_is_held_while_its_block_is_computed(m: Any) -> None:
     # pages of 4, budget 3: p has computed positions 0..2 of block 0 when q, whose one usable block is p's
     # block 0, arrives; q waits for it instead of computing it again
-    eng = m.Engine([R("p", [1, 2, 3, 4, 5, 6, 7, 8, 9], 1)], 3, 4, 16, hold_shared_prefix=True)
+    eng = m.Engine([m.Request("p", [1, 2, 3, 4, 5, 6, 7, 8, 9], 1)], 3, 4, 16, hold_shared_prefix=True)
     eng.step()
-    eng.add_request(R("q", [1, 2, 3, 4, 5], 1))
+    eng.add_request(m.Request("q", [1, 2, 3, 4, 5], 1))
     t1 = eng.step()
     assert t1.admitted == () and any(line.startswith("q is held back: p") for line in t1.explain)
     t2 = eng.step()
     assert (t2.admitted, dict(t2.reused)) == (("q",), {"q": 4})
+
+
+def test_a_draft_is_said_to_be_capped_only_when_max_new_tokens_cut_it(m: Any) -> None:
+    # spec_len 2: after its first sample, a (10 new tokens) asks for both guesses; b (3 new tokens) may
+    # draft only 1, since its window's bonus sample would otherwise pass max_new_tokens
+    eng = m.Engine([m.Request("a", [1, 2, 3], 10), m.Request("b", [4, 5, 6], 3)], 8, 4, 16, spec_len=2)
+    eng.step()
+    said = [line for line in eng.step().explain if "caught up" in line]
+    assert said == [
+        "a is caught up and asks for 2 guess(es).",
+        "b is caught up and asks for 1 guess(es) (capped so it cannot pass max_new_tokens).",
+    ]
+
+
+Cut = tuple[Any, int]  # (when: the ids a request appended this step -> bool, how many of them to keep)
+
+
+def run_with_stops(eng: Any, cuts: dict[str, Cut]) -> dict[str, tuple[Any, tuple[int, ...], Any]]:
+    """Run ``eng`` to the end, stopping each request of ``cuts`` from outside the first time the ids it
+    appends in a step satisfy ``when``, after ``keep`` of them; return, per request, the request, the ids
+    it appended in that step and that step's record."""
+    seen: dict[str, tuple[int, ...]] = {}
+    out: dict[str, tuple[Any, tuple[int, ...], Any]] = {}
+
+    def stop(rid: str, ids: tuple[int, ...]) -> int | None:
+        if rid not in cuts or rid in seen or not cuts[rid][0](ids):
+            return None
+        seen[rid] = ids
+        return int(cuts[rid][1])
+
+    by_id = {r.request_id: r for r in eng.requests}
+    while eng.live:
+        assert eng.step_counter < 100, "did not stop"
+        rec = eng.commit(eng.executor.execute(eng.schedule()), stop)
+        eng.check_invariants()
+        out |= {rid: (by_id[rid], ids, rec) for rid, ids in seen.items() if rid not in out}
+    assert out.keys() == cuts.keys(), f"never stopped: {cuts.keys() - out.keys()}"
+    return out
+
+
+def test_a_stop_that_cuts_off_a_sampled_eos_takes_back_no_counted_token(m: Any) -> None:
+    # a samples one token, then EOS (eos_after 1); the stop keeps none of [EOS]: one token stays counted
+    eng = m.Engine([m.Request("a", [1, 2, 3], 8, eos_after=1)], 8, 4, 16)
+    a, ids, rec = run_with_stops(eng, {"a": (lambda ids: ids[-1] == m.EOS_TOKEN_ID, 0)})["a"]
+    assert ids == (m.EOS_TOKEN_ID,) and rec.finished == {"a": m.FinishReason.STOP}
+    assert (a.generated, len(a.output_ids), a.finish_reason) == (1, 1, m.FinishReason.STOP)
+
+
+def test_a_stop_inside_a_window_that_ended_on_eos_keeps_every_kept_token_counted(m: Any) -> None:
+    # spec_len 2, eos_after 3: at step 1 a's window appends [g1, g2, EOS] (two accepted guesses, then the
+    # sampled EOS) and the stop keeps g1, so a has generated t0 and g1; b's window appends three tokens and
+    # the stop keeps one of them, so b loses both it drops
+    eng = m.Engine([m.Request("a", [1, 2, 3], 8, eos_after=3), m.Request("b", [4, 5, 6], 8)], 8, 4, 16, spec_len=2)
+    three = (lambda ids: len(ids) == 3, 1)
+    got = run_with_stops(eng, {"a": three, "b": three})
+    (a, a_ids, rec), (b, b_ids, b_rec) = got["a"], got["b"]
+    assert rec is b_rec and rec.step == 1 and rec.finished == {"a": m.FinishReason.STOP, "b": m.FinishReason.STOP}
+    assert a_ids[-1] == m.EOS_TOKEN_ID and m.EOS_TOKEN_ID not in a_ids[:-1] + b_ids
+    assert (a.generated, a.output_ids[1:], rec.accepted["a"], rec.rolled_back["a"]) == (2, list(a_ids[:1]), 0, 2)
+    assert (b.generated, b.output_ids[1:], rec.accepted["b"], rec.rolled_back["b"]) == (2, list(b_ids[:1]), 0, 2)
+
+
+def test_a_stop_inside_a_forced_run_that_ended_on_a_stop_id_keeps_every_kept_token_counted() -> None:
+    from mechserve.spec import m14_forced_runs as m
+
+    # a samples t0 with its prefill; its grammar forces [7, 8, 9] after it, and 9 is a stop id: the run
+    # ends a with STOP at 9 (t0, 7, 8 counted).  The stop from outside keeps t0 and 7.
+    eng = m.Engine([m.Request("a", [1, 2, 3], 8, stop_token_ids=(9,), forced_script={0: (7, 8, 9)})], 8, 4, 16)
+    a, ids, rec = run_with_stops(eng, {"a": (lambda ids: len(ids) == 4, 2)})["a"]
+    assert ids[1:] == (7, 8, 9) and rec.forced == {"a": 1}
+    assert (a.generated, a.output_ids, a.finish_reason) == (2, list(ids[:2]), m.FinishReason.STOP)
