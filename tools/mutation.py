@@ -118,6 +118,9 @@ PLAN_KNOWN_IDS = (
 M14_TESTS = (
     "tests/notes/test_m14_forced_runs.py",
     "tests/property/test_m14_properties.py",
+    # the top rungs' edges, parametrized by rung (m13's run selects the whole file too; each rung's cases
+    # call only their own file's functions, so mutmut maps them to that rung's mutants alone)
+    "tests/property/test_m13_edges.py",
     "tests/property/test_step_halves.py::test_schedule_execute_commit_is_step[m14_forced_runs]",
     "tests/property/test_step_halves.py::test_schedule_execute_commit_is_step_with_forced_runs",
     "tests/property/test_step_halves.py::test_a_stop_ends_the_named_requests_with_the_ids_they_kept[m14_forced_runs]",
