@@ -165,3 +165,58 @@ def test_a_stop_inside_a_forced_run_that_ended_on_a_stop_id_keeps_every_kept_tok
     a, ids, rec = run_with_stops(eng, {"a": (lambda ids: len(ids) == 4, 2)})["a"]
     assert ids[1:] == (7, 8, 9) and rec.forced == {"a": 1}
     assert (a.generated, a.output_ids, a.finish_reason) == (2, list(ids[:2]), m.FinishReason.STOP)
+
+
+def corrupt(m: Any, how: str) -> Any:
+    """An engine after one step (a: 9-token prompt, b: 5, pages of 2: each has published its complete prompt
+    blocks and holds one private page), broken in one way."""
+    eng = m.Engine([m.Request("a", list(range(1, 10)), 6), m.Request("b", [7] * 5, 6)], 16, 2, 16)
+    eng.step()
+    eng.check_invariants()  # whole before it is broken
+    a, b = eng.requests
+    a_private = next(p for p in a.page_table if eng.pool.owner[p] == "a")
+    cached = next(p for p in a.page_table if eng.pool.owner[p] is m.CACHE)
+    free = eng.pool.free[0]
+    if how == "free twice":
+        eng.pool.free.append(free)
+    elif how == "cached twice":
+        eng.cache.size += 1
+    elif how == "owned but free":
+        eng.pool.owner[free] = "b"
+    elif how == "cached but not in the cache":
+        eng.pool.owner[cached] = "a"
+    elif how == "finished with pages":
+        eng.abort("b")
+        b.page_table = [free]
+    elif how == "unbacked":
+        b.computed += 2 * eng.pool.page_size
+    elif how == "another's page":
+        b.page_table.append(a_private)
+    elif how == "private page twice":
+        a.page_table.append(a_private)
+    elif how == "private page in no table":
+        eng.pool.free.remove(free)
+        eng.pool.owner[free] = "a"
+    else:
+        raise AssertionError(how)
+    return eng
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("free twice", "a page is on the free list twice"),
+        ("cached twice", "a page is cached twice"),
+        ("owned but free", r"page \d+: owner 'b' vs free list"),
+        ("cached but not in the cache", r"page \d+: owner 'a' vs cache"),
+        ("finished with pages", "b: ABORTED but holds pages"),
+        ("unbacked", "b: unbacked positions"),
+        ("another's page", r"b: page \d+ belongs to 'a'"),
+        ("private page twice", r"private page \d+ is in two tables"),
+        ("private page in no table", "a private page is in no owner's table"),
+    ],
+)
+def test_check_invariants_names_each_kind_of_corruption(m: Any, how: str, message: str) -> None:
+    # the invariant check is the property tests' oracle: each corruption must fail it, with its own message
+    with pytest.raises(AssertionError, match=f"^{message}$"):
+        corrupt(m, how).check_invariants()
