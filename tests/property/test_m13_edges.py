@@ -6,7 +6,9 @@ a one-block prompt, whether a draft is said to be capped, and what a stop from o
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import re
 from typing import Any
 
 import pytest
@@ -220,3 +222,137 @@ def test_check_invariants_names_each_kind_of_corruption(m: Any, how: str, messag
     # the invariant check is the property tests' oracle: each corruption must fail it, with its own message
     with pytest.raises(AssertionError, match=f"^{message}$"):
         corrupt(m, how).check_invariants()
+
+
+# The contract's refusals, as the lower rungs' notes pin them (m07's cache, m10's boundary, m11's join, m12's
+# stop), on the top rungs: the same code is copied into each rung's file, and only these tests see m13's and
+# m14's copies.
+
+
+def test_the_cache_refuses_a_bad_insert_or_removal_by_what_is_wrong(m: Any) -> None:
+    k = m.prefix_keys([1, 2, 3, 4, 5, 6], 2)
+    other = m.prefix_keys([9, 9, 3, 4], 2)
+    cache = m.RadixCache()
+    assert cache.insert(k, [10, 11, 12]) == 3 and cache.insert(k[:2], [10, 11]) == 0
+    refusals = [
+        (lambda: cache.insert(k, [10]), "insert: 3 keys but 1 blocks"),
+        (lambda: cache.insert(k[1:], [11, 12]), "insert: keys are not a chain starting at ROOT"),
+        (lambda: cache.insert([k[0], other[1]], [10, 11]), "insert: keys are not a chain starting at ROOT"),
+        (lambda: cache.insert(k[:2], [10, 99]), "insert: key already holds block 11, not 99"),
+        (lambda: cache.remove_leaf(other[1]), "remove_leaf: key is not in the cache"),
+        (lambda: cache.remove_leaf(k[1]), "remove_leaf: node has children"),
+    ]
+    for call, message in refusals:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            call()
+        assert (cache.size, cache.match(k), [key for key, _ in cache.leaves()]) == (3, [10, 11, 12], [k[2]])
+    assert cache.remove_leaf(k[2]) == 12 and cache.remove_leaf(k[1]) == 11 and cache.size == 1
+
+
+def test_join_refuses_wrong_ranks_world_sizes_and_any_disagreement_by_name(m: Any) -> None:
+    res = (m.Outcome("a", 0, 2, 0, ((0, 0, 0), (1, 0, 1)), (7,)),)
+    odd = (m.Outcome("a", 0, 2, 0, ((0, 0, 0), (1, 0, 1)), (8,)),)
+    cases = [
+        ([m.Report(0, 2, res), m.Report(0, 2, res)], "ranks [0, 0] are not 0..1"),
+        ([m.Report(1, 2, res), m.Report(2, 2, res)], "ranks [1, 2] are not 0..1"),
+        ([m.Report(0, 2, res), m.Report(1, 3, res)], "rank 1 reports world size 3, not 2"),
+        ([m.Report(1, 2, odd), m.Report(0, 2, res)], "rank 1 disagrees with rank 0"),
+    ]
+    for reports, message in cases:
+        with pytest.raises(m.GroupViolation, match=f"^{re.escape(message)}$"):
+            m.join(reports, 2)
+    assert m.join([m.Report(1, 2, res), m.Report(0, 2, res)], 2) is res
+
+
+class Breaking:
+    """The scripted executor, with its answer at call ``at`` rewritten by ``breaks``; records the engine's
+    state right before it answers."""
+
+    def __init__(self, m: Any, at: int, breaks: Any) -> None:
+        self.inner, self.at, self.breaks, self.calls = m.LocalExecutor({}, {}), at, breaks, 0
+        self.engine: Any = None
+        self.before: Any = None
+
+    def execute(self, plan: tuple[Any, ...]) -> tuple[Any, ...]:
+        out = self.inner.execute(plan)
+        if self.calls == self.at:
+            self.before = state(self.engine)
+            out = self.breaks(plan, out)
+        self.calls += 1
+        return out
+
+
+def state(eng: Any) -> tuple[Any, ...]:
+    reqs = [(r.request_id, r.state, r.computed, r.generated, list(r.output_ids), list(r.page_table)) for r in eng.requests]
+    return reqs, list(eng.pool.owner), list(eng.pool.free), eng.cache.size, eng.step_counter
+
+
+def edit(out: tuple[Any, ...], i: int, **changes: Any) -> tuple[Any, ...]:
+    return tuple(dataclasses.replace(o, **changes) if k == i else o for k, o in enumerate(out))
+
+
+BREACHES = [
+    # (step, budget, how the outcomes are broken, the refusal); a [1, 2, 3] and b [4, 5] prefill at step 0
+    # (budget 8; budget 4 cuts b's prompt) and run decode windows of 1 + 2 at step 1
+    (1, 8, lambda plan, out: out[:1], "1 outcome(s) for 2 plan item(s)"),
+    (1, 8, lambda plan, out: edit(out, 0, request_id="b"), "outcome for 'b' where 'a' was planned"),
+    (1, 8, lambda plan, out: edit(out, 0, start_position=4), "a: frontier mismatch (4 != 3)"),
+    (1, 8, lambda plan, out: edit(out, 0, executed_tokens=2), "a: executed 2 token(s), planned 3"),
+    (1, 8, lambda plan, out: edit(out, 0, writes=out[0].writes[:-1]), "a: writes differ from the planned placements"),
+    (0, 8, lambda plan, out: edit(out, 0, accepted_draft_tokens=1), "a: acceptance reported for a non-decode item"),
+    (1, 8, lambda plan, out: edit(out, 1, accepted_draft_tokens=3), "b: acceptance 3 outside [0, 2]"),
+    (1, 8, lambda plan, out: edit(out, 1, accepted_draft_tokens=-1), "b: acceptance -1 outside [0, 2]"),
+    (1, 8, lambda plan, out: edit(out, 0, token_ids=(*out[0].token_ids, 5)), "a: 4 token id(s) appended, expected 3"),
+    (0, 4, lambda plan, out: edit(out, 1, token_ids=(5,)), "b: 1 token id(s) appended, expected 0"),
+]
+
+
+@pytest.mark.parametrize(("step", "budget", "breaks", "message"), BREACHES)
+def test_a_broken_outcome_is_refused_by_name_and_applies_nothing(
+    m: Any, step: int, budget: int, breaks: Any, message: str
+) -> None:
+    executor = Breaking(m, step, breaks)
+    eng = m.Engine([m.Request("a", [1, 2, 3], 5), m.Request("b", [4, 5], 5)], budget, 2, 8, spec_len=2, executors=[executor])
+    executor.engine = eng
+    for _ in range(step):
+        eng.step()
+    with pytest.raises(m.BoundaryViolation, match=f"^{re.escape(message)}$"):
+        eng.step()
+    assert state(eng) == executor.before and eng.step_counter == step
+    with pytest.raises(RuntimeError, match=r"^commit\(\) without an open step: call schedule\(\) first$"):
+        eng.commit(())  # the failed step was closed
+
+
+def test_forced_ids_on_an_item_that_does_not_sample_are_refused_by_name() -> None:
+    from mechserve.spec import m14_forced_runs as m
+
+    # budget 4: b's prompt is cut at step 0, so b's item does not sample
+    executor = Breaking(m, 0, lambda plan, out: edit(out, 1, forced=(7, 8)))
+    eng = m.Engine([m.Request("a", [1, 2, 3], 5), m.Request("b", [4, 5], 5)], 4, 2, 8, executors=[executor])
+    executor.engine = eng
+    with pytest.raises(m.BoundaryViolation, match=r"^b: 2 forced id\(s\) on an item that does not sample$"):
+        eng.step()
+    assert state(eng) == executor.before and eng.step_counter == 0
+
+
+def test_commit_needs_an_open_step_and_resolve_its_verdicts(m: Any) -> None:
+    eng = m.Engine([m.Request("a", [1, 2, 3], 5)], 8, 2, 8)
+    message = r"^commit\(\) without an open step: call schedule\(\) first$"
+    with pytest.raises(RuntimeError, match=message):
+        eng.commit(())
+    plan = eng.schedule()
+    eng.commit(eng.executor.execute(plan))
+    with pytest.raises(RuntimeError, match=message):
+        eng.commit(eng.executor.execute(plan))  # twice
+    a = eng.requests[0]
+    for verdicts in (None, {}):
+        with pytest.raises(m.BoundaryViolation, match="^resolve called without verdicts$"):
+            eng._resolve([(a, 1)], verdicts)
+
+
+@pytest.mark.parametrize("keep", [-1, 2])
+def test_a_stop_keeping_more_than_was_appended_or_less_than_none_is_refused(m: Any, keep: int) -> None:
+    eng = m.Engine([m.Request("a", [1, 2, 3], 5)], 8, 2, 8)
+    message = f"a: a stop may keep 0..1 of the ids it appended, not {keep}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        eng.commit(eng.executor.execute(eng.schedule()), lambda rid, ids: keep)
