@@ -273,7 +273,7 @@ def check_step(
         rid, pages = g["rid"], page_list(g["pages"])
         assert pages and rid in left
         for p in pages:
-            assert p in prev.table[rid] + mid.table[rid] and rid in (prev.owner[p], mid.owner[p])
+            assert p in prev.table.get(rid, []) + mid.table[rid] and rid in (prev.owner[p], mid.owner[p])
             assert eng.pool.owner[p] != rid
     return {kind for kind, found in said.items() if found}
 
