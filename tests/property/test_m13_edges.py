@@ -1,8 +1,10 @@
 """The top rungs' edges that mutation testing found untested (docs/mutation.md), on m13 and on m14, whose
-engine is m13's plus forced runs (the same code in both files, so each rung's mutants need its own case):
-the engine's own refusals, an object offered twice, ``abort`` of an unknown id, ``drop_finished``, a hold on
-a one-block prompt, whether a draft is said to be capped, and what a stop from outside leaves in
-``generated`` when it cuts off the EOS or stop id the request had just finished on."""
+engine is m13's plus forced runs (the same code copied into both files, so each rung's mutants need their
+own case): the engine's own refusals, an object offered twice, ``abort`` of an unknown id,
+``drop_finished``, a hold on a one-block prompt, whether a draft is said to be capped, what a stop from
+outside leaves in ``generated`` when it cuts off the EOS or stop id the request had just finished on, the
+contract's refusals by message (the cache's, ``join``'s, the boundary's, the stop's), and
+``check_invariants`` failing on each kind of corruption."""
 
 from __future__ import annotations
 
@@ -41,13 +43,10 @@ def test_a_setting_out_of_range_is_refused_by_name(m: Any, setting: dict[str, in
 
 
 def test_each_setting_at_its_least_value_is_accepted(m: Any) -> None:
-    eng = m.Engine(
-        [], max_step_tokens=1, page_size=1, num_pages=1, spec_len=0, world_size=1, max_waiting=1, max_running=1,
-        max_model_len=1,
-    )  # fmt: skip
-    assert (eng.max_step_tokens, eng.pool.page_size, eng.pool.num_pages, eng.spec_len, eng.world_size) == (1,) * 4 + (
-        1,
-    ) and (eng.max_waiting, eng.max_running, eng.max_model_len) == (1, 1, 1)
+    least = {"max_step_tokens": 1, "page_size": 1, "num_pages": 1, "spec_len": 0, "world_size": 1}
+    least |= {"max_waiting": 1, "max_running": 1, "max_model_len": 1}
+    eng = m.Engine([], **least)
+    assert {k: getattr(eng.pool if k in ("page_size", "num_pages") else eng, k) for k in least} == least
 
 
 def test_as_many_rank_executors_as_ranks_or_a_refusal_naming_both(m: Any) -> None:
