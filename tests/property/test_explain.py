@@ -151,6 +151,9 @@ def check_step(
     def rids(kind: str) -> list[str]:
         return [g["rid"] for g in said[kind]]
 
+    # no request has computed a position past its known ids (a stop from outside lowers both)
+    assert all(r.computed <= r.prompt_len + r.generated for r in eng.requests), rec.step
+
     # the door, aborts and admission
     assert [(g["rid"], g["reason"]) for g in said["rejected"]] == [(rid, why.value) for rid, why in rec.rejected]
     assert rids("aborted") == list(rec.aborted)

@@ -140,21 +140,25 @@ def test_a_stop_that_cuts_off_a_sampled_eos_takes_back_no_counted_token(m: Any) 
     eng = m.Engine([m.Request("a", [1, 2, 3], 8, eos_after=1)], 8, 4, 16)
     a, ids, rec = run_with_stops(eng, {"a": (lambda ids: ids[-1] == m.EOS_TOKEN_ID, 0)})["a"]
     assert ids == (m.EOS_TOKEN_ID,) and rec.finished == {"a": m.FinishReason.STOP}
-    assert (a.generated, len(a.output_ids), a.finish_reason) == (1, 1, m.FinishReason.STOP)
+    assert (a.generated, len(a.output_ids), a.finish_reason, a.computed) == (1, 1, m.FinishReason.STOP, 4)
 
 
-def test_a_stop_inside_a_window_that_ended_on_eos_keeps_every_kept_token_counted(m: Any) -> None:
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_stop_inside_a_window_that_ended_on_eos_keeps_every_kept_token_counted(m: Any, keep: int) -> None:
     # spec_len 2, eos_after 3: at step 1 a's window appends [g1, g2, EOS] (two accepted guesses, then the
-    # sampled EOS) and the stop keeps g1, so a has generated t0 and g1; b's window appends three tokens and
-    # the stop keeps one of them, so b loses both it drops
+    # sampled EOS) and b's [h1, h2, h3]; the stop keeps the first `keep` of each.  Every kept id is counted
+    # (the EOS was not, and is gone), the window accepted only the kept guesses and rolled back the rest,
+    # and neither request has computed a position past its last kept id.
     eng = m.Engine([m.Request("a", [1, 2, 3], 8, eos_after=3), m.Request("b", [4, 5, 6], 8)], 8, 4, 16, spec_len=2)
-    three = (lambda ids: len(ids) == 3, 1)
-    got = run_with_stops(eng, {"a": three, "b": three})
+    cut = (lambda ids: len(ids) == 3, keep)
+    got = run_with_stops(eng, {"a": cut, "b": cut})
     (a, a_ids, rec), (b, b_ids, b_rec) = got["a"], got["b"]
     assert rec is b_rec and rec.step == 1 and rec.finished == {"a": m.FinishReason.STOP, "b": m.FinishReason.STOP}
     assert a_ids[-1] == m.EOS_TOKEN_ID and m.EOS_TOKEN_ID not in a_ids[:-1] + b_ids
-    assert (a.generated, a.output_ids[1:], rec.accepted["a"], rec.rolled_back["a"]) == (2, list(a_ids[:1]), 0, 2)
-    assert (b.generated, b.output_ids[1:], rec.accepted["b"], rec.rolled_back["b"]) == (2, list(b_ids[:1]), 0, 2)
+    for r, ids in ((a, a_ids), (b, b_ids)):
+        kept = (r.generated, r.output_ids[1:], r.computed)
+        assert kept == (1 + keep, list(ids[:keep]), 3 + 1 + keep), r.request_id  # t0, then the kept ids
+        assert (rec.accepted[r.request_id], rec.rolled_back[r.request_id]) == (keep - 1, 3 - keep)
 
 
 def test_a_stop_inside_a_forced_run_that_ended_on_a_stop_id_keeps_every_kept_token_counted() -> None:
@@ -166,6 +170,7 @@ def test_a_stop_inside_a_forced_run_that_ended_on_a_stop_id_keeps_every_kept_tok
     a, ids, rec = run_with_stops(eng, {"a": (lambda ids: len(ids) == 4, 2)})["a"]
     assert ids[1:] == (7, 8, 9) and rec.forced == {"a": 1}
     assert (a.generated, a.output_ids, a.finish_reason) == (2, list(ids[:2]), m.FinishReason.STOP)
+    assert a.computed == 3  # the prompt: the forced ids were never computed
 
 
 def corrupt(m: Any, how: str) -> Any:
