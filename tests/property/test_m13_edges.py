@@ -109,6 +109,16 @@ def test_a_draft_is_said_to_be_capped_only_when_max_new_tokens_cut_it(m: Any) ->
     ]
 
 
+def test_eos_after_cuts_an_accepted_run_that_ignores_eos_ids(m: Any) -> None:
+    # ignore_eos: the EOS id is an ordinary token, so only eos_after (the scripted model's trigger) ends a;
+    # its window at step 1 has guesses accepted past eos_after: the clamp keeps one, the sample is EOS
+    eng = m.Engine([m.Request("a", [1, 2, 3], 8, eos_after=2, ignore_eos=True)], 8, 4, 16, spec_len=2)
+    records = eng.run()
+    a = eng.requests[0]
+    assert (a.generated, len(a.output_ids), a.output_ids[-1], a.finish_reason) == (2, 3, 0, m.FinishReason.EOS)
+    assert (records[1].drafted, records[1].accepted, records[1].finished) == ({"a": 2}, {"a": 1}, {"a": a.finish_reason})
+
+
 Cut = tuple[Any, int]  # (when: the ids a request appended this step -> bool, how many of them to keep)
 
 
