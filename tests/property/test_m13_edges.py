@@ -72,6 +72,21 @@ def test_abort_of_an_unknown_or_finished_request_is_false(m: Any) -> None:
     assert [r.state for r in eng.requests] == [m.RequestState.FINISHED]
 
 
+def test_abort_takes_a_waiting_or_due_request_out_of_its_queue(m: Any) -> None:
+    # max_running 1: after step 0, b has arrived and waits for the running slot (due); c arrives at step 5
+    reqs = [m.Request("a", [1, 2, 3], 4), m.Request("b", [4, 5, 6], 4), m.Request("c", [7, 8, 9], 4, arrival_step=5)]
+    eng = m.Engine(reqs, 8, 2, 16, max_running=1)
+    eng.step()
+    assert [r.request_id for r in eng.due] == ["b"] and [entry[2].request_id for entry in eng.waiting] == ["c"]
+    assert eng.abort("b") is True and eng.abort("c") is True
+    assert (eng.due, eng.waiting, list(eng.live)) == ([], [], ["a"])
+    rec = eng.step()
+    assert rec.aborted == ("b", "c") and rec.admitted == () and "b was aborted." in rec.explain
+    eng.run()
+    states = [(r.state, r.draft_len, r.output_ids, r.page_table) for r in reqs[1:]]
+    assert reqs[0].state is m.RequestState.FINISHED and states == [(m.RequestState.ABORTED, 0, [], [])] * 2
+
+
 def test_drop_finished_lets_go_once_the_leaving_is_recorded(m: Any) -> None:
     eng = m.Engine([m.Request("a", [1, 2, 3], 1), m.Request("b", [1, 2, 3, 4, 5, 6, 7], 8)], 4, 2, 8)
     assert eng.drop_finished() == []
