@@ -78,10 +78,12 @@ def test_abort_takes_a_waiting_or_due_request_out_of_its_queue(m: Any) -> None:
     eng = m.Engine(reqs, 8, 2, 16, max_running=1)
     eng.step()
     assert [r.request_id for r in eng.due] == ["b"] and [entry[2].request_id for entry in eng.waiting] == ["c"]
-    assert eng.abort("b") is True and eng.abort("c") is True
+    assert eng.abort("c") is True
+    assert ([r.request_id for r in eng.due], eng.waiting, list(eng.live)) == (["b"], [], ["a", "b"])
+    assert eng.abort("b") is True
     assert (eng.due, eng.waiting, list(eng.live)) == ([], [], ["a"])
     rec = eng.step()
-    assert rec.aborted == ("b", "c") and rec.admitted == () and "b was aborted." in rec.explain
+    assert rec.aborted == ("c", "b") and rec.admitted == () and "b was aborted." in rec.explain
     eng.run()
     states = [(r.state, r.draft_len, r.output_ids, r.page_table) for r in reqs[1:]]
     assert reqs[0].state is m.RequestState.FINISHED and states == [(m.RequestState.ABORTED, 0, [], [])] * 2
