@@ -231,6 +231,7 @@ def check_step(
         assert n == rec.executed[g["rid"]] == item.num_tokens
         assert (int(g["a"]), int(g["b"])) == (item.start_position, item.start_position + n - 1)
     assert rids("verdict") == [rid for rid, d in rec.drafted.items() if d]
+    assert all(by_id[rid].draft_len == 0 for rid in rec.drafted), "a judged window still asks for guesses"
     for g in said["verdict"]:
         rid, x, d, a, r = g["rid"], int(g["x"]), int(g["d"]), int(g["a"]), int(g["r"])
         assert d == rec.drafted[rid] and x == outs[rid].accepted_draft_tokens and a <= x and r == d - a

@@ -136,6 +136,26 @@ def test_eos_after_cuts_an_accepted_run_that_ignores_eos_ids(m: Any) -> None:
     assert (records[1].drafted, records[1].accepted, records[1].finished) == ({"a": 2}, {"a": 1}, {"a": a.finish_reason})
 
 
+class Samples:
+    """The scripted executor, with every id it appends replaced by ``token``."""
+
+    def __init__(self, m: Any, token: int) -> None:
+        self.inner, self.token = m.LocalExecutor({}, {}), token
+
+    def execute(self, plan: tuple[Any, ...]) -> tuple[Any, ...]:
+        out = self.inner.execute(plan)
+        return tuple(dataclasses.replace(o, token_ids=(self.token,) * len(o.token_ids)) for o in out)
+
+
+def test_an_eos_id_ends_a_request_unless_it_ignores_eos(m: Any) -> None:
+    # the executor samples 5, one of the engine's EOS ids, every time
+    reqs = [m.Request("a", [1, 2, 3], 3), m.Request("b", [1, 2, 3], 3, ignore_eos=True)]
+    eng = m.Engine(reqs, 8, 2, 16, executors=[Samples(m, 5)], eos_token_ids=[7, 5])
+    eng.run()
+    got = [(r.finish_reason, r.output_ids, r.generated) for r in reqs]
+    assert got == [(m.FinishReason.EOS, [5], 0), (m.FinishReason.LENGTH, [5, 5, 5], 3)]
+
+
 Cut = tuple[Any, int]  # (when: the ids a request appended this step -> bool, how many of them to keep)
 
 
