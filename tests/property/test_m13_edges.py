@@ -114,6 +114,18 @@ def test_a_one_block_prompt_is_held_while_its_block_is_computed(m: Any) -> None:
     assert (t2.admitted, dict(t2.reused)) == (("q",), {"q": 4})
 
 
+def test_a_request_is_held_for_the_leading_blocks_it_shares_though_the_next_differs(m: Any) -> None:
+    # q's two usable blocks: block 0 is p's (p is computing it), block 1 is q's own; q waits for block 0
+    eng = m.Engine([m.Request("p", [1, 2, 3, 4, 5, 6, 7, 8, 9], 1)], 3, 4, 16, hold_shared_prefix=True)
+    eng.step()
+    eng.add_request(m.Request("q", [1, 2, 3, 4, 50, 60, 70, 80, 90], 1))
+    t1 = eng.step()
+    held = "q is held back: p is still computing the 1 prompt block(s) they share (0 cached); q will reuse them"
+    assert t1.admitted == () and any(line.startswith(held) for line in t1.explain)
+    t2 = eng.step()
+    assert (t2.admitted, dict(t2.reused)) == (("q",), {"q": 4})
+
+
 def test_a_draft_is_said_to_be_capped_only_when_max_new_tokens_cut_it(m: Any) -> None:
     # spec_len 2: after its first sample, a (10 new tokens) asks for both guesses; b (3 new tokens) may
     # draft only 1, since its window's bonus sample would otherwise pass max_new_tokens
@@ -151,7 +163,8 @@ def test_an_eos_id_ends_a_request_unless_it_ignores_eos(m: Any) -> None:
     # the executor samples 5, one of the engine's EOS ids, every time
     reqs = [m.Request("a", [1, 2, 3], 3), m.Request("b", [1, 2, 3], 3, ignore_eos=True)]
     eng = m.Engine(reqs, 8, 2, 16, executors=[Samples(m, 5)], eos_token_ids=[7, 5])
-    eng.run()
+    first = eng.run()[0]
+    assert first.sampled == {"a": m.Sample.EOS, "b": m.Sample.TOKEN} and first.finished == {"a": m.FinishReason.EOS}
     got = [(r.finish_reason, r.output_ids, r.generated) for r in reqs]
     assert got == [(m.FinishReason.EOS, [5], 0), (m.FinishReason.LENGTH, [5, 5, 5], 3)]
 
