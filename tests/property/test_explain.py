@@ -182,9 +182,9 @@ def check_step(
     drafters = []
     for rid in mid.running:
         r, done = by_id[rid], pre.generated[rid]
-        if done >= 1 and rec.reused.get(rid, pre.computed[rid]) == r.prompt_len + done - 1:
-            if min(eng.spec_len, r.max_new_tokens - done - 1) > 0:
-                drafters.append(rid)
+        caught_up = done >= 1 and rec.reused.get(rid, pre.computed[rid]) == r.prompt_len + done - 1
+        if caught_up and min(eng.spec_len, r.max_new_tokens - done - 1) > 0:
+            drafters.append(rid)
     assert rids("draft") == drafters
     for g in said["draft"]:
         r, d = by_id[g["rid"]], int(g["d"])
@@ -297,6 +297,15 @@ def explained_run(
     stop_after, aborts, offers = stop_after or {}, aborts or {}, offers or {}
     kinds: set[str] = set()
     appended: dict[str, int] = {}
+    stopped: dict[str, tuple[int, ...]] = {}  # this step's stops: request id -> the ids it had appended
+
+    def stop(rid: str, ids: tuple[int, ...]) -> int | None:
+        n = appended[rid] = appended.get(rid, -1) + 1
+        if rid not in stop_after or stop_after[rid][0] != n:
+            return None
+        stopped[rid] = ids
+        return min(stop_after[rid][1], len(ids))
+
     prev = snapshot(eng)
     while eng.waiting or eng.due or eng.running or eng._rejected or eng._aborted or eng.step_counter in offers:
         assert eng.step_counter < 500, "did not stop"
@@ -308,15 +317,7 @@ def explained_run(
         plan = eng.schedule()
         mid = snapshot(eng)
         outcomes = eng.executor.execute(plan)
-        stopped: dict[str, tuple[int, ...]] = {}
-
-        def stop(rid: str, ids: tuple[int, ...]) -> int | None:
-            n = appended[rid] = appended.get(rid, -1) + 1
-            if rid not in stop_after or stop_after[rid][0] != n:
-                return None
-            stopped[rid] = ids
-            return min(stop_after[rid][1], len(ids))
-
+        stopped.clear()
         rec = eng.commit(outcomes, stop)
         eng.check_invariants()
         kinds |= check_step(mod, eng, rec, prev, pre, mid, plan, outcomes, stopped)

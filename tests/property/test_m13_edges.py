@@ -145,7 +145,11 @@ def test_eos_after_cuts_an_accepted_run_that_ignores_eos_ids(m: Any) -> None:
     records = eng.run()
     a = eng.requests[0]
     assert (a.generated, len(a.output_ids), a.output_ids[-1], a.finish_reason) == (2, 3, 0, m.FinishReason.EOS)
-    assert (records[1].drafted, records[1].accepted, records[1].finished) == ({"a": 2}, {"a": 1}, {"a": a.finish_reason})
+    assert (records[1].drafted, records[1].accepted, records[1].finished) == (
+        {"a": 2},
+        {"a": 1},
+        {"a": a.finish_reason},
+    )
 
 
 class Samples:
@@ -347,7 +351,9 @@ class Breaking:
 
 
 def state(eng: Any) -> tuple[Any, ...]:
-    reqs = [(r.request_id, r.state, r.computed, r.generated, list(r.output_ids), list(r.page_table)) for r in eng.requests]
+    reqs = [
+        (r.request_id, r.state, r.computed, r.generated, list(r.output_ids), list(r.page_table)) for r in eng.requests
+    ]
     return reqs, list(eng.pool.owner), list(eng.pool.free), eng.cache.size, eng.step_counter
 
 
@@ -376,7 +382,9 @@ def test_a_broken_outcome_is_refused_by_name_and_applies_nothing(
     m: Any, step: int, budget: int, breaks: Any, message: str
 ) -> None:
     executor = Breaking(m, step, breaks)
-    eng = m.Engine([m.Request("a", [1, 2, 3], 5), m.Request("b", [4, 5], 5)], budget, 2, 8, spec_len=2, executors=[executor])
+    eng = m.Engine(
+        [m.Request("a", [1, 2, 3], 5), m.Request("b", [4, 5], 5)], budget, 2, 8, spec_len=2, executors=[executor]
+    )
     executor.engine = eng
     for _ in range(step):
         eng.step()
@@ -410,7 +418,7 @@ def test_commit_needs_an_open_step_and_resolve_its_verdicts(m: Any) -> None:
         eng.commit(eng.executor.execute(plan))  # twice
     a = eng.requests[0]
     for verdicts in (None, {}):
-        with pytest.raises(m.BoundaryViolation, match="^resolve called without verdicts$"):
+        with pytest.raises(m.BoundaryViolation, match=r"^resolve called without verdicts$"):
             eng._resolve([(a, 1)], verdicts)
 
 
