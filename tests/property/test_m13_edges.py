@@ -56,6 +56,15 @@ def test_as_many_rank_executors_as_ranks_or_a_refusal_naming_both(m: Any) -> Non
     assert m.Engine([], 4, 2, 8, world_size=1, executors=one).executor is not None
 
 
+def test_the_namespace_scopes_every_prefix_key(m: Any) -> None:
+    for given, used in ((None, "engine"), ("tenant-a", "tenant-a")):
+        eng = m.Engine([m.Request("a", [1, 2, 3, 4, 5], 1)], 8, 2, 8, namespace=given)
+        eng.run()
+        keys = eng.requests[0].prompt_keys
+        assert eng.namespace == used and len(keys) == 2 and {k.namespace for k in keys} == {used}
+        assert eng.cache.match(m.prefix_keys([1, 2, 3, 4], 2, used)) == eng.cache.match(keys) != []
+
+
 def test_a_request_object_with_output_already_is_not_offered_again(m: Any) -> None:
     eng = m.Engine([], 4, 2, 8)
     used = m.Request("a", [1, 2, 3], 2)
