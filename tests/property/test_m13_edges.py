@@ -180,6 +180,12 @@ def test_an_eos_id_ends_a_request_unless_it_ignores_eos(m: Any) -> None:
     assert first.sampled == {"a": m.Sample.EOS, "b": m.Sample.TOKEN} and first.finished == {"a": m.FinishReason.EOS}
     got = [(r.finish_reason, r.output_ids, r.generated) for r in reqs]
     assert got == [(m.FinishReason.EOS, [5], 0), (m.FinishReason.LENGTH, [5, 5, 5], 3)]
+    # the scripted model's EOS id, 0, is an EOS id only with the built-in executor: with yours, a token
+    assert m.Engine([], 8, 2, 16).eos_token_ids == {m.EOS_TOKEN_ID} == {0}
+    c = m.Request("c", [1, 2, 3], 2)
+    eng = m.Engine([c], 8, 2, 16, executors=[Samples(m, 0)])
+    eng.run()
+    assert (eng.eos_token_ids, c.finish_reason, c.output_ids) == (frozenset(), m.FinishReason.LENGTH, [0, 0])
 
 
 Cut = tuple[Any, int]  # (when: the ids a request appended this step -> bool, how many of them to keep)
