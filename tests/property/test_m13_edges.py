@@ -73,6 +73,51 @@ def test_a_request_object_with_output_already_is_not_offered_again(m: Any) -> No
         eng.add_request(used)
 
 
+def test_the_same_request_object_is_not_offered_twice(m: Any) -> None:
+    eng = m.Engine([], 4, 2, 8)
+    r = m.Request("a", [1, 2, 3], 2)
+    assert eng.add_request(r) is None
+    with pytest.raises(ValueError, match=r"^request object 'a' was offered before; offer a new Request$"):
+        eng.add_request(r)  # still waiting, no output yet
+    assert [x.request_id for x in eng.requests] == ["a"]
+
+
+def test_the_door_checks_each_limit_at_its_boundary(m: Any) -> None:
+    R, why = m.Request, m.RejectReason
+    # prompt + max_new_tokens == max_model_len fits; one more does not
+    eng = m.Engine([], 8, 2, 16, max_model_len=6)
+    assert eng.add_request(R("a", [1, 2, 3], 3)) is None
+    assert eng.add_request(R("b", [1, 2, 3], 4)) is why.TOO_LONG
+    # two pages of 2: 0 tokens need no page; a prompt of 5 and 1 token needs pages_for(5) = 3
+    eng = m.Engine([], 8, 2, 2)
+    assert eng.add_request(R("z", [1, 2, 3, 4, 5, 6], 0)) is None
+    assert eng.add_request(R("n", [1, 2, 3, 4, 5], 1)) is why.NEVER_FITS
+    # max_waiting counts the waiting and the due: a runs, b is due, c waits for its arrival step
+    eng = m.Engine([R("a", [1, 2, 3], 4)], 8, 2, 16, max_waiting=2, max_running=1)
+    eng.step()
+    assert eng.add_request(R("b", [4, 5], 2)) is None and eng.add_request(R("c", [6, 7], 2, arrival_step=9)) is None
+    eng.step()
+    assert ([r.request_id for r in eng.due], len(eng.waiting)) == (["b"], 1)
+    assert eng.add_request(R("d", [8, 9], 2)) is why.OVERLOADED
+    eng = m.Engine([], 8, 2, 16, max_waiting=1)
+    assert eng.add_request(R("a", [1, 2], 2)) is None and eng.add_request(R("b", [1, 2], 2)) is why.OVERLOADED
+
+
+def test_a_reused_request_id_inherits_nothing_of_the_scripts_of_the_request_before(m: Any) -> None:
+    scripted = {"eos_after": 1, "accept_script": [0, 0]}
+    if "forced_script" in m.Request.__dataclass_fields__:
+        scripted["forced_script"] = {0: (7, 7)}
+    eng = m.Engine([m.Request("a", [1, 2, 3], 6, **scripted)], 8, 2, 16, spec_len=2)
+    eng.run()
+    again = m.Request("a", [1, 2, 3], 6)
+    eng.add_request(again)
+    eng.run()
+    fresh = m.Engine([m.Request("a", [1, 2, 3], 6)], 8, 2, 16, spec_len=2)
+    fresh.run()
+    assert (again.output_ids, again.finish_reason) == (fresh.requests[0].output_ids, m.FinishReason.LENGTH)
+    assert 7 not in again.output_ids and len(again.output_ids) == 6
+
+
 def test_abort_of_an_unknown_or_finished_request_is_false(m: Any) -> None:
     eng = m.Engine([m.Request("a", [1, 2, 3], 1)], 4, 2, 8)
     assert eng.abort("nobody") is False
