@@ -104,16 +104,16 @@ def test_the_door_checks_each_limit_at_its_boundary(m: Any) -> None:
 
 
 def test_a_reused_request_id_inherits_nothing_of_the_scripts_of_the_request_before(m: Any) -> None:
-    scripted = {"eos_after": 1, "accept_script": [0, 0]}
+    scripted = {"eos_after": 1, "accept_script": [0, 0, 0]}
     if "forced_script" in m.Request.__dataclass_fields__:
         scripted["forced_script"] = {0: (7, 7)}
     eng = m.Engine([m.Request("a", [1, 2, 3], 6, **scripted)], 8, 2, 16, spec_len=2)
     eng.run()
     again = m.Request("a", [1, 2, 3], 6)
     eng.add_request(again)
-    eng.run()
+    verdicts = [dict(rec.accepted) for rec in eng.run() if rec.accepted]
     fresh = m.Engine([m.Request("a", [1, 2, 3], 6)], 8, 2, 16, spec_len=2)
-    fresh.run()
+    assert verdicts == [dict(rec.accepted) for rec in fresh.run() if rec.accepted]  # every guess accepted
     assert (again.output_ids, again.finish_reason) == (fresh.requests[0].output_ids, m.FinishReason.LENGTH)
     assert 7 not in again.output_ids and len(again.output_ids) == 6
 
