@@ -113,11 +113,21 @@ PLAN_KNOWN_IDS = (
     "tests/property/test_plan_known_ids.py::test_every_plan_item_knows_exactly_its_known_ids",
 )
 
+# The explanation tells the truth (tests/property/test_explain.py; parametrized by rung, m13 and m14).
+EXPLAIN = (
+    "tests/property/test_explain.py::test_every_sentence_is_a_known_kind_and_states_what_the_step_did",
+    "tests/property/test_explain.py::test_the_scenarios_say_every_kind_of_sentence",
+)
+
 # m14's own tests (its note and its properties) and the ladder-wide properties' cases for m14 (each is
 # parametrized by rung; the other rungs' cases exercise other files).
 M14_TESTS = (
     "tests/notes/test_m14_forced_runs.py",
     "tests/property/test_m14_properties.py",
+    # the top rungs' edges, parametrized by rung (m13's run selects the whole file too; each rung's cases
+    # call only their own file's functions, so mutmut maps them to that rung's mutants alone)
+    "tests/property/test_m13_edges.py",
+    *(f"{t}[m14_forced_runs]" for t in EXPLAIN),
     "tests/property/test_step_halves.py::test_schedule_execute_commit_is_step[m14_forced_runs]",
     "tests/property/test_step_halves.py::test_schedule_execute_commit_is_step_with_forced_runs",
     "tests/property/test_step_halves.py::test_a_stop_ends_the_named_requests_with_the_ids_they_kept[m14_forced_runs]",
@@ -237,6 +247,7 @@ MODULES: tuple[Module, ...] = (
             "tests/property/test_m13_properties.py",
             "tests/property/test_m13_edges.py",
             *(f"{t}[m13_output_caching]" for t in PLAN_KNOWN_IDS),
+            *(f"{t}[m13_output_caching]" for t in EXPLAIN),
         ),
         sample=0.1,
     ),

@@ -264,3 +264,54 @@ def test_the_chi_square_check_has_power(small_vocab: Tiny) -> None:
 def test_token_logprobs_of_no_rows_is_empty() -> None:
     """A batch of no rows asks for no top ids (``max`` of no counts is 0) and gets no logprobs."""
     assert token_logprobs(torch.zeros(0, 30), [], []) == []
+
+
+class PlacedLogits:
+    """Stands for a logits tensor on device ``kind``: what ``sampling_logits`` reads of it, and a ``cpu()``
+    that says it was called (so a CPU tensor is shown to come back itself, not as a copy of itself)."""
+
+    def __init__(self, kind: str) -> None:
+        self.device = torch.device(kind)
+        self.copied = False
+
+    def cpu(self) -> str:
+        self.copied = True
+        return "host copy"
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_sampling_logits_copy_to_the_host_only_what_the_host_must_do(kind: str) -> None:
+    from mechserve.executor.sampling import sampling_logits
+
+    plain = Row(SamplingParams(temperature=0.0), 0)
+    cases = [
+        ([plain, plain], {}, False),  # plain greedy: one argmax where the logits are
+        ([plain], {"host": True}, True),  # the caller needs them on the host (logprobs)
+        ([plain, Row(SamplingParams(temperature=1.0), 0)], {}, True),  # a sampling row: the generators are there
+        ([plain, Row(SamplingParams(temperature=0.0, min_tokens=2), 0, (5,))], {}, True),  # greedy, but banned ids
+        ([Row(SamplingParams(temperature=0.0, repetition_penalty=1.2), 0, history=(3,))], {}, True),  # penalties
+    ]
+    for rows, kwargs, to_host in cases:
+        logits = PlacedLogits(kind)
+        got = sampling_logits(logits, rows, **kwargs)  # type: ignore[arg-type]
+        if kind == "cpu" or not to_host:
+            assert got is logits and not logits.copied, (kind, rows, kwargs)
+        else:
+            assert got == "host copy", (rows, kwargs)
+
+
+def test_the_draw_workspace_is_float64_reused_and_grown_on_demand() -> None:
+    """``-log(U)`` needs U in float64 (``Sampler._exponentials``): float32 U can be 0 and is coarse near 1."""
+    s = Sampler(seed=0)
+    first = s._workspace(torch.Size([3, 7]))
+    assert first.shape == (3, 7) and first.dtype == torch.float64
+    fewer = s._workspace(torch.Size([2, 7]))
+    same = s._workspace(torch.Size([3, 7]))
+    assert fewer.shape == (2, 7) and fewer.data_ptr() == same.data_ptr() == first.data_ptr()  # no new buffer
+    more = s._workspace(torch.Size([5, 7]))
+    assert more.shape == (5, 7) and more.dtype == torch.float64
+    assert s._workspace(torch.Size([1, 7])).data_ptr() == more.data_ptr()  # the grown buffer is kept
+    other = s._workspace(torch.Size([2, 4]))  # another vocabulary: a buffer of its width
+    assert other.shape == (2, 4) and other.dtype == torch.float64 and other.is_contiguous()
+    q = s._exponentials([Row(SamplingParams(temperature=1.0), 0)] * 2, torch.Size([2, 4]))
+    assert q.shape == (2, 4) and q.dtype == torch.float32 and bool((q > 0).all())

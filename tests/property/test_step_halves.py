@@ -67,6 +67,9 @@ def test_a_stop_ends_the_named_requests_with_the_ids_they_kept(name: str, w: dic
     by_id = {r.request_id: r for r in eng.requests}
     plan = {f"r{i}": k for i, k in cuts.items()}
     expected: dict[str, list[int]] = {}
+    # an EOS or stop id the request finished on in this step is not counted in `generated`; a stop keeping
+    # it leaves it uncounted, one cutting it off leaves every kept id counted
+    uncounted: dict[str, int] = {}
 
     def stop(rid: str, ids: tuple[int, ...]) -> int | None:
         if rid not in plan:
@@ -75,6 +78,9 @@ def test_a_stop_ends_the_named_requests_with_the_ids_they_kept(name: str, w: dic
         had = by_id[rid].output_ids
         assert had[len(had) - len(ids) :] == list(ids)
         expected[rid] = had[: len(had) - len(ids)] + list(ids[:keep])
+        on_id = by_id[rid].finish_reason in (mod.FinishReason.EOS, mod.FinishReason.STOP)
+        assert by_id[rid].generated == len(had) - on_id
+        uncounted[rid] = int(on_id and keep == len(ids))
         return keep
 
     while eng.live:
@@ -84,6 +90,7 @@ def test_a_stop_ends_the_named_requests_with_the_ids_they_kept(name: str, w: dic
         for rid in expected.keys() & rec.finished.keys():
             assert rec.finished[rid] is mod.FinishReason.STOP
             assert by_id[rid].output_ids == expected[rid] and not by_id[rid].page_table
+            assert by_id[rid].generated == len(expected[rid]) - uncounted[rid]
             if name == "m14_forced_runs":
                 assert (
                     rec.forced.get(rid, 0) <= len(rec.tokens[rid]) - rec.accepted.get(rid, 0) - 1 or not rec.tokens[rid]
