@@ -106,11 +106,13 @@ class Row(NamedTuple):
 
     @property
     def processed(self) -> bool:
-        """Whether ``process_logits`` changes this row."""
+        """Whether ``process_logits`` changes this row: what ``_process_row`` reads, the request's
+        ``bad_words_ids`` included (not only ``params.bad_words``, the text they came from)."""
         return (
             self.params.filtered
             or self.allowed is not None
             or bool(self.banned and self.token_index < self.params.min_tokens)
+            or bool(self.request is not None and self.request.bad_words_ids)
         )
 
 

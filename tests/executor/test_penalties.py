@@ -69,6 +69,15 @@ def test_each_rule_on_one_row(fields: dict, changed: dict[int, float]) -> None:
     assert_close(got, reference(LOGITS, row))
 
 
+def test_a_rows_bad_word_ids_are_applied_with_every_other_setting_neutral() -> None:
+    """The row is processed whenever its request carries bad word ids, whatever the params say (hypothesis
+    found ``process_logits`` returning the row untouched: ``processed`` read ``params.bad_words`` only)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    row = Row(params, 0, (), (0,), 1, request=ExecutorRequest("r", (), params, bad_words_ids=((0,),)))
+    got = process_logits(torch.zeros(1, 12), [row])[0]
+    assert got[0] == -math.inf and bool((got[1:] == 0).all())
+
+
 def test_bad_words_ban_a_last_token_only_after_its_prefix() -> None:
     """vLLM's rule: a one-token word is always banned; a longer one bans its last token only when the output so
     far ends with its other tokens (the prompt does not count)."""
