@@ -199,7 +199,9 @@ class MeasuredCosts:
 # Calibration -------------------------------------------------------------------------------------------------------
 
 
-def step_inputs(model: Any, windows: int, rows_each: int, context: int, page_size: int, kv_dtype: Any = None) -> tuple:
+def step_inputs(
+    model: Any, windows: int, rows_each: int, context: int, page_size: int, kv_dtype: Any = None
+) -> tuple[Any, ...]:
     """A scratch target step: ``windows`` decode windows of ``rows_each`` rows each after ``context`` cached
     positions, in a fresh cache of its own.  Returns ``(input_ids [T] int64, positions [T] int64, cache, batch,
     logit_rows [T] int64)``, ``T = windows * rows_each``, the arguments of ``Model.forward``."""
@@ -264,7 +266,7 @@ def calibrate(
     for timed in [False] + [True] * repeats:
         for s in shapes:
             began = clock()
-            model.forward(*inputs[s], hidden_out=[] if hidden else None).argmax(-1).tolist()
+            model.forward(*inputs[s], **({"hidden_out": []} if hidden else {})).argmax(-1).tolist()
             if timed:
                 step_times[s].append(clock() - began)
         for n, r in drafts:
