@@ -11,8 +11,8 @@ as long as both use the same one::
                     a short calibration when the executor is built (``calibrate``: target steps of 1 .. 8 x
                     (max_k + 1) rows, the proposer's draft rounds at 1 and 8 windows) and then every decode
                     step the executor runs (``TorchExecutor`` times its proposal and its target step: the
-                    online estimate), each kept as the median of its last ``WINDOW`` measurements per row
-                    count / per (windows, rounds)
+                    online estimate: the calibrated curve scaled by the recent steps' ratios to it;
+                    draft calls as the interquartile mean of their last ``WINDOW`` measurements)
 
 Why both: the calibration measures every row count the governor may choose before it chooses (an online
 estimate alone only sees the row counts it already chose, so a wrong prior would never be corrected: a
@@ -20,10 +20,11 @@ governor that priced a guess row too high would never run one), and it runs in t
 bf16, q8_0 and q4_1 are priced as they run; the online estimate then follows what calibration cannot see (the
 requests' real context lengths, the executor's own per-row work around the forward, the machine's load).
 Both are cheap: the calibration is ~30 target forwards and ~25 draft calls on a scratch cache (well under a
-second for SmolLM2 on 2 cores), the online estimate two clock reads per step.  Robustness: a median, not a
-mean (a step stalled by another process, or by a garbage collection, does not move it), over a short
-window (it follows a lasting change within ``WINDOW // 2 + 1`` steps of that row count), and the step curve
-is made non-decreasing in rows.
+second for SmolLM2 on 2 cores), the online estimate two clock reads per step.  Robustness: the mean of the
+middle half of the recent measurements, not of all of them (a step stalled by another process, or by a
+garbage collection, does not move it), over a short window (it follows a lasting change within a few dozen
+steps), a change seen at the row counts being run applied to every row count (the row counts not run lately
+are not left at stale prices), and the step curve is made non-decreasing in rows.
 
 Estimates between measured points are linear interpolations; beyond the largest measured row count the
 step cost grows with the least-squares slope of the measured multi-row steps (with fewer than two of
@@ -35,9 +36,10 @@ wall-clock time.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -80,83 +82,137 @@ def _interpolate(points: Mapping[int, float], x: float) -> float | None:
     xs = sorted(points)
     if not xs or x < xs[0] or x > xs[-1]:
         return None
-    for lo, hi in zip(xs, xs[1:]):
+    for lo, hi in itertools.pairwise(xs):
         if lo <= x <= hi:
             return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
     return points[xs[0]]
 
 
+def _iq_mean(values: Sequence[float]) -> float:
+    """The mean of the middle half of ``values`` (not empty): robust to a few outliers either way."""
+    ordered = sorted(values)
+    cut = len(ordered) // 4
+    return statistics.fmean(ordered[cut : len(ordered) - cut])
+
+
 class MeasuredCosts:
     """Seconds per target step by rows and per draft call by (windows, rounds), measured (module docstring).
 
-    ``observe_step(rows, seconds)`` and ``observe_draft(windows, rounds, seconds)`` add a measurement; a key's
-    estimate is the median of its last ``window`` measurements (``steps``, ``drafts``).  ``step`` and ``draft``
-    answer for any key; before any step was measured they answer the ``prior``'s numbers (one-row steps), and
-    draft rounds not measured yet are the prior's in units of the measured one-row step.  Raises
-    ``ValueError`` for a ``window`` below 1.
+    Target steps: ``calibrated(rows, seconds)`` sets the curve's shape (``shape``: the calibration's seconds
+    by rows); ``observe_step(rows, seconds)`` adds a step the executor ran, as its ratio to the shape (a row
+    count the shape lacks joins it, scaled to it).  A step of ``rows`` rows is the shape's curve times the
+    interquartile mean of the last ``recent`` steps' ratios at that row count (at least ``MIN_SEEN`` of them),
+    else of every row count's: a machine that got busier, or contexts longer than the calibration's, raise
+    every row count at once, and a row count run often gets its own correction; the result never falls
+    with more rows.  Draft calls: the interquartile mean of the key's last ``window`` measurements
+    (``observe_draft``; ``drafts``).  Before any step was measured ``step`` and ``draft`` answer the
+    ``prior``'s numbers (one-row steps), and draft rounds not measured yet are the prior's in units of the
+    measured one-row step.  Raises ``ValueError`` for a ``window`` or ``recent`` below 1.
     """
 
     WINDOW = 15
+    RECENT = 64
+    MIN_SEEN = 3
 
-    def __init__(self, prior: StaticCosts | None = None, window: int = WINDOW) -> None:
-        if window < 1:
-            raise ValueError(f"window must be at least 1, got {window!r}")
+    def __init__(self, prior: StaticCosts | None = None, window: int = WINDOW, recent: int = RECENT) -> None:
+        if window < 1 or recent < 1:
+            raise ValueError(f"window and recent must be at least 1, got {window!r} and {recent!r}")
         self.prior = prior or StaticCosts()
         self.window = window
-        self.steps: dict[int, float] = {}  # rows -> seconds (the median)
-        self.drafts: dict[int, dict[int, float]] = {}  # windows -> rounds -> seconds (the median)
-        self._seen: dict[tuple[int, int], deque[float]] = {}  # (windows or 0 for a step, rows or rounds) -> last
-        self._curve: dict[int, float] | None = None  # ``steps`` made non-decreasing (cached)
+        self.shape: dict[int, float] = {}  # rows -> seconds, as calibrated
+        self.drafts: dict[int, dict[int, float]] = {}  # windows -> rounds -> seconds (the estimate)
+        self._recent: deque[tuple[int, float]] = deque(maxlen=recent)  # (rows, seconds / shape) of the last steps
+        self._seen: dict[tuple[int, int], deque[float]] = {}  # (windows, rounds) -> the last draft calls
+        self._cache: tuple[dict[int, float], float, list[tuple[int, float]]] | None = None
 
-    def _median(self, key: tuple[int, int], seconds: float) -> float:
+    def _estimate(self, key: tuple[int, int], seconds: float) -> float:
+        """Add ``seconds`` to the key's last measurements; their interquartile mean."""
         seen = self._seen.get(key)
         if seen is None:
             seen = self._seen[key] = deque(maxlen=self.window)
         seen.append(max(0.0, float(seconds)))
-        return statistics.median(seen)
+        return _iq_mean(seen)
+
+    def calibrated(self, rows: int, seconds: float) -> None:
+        """A target step of ``rows`` rows took ``seconds`` in the calibration: the shape of the curve."""
+        if rows > 0:
+            self.shape[rows] = max(float(seconds), 1e-12)
+            self._cache = None
 
     def observe_step(self, rows: int, seconds: float) -> None:
-        """A target step of ``rows`` rows took ``seconds``."""
-        if rows > 0:
-            self.steps[rows] = self._median((0, rows), seconds)
-            self._curve = None
+        """A target step of ``rows`` rows took ``seconds`` (online)."""
+        if rows <= 0:
+            return
+        seconds = max(float(seconds), 1e-12)
+        if rows in self.shape:
+            self._recent.append((rows, seconds / self._base(rows)))
+        else:  # joins the shape, in the calibration's terms: at the current ratio
+            overall = self._ratios()[1]
+            self.shape[rows] = seconds / overall
+            self._recent.append((rows, overall))
+        self._cache = None
 
     def observe_draft(self, windows: int, rounds: int, seconds: float) -> None:
         """A proposal of ``rounds`` rounds for ``windows`` drafting windows took ``seconds``."""
         if windows > 0 and rounds > 0:
-            self.drafts.setdefault(windows, {})[rounds] = self._median((windows, rounds), seconds)
+            self.drafts.setdefault(windows, {})[rounds] = self._estimate((windows, rounds), seconds)
 
     @property
     def measured(self) -> bool:
         """Whether any target step was measured (the answers are seconds, not the prior's units)."""
-        return bool(self.steps)
+        return bool(self.shape)
 
-    def _monotone(self) -> dict[int, float]:
-        if self._curve is None:
-            curve: dict[int, float] = {}
+    @property
+    def steps(self) -> dict[int, float]:
+        """The estimate at every row count measured (calibrated or run), in seconds."""
+        return {rows: self.step(rows) for rows in sorted(self.shape)}
+
+    def _ratios(self) -> tuple[dict[int, float], float, list[tuple[int, float]]]:
+        """Per row count seen at least ``MIN_SEEN`` times lately, its ratio; the ratio of every recent step (1
+        without any); the estimates at the shape's row counts, made non-decreasing (cached)."""
+        if self._cache is None:
+            by_rows: dict[int, list[float]] = {}
+            for rows, ratio in self._recent:
+                by_rows.setdefault(rows, []).append(ratio)
+            ratios = {rows: _iq_mean(r) for rows, r in by_rows.items() if len(r) >= self.MIN_SEEN}
+            overall = _iq_mean([r for _, r in self._recent]) if self._recent else 1.0
+            envelope: list[tuple[int, float]] = []
             top = 0.0
-            for rows in sorted(self.steps):
-                top = max(top, self.steps[rows])
-                curve[rows] = top
-            self._curve = curve
-        return self._curve
+            for rows in sorted(self.shape):
+                top = max(top, self.shape[rows] * ratios.get(rows, overall))
+                envelope.append((rows, top))
+            self._cache = ratios, overall, envelope
+        return self._cache
 
-    def step(self, rows: int) -> float:
-        """A target step of ``rows`` rows: seconds (the prior's one-row steps before any measurement)."""
-        curve = self._monotone()
-        if not curve:
-            return self.prior.step(rows)
+    def _base(self, rows: int) -> float:
+        """The shape's curve at ``rows``: interpolated between its row counts, made non-decreasing; past the
+        largest, the least-squares slope of its multi-row counts (the prior's shape with fewer than two);
+        below the smallest, the prior's shape."""
+        curve: dict[int, float] = {}
+        top = 0.0
+        for x in sorted(self.shape):
+            top = max(top, self.shape[x])
+            curve[x] = top
         found = _interpolate(curve, rows)
         if found is not None:
             return found
         xs = sorted(curve)
-        if rows < xs[0]:  # below every measurement: the prior's shape through the smallest one
+        if rows < xs[0]:
             return curve[xs[0]] * self.prior.step(rows) / self.prior.step(xs[0])
         multi = [x for x in xs if x > 1]
-        if len(multi) < 2:  # one multi-row point at most: the prior's shape through the largest one
+        if len(multi) < 2:
             return curve[xs[-1]] * self.prior.step(rows) / self.prior.step(xs[-1])
         slope = max(0.0, statistics.linear_regression(multi, [curve[x] for x in multi]).slope)
         return curve[xs[-1]] + slope * (rows - xs[-1])
+
+    def step(self, rows: int) -> float:
+        """A target step of ``rows`` rows: seconds (the prior's one-row steps before any measurement)."""
+        if not self.shape:
+            return self.prior.step(rows)
+        ratios, overall, envelope = self._ratios()
+        found = self._base(rows) * ratios.get(rows, overall)
+        below = [top for x, top in envelope if x <= rows]
+        return max(found, below[-1]) if below else found
 
     def _rounds(self, per_round: Mapping[int, float], rounds: int) -> float:
         """One window count's curve in rounds, through (0, 0), extended by its last segment's slope."""
@@ -220,10 +276,12 @@ def step_inputs(
         spans.append(Span(len(ids), context, rows_each, table))
         for j in range(rows_each):
             slots.append(table[(context + j) // page_size] * page_size + (context + j) % page_size)
-            ids.append(100 + j)
+            ids.append((100 + j) % model.arch.vocab_size)
             positions.append(context + j)
     a = model.arch
-    batch = build_attention_batch(spans, slots, page_size, a.num_heads // a.num_kv_heads, model.distinct_sliding_windows)
+    batch = build_attention_batch(
+        spans, slots, page_size, a.num_heads // a.num_kv_heads, model.distinct_sliding_windows
+    )
     return torch.tensor(ids), torch.tensor(positions), cache, batch, torch.arange(len(ids))
 
 
@@ -278,7 +336,7 @@ def calibrate(
     for (b, m), times in step_times.items():
         by_rows.setdefault(b * m, []).append(statistics.median(times))
     for rows, medians in by_rows.items():
-        costs.observe_step(rows, statistics.median(medians))
+        costs.calibrated(rows, statistics.median(medians))
     for (n, r), times in draft_times.items():
         costs.observe_draft(n, r, statistics.median(times))
 

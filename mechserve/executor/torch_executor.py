@@ -268,7 +268,9 @@ class TorchExecutor:
         # masks (``_mask_rows``; read by ``mechserve bench structured``).
         self.grammar_mask_s = 0.0
 
-    def _new_governor(self, method: ProposerMethod, spec: SpeculativeConfig, measure: bool, calibrate: bool) -> Governor:
+    def _new_governor(
+        self, method: ProposerMethod, spec: SpeculativeConfig, measure: bool, calibrate: bool
+    ) -> Governor:
         """The method's governor for its own proposer; with ``measure`` (an adaptive config) its costs measured
         (the method's as the prior), calibrated now when ``calibrate``."""
         max_k = spec.num_speculative_tokens

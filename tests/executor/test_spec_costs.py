@@ -16,14 +16,13 @@ from typing import Any
 import pytest
 import torch
 from tiny_checkpoints import Tiny, random_prompts
-
 from tiny_models import save_cycle_model
 
 from executor.test_spec_decode import CYCLE, PROMPT, drain, loaded
 from executor.test_spec_eagle import train_tiny_head
-from mechserve.api.proposers import PROPOSERS
 from mechserve.api.config import EngineConfig, SpeculativeConfig
 from mechserve.api.params import SamplingParams
+from mechserve.api.proposers import PROPOSERS
 from mechserve.engine.core import EngineCore
 from mechserve.executor.costs import MeasuredCosts, StaticCosts, calibration_shapes
 from mechserve.executor.governor import Candidate, Governor
@@ -93,27 +92,36 @@ def test_static_costs_are_one_row_steps_with_a_jump_and_per_round_drafts() -> No
 
 
 def test_measured_costs_converge_on_noisy_steps_with_stalls() -> None:
-    """The median of the last measurements: unbiased by 10% noise and by 5% of steps stalled 20x; between and
-    beyond the measured row counts the curve interpolates and extends with the fitted slope."""
+    """Calibrated, then the machine runs 1.5x slower with 10% noise and 5% of its steps stalled 20x: the
+    estimate (the calibrated curve times the interquartile mean of the recent ratios to it) is the new cost,
+    at the row counts run, between them and past them (the fitted slope)."""
     rng = random.Random(3)
     costs = MeasuredCosts(StaticCosts())
     measured = (1, 2, 3, 5, 8, 16, 24, 40)
+    for rows in measured:
+        costs.calibrated(rows, memory_bound(rows) * rng.uniform(0.97, 1.03))
     for _ in range(60):
         for rows in measured:
             noise = 20.0 if rng.random() < 0.05 else rng.uniform(0.9, 1.1)
-            costs.observe_step(rows, memory_bound(rows) * noise)
+            costs.observe_step(rows, 1.5 * memory_bound(rows) * noise)
     for rows in (1, 2, 4, 12, 33, 40, 64):
-        assert costs.step(rows) == pytest.approx(memory_bound(rows), rel=0.06), rows
+        assert costs.step(rows) == pytest.approx(1.5 * memory_bound(rows), rel=0.06), rows
 
 
 def test_measured_costs_follow_a_lasting_change() -> None:
-    """The machine gets twice as slow: within a window of steps the estimate is the new cost."""
-    costs = MeasuredCosts(StaticCosts(), window=5)
-    for _ in range(5):
+    """The machine gets twice as slow: half a window of steps later the estimate has moved, a window later it is
+    the new cost, at the row count run and at the others (not left at stale prices)."""
+    costs = MeasuredCosts(StaticCosts(), recent=8)
+    costs.calibrated(8, 0.010)
+    costs.calibrated(40, 0.030)
+    for _ in range(8):
         costs.observe_step(8, 0.010)
-    for _ in range(3):
+    for _ in range(4):
         costs.observe_step(8, 0.020)
-    assert costs.step(8) == pytest.approx(0.020)
+    assert costs.step(8) == pytest.approx(0.015)
+    for _ in range(4):
+        costs.observe_step(8, 0.020)
+    assert costs.step(8) == pytest.approx(0.020) and costs.step(40) == pytest.approx(0.060)
 
 
 def test_measured_costs_before_and_between_measurements() -> None:
@@ -131,7 +139,7 @@ def test_measured_costs_before_and_between_measurements() -> None:
     assert costs.draft(4, 1) == pytest.approx(0.008)  # extended by the last segment
     assert costs.draft(2, 4) == pytest.approx(0.004 + 0.008 * 3 / 7)  # between 1 and 8 windows
     assert costs.draft(2, 16) == pytest.approx(0.012) and costs.draft(0, 8) == 0.0
-    with pytest.raises(ValueError, match="window must be at least 1"):
+    with pytest.raises(ValueError, match="window and recent must be at least 1"):
         MeasuredCosts(window=0)
 
 
@@ -169,7 +177,7 @@ def test_the_governor_speculates_where_measured_costs_say_it_pays() -> None:
     dear_rows = Governor(costs=measured(compute_bound))
     assert dear_rows.choose([Candidate(4, 4, 0.9)], 4) == 0 and dear_rows.choose([Candidate(4, 4, 0.9)] * 8, 4) == 0
     # a draft round dearer than what its acceptance earns: off; a cheap one: on
-    dear_draft = Governor(costs=measured(memory_bound, round_s=0.008))
+    dear_draft = Governor(costs=measured(memory_bound, round_s=0.004))  # 40% of a step a round
     assert dear_draft.choose([Candidate(4, 4, 0.5)], 4) == 0
     assert dear_draft.choose([Candidate(4, 4, 0.95)], 4) > 0  # a head that is almost always right still pays
     cheap_draft = Governor(costs=measured(memory_bound, round_s=0.0002))
@@ -201,9 +209,7 @@ def engine_run(model: LlamaModel, executor: TorchExecutor | None, prompts: Seque
     return [list(r.output_ids) for r in core.scheduler.spec_engine.requests], records
 
 
-def test_the_calibration_measures_the_loaded_models_steps(
-    cycle: LlamaModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_calibration_measures_the_loaded_models_steps(cycle: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = Clock()
     timed_forward(cycle, clock, memory_bound, monkeypatch)
     ex = TorchExecutor(cycle, 64, 4, speculative=NGRAM, clock=clock)
@@ -215,21 +221,25 @@ def test_the_calibration_measures_the_loaded_models_steps(
     assert fixed.costs is None and isinstance(uncalibrated.costs, MeasuredCosts) and not uncalibrated.costs.steps
 
 
-def test_the_online_estimate_follows_the_executors_timed_steps(cycle: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_online_estimate_follows_the_executors_timed_steps(
+    cycle: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every decode step's rows and time reach the estimate: calibrated, then the machine gets twice as slow;
     the two requests decode one row each per step (rows cost what they compute: no guesses), and 2-row steps
-    are then priced at the new cost, the row counts never run since at the calibrated one."""
+    are then priced at the new cost, and so are the row counts not run since the calibration (a stale price
+    would make 3 rows look cheaper than 2)."""
     clock = Clock()
     slow = [1.0]
     timed_forward(cycle, clock, lambda rows: slow[0] * compute_bound(rows), monkeypatch)
     ex = TorchExecutor(cycle, 64, 4, speculative=NGRAM, clock=clock)
     slow[0] = 2.0
     prompts = [PROMPT, [*CYCLE[3:], *CYCLE[:4]]]
-    got, records = engine_run(cycle, ex, prompts)
+    got, _ = engine_run(cycle, ex, prompts)
     assert got == engine_run(cycle, None, prompts)[0]
     assert ex.costs is not None and ex.stats().proposed == 0
     assert ex.costs.step(2) == pytest.approx(2.0 * compute_bound(2))
-    assert ex.costs.step(40) == pytest.approx(compute_bound(40))
+    assert ex.costs.step(3) == pytest.approx(2.0 * compute_bound(3))
+    assert ex.costs.step(40) == pytest.approx(2.0 * compute_bound(40))
 
 
 @pytest.mark.parametrize("cost, drafts", [(memory_bound, True), (compute_bound, False)])
@@ -272,7 +282,8 @@ def test_eagle_gets_a_governor_that_prices_its_rounds(tiny: Tiny, head: Path) ->
     not free, the same every round, cheaper with FR-Spec's subset of the vocabulary."""
     found = eagle.find(tiny.model, head)
     governors = [
-        PROPOSERS["eagle"].new_governor(EagleProposer(tiny.model, found, vocab), None, tiny.model, 4) for vocab in (0, 8)
+        PROPOSERS["eagle"].new_governor(EagleProposer(tiny.model, found, vocab), None, tiny.model, 4)
+        for vocab in (0, 8)
     ]
     whole, subset = (g.costs for g in governors)
     assert isinstance(whole, StaticCosts) and isinstance(subset, StaticCosts)
