@@ -19,7 +19,7 @@ estimate alone only sees the row counts it already chose, so a wrong prior would
 governor that priced a guess row too high would never run one), and it runs in the engine's own mode, so
 bf16, q8_0 and q4_1 are priced as they run; the online estimate then follows what calibration cannot see (the
 requests' real context lengths, the executor's own per-row work around the forward, the machine's load).
-Both are cheap: the calibration is ~30 target forwards and ~25 draft calls on a scratch cache (well under a
+Both are cheap: the calibration is ~40 target forwards and ~40 draft calls on a scratch cache (well under a
 second for SmolLM2 on 2 cores), the online estimate two clock reads per step.  Robustness: the mean of the
 middle half of the recent measurements, not of all of them (a step stalled by another process, or by a
 garbage collection, does not move it), over a short window (it follows a lasting change within a few dozen
@@ -302,14 +302,15 @@ def calibrate(
     kv_dtype: Any = None,
     hidden: bool = False,
     clock: Callable[[], float],
-    repeats: int = 3,
+    repeats: int = 4,
     batch: int = 8,
     context: int = 128,
 ) -> None:
     """Measure ``model``'s target steps (``calibration_shapes``) and ``proposer``'s draft rounds into ``costs``.
 
     Each shape runs once untimed (first-call allocations), then ``repeats`` timed rounds, interleaved; the
-    median of each goes to ``costs``.  A step is timed up to its argmax's ids on the host (a device step has
+    fastest of each goes to ``costs`` (the shape of the curve, free of other processes' interference: the
+    online ratios then add the load the engine really runs under).  A step is timed up to its argmax's ids on the host (a device step has
     finished).  ``hidden``: the forward also returns its hidden states (an EAGLE target).  The proposer's
     rounds are timed through its optional ``calibrate(windows, rounds)`` (a representative draft of ``rounds``
     guesses for ``windows`` windows; the EAGLE head has one), for 1 and ``batch`` windows and 1 .. ``max_k``
@@ -334,11 +335,11 @@ def calibrate(
                 draft_times[(n, r)].append(clock() - began)
     by_rows: dict[int, list[float]] = {}
     for (b, m), times in step_times.items():
-        by_rows.setdefault(b * m, []).append(statistics.median(times))
-    for rows, medians in by_rows.items():
-        costs.calibrated(rows, statistics.median(medians))
+        by_rows.setdefault(b * m, []).append(min(times))
+    for rows, fastest in by_rows.items():
+        costs.calibrated(rows, min(fastest))
     for (n, r), times in draft_times.items():
-        costs.observe_draft(n, r, statistics.median(times))
+        costs.observe_draft(n, r, min(times))
 
 
 __all__ = ["CostModel", "MeasuredCosts", "StaticCosts", "calibrate", "calibration_shapes", "step_inputs"]
