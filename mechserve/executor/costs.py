@@ -310,15 +310,15 @@ def calibrate(
 
     Each shape runs once untimed (first-call allocations), then ``repeats`` timed rounds, interleaved; the
     fastest of each goes to ``costs`` (the shape of the curve, free of other processes' interference: the
-    online ratios then add the load the engine really runs under).  A step is timed up to its argmax's ids on the host (a device step has
-    finished).  ``hidden``: the forward also returns its hidden states (an EAGLE target).  The proposer's
+    online ratios then add the load the engine really runs under).  A step is timed up to its argmax's ids
+    on the host (a device step has finished).  ``hidden``: the forward also returns its hidden states (an EAGLE target).  The proposer's
     rounds are timed through its optional ``calibrate(windows, rounds)`` (a representative draft of ``rounds``
     guesses for ``windows`` windows; the EAGLE head has one), for 1 and ``batch`` windows and 1 .. ``max_k``
     rounds; a proposer without one is measured online only.
     """
     shapes = calibration_shapes(max_k, batch)
     inputs = {s: step_inputs(model, *s, context, page_size, kv_dtype) for s in shapes}
-    probe = getattr(proposer, "calibrate", None)
+    probe: Callable[[int, int], None] | None = getattr(proposer, "calibrate", None)
     drafts = [(n, r) for n in sorted({1, batch}) for r in range(1, max_k + 1)] if probe is not None else []
     step_times: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
     draft_times: dict[tuple[int, int], list[float]] = {d: [] for d in drafts}
@@ -329,6 +329,7 @@ def calibrate(
             if timed:
                 step_times[s].append(clock() - began)
         for n, r in drafts:
+            assert probe is not None
             began = clock()
             probe(n, r)
             if timed:
