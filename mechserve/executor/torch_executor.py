@@ -81,6 +81,7 @@ from typing import Any, TypeVar
 import torch
 
 from mechserve.api.config import SpeculativeConfig
+from mechserve.api.env import spec_costs_mode
 from mechserve.api.errors import first_line
 from mechserve.api.outputs import TokenLogprobs
 from mechserve.api.params import GREEDY
@@ -215,7 +216,8 @@ class TorchExecutor:
     (``costs.calibrate``: well under a second for SmolLM2; off on tensor-parallel ranks, where a forward
     needs every rank), and every step times its proposal and its target step by ``clock`` (seconds;
     default ``time.perf_counter``; tests inject a synthetic one) into the same estimates (a given
-    ``governor`` whose costs are a ``MeasuredCosts`` is fed too).  Raises ``ValueError`` for a draft model
+    ``governor`` whose costs are a ``MeasuredCosts`` is fed too); ``MECHSERVE_SPEC_COSTS=static`` keeps the
+    method's static prices (reproducible decisions).  Raises ``ValueError`` for a draft model
     with another vocabulary, a model given to a model-free method, or a method that needs a model without
     one.
     """
@@ -272,10 +274,11 @@ class TorchExecutor:
         self, method: ProposerMethod, spec: SpeculativeConfig, measure: bool, calibrate: bool
     ) -> Governor:
         """The method's governor for its own proposer; with ``measure`` (an adaptive config) its costs measured
-        (the method's as the prior), calibrated now when ``calibrate``."""
+        (the method's as the prior), calibrated now when ``calibrate``, unless ``MECHSERVE_SPEC_COSTS=static``
+        (``api.env.spec_costs_mode``; raises its ``ValueError``)."""
         max_k = spec.num_speculative_tokens
         governor: Governor = method.new_governor(self.proposer, self._draft, self.model, max_k)
-        if not measure or not isinstance(governor.costs, StaticCosts):
+        if not measure or spec_costs_mode() == "static" or not isinstance(governor.costs, StaticCosts):
             return governor
         governor.costs = costs = MeasuredCosts(governor.costs)
         if calibrate and max_k > 0:

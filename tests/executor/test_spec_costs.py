@@ -321,3 +321,14 @@ def test_the_head_runs_only_where_its_measured_rounds_pay(
     got, _ = engine_run(tiny.model, ex, prompts)
     assert got == engine_run(tiny.model, None, prompts)[0]
     assert (ex.stats().proposed > 0) == pays
+
+
+def test_static_costs_by_environment(cycle: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MECHSERVE_SPEC_COSTS=static``: the method's fixed prices, nothing timed (the same decisions on every
+    run); another value is refused naming the variable."""
+    monkeypatch.setenv("MECHSERVE_SPEC_COSTS", "static")
+    ex = TorchExecutor(cycle, 64, 4, speculative=NGRAM)
+    assert ex.costs is None and isinstance(ex.governor.costs, StaticCosts)
+    monkeypatch.setenv("MECHSERVE_SPEC_COSTS", "guessed")
+    with pytest.raises(ValueError, match="MECHSERVE_SPEC_COSTS must be one of measured, static, got 'guessed'"):
+        TorchExecutor(cycle, 64, 4, speculative=NGRAM)
