@@ -14,6 +14,11 @@ as long as both use the same one::
                     online estimate: the calibrated curve scaled by the recent steps' ratios to it;
                     draft calls as the interquartile mean of their last ``WINDOW`` measurements)
 
+Limit (measured): under heavy contention (load average ~20 on 2 cores, a niced process) the calibration's
+wall times are dominated by preemption (a 1-row step timed at 3 s, as dear as 24 rows), and process CPU time
+is no better (spinning OpenMP threads: 1 .. 16 rows all equal); the online ratios then correct only the row
+counts the engine runs.  Calibrate on a machine that is not oversubscribed.
+
 Why both: the calibration measures every row count the governor may choose before it chooses (an online
 estimate alone only sees the row counts it already chose, so a wrong prior would never be corrected: a
 governor that priced a guess row too high would never run one), and it runs in the engine's own mode, so
