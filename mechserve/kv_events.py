@@ -2,7 +2,7 @@
 
 An engine tells routers what its prefix cache holds as vLLM does (``vllm/distributed/kv_events.py``,
 the schema of vLLM 0.11: ``KVEventBatch(ts, events, data_parallel_rank)`` of ``BlockStored``,
-``BlockRemoved`` and ``AllBlocksCleared``; docs/kv-events.md), so llm-d's indexer can consume them::
+``BlockRemoved`` and ``AllBlocksCleared``; docs/fleet.md), so llm-d's indexer can consume them::
 
     frame 0  topic              the publisher's topic (vLLM's default "")
     frame 1  sequence number    8 bytes, big-endian, 0, 1, 2, ... per publisher

@@ -1,4 +1,5 @@
-"""Models for the EngineCore, LLM and torch CLI tests: a tiny random Llama with a word tokenizer, and a rigged model.
+"""Models for the EngineCore, LLM and torch CLI tests: a tiny random Llama with a word tokenizer, a rigged model,
+and EAGLE draft heads trained in seconds on a tiny model's own outputs.
 
 Imported as ``tiny_engines`` (``tests/`` is on ``sys.path``); the folders that use its fixtures
 re-export them from their ``conftest.py``.
@@ -13,6 +14,7 @@ exactly the text a test needs.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
+import torch
 from tiny_models import (
     CHAT_TEMPLATE,
     VOCAB,
@@ -33,8 +36,11 @@ from tiny_models import (
     words,
 )
 
-from mechserve.api.config import EngineConfig
+from mechserve.api.config import EngineConfig, SpeculativeConfig
+from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
+from mechserve.model import eagle
+from mechserve.model.eagle_train import TrainSettings, draft_vocab, record, train_head
 from mechserve.model.loader import LoadedModel, load_model
 
 # Re-exported for the test modules.
@@ -87,6 +93,91 @@ def drain(c: EngineCore, limit: int = 10_000) -> list[Any]:
         outs.append(c.step())
         assert len(outs) < limit, "the engine did not finish"
     return outs
+
+
+def answer(
+    c: EngineCore, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+) -> tuple[list[list[int]], list[Any]]:
+    """Every prompt (ids) submitted to ``c`` at once with its ``params`` (one for all, or one each), run until idle:
+    the output ids in prompt order and the step records; checks that every page came back."""
+    each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    ids = [c.add_request(list(p), sp) for p, sp in zip(prompts, each)]
+    outs = drain(c)
+    done = {o.request_id: list(o.outputs[0].token_ids) for out in outs for o in out.finished}
+    c.check_pages()
+    return [done[i] for i in ids], [out.record for out in outs]
+
+
+def drafted_and_accepted(records: Sequence[Any]) -> tuple[int, int]:
+    """Guesses drafted and accepted over ``records`` (the step records' ``drafted`` / ``accepted``)."""
+    return (
+        sum(sum(r.drafted.values()) for r in records),
+        sum(sum(r.accepted.values()) for r in records),
+    )
+
+
+# EAGLE heads trained in seconds ------------------------------------------------------------------------------------
+
+
+def greedy_sequences(
+    model: Any, prompts: Sequence[Sequence[int]], max_tokens: int
+) -> list[tuple[list[int], list[int]]]:
+    """Each prompt with ``model``'s greedy continuation of ``max_tokens`` ids (teacher-forced forwards, no engine)."""
+    found = []
+    for p in prompts:
+        ids = list(p)
+        for _ in range(max_tokens):
+            ids.append(int(record(model, ids, len(ids) - 1).labels[-1]))
+        found.append((list(p), ids[len(p) :]))
+    return found
+
+
+def train_tiny_head(
+    model: Any,
+    directory: Path,
+    sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    steps: int = 60,
+    window: int = 4,
+    spec_len: int = 3,
+    chosen: bool = False,
+) -> Path:
+    """An EAGLE head for ``model`` (a ``LlamaModel``) trained in seconds on ``sequences`` (prompt ids, output ids:
+    the model's own outputs, as ``train-draft`` trains on them), written into ``directory`` as ``train-draft``
+    writes one; returns ``directory``.
+
+    ``chosen``: the guesses are trained toward the ids the outputs hold rather than the model's argmax, with the
+    cross-entropy weighted as the regression: for outputs a grammar chose (structured outputs), where a random
+    model's argmax is almost never allowed, so that guesses are accepted and verification is tested over them.
+    """
+    data = [record(model, [*p, *o], len(p) - 1) for p, o in sequences if o]
+    if chosen:
+        for r in data:
+            nxt = torch.tensor(r.ids[r.first + 1 :], dtype=torch.int64)  # the id that followed each row
+            r.labels[: len(nxt)] = nxt
+    settings = TrainSettings(
+        window=window, spec_len=spec_len, batch_size=8, steps=steps, lr=3e-3, cls_weight=1.0 if chosen else 0.1
+    )
+    head = eagle.EagleHead(eagle.HeadConfig.of(model, window))
+    head.init_weights(0)
+    train_head(head, eagle.Shared(model), data, settings, math.inf, lambda line: None)
+    eagle.save(directory, head, draft_vocab(data, model.arch.vocab_size), model, eagle.model_fingerprint(model), {})
+    return directory
+
+
+def eagle_spec(head: Path, k: int = 3, **extra: Any) -> SpeculativeConfig:
+    """``--spec-method eagle`` with the head in ``head``: ``k`` guesses per window, fixed (not adaptive)."""
+    return SpeculativeConfig(method="eagle", num_speculative_tokens=k, adaptive=False, eagle_head=str(head), **extra)
+
+
+HEAD_PROMPTS = random_prompts([6, 9, 4, 11, 7, 5, 8, 10, 12, 6, 3, 9], seed=71)
+
+
+@pytest.fixture(scope="session")
+def tiny_head(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A head for ``tiny`` trained in seconds on its greedy continuations of ``HEAD_PROMPTS`` (24 ids each)."""
+    sequences = greedy_sequences(tiny.model, HEAD_PROMPTS, 24)
+    return train_tiny_head(tiny.model, tmp_path_factory.mktemp("tiny-head"), sequences)
 
 
 # The toy tokenizer and the rigged model ------------------------------------------------------------------------------

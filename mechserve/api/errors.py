@@ -9,6 +9,8 @@ HTTP server turns it into an OpenAI-style 4xx/5xx body::
       RequestFailed       a request failed inside a step on its own account (its grammar); it alone ended
       KVMemoryError       the KV cache does not fit (the budget, the available memory, or allocation)
     ModelLoadError        a model could not be resolved or loaded
+      HeadError           an EAGLE draft head is missing, unreadable or not for the loaded model (also a
+                          ValueError: a bad ``speculative_config``)
     RuntimeError
       EngineDeadError     the background stepper is not running (never started, shut down, dead)
         EngineStoppedError  ... because its owner stopped it (a server shutting down): not a failure
@@ -75,6 +77,18 @@ class ModelLoadError(Exception):
     """A model could not be resolved or loaded; the message names the problem."""
 
 
+class HeadError(ModelLoadError, ValueError):
+    """An EAGLE draft head (``--spec-method eagle``, ``mechserve.model.eagle``) cannot serve the loaded model:
+    none was trained for it, its directory or files are missing or unreadable, it was trained for another
+    model or shape, or ``eagle_draft_vocab`` asks for more ids than it ranks.
+
+    The message is one line naming the head's directory and the fix (which ``mechserve train-draft`` to
+    run).  A ``ModelLoadError`` (the CLI prints it as one line, exit status 2) and a ``ValueError`` (a
+    ``speculative_config`` that cannot be served), raised when the engine is built: ``LLM``/``AsyncLLM``
+    raise it and the server refuses to start.
+    """
+
+
 class EngineDeadError(RuntimeError):
     """The background stepper is not running (never started, shut down, or dead after a failed step)."""
 
@@ -114,6 +128,7 @@ __all__ = [
     "EngineDeadError",
     "EngineStepError",
     "EngineStoppedError",
+    "HeadError",
     "KVMemoryError",
     "ModelLoadError",
     "NativeKernelError",

@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Any
 
+from mechserve.cli.parser import Bounded
+
 
 def _int_list(text: str) -> list[int]:
     try:
@@ -39,16 +41,6 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if not 1 <= value <= 4096:
-        raise argparse.ArgumentTypeError(f"must be in [1, 4096], got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add(
@@ -57,9 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="'smollm2' (embedded, default), a local Hugging Face model directory or a GGUF file",
     )
     add("--batch", type=_int_list, default=[1, 8], help="comma-separated batch sizes (default 1,8)")
-    add("--prompt-len", type=_positive, default=64, help="prompt tokens per request (default 64)")
-    add("--output-len", type=_positive, default=32, help="generated tokens per request (default 32)")
-    add("--repeats", type=_positive, default=2, help="timed runs per engine, alternated (default 2)")
+    add("--prompt-len", type=Bounded(int, ge=1, le=4096), default=64, help="prompt tokens per request (default 64)")
+    add("--output-len", type=Bounded(int, ge=1, le=4096), default=32, help="generated tokens per request (default 32)")
+    add("--repeats", type=Bounded(int, ge=1, le=4096), default=2, help="timed runs per engine, alternated (default 2)")
     add("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     add("--seed", type=int, default=0, help="prompt seed (default 0)")
     add("--json", action="store_true", help="print the whole report as one JSON object on stdout")

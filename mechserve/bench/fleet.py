@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from mechserve.bench.fleet_workloads import WORKLOADS, Sizes
+from mechserve.cli.parser import Bounded, names
 
 POLICY_NAMES = ("round_robin", "least_loaded", "cache_aware", "precise", "oracle")
 DEFAULT_A, DEFAULT_B = 0.036, (0.745 - 0.036) / 512
@@ -44,19 +45,6 @@ DEFAULT_RATE = {"tenants": 1.0, "multiturn": 1.0, "rag": 0.5, "uniform": 1.0}
 TARGET_WORKLOADS = ("tenants", "multiturn")
 TARGET_REPLICAS = (16, 64)
 MAX_REPLICAS = 256
-
-
-def _names(kind: str, allowed: Sequence[str]) -> Any:
-    def convert(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        bad = [n for n in names if n not in allowed]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {kind} {', '.join(bad) or repr(text)}; choose from {', '.join(allowed)}"
-            )
-        return list(dict.fromkeys(names))
-
-    return convert
 
 
 def _counts(text: str) -> list[int]:
@@ -69,38 +57,25 @@ def _counts(text: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def _bounded(kind: type, low: float, high: float) -> Any:
-    def convert(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must lie in [{low}, {high}], got {text}")
-        return value
-
-    return convert
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--replicas", type=_counts, default=[16, 64], help="replica counts, comma-separated (default 16,64)")
-    add("--requests", type=_bounded(int, 1, 1_000_000), default=10_000, help="requests per run (default 10000)")
+    add("--requests", type=Bounded(int, ge=1, le=1_000_000), default=10_000, help="requests per run (default 10000)")
     add(
         "--workloads",
-        type=_names("workload", WORKLOADS),
+        type=names("workload", WORKLOADS),
         default=list(WORKLOADS),
         help=f"from {','.join(WORKLOADS)} (default all)",
     )
     add(
         "--policies",
-        type=_names("policy", POLICY_NAMES),
+        type=names("policy", POLICY_NAMES),
         default=list(POLICY_NAMES),
         help="routing policies (default all)",
     )
     add(
         "--rate",
-        type=_bounded(float, 1e-6, 1e6),
+        type=Bounded(float, ge=1e-6, le=1e6),
         default=None,
         help="requests (multiturn: turns) arriving per step per replica (default per workload: "
         + ", ".join(f"{k} {v}" for k, v in DEFAULT_RATE.items())
@@ -109,34 +84,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="workload seed (default 0)")
     add(
         "--zipf",
-        type=_bounded(float, 0.0, 10.0),
+        type=Bounded(float, ge=0.0, le=10.0),
         default=1.0,
         help="popularity exponent of tenants and documents (default 1.0; 0: all equally popular)",
     )
     add(
         "--max-step-tokens",
-        type=_bounded(int, 1, 1_000_000),
+        type=Bounded(int, ge=1, le=1_000_000),
         default=512,
         help="each replica's token budget (default 512)",
     )
-    add("--page-size", type=_bounded(int, 1, 4096), default=16, help="tokens per page (default 16)")
-    add("--num-pages", type=_bounded(int, 1, 1_000_000), default=2048, help="pages per replica (default 2048)")
-    add("--max-running", type=_bounded(int, 1, 1_000_000), default=64, help="running requests per replica (default 64)")
+    add("--page-size", type=Bounded(int, ge=1, le=4096), default=16, help="tokens per page (default 16)")
+    add("--num-pages", type=Bounded(int, ge=1, le=1_000_000), default=2048, help="pages per replica (default 2048)")
+    add(
+        "--max-running",
+        type=Bounded(int, ge=1, le=1_000_000),
+        default=64,
+        help="running requests per replica (default 64)",
+    )
     add(
         "--cache-threshold",
-        type=_bounded(float, 0.0, 1.0),
+        type=Bounded(float, ge=0.0, le=1.0),
         default=0.3,
         help="cache_aware's match threshold (default 0.3)",
     )
     add(
         "--balance-abs-threshold",
-        type=_bounded(int, 0, 1_000_000),
+        type=Bounded(int, ge=0, le=1_000_000),
         default=64,
         help="cache_aware, and precise's load guard (default 64)",
     )
     add(
         "--balance-rel-threshold",
-        type=_bounded(float, 0.0, 1e6),
+        type=Bounded(float, ge=0.0, le=1e6),
         default=1.5,
         help="cache_aware, and precise's load guard (default 1.5)",
     )

@@ -20,9 +20,10 @@
   ids it adds (``parse_event``).  ``ignore_eos`` makes the server ban the model's end-of-generation ids
   (logit bias -inf on 0, 2, 4 for SmolLM2), so greedy output equals an engine that only does not stop
   at EOS until the argmax would be one of them.
-* **Running** (``LlamaServer``, ``LlamaCppRunner``): one ``llama-server`` per mode (``MODE_GGUF``) with
-  ``SLOTS`` parallel slots; the same seeded workloads as the other engines, timed per token at the
-  client.
+* **Running** (``LlamaServer``: the one way the benchmarks start and stop ``llama-server``, used by
+  ``LlamaCppRunner`` and ``bench spec-decode --llama-cpp``): one ``llama-server`` per mode (``gguf_for``:
+  ``MODE_GGUF``'s file, or a GGUF model itself) with ``SLOTS`` parallel slots (or as many as a caller
+  asks for); the same seeded workloads as the other engines, timed per token at the client.
 """
 
 from __future__ import annotations
@@ -254,6 +255,30 @@ def ensure_gguf(kind: str) -> Path:
     return target
 
 
+def unsupported_model(model: str) -> str | None:
+    """Why llama.cpp cannot run the bench's ``model`` here (a Hugging Face directory other than the embedded
+    model: there is no GGUF of it), or None for ``smollm2`` and a GGUF file."""
+    from mechserve.model.gguf_file import is_gguf  # imports torch: only when a benchmark asks
+
+    if model == "smollm2" or is_gguf(model):
+        return None
+    return f"llama.cpp runs the embedded model's GGUFs (--model smollm2) or a GGUF file, not {model}"
+
+
+def gguf_for(model: str, mode: str) -> Path:
+    """The GGUF llama.cpp runs for the bench's ``model`` in the bench's ``mode`` (``MODE_GGUF``): the embedded
+    model's file of that kind (``ensure_gguf``), or a GGUF ``model`` itself in every mode (mechserve's mode
+    chooses only its own activations).
+
+    Raises ``OSError`` when the file cannot be made and ``ValueError`` for a model llama.cpp cannot run here
+    (``unsupported_model``).
+    """
+    refusal = unsupported_model(model)
+    if refusal is not None:
+        raise ValueError(refusal)
+    return ensure_gguf(MODE_GGUF[mode]) if model == "smollm2" else Path(model)
+
+
 # Requests and replies ---------------------------------------------------------------------------------------------
 
 
@@ -330,9 +355,11 @@ def _free_port() -> int:
 
 
 class LlamaServer:
-    """One ``llama-server`` process on a local port: ``slots`` parallel sequences of ``context`` positions each.
+    """One ``llama-server`` process on a local port: ``slots`` parallel sequences of ``context`` positions each,
+    started, healthy and warmed up (one two-token request) when the constructor returns; ``close`` stops it.
 
-    Raises ``OSError`` when it exits or does not become healthy within ``timeout`` seconds.
+    Raises ``OSError`` when it exits, does not become healthy within ``timeout`` seconds or fails its warm-up
+    request (the process is stopped first).
     """
 
     def __init__(self, gguf: Path, *, threads: int, slots: int = SLOTS, context: int = 1024, timeout: float = 300):
@@ -348,6 +375,7 @@ class LlamaServer:
         self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT)
         try:
             self._wait(timeout)
+            self.complete([1, 2, 3, 4], 2)  # warm-up: first-request allocations are not any run's
         except BaseException:
             self.close()
             raise

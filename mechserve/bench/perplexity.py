@@ -44,11 +44,11 @@ MODES = ("exact", "fast", "q4_1", "q8_0")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from mechserve.bench.run import _choices
+    from mechserve.cli.parser import names
 
     add = parser.add_argument
-    add("--mode", type=_choices("mode", MODES), default=list(MODES), help="comma-separated (default all four)")
-    add("--engine", type=_choices("engine", ENGINES), default=list(ENGINES), help="mechserve, llama-cpp or both")
+    add("--mode", type=names("mode", MODES), default=list(MODES), help="comma-separated (default all four)")
+    add("--engine", type=names("engine", ENGINES), default=list(ENGINES), help="mechserve, llama-cpp or both")
     add(
         "--ctx",
         type=int,

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from mechserve.bench.workloads import WORKLOADS
+from mechserve.cli.parser import Bounded, names
 
 ENGINE_NAMES = ("mechserve", "hf", "llama-cpp", "vllm")
 MODE_NAMES = ("exact", "fast", "q4_1", "q8_0")
@@ -53,40 +54,13 @@ ROOFLINE_STEPS = ((1, 512), (32, 300))
 ROOFLINE_STEPS_QUICK = ((1, 64), (8, 64))
 
 
-def _choices(kind: str, allowed: tuple[str, ...], all_value: tuple[str, ...] | None = None) -> Any:
-    def convert(text: str) -> list[str]:
-        if all_value is not None and text == "all":
-            return list(all_value)
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        bad = [n for n in names if n not in allowed]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {kind} {', '.join(bad) or repr(text)}; choose from {', '.join(allowed)}"
-            )
-        return list(dict.fromkeys(names))
-
-    return convert
-
-
-def _positive_int(text: str, limit: int | None = None) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    if limit is not None and value > limit:
-        raise argparse.ArgumentTypeError(f"must be <= {limit}, got {text!r}")
-    return value
-
-
 def _engine_int(name: str) -> Any:
     """An engine size ``name`` (``mechserve.cli.engine_args.setting``: the range ``EngineConfig`` checks); the
     bench's ``--spec-len`` is a variant's guesses, at least 1."""
+    from mechserve.api.config import setting_range
     from mechserve.cli.engine_args import setting
 
-    check = setting(name)
-    return lambda text: check(text) if name != "spec_len" else _positive_int(str(check(text)))
+    return Bounded(int, ge=1, le=setting_range(name)[1]) if name == "spec_len" else setting(name)
 
 
 def _engine_settings(args: argparse.Namespace) -> Any:
@@ -124,19 +98,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add(
         "--workload",
-        type=_choices("workload", WORKLOADS, WORKLOADS),
+        type=names("workload", WORKLOADS, WORKLOADS),
         default=["throughput"],
         help=f"comma-separated, or 'all': {', '.join(WORKLOADS)} (default throughput)",
     )
     add(
         "--engine",
-        type=_choices("engine", ENGINE_NAMES),
+        type=names("engine", ENGINE_NAMES),
         default=["mechserve", "hf"],
         help=f"comma-separated: {', '.join(ENGINE_NAMES)} (default mechserve,hf; absent optional ones are skipped)",
     )
     add(
         "--mode",
-        type=_choices("mode", MODE_NAMES),
+        type=names("mode", MODE_NAMES),
         default=["exact"],
         help="comma-separated: exact (fp32), fast (bf16), q4_1, q8_0 (GGUF blocks, bf16 activations); default exact",
     )
@@ -177,13 +151,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--hf-batch-size",
-        type=_positive_int,
+        type=Bounded(int, ge=1),
         default=None,
         help="hf static batch size (default: all requests in one batch)",
     )
     add(
         "--threads",
-        type=_positive_int,
+        type=Bounded(int, ge=1),
         default=None,
         help="torch intra-op threads for every engine (default: one per usable CPU). On a machine shared "
         "with other busy processes, 1 avoids OpenMP threads waiting on each other at every barrier",

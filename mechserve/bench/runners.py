@@ -37,7 +37,6 @@ from mechserve.bench import llama_cpp
 from mechserve.bench.llama_cpp import SLOTS
 from mechserve.bench.timings import RequestTiming, trace_stats
 from mechserve.bench.workloads import Workload
-from mechserve.model.gguf_file import is_gguf
 
 ENGINES = ("mechserve", "hf", "llama-cpp", "vllm")
 # mode -> (activation dtype, weight quantization): exact and fast are float32 and bfloat16 throughout;
@@ -374,21 +373,15 @@ class LlamaCppRunner(Runner):
         self.slots = slots
 
     def available(self) -> str | None:
-        if self.model != "smollm2" and not is_gguf(self.model):
-            return (
-                f"llama-cpp skipped: it runs the embedded model's GGUFs (--model smollm2) or a GGUF file, "
-                f"not {self.model}"
-            )
-        return llama_cpp.missing_message()
+        refusal = llama_cpp.unsupported_model(self.model)
+        return f"llama-cpp skipped: {refusal}" if refusal is not None else llama_cpp.missing_message()
 
     def run(self, workload: Workload, variant: str) -> RunResult:
-        # a GGUF file is run as it is in every mode (mechserve's mode chooses only its own activations)
-        gguf = Path(self.model) if is_gguf(self.model) else llama_cpp.ensure_gguf(llama_cpp.MODE_GGUF[self.mode])
+        gguf = llama_cpp.gguf_for(self.model, self.mode)
         longest = max(len(r.prompt_ids) + r.max_tokens for r in workload.requests)
         context = -(-(longest + 8) // 256) * 256  # per slot, rounded up
         server = llama_cpp.LlamaServer(gguf, threads=self.threads, slots=self.slots, context=context)
         try:
-            server.complete([1, 2, 3, 4], 2)  # warm-up
             requests = [(r.prompt_ids, r.max_tokens) for r in workload.requests]
             llama_cpp.reset_proc_peak_rss(server.process.pid)
             arrivals, done, duration = llama_cpp.run_requests(server, requests, sequential=workload.sequential)

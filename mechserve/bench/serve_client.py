@@ -36,6 +36,8 @@ from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from mechserve.cli.parser import Bounded
+
 _WORD_TEXT = (
     "the of and to in is was that for on with as by at from his her they which this be are an or had not but "
     "what all were when we there can more if out so said one about up into some could them other than then time "
@@ -86,20 +88,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model", default=None, help="the model name to send (default: the server's first model)")
     add("--api-key", default=None, metavar="KEY", help="sent as 'Authorization: Bearer KEY'")
     add("--endpoint", choices=("completions", "chat"), default=d.endpoint, help="which API to drive")
-    add("--rate", type=_positive(float), default=d.rate, help="requests per second, Poisson (default inf: all at once)")
-    add("--num-requests", type=_positive(int), default=d.num_requests, metavar="N", help=f"default {d.num_requests}")
-    add("--duration", type=_positive(float), default=None, metavar="S", help="stop sending after S seconds")
+    add(
+        "--rate",
+        type=Bounded(float, gt=0),
+        default=d.rate,
+        help="requests per second, Poisson (default inf: all at once)",
+    )
+    add(
+        "--num-requests", type=Bounded(int, ge=1), default=d.num_requests, metavar="N", help=f"default {d.num_requests}"
+    )
+    add("--duration", type=Bounded(float, gt=0), default=None, metavar="S", help="stop sending after S seconds")
     add(
         "--input-len",
-        type=_positive(int),
+        type=Bounded(int, ge=1),
         default=d.input_len,
         metavar="N",
         help=f"prompt words (default {d.input_len})",
     )
-    add("--output-len", type=_positive(int), default=d.output_len, metavar="N", help=f"tokens (default {d.output_len})")
-    add("--max-concurrency", type=_positive(int), default=None, metavar="N", help="requests in flight at most")
+    add(
+        "--output-len",
+        type=Bounded(int, ge=1),
+        default=d.output_len,
+        metavar="N",
+        help=f"tokens (default {d.output_len})",
+    )
+    add("--max-concurrency", type=Bounded(int, ge=1), default=None, metavar="N", help="requests in flight at most")
     add("--seed", type=int, default=d.seed, help="seed of the prompts and the arrival times")
-    add("--timeout", type=_positive(float), default=d.timeout, metavar="S", help="per request, seconds")
+    add("--timeout", type=Bounded(float, gt=0), default=d.timeout, metavar="S", help="per request, seconds")
     add(
         "--workload",
         choices=BENCH_WORKLOADS,
@@ -107,10 +122,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="random: --input-len random words per prompt (default); multi-tenant: issue 26's tenants with their "
         "own system prompts (--tenants, --system-len), each request a tenant's system prompt and a message",
     )
-    add("--tenants", type=_positive(int), default=d.tenants, metavar="N", help=f"multi-tenant: default {d.tenants}")
+    add("--tenants", type=Bounded(int, ge=1), default=d.tenants, metavar="N", help=f"multi-tenant: default {d.tenants}")
     add(
         "--system-len",
-        type=_positive(int),
+        type=Bounded(int, ge=1),
         default=d.system_len,
         metavar="N",
         help=f"multi-tenant: system prompts of N/2 to N words (default {d.system_len})",
@@ -300,16 +315,3 @@ async def _gated(gate: asyncio.Semaphore | None, work: Coroutine[Any, Any, Reque
 
 def _chunk_text(choice: dict[str, Any]) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-
-
-def _positive(kind: type) -> Any:
-    def convert(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a {kind.__name__}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-        return value
-
-    return convert

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mechserve.bench.spec_workloads import WORKLOADS, Session, workloads
+from mechserve.cli.parser import Bounded
 
 CONFIGS = (
     "off", "ngram", "ngram-fixed", "suffix", "suffix-fixed", "draft", "draft-adaptive", "eagle", "eagle-fr",
@@ -168,8 +169,13 @@ def run_sessions(llm: Any, sessions: Sequence[Session], params: Any, tally: Tall
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every (set, batch, configuration) cell; return the report."""
+    """Run every (set, batch, configuration) cell; return the report.
+
+    Raises ``SystemExit`` (one line naming the configuration) when a configuration's engine cannot be built:
+    no EAGLE head trained for the model (``eagle*``: run ``mechserve train-draft``), or a draft model that
+    cannot serve it (``--draft-layers`` past the model's layers), before anything is measured."""
     from mechserve.api.config import dtype_name
+    from mechserve.api.errors import ModelLoadError
     from mechserve.api.params import SamplingParams
     from mechserve.bench import spec_llama_cpp
     from mechserve.bench.runners import MODES
@@ -192,12 +198,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": dtype_name(loaded.model.dtype),
         "quantization": getattr(loaded.model, "quantization", None),
     }
-    llms = {
-        name: LLM(
-            loaded, speculative_config=cfg, num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, **size
-        )
-        for name, cfg in configs.items()
-    }
+    llms: dict[str, Any] = {}
+    for name, cfg in configs.items():
+        try:
+            llms[name] = LLM(
+                loaded, speculative_config=cfg, num_pages=args.num_pages, max_step_tokens=args.max_step_tokens, **size
+            )
+        except (ModelLoadError, ValueError) as exc:  # an EAGLE head or a draft model that cannot serve the model
+            raise SystemExit(f"configuration {name}: {exc}") from None
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     for llm in llms.values():  # warm-up: first-call allocations, kernels
         llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
@@ -324,21 +332,6 @@ def costs(args: argparse.Namespace) -> dict[str, Any]:
     return {"unit_ms": round(unit * 1e3, 2), "relative": rel, "row_cost": round(slope, 4), "jump_cost": round(jump, 3)}
 
 
-def _count(low: int, high: int) -> Any:
-    """An argparse ``type=``: an integer in ``[low, high]``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {value}")
-        return value
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags (``mechserve bench spec-decode --help``)."""
     add = parser.add_argument
@@ -350,7 +343,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[w for w in WORKLOADS if w != "copy"],
         help=f"workloads ({', '.join(WORKLOADS)}; default: all but copy)",
     )
-    add("--batches", nargs="+", type=_count(1, 64), default=[1, 8], help="batch sizes (1 8)")
+    add("--batches", nargs="+", type=Bounded(int, ge=1, le=64), default=[1, 8], help="batch sizes (1 8)")
     add(
         "--configs",
         nargs="+",
@@ -358,13 +351,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(DEFAULT_CONFIGS),
         help=f"{', '.join(CONFIGS)} (default: {' '.join(DEFAULT_CONFIGS)}: no speculation and every proposer)",
     )
-    add("--prompts", type=_count(1, 8), default=8, help="sessions per workload (at most 8)")
-    add("--max-tokens", type=_count(1, 4096), default=128, help="new tokens per request (128)")
-    add("--spec-len", type=_count(1, 16), default=4, help="guesses per window (4; the draft model uses at most 3)")
-    add("--draft-layers", type=_count(1, 1024), default=4, help="layers the draft model keeps (4)")
-    add("--repeats", type=_count(1, 100), default=1, help="rounds at batch > 1 (1); --costs: x4 timing rounds")
-    add("--num-pages", type=_count(1, 1 << 20), default=512, help="KV pages per engine (512)")
-    add("--max-step-tokens", type=_count(1, 1 << 16), default=2048, help="token budget per step (2048)")
+    add("--prompts", type=Bounded(int, ge=1, le=8), default=8, help="sessions per workload (at most 8)")
+    add("--max-tokens", type=Bounded(int, ge=1, le=4096), default=128, help="new tokens per request (128)")
+    add(
+        "--spec-len",
+        type=Bounded(int, ge=1, le=16),
+        default=4,
+        help="guesses per window (4; the draft model uses at most 3)",
+    )
+    add("--draft-layers", type=Bounded(int, ge=1, le=1024), default=4, help="layers the draft model keeps (4)")
+    add(
+        "--repeats",
+        type=Bounded(int, ge=1, le=100),
+        default=1,
+        help="rounds at batch > 1 (1); --costs: x4 timing rounds",
+    )
+    add("--num-pages", type=Bounded(int, ge=1, le=1 << 20), default=512, help="KV pages per engine (512)")
+    add("--max-step-tokens", type=Bounded(int, ge=1, le=1 << 16), default=2048, help="token budget per step (2048)")
     add("--mode", choices=("exact", "fast", "q4_1", "q8_0"), default="exact", help="as bench run's (exact)")
     add(
         "--llama-cpp",

@@ -14,7 +14,8 @@ a noisy machine slows every engine alike::
                  session's next turn computes only its new ids, as our prefix cache lets ``off`` do
 
 One server per GGUF (``--llama-cpp-modes``: by default the embedded model's BF16, Q8_0 and Q4_1 files,
-``llama_cpp.ensure_gguf``; a GGUF ``--model`` is run as it is) with ``batch`` slots (``-np``) and the bench's
+``llama_cpp.gguf_for``; a GGUF ``--model`` is run as it is), started and stopped by ``llama_cpp.LlamaServer``
+(the bench's one starter of llama-server), with ``batch`` slots (``-np``) and the bench's
 CPU threads, kept for every cell of that batch size; a turn longer than a slot's context restarts the server
 with a longer one.  Per cell and GGUF: ``tok_s`` (its output ids over the calls' wall time, first request
 sent to last id received), ``wall_s``, ``output_tokens``, ``requests`` and ``identical`` (the requests whose
@@ -42,20 +43,6 @@ CONTEXT = 2048  # positions per slot to start with; grown when a turn needs more
 CONTEXT_STEP = 1024
 
 
-def gguf_for(model: str, mode: str) -> Path:
-    """The GGUF llama.cpp runs for the bench's ``model`` in ``mode`` (``llama_cpp.MODE_GGUF``): the embedded
-    model's file of that kind (made once with llama-quantize), or a GGUF ``model`` itself.
-
-    Raises ``OSError`` when the file cannot be made and ``ValueError`` for a model llama.cpp cannot run here (a
-    Hugging Face directory).
-    """
-    if is_gguf(model):
-        return Path(model)
-    if model != "smollm2":
-        raise ValueError(f"llama.cpp runs the embedded model's GGUFs (--model smollm2) or a GGUF file, not {model}")
-    return llama_cpp.ensure_gguf(llama_cpp.MODE_GGUF[mode])
-
-
 @dataclass
 class PeerTally:
     """What one GGUF did on one (workload, batch) cell."""
@@ -79,7 +66,7 @@ class LlamaCppBeside:
     """llama-server for each of ``modes`` (or the GGUF ``model`` itself), answering the bench's calls.
 
     ``kinds``: the name each GGUF is reported under (``bf16``, ``q8_0``, ``q4_1``, ...; a GGUF ``model``: its
-    file name).  Raises what ``check`` and ``gguf_for`` raise, before any server starts.
+    file name).  Raises what ``check`` and ``llama_cpp.gguf_for`` raise, before any server starts.
     """
 
     def __init__(self, model: str, modes: Sequence[str], threads: int) -> None:
@@ -87,7 +74,7 @@ class LlamaCppBeside:
         if is_gguf(model):
             self.ggufs = {Path(model).name: Path(model)}
         else:
-            self.ggufs = {llama_cpp.MODE_GGUF[m]: gguf_for(model, m) for m in modes}
+            self.ggufs = {llama_cpp.MODE_GGUF[m]: llama_cpp.gguf_for(model, m) for m in modes}
         self.threads = threads
         self._servers: dict[tuple[str, int], llama_cpp.LlamaServer] = {}
 
@@ -103,21 +90,17 @@ class LlamaCppBeside:
             raise OSError(missing.replace("llama-cpp skipped: ", "--llama-cpp: ", 1))
 
     def server(self, kind: str, batch: int, need: int) -> llama_cpp.LlamaServer:
-        """The server of GGUF ``kind`` with ``batch`` slots of at least ``need`` positions each."""
+        """The server of GGUF ``kind`` with ``batch`` slots of at least ``need`` positions each (started, warmed
+        up, by ``llama_cpp.LlamaServer``; one with slots too short for ``need`` is stopped and replaced)."""
         found = self._servers.get((kind, batch))
         if found is not None and found.context >= need:
             return found
-        context = max(CONTEXT, -(-need // CONTEXT_STEP) * CONTEXT_STEP)
         if found is not None:
-            found.close()
             del self._servers[(kind, batch)]
+            found.close()
+        context = max(CONTEXT, -(-need // CONTEXT_STEP) * CONTEXT_STEP)
         started = llama_cpp.LlamaServer(self.ggufs[kind], threads=self.threads, slots=batch, context=context)
         self._servers[(kind, batch)] = started
-        try:
-            started.complete([1, 2, 3, 4], 2)  # warm-up
-        except BaseException:
-            self.close()
-            raise
         return started
 
     def run(
@@ -194,4 +177,4 @@ def lines(peers: dict[str, dict[str, Any]], top: dict[str, Any]) -> str:
     )
 
 
-__all__ = ["DEFAULT_MODES", "LlamaCppBeside", "PeerTally", "best", "gguf_for", "lines"]
+__all__ = ["DEFAULT_MODES", "LlamaCppBeside", "PeerTally", "best", "lines"]

@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Any
 
+from mechserve.cli.parser import Bounded
+
 PERSON: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -248,26 +250,18 @@ def _version(name: str) -> str:
     return version(name)
 
 
-def _count(lo: int, hi: int) -> Any:
-    def parse(text: str) -> int:
-        value = int(text)
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {value}")
-        return value
-
-    return parse
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags (``mechserve bench structured --help``)."""
     add = parser.add_argument
     add("--model", default="smollm2", help="'smollm2' (default), a local model directory or a GGUF file")
-    add("--batches", nargs="+", type=_count(1, 256), default=[1, 32], help="batch sizes (1 32)")
-    add("--max-tokens", type=_count(1, 4096), default=96, help="new tokens per request in the e2e part (96)")
-    add("--rounds", type=_count(1, 100), default=1, help="e2e rounds per batch size (1)")
-    add("--reps", type=_count(1, 100), default=5, help="cold compiles per constraint (5)")
-    add("--num-pages", type=_count(1, 1 << 20), default=1024, help="KV pages of the e2e engine (1024)")
-    add("--max-step-tokens", type=_count(1, 1 << 16), default=2048, help="token budget per step (2048)")
+    add("--batches", nargs="+", type=Bounded(int, ge=1, le=256), default=[1, 32], help="batch sizes (1 32)")
+    add(
+        "--max-tokens", type=Bounded(int, ge=1, le=4096), default=96, help="new tokens per request in the e2e part (96)"
+    )
+    add("--rounds", type=Bounded(int, ge=1, le=100), default=1, help="e2e rounds per batch size (1)")
+    add("--reps", type=Bounded(int, ge=1, le=100), default=5, help="cold compiles per constraint (5)")
+    add("--num-pages", type=Bounded(int, ge=1, le=1 << 20), default=1024, help="KV pages of the e2e engine (1024)")
+    add("--max-step-tokens", type=Bounded(int, ge=1, le=1 << 16), default=2048, help="token budget per step (2048)")
     add("--no-e2e", action="store_true", help="only the compile and mask measurements")
     add("--json", action="store_true", help="print only the report, as one JSON object")
 

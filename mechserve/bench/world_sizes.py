@@ -20,6 +20,8 @@ import json
 import time
 from typing import Any
 
+from mechserve.cli.parser import Bounded
+
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",
     "Write a short poem about a lighthouse keeper.",
@@ -35,14 +37,33 @@ PROMPTS = [
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default="smollm2", help="'smollm2' (default) or a local Hugging Face directory")
-    add("--world-sizes", type=int, nargs="+", default=[1, 2], metavar="N", help="world sizes to compare (default 1 2)")
-    add("--prompts", type=int, default=4, metavar="N", help=f"prompts per batch (at most {len(PROMPTS)}; default 4)")
-    add("--max-tokens", type=int, default=64, metavar="N", help="new tokens per prompt (default 64)")
-    add("--repeats", type=int, default=2, metavar="N", help="timed rounds per world size, best kept (default 2)")
-    add("--num-pages", type=int, default=256, metavar="N", help="KV pages of 16 positions (default 256)")
+    add(
+        "--world-sizes",
+        type=Bounded(int, ge=1),
+        nargs="+",
+        default=[1, 2],
+        metavar="N",
+        help="world sizes to compare (default 1 2)",
+    )
+    add(
+        "--prompts",
+        type=Bounded(int, ge=1, le=len(PROMPTS)),
+        default=4,
+        metavar="N",
+        help=f"prompts per batch (at most {len(PROMPTS)}; default 4)",
+    )
+    add("--max-tokens", type=Bounded(int, ge=1), default=64, metavar="N", help="new tokens per prompt (default 64)")
+    add(
+        "--repeats",
+        type=Bounded(int, ge=1),
+        default=2,
+        metavar="N",
+        help="timed rounds per world size, best kept (default 2)",
+    )
+    add("--num-pages", type=Bounded(int, ge=1), default=256, metavar="N", help="KV pages of 16 positions (default 256)")
     add(
         "--threads",
-        type=int,
+        type=Bounded(int, ge=1),
         default=None,
         metavar="N",
         help="torch intra-op threads of the whole run (default: one per CPU); each rank gets N // world_size",
@@ -65,8 +86,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from mechserve.entrypoints.llm import LLM, SamplingParams
 
     if args.threads is not None:
-        torch.set_num_threads(max(1, args.threads))
-    prompts = PROMPTS[: max(1, min(args.prompts, len(PROMPTS)))]
+        torch.set_num_threads(args.threads)
+    prompts = PROMPTS[: args.prompts]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows: list[dict[str, Any]] = []
     reference: dict[int, list[list[int]]] = {}
@@ -76,7 +97,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             start_s = time.perf_counter() - began
             llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm up
             for batch in (1, len(prompts)):
-                best, ids = min(_timed(llm, prompts, params, batch) for _ in range(max(1, args.repeats)))
+                best, ids = min(_timed(llm, prompts, params, batch) for _ in range(args.repeats))
                 tokens = sum(len(x) for x in ids)
                 reference.setdefault(batch, ids)
                 rows.append(

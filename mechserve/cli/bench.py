@@ -1,9 +1,10 @@
 """``mechserve bench BENCHMARK``: the benchmarks, one subcommand each.
 
 A benchmark is a module with ``add_arguments(parser)`` and ``run(args)``
-whose top level imports only the standard library (its heavy imports happen
-in ``run``), registered by one row of ``BENCHMARKS``; ``mechserve bench
---help`` lists them.
+whose top level imports only the standard library and light mechserve
+modules, never torch (its heavy imports happen in ``run``; its number flags
+are ``mechserve.cli.parser.Bounded``), registered by one row of
+``BENCHMARKS``; ``mechserve bench --help`` lists them.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mechserve.cli.errors import CliError
+from mechserve.cli.parser import Bounded
 
 HELP = "check the torch executor against the spec: replay, contract, KV audit, invariance, ladder"
 CHECKS = ("replay", "contract", "kv", "invariance", "ladder")
@@ -33,28 +34,6 @@ EVENT_WORDS = {
     "eos": "EOS finishes",
 }
 MAX_WORKLOADS = 100_000
-
-
-def count(text: str) -> int:
-    """An argparse ``type=``: an integer in ``[1, MAX_WORKLOADS]``."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if not 1 <= value <= MAX_WORKLOADS:
-        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_WORKLOADS}, got {value}")
-    return value
-
-
-def seed(text: str) -> int:
-    """An argparse ``type=``: an integer in ``[0, 2**32)``."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"must be between 0 and {2**32 - 1}, got {value}")
-    return value
 
 
 def check_list(text: str) -> tuple[str, ...]:
@@ -77,9 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(its reference: transformers on the file's weights decoded to float32)",
     )
     parser.add_argument(
-        "--workloads", type=count, default=10, metavar="N", help="random workloads per check (default 10)"
+        "--workloads",
+        type=Bounded(int, ge=1, le=MAX_WORKLOADS),
+        default=10,
+        metavar="N",
+        help="random workloads per check (default 10)",
     )
-    parser.add_argument("--seed", type=seed, default=0, metavar="S", help="hypothesis seed (default 0)")
+    parser.add_argument(
+        "--seed", type=Bounded(int, ge=0, le=2**32 - 1), default=0, metavar="S", help="hypothesis seed (default 0)"
+    )
     parser.add_argument(
         "--checks",
         type=check_list,

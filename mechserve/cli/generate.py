@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -42,28 +41,13 @@ from mechserve.api.limits import (
 from mechserve.api.proposers import DEFAULT_METHOD, DEFAULT_MODEL_METHOD, METHODS, PROPOSERS
 from mechserve.cli.engine_args import engine_config, setting
 from mechserve.cli.errors import CliError, engine_failure
-from mechserve.cli.parser import add_device_arguments
+from mechserve.cli.parser import Bounded, add_device_arguments
 from mechserve.cli.viz import VizOutputs, add_output_flags
 from mechserve.cli.vllm_names import add_chat_template_argument, apply_chat_template_flag
 from mechserve.spec import m14_forced_runs as m14
 
-
-def integer(minimum: int, maximum: int) -> Callable[[str], int]:
-    """An argparse ``type=``: an integer in ``[minimum, maximum]``, with a message naming the bound."""
-
-    def convert(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < minimum:
-            bound = "> 0" if minimum == 1 else f">= {minimum}"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
-        if value > maximum:
-            raise argparse.ArgumentTypeError(f"must be at most {maximum} (mechserve's limit), got {value}")
-        return value
-
-    return convert
+# The type of a flag that takes any finite number (ranges are checked by ``SamplingParams`` or ``EngineConfig``).
+NUMBER = Bounded(float, finite=True)
 
 
 def prompt_text(text: str) -> str:
@@ -96,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_arguments(parser)
     parser.add_argument(
         "--max-tokens",
-        type=integer(0, MAX_NEW_TOKENS),
+        type=Bounded(int, ge=0, le=MAX_NEW_TOKENS),
         default=64,
         metavar="N",
         help="new tokens to generate (default 64; 0 generates nothing); prompt + N must fit the model's context",
@@ -181,14 +165,14 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--ngram-min",
-        type=integer(1, MAX_SPEC_LEN),
+        type=Bounded(int, ge=1, le=MAX_SPEC_LEN),
         default=None,
         metavar="N",
         help="prompt lookup (--spec-method ngram): shortest n-gram it matches (1)",
     )
     add(
         "--ngram-max",
-        type=integer(1, MAX_SPEC_LEN),
+        type=Bounded(int, ge=1, le=MAX_SPEC_LEN),
         default=None,
         metavar="N",
         help="prompt lookup (--spec-method ngram): longest n-gram it matches (3)",
@@ -196,28 +180,28 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     suffix = "suffix decoding (--spec-method suffix, vLLM's speculative_config field of the same name): "
     add(
         "--suffix-decoding-max-tree-depth",
-        type=integer(2, MAX_SUFFIX_TREE_DEPTH),
+        type=Bounded(int, ge=2, le=MAX_SUFFIX_TREE_DEPTH),
         default=None,
         metavar="N",
         help=suffix + "the longest substring its suffix trees hold; a match is at most N - 1 ids (24)",
     )
     add(
         "--suffix-decoding-max-cached-requests",
-        type=integer(0, MAX_SUFFIX_CACHED_REQUESTS),
+        type=Bounded(int, ge=0, le=MAX_SUFFIX_CACHED_REQUESTS),
         default=None,
         metavar="N",
         help=suffix + "how many requests' outputs the global tree holds, oldest evicted first; 0: none (10000)",
     )
     add(
         "--suffix-decoding-max-spec-factor",
-        type=number,
+        type=NUMBER,
         default=None,
         metavar="X",
         help=suffix + "a match of m ids drafts at most X * m ids (1.0)",
     )
     add(
         "--suffix-decoding-min-token-prob",
-        type=number,
+        type=NUMBER,
         default=None,
         metavar="P",
         help=suffix + "a guess whose estimated probability falls below P ends the draft (0.1)",
@@ -231,7 +215,7 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--eagle-draft-vocab",
-        type=integer(0, 1 << 30),
+        type=Bounded(int, ge=0, le=1 << 30),
         default=None,
         metavar="N",
         help="an EAGLE head (--spec-method eagle) chooses among the N ids most frequent in its training outputs "
@@ -255,17 +239,6 @@ def draft_model(text: str) -> str:
     return text
 
 
-def number(text: str) -> float:
-    """An argparse ``type=``: a finite number (ranges are checked by ``SamplingParams``)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
-
-
 def stop_text(text: str) -> str:
     """An argparse ``type=`` for ``--stop``: any text but the empty string."""
     if not text:
@@ -278,18 +251,24 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add(
         "--temperature",
-        type=number,
+        type=NUMBER,
         default=0.0,
         metavar="T",
         help="sampling temperature (default 0: greedy, so the same command gives the same text; "
         "the Python API's default is vLLM's 1.0)",
     )
-    add("--top-p", type=number, default=1.0, metavar="P", help="nucleus sampling: keep the top tokens of mass P")
-    add("--top-k", type=integer(-1, 1 << 31), default=0, metavar="K", help="keep the K most likely tokens (0: off)")
-    add("--min-p", type=number, default=0.0, metavar="P", help="drop tokens below P x the top probability")
+    add("--top-p", type=NUMBER, default=1.0, metavar="P", help="nucleus sampling: keep the top tokens of mass P")
+    add(
+        "--top-k",
+        type=Bounded(int, ge=-1, le=1 << 31),
+        default=0,
+        metavar="K",
+        help="keep the K most likely tokens (0: off)",
+    )
+    add("--min-p", type=NUMBER, default=0.0, metavar="P", help="drop tokens below P x the top probability")
     add(
         "--seed",
-        type=integer(-(1 << 63), (1 << 63) - 1),
+        type=Bounded(int, ge=-(1 << 63), le=(1 << 63) - 1),
         default=None,
         metavar="N",
         help="seed of this request's draws, any 64-bit signed integer; -1: unseeded (as the server's seed field)",
@@ -304,22 +283,30 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--stop-token-id",
-        type=integer(0, (1 << 31) - 1),
+        type=Bounded(int, ge=0, le=(1 << 31) - 1),
         action="append",
         default=[],
         metavar="ID",
         help="a token id that ends the output (repeatable)",
     )
     add("--ignore-eos", action="store_true", help="treat the model's EOS as an ordinary token")
-    add("--min-tokens", type=integer(0, MAX_NEW_TOKENS), default=0, metavar="N", help="no EOS or stop before N tokens")
+    add(
+        "--min-tokens",
+        type=Bounded(int, ge=0, le=MAX_NEW_TOKENS),
+        default=0,
+        metavar="N",
+        help="no EOS or stop before N tokens",
+    )
     add(
         "--logprobs",
-        type=integer(0, MAX_LOGPROBS),
+        type=Bounded(int, ge=0, le=MAX_LOGPROBS),
         default=None,
         metavar="N",
         help="show each token's log-probability and the top N alternatives",
     )
-    add("--n", type=integer(1, MAX_SAMPLES), default=1, metavar="N", help="independent samples of the prompt")
+    add(
+        "--n", type=Bounded(int, ge=1, le=MAX_SAMPLES), default=1, metavar="N", help="independent samples of the prompt"
+    )
 
 
 # SamplingParams field -> the flag that sets it, for error messages.

@@ -23,8 +23,7 @@ from urllib.parse import urlsplit
 from mechserve.api.config import DEFAULT_PAGE_SIZE
 from mechserve.api.limits import ENGINE_LIMITS
 from mechserve.cli.errors import CliError
-from mechserve.cli.generate import integer
-from mechserve.cli.parser import api_key
+from mechserve.cli.parser import Bounded, api_key
 
 HELP = "route requests across mechserve serve workers by m15's policies (cache_aware, precise, ...)"
 POLICIES = ("cache_aware", "precise", "round_robin", "least_loaded")  # mechserve.router.fleet.POLICIES
@@ -53,50 +52,42 @@ def zmq_endpoint(text: str) -> str:
     return text
 
 
-def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is outside [0, 1]")
-    return value
-
-
-def positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} must be > 0")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The router's flags (vllm-router's names and defaults where they have one)."""
     add = parser.add_argument
     add("--worker-urls", nargs="+", type=worker_url, default=None, metavar="URL", help="the workers' base URLs")
     add("--policy", choices=POLICIES, default="cache_aware", help="m15's routing policy (default cache_aware)")
     add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    add("--port", type=integer(0, 65535), default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})")
-    add("--cache-threshold", type=fraction, default=0.3, help="cache_aware: share of the prompt to match (0.3)")
+    add(
+        "--port", type=Bounded(int, ge=0, le=65535), default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})"
+    )
+    add(
+        "--cache-threshold",
+        type=Bounded(float, ge=0, le=1),
+        default=0.3,
+        help="cache_aware: share of the prompt to match (0.3)",
+    )
     add(
         "--balance-abs-threshold",
-        type=integer(0, 1 << 31),
+        type=Bounded(int, ge=0, le=1 << 31),
         default=64,
         help="cache_aware, and precise's load guard: load gap (64)",
     )
     add(
         "--balance-rel-threshold",
-        type=positive,
+        type=Bounded(float, gt=0),
         default=1.5,
         help="cache_aware, and precise's load guard: load ratio (1.5)",
     )
-    add("--max-tree-size", type=integer(0, 1 << 40), default=1 << 26, help="cache_aware: tokens per worker's tree")
+    add(
+        "--max-tree-size",
+        type=Bounded(int, ge=0, le=1 << 40),
+        default=1 << 26,
+        help="cache_aware: tokens per worker's tree",
+    )
     add(
         "--block-size",
-        type=integer(1, ENGINE_LIMITS["page_size"]),
+        type=Bounded(int, ge=1, le=ENGINE_LIMITS["page_size"]),
         default=DEFAULT_PAGE_SIZE,
         help=f"the workers' --page-size: prompts are hashed in blocks of this many tokens (default {DEFAULT_PAGE_SIZE})",
     )
@@ -115,9 +106,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--kv-events-topic", default="", metavar="TOPIC", help="precise: the workers' --kv-events-topic ('')")
     add("--decision-log", default=None, metavar="FILE", help="write every routing input and decision (JSON lines)")
-    add("--health-check-interval-secs", type=positive, default=0.5, help="seconds between health rounds (0.5)")
-    add("--health-check-timeout-secs", type=positive, default=1.0, help="a health check's timeout (1)")
-    add("--request-timeout-secs", type=positive, default=1800.0, help="a routed request's timeout (1800)")
+    add(
+        "--health-check-interval-secs",
+        type=Bounded(float, gt=0, unit="seconds"),
+        default=0.5,
+        help="seconds between health rounds (0.5)",
+    )
+    add(
+        "--health-check-timeout-secs",
+        type=Bounded(float, gt=0, unit="seconds"),
+        default=1.0,
+        help="a health check's timeout (1)",
+    )
+    add(
+        "--request-timeout-secs",
+        type=Bounded(float, gt=0, unit="seconds"),
+        default=1800.0,
+        help="a routed request's timeout (1800)",
+    )
     add(
         "--worker-api-key",
         type=api_key(),

@@ -38,8 +38,8 @@ from mechserve.api.limits import (
 from mechserve.api.proposers import proposer_method
 from mechserve.cli.engine_args import engine_config, setting
 from mechserve.cli.errors import CliError
-from mechserve.cli.generate import add_dtype_argument, add_speculative_arguments, integer, kv_message, parse_size
-from mechserve.cli.parser import add_device_arguments, api_key
+from mechserve.cli.generate import add_dtype_argument, add_speculative_arguments, kv_message, parse_size
+from mechserve.cli.parser import Bounded, add_device_arguments, api_key
 from mechserve.cli.vllm_names import (
     add_aliased,
     add_chat_template_argument,
@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dtype_argument(parser)
     add_device_arguments(parser)
     add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    add("--port", type=integer(0, 65535), default=8000, help="port to bind (default 8000; 0: any free port)")
+    add("--port", type=Bounded(int, ge=0, le=65535), default=8000, help="port to bind (default 8000; 0: any free port)")
     add(
         "--api-key",
         type=api_key(API_KEY_ENV),
@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--max-stored-responses",
-        type=integer(1, MAX_STORED_RESPONSES_LIMIT),
+        type=Bounded(int, ge=1, le=MAX_STORED_RESPONSES_LIMIT),
         default=DEFAULT_STORED_RESPONSES,
         metavar="N",
         help=f"/v1/responses keeps the newest N responses in memory for GET and previous_response_id "
@@ -160,7 +160,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="admit a request at once even while a running request is still computing the prompt prefix they "
         "share (by default it waits until that prefix is cached, so the prefix is computed once)",
     )
-    add("--seed", type=integer(0, (1 << 63) - 1), default=0, metavar="N", help="seed of unseeded sampling requests")
+    add(
+        "--seed",
+        type=Bounded(int, ge=0, le=(1 << 63) - 1),
+        default=0,
+        metavar="N",
+        help="seed of unseeded sampling requests",
+    )
     add_aliased(
         parser,
         "--world-size",
@@ -176,7 +182,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-dp",
         dest="data_parallel_size",
         default=1,
-        type=integer(1, MAX_DATA_PARALLEL),
+        type=Bounded(int, ge=1, le=MAX_DATA_PARALLEL),
         metavar="N",
         help="engine-core processes behind this server, each a whole engine with its own KV pool and prefix "
         "cache on --threads/N threads, requests routed by --routing-policy (vLLM's flag; default 1: one engine "
@@ -192,7 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--threads",
-        type=integer(1, 4096),
+        type=Bounded(int, ge=1, le=4096),
         default=None,
         metavar="T",
         help="CPU threads for the engine (default: every CPU this process may use, and at least one per replica); "
@@ -212,7 +218,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ENDPOINT",
         help="publish the prefix cache's changes as vLLM's KV events (KVEventBatch, msgpack) on a ZeroMQ PUB "
-        "socket bound here, e.g. tcp://*:5557 (docs/kv-events.md); default: off",
+        "socket bound here, e.g. tcp://*:5557 (docs/fleet.md, 'KV events: the schema'); default: off",
     )
     add("--kv-events-topic", default="", metavar="TOPIC", help="the KV events' ZeroMQ topic (vLLM's default '')")
     add(
@@ -236,7 +242,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--client-timeout",
-        type=_seconds,
+        type=Bounded(float, gt=0, le=86_400, unit="seconds"),
         default=CLIENT_TIMEOUT_S,
         metavar="SECONDS",
         help="close a connection whose request (head and body) has not arrived within this time, or whose "
@@ -362,17 +368,6 @@ def _serve(args: argparse.Namespace, uvicorn: Any, server_module: Any, events: A
         return 1
     print("mechserve: server stopped", file=sys.stderr, flush=True)
     return 0
-
-
-def _seconds(text: str) -> float:
-    """An argparse ``type=``: a number of seconds in (0, 86400]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 < value <= 86_400:
-        raise argparse.ArgumentTypeError(f"must be in (0, 86400] seconds, got {text}")
-    return value
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -9,26 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from mechserve.cli.errors import CliError
+from mechserve.cli.parser import Bounded
 
 HELP = "train an EAGLE draft head for a model on its own outputs (for --spec-method eagle)"
 DEFAULT_BUDGET_MIN = 28.0  # generation, training and evaluation of the embedded SmolLM2 on a 2-core CPU
-
-
-def _bounded(kind: Callable[[str], float], low: float, high: float, what: str) -> Callable[[str], float]:
-    def convert(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-        if not low <= value <= high or value != value:
-            raise argparse.ArgumentTypeError(f"must be {what} in [{low}, {high}], got {text}")
-        return value
-
-    return convert
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,54 +24,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model", default="smollm2", help="the target model: smollm2 (the embedded one, default) or a directory")
     add(
         "--time-budget",
-        type=_bounded(float, 0.05, 24 * 60, "a number of minutes"),
+        type=Bounded(float, ge=0.05, le=24 * 60, unit="minutes"),
         default=DEFAULT_BUDGET_MIN,
         metavar="MIN",
         help=f"minutes for the whole run, generation included ({DEFAULT_BUDGET_MIN:g})",
     )
-    add("--seed", type=_bounded(int, 0, 2**31 - 1, "an integer"), default=0, help="seeds everything (0)")
+    add("--seed", type=Bounded(int, ge=0, le=2**31 - 1), default=0, help="seeds everything (0)")
     add(
         "--max-tokens",
-        type=_bounded(int, 8, 4096, "an integer"),
+        type=Bounded(int, ge=8, le=4096),
         default=192,
         metavar="N",
         help="tokens per generated answer (192)",
     )
     add(
         "--window",
-        type=_bounded(int, 1, 64, "an integer"),
+        type=Bounded(int, ge=1, le=64),
         default=8,
         metavar="N",
         help="the most real rows the head attends to (8)",
     )
     add(
         "--spec-len",
-        type=_bounded(int, 1, 16, "an integer"),
+        type=Bounded(int, ge=1, le=16),
         default=4,
         metavar="K",
         help="guesses per draft the training windows and the evaluation cover (4)",
     )
-    add(
-        "--batch-size", type=_bounded(int, 1, 4096, "an integer"), default=24, metavar="N", help="windows per step (24)"
-    )
-    add("--lr", type=_bounded(float, 1e-7, 1.0, "a number"), default=1e-3, help="AdamW's peak learning rate (1e-3)")
+    add("--batch-size", type=Bounded(int, ge=1, le=4096), default=24, metavar="N", help="windows per step (24)")
+    add("--lr", type=Bounded(float, ge=1e-7, le=1.0), default=1e-3, help="AdamW's peak learning rate (1e-3)")
     add(
         "--steps",
-        type=_bounded(int, 1, 10**7, "an integer"),
+        type=Bounded(int, ge=1, le=10**7),
         default=None,
         metavar="N",
         help="train exactly N steps and generate one greedy pass (default: as many as the budget allows)",
     )
     add(
         "--max-prompts",
-        type=_bounded(int, 2, 10**6, "an integer"),
+        type=Bounded(int, ge=2, le=10**6),
         default=None,
         metavar="N",
         help="use only the first N prompts of the shipped set (default: all)",
     )
     add(
         "--fr-vocab",
-        type=_bounded(int, 0, 10**7, "an integer"),
+        type=Bounded(int, ge=0, le=10**7),
         default=8192,
         metavar="N",
         help="the training's cross-entropy runs over the N ids most frequent in the model's outputs, and the "

@@ -75,9 +75,24 @@ POLICIES = ("precise", "cache_aware", "round_robin", "least_loaded")
 """``--routing-policy``'s choices (m15's policies a real router serves), the default first."""
 WATCH_S = 0.1  # how often the API server looks at the replica processes
 START_TIMEOUT_S = 600.0  # a replica loads its model within this
+STARTED_GRACE_MS = 1000  # after a replica exited during startup, how long its last message (why) may take to arrive
 QUERY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 30.0
 KEEP_DECISIONS = 10_000  # the router's decision log keeps its newest entries only (a server runs for days)
+
+
+def replica_config(config: EngineConfig, index: int) -> EngineConfig:
+    """Replica ``index``'s engine config: ``config`` with the seed of its unseeded sampling requests moved to
+    ``config.seed + index`` (None stays None: every replica then seeds itself afresh).
+
+    Each replica's sampler draws unseeded requests' randomness from one generator seeded with ``seed``; with
+    the same seed everywhere, the k-th unseeded request of two replicas would draw the same numbers, so the
+    same prompt sent twice (one copy per replica) would sample the same text.  Megatron-LM seeds its
+    data-parallel ranks ``seed + dp_rank`` for the same reason.  Replica 0 keeps ``config.seed``; seeded
+    requests (``SamplingParams.seed``) are untouched, so their ids do not depend on the replica."""
+    if config.seed is None:
+        return config
+    return config.replace(seed=config.seed + index)
 
 
 @dataclass
@@ -139,7 +154,8 @@ class DataParallelLLM(AsyncLLM):
     """``data_parallel_size`` engine-core processes behind one ``AsyncLLM`` interface (see the module docstring).
 
     ``model`` must be loadable by path in another process (``"smollm2"``, a directory, a GGUF file, or a
-    ``LoadedModel`` with its ``path``); ``config`` is every replica's engine config; ``threads`` (default
+    ``LoadedModel`` with its ``path``); ``config`` is every replica's engine config, but for the seed of
+    unseeded requests, ``seed + index`` on replica ``index`` (``replica_config``); ``threads`` (default
     every CPU this process may use, at least one per replica) is split evenly, ``threads // data_parallel_size`` per replica;
     ``routing_policy`` is one of ``POLICIES``.  ``kv_events`` (a ``KVEventPublisher``, optional) republishes
     every replica's KV events with its ``data_parallel_rank``.  The replicas start here and this returns
@@ -245,8 +261,8 @@ class DataParallelLLM(AsyncLLM):
             inbox.setsockopt(zmq.LINGER, 0)
             inbox.bind(f"ipc://{self._dir}/in-{i}")
             spec = ReplicaSpec(
-                model, config, i, self.size, self.threads_each, self.model_name, f"ipc://{self._dir}/in-{i}",
-                f"ipc://{self._dir}/out",
+                model, replica_config(config, i), i, self.size, self.threads_each, self.model_name,
+                f"ipc://{self._dir}/in-{i}", f"ipc://{self._dir}/out",
             )  # fmt: skip
             argv = [sys.executable, "-m", "mechserve.dp.replica", msgspec.json.encode(spec).decode()]
             # a session of its own: a terminal's Ctrl-C or a signal to the server's process group reaches the
@@ -257,7 +273,8 @@ class DataParallelLLM(AsyncLLM):
         deadline = time.monotonic() + timeout
         while len(ready) < self.size:
             for r in self._replicas:
-                if r.index not in ready and r.process.poll() is not None:
+                # a replica that failed to start sends why (StartFailed) before it exits: read that first
+                if r.index not in ready and r.process.poll() is not None and not self._outbox.poll(STARTED_GRACE_MS):
                     raise ValueError(
                         f"data-parallel replica {r.index} exited with status {r.process.returncode} before it was ready"
                     )
@@ -537,6 +554,7 @@ class DataParallelLLM(AsyncLLM):
         r.alive, r.reason = False, reason
         log.error("data-parallel replica %d (pid %d) is down: %s; the others keep serving", index, r.pid, reason)
         self.fleet.down(self.fleet.workers[index], reason)
+        self.fleet_metrics.down(index)
         for rid, req in list(self._requests.items()):
             if req.replica == index:
                 self._end(rid, EngineDeadError(f"data-parallel replica {index} (pid {r.pid}) is down: {reason}"))
@@ -570,7 +588,8 @@ class DataParallelLLM(AsyncLLM):
         return [await self._ask(r.index, "pages") for r in self._replicas if r.alive]
 
     async def refresh_metrics(self) -> None:
-        """Ask every live replica for its metrics (``/metrics`` calls this first); a down replica keeps its last."""
+        """Ask every live replica for its metrics (``/metrics`` calls this first); a down replica keeps its last
+        counters and histograms (``FleetMetrics.down``)."""
         results = await asyncio.gather(
             *(self._ask(r.index, "metrics") for r in self._replicas if r.alive), return_exceptions=True
         )

@@ -4,7 +4,9 @@ Every replica keeps its own ``ServingMetrics`` (``engine="0"``, ``"1"``, ...: th
 counters and histograms, fed by its engine thread as in one process).  ``FleetMetrics`` holds the API
 server's own series (HTTP requests, the process) and, on each scrape, the families every live replica
 answered to a ``Query("metrics")`` (``refresh``), joined family by family, as vLLM's API server shows its
-DP engines' series side by side.  A replica that is down keeps its last answer (counters never go back).
+DP engines' series side by side.  A replica that is down keeps its last counters and histograms (what it
+did; counters never go back) but not its gauges (``down``): ``vllm:num_requests_running`` and the KV usage of
+a process that is gone would report work that no longer exists.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ class FleetMetrics:
     def update(self, index: int, families: Sequence[Family]) -> None:
         """Replica ``index``'s families as it answered them now."""
         self._replicas.latest[index] = families
+
+    def down(self, index: int) -> None:
+        """Replica ``index`` is down: keep its counters and histograms as last answered, drop its gauges (its
+        running and waiting requests and its pages went with its process)."""
+        latest = self._replicas.latest
+        latest[index] = [f for f in latest[index] if f.type != "gauge"]
 
     async def refresh(self) -> None:
         """Ask every live replica for its families (``refresher``)."""

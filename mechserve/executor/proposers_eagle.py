@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mechserve.api.errors import HeadError
 from mechserve.executor.governor import Governor
 from mechserve.executor.proposers import NO_DRAFT, Draft, Window
 from mechserve.model.eagle import LoadedHead, Shared, find
@@ -52,6 +53,13 @@ class EagleProposer:
     """Chain drafting with an EAGLE head (module docstring) for ``target``."""
 
     def __init__(self, target: object, loaded: LoadedHead, vocab: int = 0) -> None:
+        """Raises ``HeadError`` when ``vocab`` asks for more ids than the head ranks (the model's vocabulary)."""
+        ranked = loaded.draft_vocab.numel()
+        if vocab > ranked:
+            raise HeadError(
+                f"eagle_draft_vocab {vocab} is more than the {ranked} ids the EAGLE head in {loaded.directory} ranks "
+                f"(the model's vocabulary): give 1 to {ranked} (--eagle-draft-vocab N), or 0 for all of them"
+            )
         self.loaded = loaded
         self.head = loaded.head
         self.window = loaded.head.config.window
@@ -62,7 +70,8 @@ class EagleProposer:
     @classmethod
     def build(cls, ctx: ProposerContext) -> EagleProposer:
         """The registry's factory: the head ``ctx.speculative.eagle_head`` names, else the one trained for
-        ``ctx.model`` (``mechserve.model.eagle.find``; ``HeadError`` when there is none or it does not match)."""
+        ``ctx.model`` (``mechserve.model.eagle.find``; ``HeadError`` when there is none, it is unreadable, it
+        does not match the model or ``eagle_draft_vocab`` does not fit it)."""
         spec = ctx.speculative
         loaded = find(ctx.model, spec.eagle_head)
         return cls(ctx.model, loaded, spec.eagle_draft_vocab)

@@ -27,7 +27,7 @@ Standard library only (and ``mechserve.api.limits``, whose numbers the rows quot
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mechserve.api.limits import (
@@ -140,6 +140,28 @@ _NO_PENALTY = _unset(
 _SP = "SamplingParams."
 
 
+def _sampler(switch: str, why: str, off: tuple[Any, ...], on: Any, **options: Any) -> tuple[Field, ...]:
+    """A llama.cpp sampler the server refuses (``why``): the row of its ``switch`` (neutral at ``off``), then a
+    row per option (``options``: each one's bad value), each neutral whatever its value while the switch is
+    0; ``on`` is a value that turns the switch on (every row's ``bad`` sends it)."""
+    rule = _unset(switch, neutral={switch: 0})
+    return (
+        _f(switch, BOTH, LLAMA_CPP, why=why, neutral=off, bad={switch: on}),
+        *(
+            _f(
+                name,
+                BOTH,
+                LLAMA_CPP,
+                why=why,
+                neutral_note=f"any value while {switch} is 0",
+                when_neutral=rule,
+                bad={name: value, switch: on},
+            )
+            for name, value in options.items()
+        ),
+    )
+
+
 _PROMPT_CHARS = (
     "text longer than `max_model_len` x the longest vocabulary entry's characters (at least "
     f"{MIN_PROMPT_CHARS}) is refused before it is tokenized"
@@ -158,12 +180,24 @@ _REQUEST_TEMPLATE = (
     f"at most {RENDER_TIMEOUT_S:g} s, {RENDER_MEMORY_BYTES >> 20} MiB and {MAX_RENDER_CHARS} characters "
     "(and the prompt's own limit)"
 )
-_REQUEST_TEMPLATE_REFUSED = "any template, with a 400 naming the flag, unless the server trusts request templates"
 
 
 def _f(name: str, endpoints: tuple[str, ...], origin: str, **kw: Any) -> Field:
     kw.setdefault("bad", {})
     return Field(name, endpoints, origin, **kw)
+
+
+def _request_template(endpoints: tuple[str, ...], where: str = "") -> Field:
+    """vLLM's ``chat_template`` row on ``endpoints`` (``where``: how the field reaches the chat path, if not
+    directly): honoured only when the server trusts request templates."""
+    return _f(
+        "chat_template",
+        endpoints,
+        VLLM,
+        honoured=where + _REQUEST_TEMPLATE,
+        refused_values="any template, with a 400 naming the flag, unless the server trusts request templates",
+        bad={"chat_template": "{{ x }}"},
+    )
 
 
 FIELDS: tuple[Field, ...] = (
@@ -687,14 +721,7 @@ FIELDS: tuple[Field, ...] = (
         neutral=(False,),
         bad={"echo": True},
     ),
-    _f(
-        "chat_template",
-        (CHAT,),
-        VLLM,
-        honoured=_REQUEST_TEMPLATE,
-        refused_values=_REQUEST_TEMPLATE_REFUSED,
-        bad={"chat_template": "{{ x }}"},
-    ),
+    _request_template((CHAT,)),
     _f(
         "documents",
         (CHAT,),
@@ -765,25 +792,7 @@ FIELDS: tuple[Field, ...] = (
         bad={"repeat_last_n": 64, "presence_penalty": 0.5},
     ),
     _f("penalize_nl", BOTH, LLAMA_CPP, why="not supported", neutral=(False,), bad={"penalize_nl": True}),
-    _f("mirostat", BOTH, LLAMA_CPP, why="not supported: no Mirostat sampling", neutral=(0,), bad={"mirostat": 2}),
-    _f(
-        "mirostat_tau",
-        BOTH,
-        LLAMA_CPP,
-        why="not supported: no Mirostat sampling",
-        neutral_note="any value while mirostat is 0",
-        when_neutral=_unset("mirostat", neutral={"mirostat": 0}),
-        bad={"mirostat_tau": 5.0, "mirostat": 1},
-    ),
-    _f(
-        "mirostat_eta",
-        BOTH,
-        LLAMA_CPP,
-        why="not supported: no Mirostat sampling",
-        neutral_note="any value while mirostat is 0",
-        when_neutral=_unset("mirostat", neutral={"mirostat": 0}),
-        bad={"mirostat_eta": 0.1, "mirostat": 1},
-    ),
+    *_sampler("mirostat", "not supported: no Mirostat sampling", (0,), 1, mirostat_tau=5.0, mirostat_eta=0.1),
     _f(
         "typical_p",
         BOTH,
@@ -802,64 +811,17 @@ FIELDS: tuple[Field, ...] = (
         neutral=(0, 1),
         bad={"min_keep": 5},
     ),
-    _f(
-        "dynatemp_range",
-        BOTH,
-        LLAMA_CPP,
-        why="not supported: no dynamic temperature",
-        neutral=(0, 0.0),
-        bad={"dynatemp_range": 0.5},
-    ),
-    _f(
-        "dynatemp_exponent",
-        BOTH,
-        LLAMA_CPP,
-        why="not supported: no dynamic temperature",
-        neutral_note="any value while dynatemp_range is 0",
-        when_neutral=_unset("dynatemp_range", neutral={"dynatemp_range": 0}),
-        bad={"dynatemp_exponent": 2.0, "dynatemp_range": 0.5},
-    ),
-    _f(
-        "xtc_probability",
-        BOTH,
-        LLAMA_CPP,
-        why="not supported: no XTC sampling",
-        neutral=(0, 0.0),
-        bad={"xtc_probability": 0.5},
-    ),
-    _f(
-        "xtc_threshold",
-        BOTH,
-        LLAMA_CPP,
-        why="not supported: no XTC sampling",
-        neutral_note="any value while xtc_probability is 0",
-        when_neutral=_unset("xtc_probability", neutral={"xtc_probability": 0}),
-        bad={"xtc_threshold": 0.2, "xtc_probability": 0.5},
-    ),
-    _f(
+    *_sampler("dynatemp_range", "not supported: no dynamic temperature", (0, 0.0), 0.5, dynatemp_exponent=2.0),
+    *_sampler("xtc_probability", "not supported: no XTC sampling", (0, 0.0), 0.5, xtc_threshold=0.2),
+    *_sampler(
         "dry_multiplier",
-        BOTH,
-        LLAMA_CPP,
-        why="not supported: no DRY penalty",
-        neutral=(0, 0.0),
-        bad={"dry_multiplier": 0.8},
-    ),
-    *(
-        _f(
-            name,
-            BOTH,
-            LLAMA_CPP,
-            why="not supported: no DRY penalty",
-            neutral_note="any value while dry_multiplier is 0",
-            when_neutral=_unset("dry_multiplier", neutral={"dry_multiplier": 0}),
-            bad={name: value, "dry_multiplier": 0.8},
-        )
-        for name, value in (
-            ("dry_base", 1.75),
-            ("dry_allowed_length", 2),
-            ("dry_penalty_last_n", -1),
-            ("dry_sequence_breakers", ["\n"]),
-        )
+        "not supported: no DRY penalty",
+        (0, 0.0),
+        0.8,
+        dry_base=1.75,
+        dry_allowed_length=2,
+        dry_penalty_last_n=-1,
+        dry_sequence_breakers=["\n"],
     ),
     _f(
         "samplers",
@@ -912,6 +874,15 @@ def _reasoning_off(body: Mapping[str, Any]) -> bool:
 
 _R = (RESPONSES,)
 _CHAT_PATH = "as on chat completions (the same chat path)"
+
+
+def _as_chat(name: str) -> Field:
+    """Chat completions' row of ``name``, word for word, as a Responses row (the same field, honoured or refused
+    the same way on the same chat path)."""
+    (row,) = (f for f in FIELDS if f.name == name and CHAT in f.endpoints)
+    return replace(row, endpoints=_R)
+
+
 RESPONSES_FIELDS: tuple[Field, ...] = (
     _f("model", _R, OPENAI, honoured="the served model's name; another name is a 404", bad={"model": 5}),
     _f(
@@ -993,7 +964,7 @@ RESPONSES_FIELDS: tuple[Field, ...] = (
         bad={"max_output_tokens": 0},
     ),
     _f("temperature", _R, OPENAI, honoured=_SP + "temperature in [0, 2]; default 1", bad={"temperature": 2.5}),
-    _f("top_p", _R, OPENAI, honoured=_SP + "top_p in (0, 1]", bad={"top_p": 0}),
+    _as_chat("top_p"),
     _f(
         "tools",
         _R,
@@ -1106,14 +1077,7 @@ RESPONSES_FIELDS: tuple[Field, ...] = (
         neutral=([],),
         bad={"context_management": [{"type": "compaction"}]},
     ),
-    _f(
-        "prompt_cache_retention",
-        _R,
-        OPENAI,
-        why="not supported beyond `in_memory`: the prefix cache lives in memory, its pages evicted as needed",
-        neutral=("in_memory",),
-        bad={"prompt_cache_retention": "24h"},
-    ),
+    _as_chat("prompt_cache_retention"),
     _f(
         "prompt_cache_options",
         _R,
@@ -1122,14 +1086,7 @@ RESPONSES_FIELDS: tuple[Field, ...] = (
         neutral=({},),
         bad={"prompt_cache_options": {"prewarm": True}},
     ),
-    _f(
-        "service_tier",
-        _R,
-        OPENAI,
-        why="not supported: there is one tier",
-        neutral=("auto", "default"),
-        bad={"service_tier": "flex"},
-    ),
+    _as_chat("service_tier"),
     _f(
         "background_options",
         _R,
@@ -1139,11 +1096,11 @@ RESPONSES_FIELDS: tuple[Field, ...] = (
         bad={"background_options": {"completion_window": "2h"}},
     ),
     _f("image", _R, OPENAI, why="not supported: text models only", bad={"image": {"context_compression": "enabled"}}),
-    _f("moderation", _R, OPENAI, why="not supported: no moderation model", bad={"moderation": {"model": "m"}}),
+    _as_chat("moderation"),
     _f("access_programs", _R, OPENAI, why="not supported", bad={"access_programs": {"cyber": "standard"}}),
     # vLLM's extensions of its ResponsesRequest
     _f("top_k", _R, VLLM, honoured=_SP + "top_k (0 or -1: off)", bad={"top_k": -2}),
-    _f("min_p", _R, VLLM, honoured=_SP + "min_p in [0, 1]", bad={"min_p": 2}),
+    _as_chat("min_p"),
     _f("repetition_penalty", _R, VLLM, honoured=_SP + "repetition_penalty > 0", bad={"repetition_penalty": 0}),
     _f("seed", _R, VLLM, honoured=_SP + "seed (-1: unseeded)", bad={"seed": "x"}),
     _f(
@@ -1153,15 +1110,9 @@ RESPONSES_FIELDS: tuple[Field, ...] = (
         honoured=_SP + f"stop: a string or at most 16, of at most {MAX_STOP_CHARS} characters",
         bad={"stop": 5},
     ),
-    _f("ignore_eos", _R, VLLM, honoured=_SP + "ignore_eos", bad={"ignore_eos": "x"}),
-    _f("skip_special_tokens", _R, VLLM, honoured=_SP + "skip_special_tokens", bad={"skip_special_tokens": 1}),
-    _f(
-        "include_stop_str_in_output",
-        _R,
-        VLLM,
-        honoured=_SP + "include_stop_str_in_output",
-        bad={"include_stop_str_in_output": 1},
-    ),
+    _as_chat("ignore_eos"),
+    _as_chat("skip_special_tokens"),
+    _as_chat("include_stop_str_in_output"),
     _f(
         "request_id",
         _R,
@@ -1169,18 +1120,11 @@ RESPONSES_FIELDS: tuple[Field, ...] = (
         honoured="the response id's suffix (`resp_<request_id>`) and the engine's request id",
         bad={"request_id": 5},
     ),
-    _f(
-        "chat_template",
-        _R,
-        VLLM,
-        honoured="chat's field, on the chat request this body becomes: " + _REQUEST_TEMPLATE,
-        refused_values=_REQUEST_TEMPLATE_REFUSED,
-        bad={"chat_template": "{{ x }}"},
-    ),
+    _request_template(_R, "chat's field, on the chat request this body becomes: "),
     _f("priority", _R, VLLM, why="not supported: first come, first served (m12)", neutral=(0,), bad={"priority": 1}),
     _f("cache_salt", _R, VLLM, why="not supported: one prefix cache for every request", bad={"cache_salt": "x"}),
-    _f("mm_processor_kwargs", _R, VLLM, why="not supported: text models only", bad={"mm_processor_kwargs": {"a": 1}}),
-    _f("vllm_xargs", _R, VLLM, why="not supported", bad={"vllm_xargs": {"a": 1}}),
+    _as_chat("mm_processor_kwargs"),
+    _as_chat("vllm_xargs"),
     _f(
         "enable_response_messages",
         _R,
@@ -1412,14 +1356,7 @@ MESSAGES_FIELDS: tuple[Field, ...] = (
         why="not supported: no server-held conversations; send the whole conversation",
         bad={"thread": {"type": "create"}},
     ),
-    _f(
-        "chat_template",
-        ANTHROPIC_BOTH,
-        VLLM,
-        honoured="vLLM's chat field, on the chat request this body becomes: " + _REQUEST_TEMPLATE,
-        refused_values=_REQUEST_TEMPLATE_REFUSED,
-        bad={"chat_template": "{{ x }}"},
-    ),
+    _request_template(ANTHROPIC_BOTH, "vLLM's chat field, on the chat request this body becomes: "),
 )
 
 FIELDS = FIELDS + RESPONSES_FIELDS + MESSAGES_FIELDS

@@ -149,6 +149,11 @@ def embedded_gguf() -> Path:
     raise ModelLoadError(f"{_WHEEL} is installed but {_GGUF_NAME} is missing from it")
 
 
+def embedded_dir() -> Path:
+    """Where the converted SmolLM2 lives in the cache (converted or not yet); ``ModelLoadError`` from ``cache_dir``."""
+    return cache_dir() / _CONVERTED_NAME
+
+
 def ensure_embedded() -> Path:
     """The converted SmolLM2 directory, converting the GGUF first if the cache lacks it.
 
@@ -158,7 +163,7 @@ def ensure_embedded() -> Path:
     """
     root = cache_dir()
     try:
-        return _ensure_embedded(root / _CONVERTED_NAME)
+        return _ensure_embedded(embedded_dir())
     except OSError as exc:
         raise _cache_error(root, exc) from None
 

@@ -29,9 +29,11 @@ rounded to bfloat16 so that one head serves the exact, fast and quantized modes 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
+import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,16 +42,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mechserve.api.errors import HeadError, ModelLoadError
+from mechserve.model.checkpoint import EMBEDDED, embedded_dir
 from mechserve.model.linear import dequantize_rows, linear
 from mechserve.model.quantized import QuantizedMatrix
 
 HEAD_FILE = "head.safetensors"
 CONFIG_FILE = "config.json"
 DEFAULT_WINDOW = 8
-
-
-class HeadError(ValueError):
-    """A head that cannot serve the loaded model (none trained, another model's, another shape, unreadable)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,70 +322,155 @@ class LoadedHead:
     config: dict[str, Any]
 
 
-def load(directory: Path, target: Any, fingerprint: str | None = None) -> LoadedHead:
-    """The head in ``directory`` checked against ``target``.
+def train_command(target: Any, directory: Path | None = None) -> str:
+    """The ``mechserve train-draft`` command that writes a head for ``target`` (into ``directory``, else the cache):
+    ``--model smollm2`` for the embedded model, else the directory it was loaded from (``MODEL`` if unknown)."""
+    name = model_name(target)
+    try:
+        embedded = name == str(embedded_dir())
+    except ModelLoadError:  # no cache directory can be named: then the model is not the embedded one
+        embedded = False
+    shown = EMBEDDED if embedded else "MODEL" if name == "<in memory>" else shlex.quote(name)
+    words = ["mechserve", "train-draft", "--model", shown]
+    if directory is not None:
+        words += ["--output", shlex.quote(str(directory))]
+    return " ".join(words)
 
-    Raises ``HeadError`` naming both when it was trained for another model (``fingerprint``, default
-    ``model_fingerprint(target)``) or has another shape, and when its files are missing or unreadable.
-    """
+
+def _fix(target: Any, directory: Path, cached: bool) -> str:
+    """What to do about a head in ``directory`` that cannot be used: write it (again) with ``train-draft``."""
+    if cached:
+        return f"run `{train_command(target)}` to write it again"
+    return f"write one there with `{train_command(target, directory)}`, or name another with --eagle-head DIR"
+
+
+def _read_config(directory: Path, fix: str) -> tuple[dict[str, Any], HeadConfig, str]:
+    """``directory``'s ``CONFIG_FILE``: the whole object, its checked ``shape`` and the fingerprint of the model
+    it was trained for.  Raises ``HeadError`` (ending with ``fix``) for a directory or file that is missing,
+    unreadable, not JSON, or without a valid shape and fingerprint."""
+    if not directory.exists():
+        raise HeadError(f"no EAGLE head at {directory}: no such directory; {fix}")
+    if not directory.is_dir():
+        raise HeadError(f"no EAGLE head at {directory}: it is a file, not a head's directory; {fix}")
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        holds = (
+            f"it holds {HEAD_FILE} but no {CONFIG_FILE}"
+            if (directory / HEAD_FILE).exists()
+            else f"it holds neither {CONFIG_FILE} nor {HEAD_FILE}"
+        )
+        raise HeadError(f"no EAGLE head in {directory}: {holds}; {fix}")
+    unreadable = f"the EAGLE head in {directory} is unreadable: {CONFIG_FILE}"
+    try:
+        config = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise HeadError(f"{unreadable}: {exc.strerror or exc}; {fix}") from None
+    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+        raise HeadError(f"{unreadable} is not JSON ({exc}); {fix}") from None
+    if not isinstance(config, dict):
+        raise HeadError(f"{unreadable} is not a JSON object; {fix}")
+    shape, trained_for = config.get("shape"), config.get("target_fingerprint")
+    fields = {f.name for f in dataclasses.fields(HeadConfig)}
+    if not isinstance(shape, dict) or set(shape) - fields or not fields - {"window"} <= set(shape):
+        raise HeadError(f'{unreadable} has no "shape" with the fields {", ".join(sorted(fields))}; {fix}')
+    for key, value in shape.items():
+        if key == "rms_norm_eps":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        if not ok:
+            what = "a number > 0" if key == "rms_norm_eps" else "an integer >= 1"
+            raise HeadError(f"{unreadable}: shape.{key} must be {what}, got {value!r}; {fix}")
+    if not isinstance(trained_for, str) or not trained_for:
+        raise HeadError(f'{unreadable} has no "target_fingerprint" (the model it was trained for); {fix}')
+    return config, HeadConfig(**shape), trained_for
+
+
+def _read_tensors(directory: Path, shape: HeadConfig, fix: str) -> tuple[EagleHead, torch.Tensor]:
+    """The head's weights and draft vocabulary from ``directory``'s ``HEAD_FILE``; ``HeadError`` (ending with
+    ``fix``) for a file that is missing, truncated, not safetensors, or whose tensors do not fit ``shape``."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    directory = Path(directory)
+    path = directory / HEAD_FILE
+    if not path.is_file():
+        raise HeadError(f"no EAGLE head in {directory}: it holds {CONFIG_FILE} but no {HEAD_FILE}; {fix}")
+    unreadable = f"the EAGLE head in {directory} is unreadable: {HEAD_FILE}"
     try:
-        config = json.loads((directory / CONFIG_FILE).read_text())
-        shape = HeadConfig(**config["shape"])
-        trained_for = str(config["target_fingerprint"])
-    except FileNotFoundError:
-        raise HeadError(f"no EAGLE head in {directory} ({CONFIG_FILE} is missing)") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise HeadError(f"the EAGLE head in {directory} is unreadable ({CONFIG_FILE}: {exc})") from None
-    fingerprint = fingerprint or model_fingerprint(target)
-    want = HeadConfig.of(target, shape.window)
-    name = model_name(target)
-    trained = config.get("target", "?")
-    if shape.shape_of() != want.shape_of():
-        mine, theirs = shape.shape_of(), want.shape_of()
-        differ = ", ".join(f"{k} {mine[k]} vs {theirs[k]}" for k in mine if mine[k] != theirs[k])
-        raise HeadError(
-            f"the EAGLE head trained for {trained} has another shape than the loaded model {name} ({differ}; "
-            f"the head is in {directory})"
-        )
-    if trained_for != fingerprint:
-        raise HeadError(
-            f"the EAGLE head trained for {trained} does not match the loaded model {name}; run `mechserve "
-            f"train-draft` for it (fingerprints {trained_for[:16]} vs {fingerprint[:16]}; the head is in {directory})"
-        )
-    try:
-        tensors = load_file(str(directory / HEAD_FILE))
-    except (OSError, SafetensorError) as exc:
-        raise HeadError(f"the EAGLE head in {directory} is unreadable ({HEAD_FILE}: {exc})") from None
+        tensors = load_file(str(path))
+    except OSError as exc:
+        raise HeadError(f"{unreadable}: {exc.strerror or exc}; {fix}") from None
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        problem = " ".join(str(exc).split()) or type(exc).__name__
+        raise HeadError(f"{unreadable} is truncated or not a safetensors file ({problem}); {fix}") from None
     draft_vocab = tensors.pop("draft_vocab", None)
     head = EagleHead(shape)
     try:
         head.load_state_dict(tensors)
     except RuntimeError as exc:
-        raise HeadError(f"the EAGLE head in {directory} does not fit its config ({str(exc).splitlines()[0]})") from None
-    if draft_vocab is None or draft_vocab.shape != (shape.vocab,):
-        raise HeadError(f"the EAGLE head in {directory} has no draft_vocab of {shape.vocab} ids")
+        problem = " ".join(str(exc).split("\n", 1)[-1].split()) or "its tensors"
+        raise HeadError(f"the EAGLE head in {directory} does not fit its {CONFIG_FILE} ({problem}); {fix}") from None
+    if (
+        draft_vocab is None
+        or draft_vocab.dtype != torch.int64
+        or draft_vocab.shape != (shape.vocab,)
+        or not torch.equal(draft_vocab.sort().values, torch.arange(shape.vocab))
+    ):
+        raise HeadError(
+            f"{unreadable}: its draft_vocab is not a ranking of the {shape.vocab} ids (int64, each id once); {fix}"
+        )
+    return head, draft_vocab
+
+
+def load(directory: Path, target: Any, fingerprint: str | None = None, *, cached: bool = False) -> LoadedHead:
+    """The head in ``directory`` checked against ``target`` (``cached``: ``directory`` is ``head_dir``'s, where
+    ``train-draft`` writes by default, which only changes the fix the messages give).
+
+    Raises ``HeadError``, one line naming ``directory`` and the ``train-draft`` command that mends it, when
+    the directory or either file is missing, a file is unreadable, truncated or not what it should be
+    (``config.json`` not JSON, a shape field of the wrong type, tensors that do not fit the shape, a draft
+    vocabulary that is not a ranking of every id), and naming both models when the head was trained for
+    another model (``fingerprint``, default ``model_fingerprint(target)``) or has another shape.
+    """
+    directory = Path(directory)
+    fix = _fix(target, directory, cached)
+    config, shape, trained_for = _read_config(directory, fix)
+    fingerprint = fingerprint or model_fingerprint(target)
+    want = HeadConfig.of(target, shape.window)
+    name = model_name(target)
+    trained = config.get("target", "?")
+    retrain = f"train one for it with `{train_command(target)}`" + ("" if cached else " and name it with --eagle-head")
+    if shape.shape_of() != want.shape_of():
+        mine, theirs = shape.shape_of(), want.shape_of()
+        differ = ", ".join(f"{k} {mine[k]} vs {theirs[k]}" for k in mine if mine[k] != theirs[k])
+        raise HeadError(
+            f"the EAGLE head trained for {trained} has another shape than the loaded model {name} ({differ}; "
+            f"the head is in {directory}); {retrain}"
+        )
+    if trained_for != fingerprint:
+        raise HeadError(
+            f"the EAGLE head trained for {trained} does not match the loaded model {name} (fingerprints "
+            f"{trained_for[:16]} vs {fingerprint[:16]}; the head is in {directory}); {retrain}"
+        )
+    head, draft_vocab = _read_tensors(directory, shape, fix)
     head.eval().requires_grad_(False)
     return LoadedHead(directory, head, draft_vocab, config)
 
 
 def find(target: Any, directory: str | Path | None = None) -> LoadedHead:
     """The head for ``target``: from ``directory`` if given, else the one ``train-draft`` wrote for it
-    (``head_dir``).  Raises ``HeadError`` (``load``'s), and when none was trained, one that says to run
-    ``mechserve train-draft``."""
+    (``head_dir``).  Raises ``HeadError`` (``load``'s), and when none was trained, one that says which
+    ``mechserve train-draft`` to run."""
     fingerprint = model_fingerprint(target)
     if directory is not None:
         return load(Path(directory), target, fingerprint)
     found = head_dir(fingerprint)
-    if not (found / CONFIG_FILE).is_file():
+    if not (found / CONFIG_FILE).is_file() and not (found / HEAD_FILE).is_file():
         raise HeadError(
-            f"no EAGLE head has been trained for the loaded model {model_name(target)}: run `mechserve train-draft "
-            f"--model MODEL` first, or give one with --eagle-head DIR (looked in {found})"
+            f"no EAGLE head has been trained for the loaded model {model_name(target)} (looked in {found}): run "
+            f"`{train_command(target)}` first, or name one with --eagle-head DIR"
         )
-    return load(found, target, fingerprint)
+    return load(found, target, fingerprint, cached=True)
 
 
 def window_rows(window: int, steps: int) -> int:
@@ -419,4 +504,5 @@ __all__ = [
     "model_fingerprint",
     "model_name",
     "save",
+    "train_command",
 ]

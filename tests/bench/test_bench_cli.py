@@ -56,7 +56,7 @@ def test_bench_run_quick_end_to_end(tmp_path: Path, tiny_dir: Path, capsys: pyte
     )
     said = capsys.readouterr()
     err = said.err
-    assert "llama-cpp skipped: it runs the embedded model's GGUFs (--model smollm2) or a GGUF file" in err
+    assert "llama-cpp skipped: llama.cpp runs the embedded model's GGUFs (--model smollm2) or a GGUF file" in err
     assert doc["skipped"][0]["engine"] == "llama-cpp"
     assert {"cpu", "cpus", "torch_threads"} <= doc["machine"].keys()
     assert doc["versions"]["torch"] and "commit" in doc["git"]

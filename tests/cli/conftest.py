@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 from cli_support import Result
-from tiny_engines import tiny, tiny_dir, tiny_hf  # the torch CLI tests' tiny model
+from tiny_engines import tiny, tiny_dir, tiny_head, tiny_hf  # the torch CLI tests' tiny model (and a head for it)
 
 from mechserve.cli.main import main
 
-__all__ = ["cli", "spec_file", "tiny", "tiny_dir", "tiny_hf"]
+__all__ = ["cli", "spec_file", "tiny", "tiny_dir", "tiny_head", "tiny_hf"]
 
 Cli = Callable[..., Result]
 

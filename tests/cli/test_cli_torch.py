@@ -152,10 +152,10 @@ def test_generate_chat_takes_a_chat_template(tiny_dir, capsys, tmp_path) -> None
     [
         (["--top-p", "1.5"], "--top-p: must be in (0, 1], got 1.5"),
         (["--temperature", "-1"], "--temperature: must be >= 0"),
-        (["--temperature", "hot"], "--temperature: must be a number"),
+        (["--temperature", "hot"], "--temperature: expected a finite number, got 'hot'"),
         (["--min-tokens", "9", "--max-tokens", "4"], "--min-tokens: must be in [0, max_tokens=4]"),
-        (["--logprobs", "21"], "--logprobs: must be at most 20"),
-        (["--n", "0"], "--n: must be > 0"),
+        (["--logprobs", "21"], "--logprobs: expected an integer in [0, 20], got '21'"),
+        (["--n", "0"], "--n: expected an integer in [1, 64], got '0'"),
         (["--stop", ""], "--stop: must not be empty"),
     ],
 )

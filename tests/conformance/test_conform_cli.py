@@ -71,8 +71,8 @@ def test_a_failing_check_exits_1_and_shows_the_failing_workload(
     [
         (["--checks", "replay,bogus"], "--checks: unknown check 'bogus'"),
         (["--checks", ","], "--checks: name at least one check"),
-        (["--workloads", "0"], "--workloads: must be between 1 and 100000, got 0"),
-        (["--seed", "x"], "--seed: must be an integer"),
+        (["--workloads", "0"], "--workloads: expected an integer in [1, 100000], got '0'"),
+        (["--seed", "x"], "--seed: expected an integer in [0, 4294967295], got 'x'"),
         (
             ["--model", "/no/such/model/dir", "--checks", "kv"],
             "model not found: /no/such/model/dir (a directory or a .gguf file)",

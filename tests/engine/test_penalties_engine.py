@@ -1,6 +1,7 @@
 """Penalties and token filters through ``EngineCore`` on the tiny Llama: vLLM's semantics against transformers'
 logits, and the engine's promises: a greedy or seeded request gives the same tokens alone and in a batch, after
-preemption, with prefix caching, and with speculation on (prompt lookup or a draft model)."""
+preemption, with prefix caching, and with speculation on (prompt lookup, suffix decoding, a draft model or an
+EAGLE head)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_engines import core, drain, random_prompts
+from tiny_engines import answer, core, drafted_and_accepted, drain, eagle_spec, random_prompts, train_tiny_head
 
 from mechserve.api.config import SpeculativeConfig
 from mechserve.api.errors import ParamError
@@ -185,6 +186,51 @@ def test_greedy_penalized_requests_are_unchanged_by_a_draft_model(tiny) -> None:
     )
     c = core(tiny, speculative=spec)
     assert generate(c, prompts, greedy) == want
+
+
+EAGLE_CONFIGS: dict[str, dict[str, Any]] = {
+    "batch": {"prefix_caching": False},
+    "chunked-tight-pool": {"max_step_tokens": 5, "num_pages": 9, "prefix_caching": False},  # preemption
+    "prefix-and-output-cache": {"prefix_caching": True, "output_caching": True},
+}
+
+
+@pytest.fixture(scope="module")
+def penalized_turns(tiny) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """Two turns of the penalized requests, each alone: (prompts, outputs); the second turn's prompts hold the
+    first's answers."""
+    prompts = promise_prompts()
+    first = [alone(tiny, p, sp) for p, sp in zip(prompts, PENALIZED)]
+    follow = [[*p, *a, 9, 10] for p, a in zip(prompts, first)]
+    return [(prompts, first), (follow, [alone(tiny, p, sp) for p, sp in zip(follow, PENALIZED)])]
+
+
+@pytest.fixture(scope="module")
+def penalized_head(tiny, penalized_turns, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A head trained on the model's own penalized outputs (``train-draft``'s self-distillation on these requests):
+    its guesses are mostly right, so verification with penalties runs over accepted guesses."""
+    sequences = [(p, o) for prompts, outs in penalized_turns for p, o in zip(prompts, outs)]
+    return train_tiny_head(tiny.model, tmp_path_factory.mktemp("penalized-head"), sequences, steps=120)
+
+
+@pytest.mark.parametrize("config", list(EAGLE_CONFIGS))
+def test_penalized_requests_are_unchanged_by_an_eagle_head(tiny, penalized_turns, penalized_head, config: str) -> None:
+    """Repetition, presence and frequency penalties, logit bias and bad words, greedy and seeded: the guesses of an
+    EAGLE head change no id, in a batch, under preemption and with the prefix and output caches (a second turn
+    holding the first's answers), with guesses both accepted and rejected."""
+    (prompts, want), (follow, want_next) = penalized_turns
+    c = core(tiny, speculative=eagle_spec(penalized_head), **EAGLE_CONFIGS[config])
+    got, records = answer(c, prompts, PENALIZED)
+    assert got == want
+    if config == "chunked-tight-pool":
+        assert any(r.preempted for r in records)
+    if config == "prefix-and-output-cache":
+        again, later = answer(c, follow, PENALIZED)
+        assert again == want_next
+        assert sum(sum(r.reused.values()) for r in later) > sum(len(p) for p in prompts)  # the answers were reused
+        records += later
+    drafted, accepted = drafted_and_accepted(records)
+    assert 0 < accepted < drafted
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None)

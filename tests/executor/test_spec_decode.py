@@ -2,8 +2,8 @@
 
 Greedy output with speculation equals the output without it, for both proposers, at batch 1 and in
 batch mixes, under chunked prefill, prefix reuse and preemption; the draft model's paged KV stays
-what a dense forward computes; stop ids and EOS inside an accepted run cut it (BC16), windows with
-and without drafts share a step (BC22); the conformance checks (replay, contract, KV audit) pass
+what a dense forward computes; stop ids, EOS and stop strings inside an accepted run cut it (BC16, with
+every proposer, an EAGLE head included), windows with and without drafts share a step (BC22); the conformance checks (replay, contract, KV audit) pass
 with both proposers; the adaptive spec_len and the configuration surface (SpeculativeConfig,
 EngineConfig, LLM, ``mechserve generate``).
 """
@@ -22,6 +22,7 @@ from engine_runs import run_engine as generate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_checkpoints import Tiny, random_prompts, tiny_config
+from tiny_engines import eagle_spec, greedy_sequences, train_tiny_head
 from tiny_models import save_cycle_model
 
 from mechserve.api.config import EngineConfig, SpeculativeConfig, parse_draft_model
@@ -344,7 +345,7 @@ def test_a_draft_reads_valid_kv_from_another_requests_generated_blocks(tiny: Tin
         )
 
 
-# BC16 and BC22 kinds, with both proposers --------------------------------------------------------------------------
+# BC16 and BC22 kinds, with every proposer --------------------------------------------------------------------------
 
 CYCLE = [3, 5, 2, 7, 4, 6, 1]
 
@@ -357,9 +358,25 @@ def cycle_model(tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
     return load_model(str(path), tokenizer=False).model
 
 
-def cycle_setup(proposer: str, model: LlamaModel, k: int) -> tuple[SpeculativeConfig, LlamaModel | None]:
+@pytest.fixture(scope="module")
+def cycle_head(cycle_model: LlamaModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An EAGLE head trained in seconds on the cycle model's own continuations: it guesses the cycle."""
+    prompts = [[CYCLE[(s + i) % len(CYCLE)] for i in range(n)] for s, n in enumerate([3, 5, 8, 4, 9, 6, 10])]
+    sequences = greedy_sequences(cycle_model, prompts, 24)
+    return train_tiny_head(cycle_model, tmp_path_factory.mktemp("cycle-head"), sequences, steps=100)
+
+
+PROPOSERS = ["ngram", "suffix", "draft", "eagle"]
+
+
+def cycle_setup(
+    proposer: str, model: LlamaModel, k: int, head: Path | None = None
+) -> tuple[SpeculativeConfig, LlamaModel | None]:
     if proposer in MODEL_FREE:
         return replace(MODEL_FREE[proposer], num_speculative_tokens=k), None
+    if proposer == "eagle":
+        assert head is not None
+        return eagle_spec(head, k), None
     return draft_spec(k), model  # the draft is the model itself: it proposes the true continuation
 
 
@@ -367,10 +384,12 @@ PROMPT = [*CYCLE, *CYCLE[:2]]  # continues 2, 7, 4, 6, 1, 3, 5, ... and prompt l
 CONT = [2, 7, 4, 6, 1, 3, 5, 2]
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
-def test_bc16_stop_or_eos_inside_an_accepted_run_wins_over_the_cap(cycle_model: LlamaModel, proposer: str) -> None:
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_bc16_stop_or_eos_inside_an_accepted_run_wins_over_the_cap(
+    cycle_model: LlamaModel, cycle_head: Path, proposer: str
+) -> None:
     """max_tokens 5, spec_len 5: one window accepts [7, 4, 6] and the stop id 4 cuts it: [2, 7, 4], STOP."""
-    spec, draft = cycle_setup(proposer, cycle_model, 5)
+    spec, draft = cycle_setup(proposer, cycle_model, 5, cycle_head)
     assert run(cycle_model, [PROMPT], 8).outputs["r0"] == CONT
     stop = run(cycle_model, [PROMPT], 5, spec=spec, draft=draft, stop_token_ids=(4,))
     assert stop.outputs["r0"] == [2, 7, 4] and stop.finish["r0"] == "STOP"
@@ -384,11 +403,11 @@ def test_bc16_stop_or_eos_inside_an_accepted_run_wins_over_the_cap(cycle_model: 
     assert late.outputs["r0"] == CONT[:5] and late.finish["r0"] == "LENGTH"
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
-def test_bc22_zero_and_two_drafts_share_steps(cycle_model: LlamaModel, proposer: str) -> None:
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_bc22_zero_and_two_drafts_share_steps(cycle_model: LlamaModel, cycle_head: Path, proposer: str) -> None:
     """A (5 tokens) has 0 drafts at its last step while B (10 tokens) has 2; each equals its run alone.
     B with 11 tokens ends on a step where every window has 0 drafts: plain decode, one token."""
-    spec, draft = cycle_setup(proposer, cycle_model, 2)
+    spec, draft = cycle_setup(proposer, cycle_model, 2, cycle_head)
     a, b = [7, 4, 6, 1, 3, 5, 2, 7, 4], PROMPT
     alone_a, alone_b = run(cycle_model, [a], 5).outputs["r0"], run(cycle_model, [b], 11).outputs["r0"]
     both = run(cycle_model, [a, b], [5, 10], spec=spec, draft=draft)
@@ -409,10 +428,12 @@ class LetterTokenizer:
         return "".join("abcdefghijklmnop"[i] for i in ids)
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "suffix", "draft"])
-def test_a_stop_string_inside_an_accepted_run_cuts_ids_and_text(cycle_model: LlamaModel, proposer: str) -> None:
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_a_stop_string_inside_an_accepted_run_cuts_ids_and_text(
+    cycle_model: LlamaModel, cycle_head: Path, proposer: str
+) -> None:
     """The continuation c h e g b d f ... arrives as accepted runs; the stop string "he" ends inside one."""
-    spec, _ = cycle_setup(proposer, cycle_model, 4)
+    spec, _ = cycle_setup(proposer, cycle_model, 4, cycle_head)
     if proposer == "draft":
         spec = replace(spec, draft_model=f"{Path(cycle_model.config._name_or_path)}:layers=1")
     core = EngineCore(
@@ -462,7 +483,7 @@ def cycle_run(
     start=st.integers(0, len(CYCLE) - 1),
     length=st.integers(len(CYCLE) + 1, 2 * len(CYCLE) + 2),
     k=st.integers(1, 5),
-    proposer=st.sampled_from(["ngram", "suffix", "draft"]),
+    proposer=st.sampled_from(PROPOSERS),
     max_tokens=st.integers(1, 14),
     stop_ids=st.lists(st.sampled_from(CYCLE), max_size=2, unique=True),
     eos=st.lists(st.sampled_from(CYCLE), max_size=1),
@@ -470,6 +491,7 @@ def cycle_run(
 )
 def test_no_id_or_text_after_the_earliest_stop_eos_or_cap(
     cycle_model: LlamaModel,
+    cycle_head: Path,
     start: int,
     length: int,
     k: int,
@@ -497,7 +519,7 @@ def test_no_id_or_text_after_the_earliest_stop_eos_or_cap(
                 end = j + 1
                 break
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_ids, stop=stop_string)
-    spec, _ = cycle_setup(proposer, cycle_model, k)
+    spec, _ = cycle_setup(proposer, cycle_model, k, cycle_head)
     if proposer == "draft":
         spec = replace(spec, draft_model=f"{Path(cycle_model.config._name_or_path)}:layers=1")
     spec = replace(spec, adaptive=False)  # every window carries k guesses: cuts land inside accepted runs
@@ -729,9 +751,12 @@ def test_generate_cli_speculates_with_either_proposer(
         (["--spec-len", "2", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min 3 is more than --ngram-max 2"),
         (["--draft-model", "smollm2:layers=0"], "layers must be >= 1"),
         (["--suffix-decoding-max-tree-depth", "8"], "--suffix-decoding-max-tree-depth is an option of --spec-method"),
-        (["--spec-method", "suffix", "--suffix-decoding-max-tree-depth", "1"], "must be >= 2, got 1"),
+        (
+            ["--spec-method", "suffix", "--suffix-decoding-max-tree-depth", "1"],
+            "expected an integer in [2, 256], got '1'",
+        ),
         (["--spec-method", "suffix", "--suffix-decoding-min-token-prob", "2"], "--suffix-decoding-min-token-prob"),
-        (["--spec-method", "suffix", "--suffix-decoding-max-spec-factor", "x"], "must be a number"),
+        (["--spec-method", "suffix", "--suffix-decoding-max-spec-factor", "x"], "expected a finite number, got 'x'"),
     ],
 )
 def test_generate_cli_speculation_errors(flags: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:

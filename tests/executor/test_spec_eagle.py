@@ -2,10 +2,15 @@
 
 The target forward's hidden states (``hidden_out``) are transformers' final hidden states; the proposer keeps
 exactly the target's features of the rows each request kept; greedy output equals decoding without
-speculation alone, batched, chunked and preempted; seeded sampling's ids do not change and unseeded
-sampling's distribution is the target's (chi-square); a head of another model or shape is refused naming
-both, none trained says to run ``train-draft``; the head's files round-trip; ``train-draft``'s CLI trains,
-writes and refuses bad flags with one line.
+speculation alone, batched, chunked, preempted and with the adaptive governor; seeded sampling's ids do not
+change and unseeded sampling's distribution is the target's (chi-square); a head of another model or shape is
+refused naming both, none trained says to run ``train-draft``; the head's files round-trip; ``train-draft``'s
+CLI trains, writes and refuses bad flags with one line.  Elsewhere: exactness with structured outputs in
+structured/test_constrained_engine.py; with penalties, logit bias and bad words (batched, preempted, and with
+the prefix and output caches over a second turn) in engine/test_penalties_engine.py; stop ids, EOS and stop
+strings inside accepted runs in test_spec_decode.py (BC16/BC22); every way a head can be missing or wrong, on
+every path that loads one, in cli/test_eagle_head_errors.py.  The heads are trained by
+``tiny_engines.train_tiny_head`` on the model's own outputs.
 """
 
 from __future__ import annotations
@@ -13,18 +18,27 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from tiny_checkpoints import Tiny, build_tiny, random_prompts
+from tiny_engines import (
+    HEAD_PROMPTS,
+    answer,
+    core,
+    drafted_and_accepted,
+    eagle_spec,
+    greedy_sequences,
+    train_tiny_head,
+)
 from tiny_models import VOCAB, save_word_tokenizer
 
 from executor.test_spec_decode import PROMPTS, run, total
 from executor.test_spec_sampling import PARAMS, PROMPT, SMALL_V, chi_square_p, small_model, target_joint
-from mechserve.api.config import EngineConfig, SpeculativeConfig
+from mechserve.api.config import SpeculativeConfig
 from mechserve.api.params import SamplingParams
 from mechserve.cli.main import main
 from mechserve.engine.core import EngineCore
@@ -34,8 +48,7 @@ from mechserve.executor.sampling import Sampler
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.model import eagle
 from mechserve.model.eagle import EagleHead, HeadConfig, HeadError, Shared
-from mechserve.model.eagle_train import TrainSettings, draft_vocab, evaluate, record, train_head
-from mechserve.model.llama import LlamaModel
+from mechserve.model.eagle_train import TrainSettings, evaluate, record, train_head
 from mechserve.model.loader import LoadedModel
 from mechserve.spec import m14_forced_runs as m14
 
@@ -48,26 +61,12 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def train_tiny_head(model: LlamaModel, directory: Path, prompts: Sequence[Sequence[int]], steps: int = 60) -> Path:
-    """A head for ``model`` trained on its greedy continuations of ``prompts`` (seconds), saved to ``directory``."""
-    outputs = run(model, prompts, 24).outputs
-    data = [record(model, [*p, *outputs[f"r{i}"]], len(p) - 1) for i, p in enumerate(prompts)]
-    settings = TrainSettings(window=4, spec_len=3, batch_size=8, steps=steps, lr=3e-3)
-    head = EagleHead(HeadConfig.of(model, settings.window))
-    head.init_weights(0)
-    train_head(head, Shared(model), data, settings, math.inf, lambda line: None)
-    eagle.save(directory, head, draft_vocab(data, model.arch.vocab_size), model, eagle.model_fingerprint(model), {})
-    return directory
-
-
 @pytest.fixture(scope="module")
 def head(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    prompts = random_prompts([6, 9, 4, 11, 7, 5, 8, 10, 12, 6, 3, 9], seed=71)
-    return train_tiny_head(tiny.model, tmp_path_factory.mktemp("eagle-head"), prompts)
-
-
-def eagle_spec(head: Path, k: int = 3, **extra: Any) -> SpeculativeConfig:
-    return SpeculativeConfig(method="eagle", num_speculative_tokens=k, adaptive=False, eagle_head=str(head), **extra)
+    """A head trained on the model's greedy continuations of the prompts the tests decode (and more): a random
+    model's text has nothing to generalise from, and guesses must be accepted for verification to be tested."""
+    sequences = greedy_sequences(tiny.model, [*HEAD_PROMPTS, *PROMPTS], 24)
+    return train_tiny_head(tiny.model, tmp_path_factory.mktemp("eagle-head"), sequences, steps=120)
 
 
 @pytest.fixture(scope="module")
@@ -139,37 +138,19 @@ def test_the_proposer_keeps_the_targets_features_of_the_kept_rows(tiny: Tiny, he
 
 
 def engine(tiny: Tiny, spec: SpeculativeConfig | None) -> EngineCore:
-    config = EngineConfig(page_size=4, num_pages=128, prefix_caching=True, output_caching=True, speculative=spec)
-    return EngineCore(LoadedModel(tiny.path, tiny.model, None, ()), config)
+    loaded = LoadedModel(tiny.path, tiny.model, None, ())
+    return core(loaded, num_pages=128, prefix_caching=True, output_caching=True, speculative=spec)
 
 
-def answers(c: EngineCore, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[list[int]]:
-    ids = [c.add_request(list(p), sp) for p, sp in zip(prompts, params)]
-    done: dict[str, list[int]] = {}
-    while c.has_unfinished():
-        for o in c.step().finished:
-            done[o.request_id] = list(o.outputs[0].token_ids)
-    return [done[i] for i in ids]
-
-
-def test_penalties_and_prefix_and_output_caching_keep_the_output(tiny: Tiny, head: Path) -> None:
-    """Penalties, logit bias and seeded sampling, then a second turn whose prompts hold the answers (reused
-    from the prefix and output caches): the head changes no id."""
-    shared = [5, 6, 7, 8, 5, 6, 7, 8]
-    prompts = [shared + t for t in random_prompts([3, 6, 2, 5], seed=4)]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=9, repetition_penalty=1.7, frequency_penalty=0.6),
-        SamplingParams(temperature=0.9, seed=7, max_tokens=9, presence_penalty=1.2, logit_bias={3: 2.0}),
-        SamplingParams(temperature=0.0, max_tokens=9, presence_penalty=-0.5),
-        SamplingParams(temperature=1.2, seed=11, top_k=20, max_tokens=9, repetition_penalty=0.8, frequency_penalty=1.0),
-    ]
-    plain, fast = engine(tiny, None), engine(tiny, eagle_spec(head))
-    first = answers(plain, prompts, params)
-    assert answers(fast, prompts, params) == first
-    follow = [[*p, *a, 9, 10] for p, a in zip(prompts, first)]
-    assert answers(fast, follow, params) == answers(plain, follow, params)
-    assert fast.executor.stats().proposed > 0
-    fast.check_pages()
+def test_adaptive_speculation_with_the_head_keeps_the_output(
+    tiny: Tiny, head: Path, plain: dict[str, list[int]]
+) -> None:
+    """The governor sizes each window (down to none) from the head's acceptance so far: the ids do not change."""
+    adaptive = SpeculativeConfig(method="eagle", num_speculative_tokens=4, eagle_head=str(head))
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    got, records = answer(engine(tiny, adaptive), PROMPTS, params)
+    assert got == [plain[f"r{i}"] for i in range(len(PROMPTS))]
+    assert drafted_and_accepted(records)[1] > 0
 
 
 def test_seeded_sampling_ids_do_not_change(tiny: Tiny, head: Path) -> None:
@@ -186,7 +167,8 @@ def test_sampling_with_the_head_keeps_the_target_distribution(tmp_path: Path) ->
     and the marginal of the fourth match the target's own distribution (chi-square), and guesses were both
     accepted and rejected."""
     model, hf = small_model(2, seed=0)
-    directory = train_tiny_head(model, tmp_path, [[i % SMALL_V, (i * 3) % SMALL_V, 1] for i in range(10)], steps=30)
+    prompts = [[i % SMALL_V, (i * 3) % SMALL_V, 1] for i in range(10)]
+    directory = train_tiny_head(model, tmp_path, greedy_sequences(model, prompts, 24), steps=30)
     n = 3000
     spec = SpeculativeConfig(method="eagle", num_speculative_tokens=2, adaptive=False, eagle_head=str(directory))
     ex = TorchExecutor(model, n + 1, 8, sampler=Sampler(3), speculative=spec)
@@ -216,11 +198,8 @@ def test_a_head_of_another_model_is_refused_naming_both(
     with pytest.raises(HeadError) as err:
         TorchExecutor(other.model, 32, 4, speculative=eagle_spec(head))
     message = str(err.value)
-    assert message.startswith(
-        f"the EAGLE head trained for {tiny.path} does not match the loaded model {other.path}; run `mechserve "
-        "train-draft` for it"
-    )
-    assert f"the head is in {head}" in message
+    assert message.startswith(f"the EAGLE head trained for {tiny.path} does not match the loaded model {other.path}")
+    assert f"the head is in {head}); train one for it with `mechserve train-draft --model {other.path}`" in message
     wider = build_tiny(tmp_path_factory.mktemp("other-shape"), hidden_size=32)
     with pytest.raises(HeadError) as err:
         TorchExecutor(wider.model, 32, 4, speculative=eagle_spec(head))
@@ -354,10 +333,10 @@ def test_train_draft_trains_writes_and_generate_uses_the_head(
 @pytest.mark.parametrize(
     "flags, needle",
     [
-        (["--time-budget", "0"], "--time-budget: must be a number of minutes in [0.05, 1440], got 0"),
-        (["--window", "0"], "--window: must be an integer in [1, 64], got 0"),
-        (["--time-budget", "x"], "--time-budget: must be a number of minutes, got 'x'"),
-        (["--steps", "0"], "--steps: must be an integer in [1, 10000000], got 0"),
+        (["--time-budget", "0"], "--time-budget: expected a number of minutes in [0.05, 1440], got '0'"),
+        (["--window", "0"], "--window: expected an integer in [1, 64], got '0'"),
+        (["--time-budget", "x"], "--time-budget: expected a number of minutes in [0.05, 1440], got 'x'"),
+        (["--steps", "0"], "--steps: expected an integer in [1, 10000000], got '0'"),
         (["--model", "/nonexistent/model"], "train-draft: "),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],

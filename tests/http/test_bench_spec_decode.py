@@ -140,7 +140,7 @@ def test_llama_cpp_runs_beside_every_cell_on_the_same_prompts(
     import os
     import sys
 
-    from mechserve.bench import llama_cpp, spec_llama_cpp
+    from mechserve.bench import llama_cpp
     from mechserve.bench.spec_workloads import workloads
     from mechserve.entrypoints.prompts import Chat, encode_chat
 
@@ -156,7 +156,7 @@ def test_llama_cpp_runs_beside_every_cell_on_the_same_prompts(
         made.append(mode)
         return tmp_path / f"tiny-{llama_cpp.MODE_GGUF[mode]}.gguf"
 
-    monkeypatch.setattr(spec_llama_cpp, "gguf_for", gguf_for)
+    monkeypatch.setattr(llama_cpp, "gguf_for", gguf_for)
     argv = ["bench", "spec-decode", "--model", str(tiny_dir), "--prompts", "3", "--max-tokens", "5"]
     argv += ["--batches", "1", "2", "--configs", "suffix", "--sets", "chat", "novel", "--num-pages", "128"]
     assert main([*argv, "--llama-cpp", "--llama-cpp-modes", "q8_0", "fast", "--json"]) == 0
@@ -174,6 +174,8 @@ def test_llama_cpp_runs_beside_every_cell_on_the_same_prompts(
     for e in starts:
         with pytest.raises(ProcessLookupError):
             os.kill(e["started"], 0)
+    warm_ups = [e for e in entries if "body" in e and e["body"]["prompt"] == [1, 2, 3, 4]]
+    assert sorted(e["pid"] for e in warm_ups) == sorted(e["started"] for e in starts)  # LlamaServer's, one a start
     bodies = [e["body"] for e in entries if "body" in e and e["body"]["prompt"] != [1, 2, 3, 4]]  # warm-ups aside
     assert all(b["temperature"] == 0.0 and b["cache_prompt"] and b["ignore_eos"] for b in bodies)
     for key, cell in report["cells"].items():

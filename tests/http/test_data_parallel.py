@@ -26,7 +26,7 @@ from server_process import save_chatml_byte_model
 from server_support import TINY_NAME, Served, serving
 
 from mechserve.api.config import EngineConfig
-from mechserve.dp.client import DataParallelLLM
+from mechserve.dp.client import DataParallelLLM, replica_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [  # shared prefixes, so the cache-reading policies have something to read
@@ -119,6 +119,18 @@ def engine_samples(url: str, name: str) -> dict[str, float]:
             if sample.name == name:
                 out[sample.labels["engine"]] = sample.value
     return out
+
+
+def running_gauges(text: str) -> dict[str, float]:
+    """``engine label -> vllm:num_requests_running`` in a ``/metrics`` body."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        s.labels["engine"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "vllm:num_requests_running"
+    }
 
 
 # Greedy parity, every policy --------------------------------------------------------------------------------------
@@ -241,6 +253,29 @@ def test_metrics_carry_each_replicas_series_under_the_engine_label(dp: Served) -
     assert httpx.get(dp.url + "/health", timeout=10).status_code == 200
 
 
+def test_unseeded_sampling_differs_between_replicas_and_seeded_does_not(byte_dir: Path) -> None:
+    """The same prompt sent twice at temperature 1, unseeded, one copy to each replica (round robin): the two
+    replicas' samplers are seeded apart (``replica_config``: seed + index), so the draws differ as two draws
+    of one engine do.  With one seed everywhere both replicas' first unseeded request sampled the same text
+    (the trial of issue 26 found it).  A seeded request gives the same text on either replica."""
+    llm = start(byte_dir, "round_robin")
+    with serving(llm) as served:
+        unseeded = [complete(served.url, PROMPTS[0], max_tokens=16, temperature=1.0, ignore_eos=True) for _ in range(2)]
+        seeded = [complete(served.url, PROMPTS[0], max_tokens=16, temperature=1.0, seed=11) for _ in range(2)]
+    assert all(r.status_code == 200 for r in unseeded + seeded), [r.text for r in unseeded + seeded]
+    replicas = [e["decision"]["replica"] for e in llm.fleet.log if "decision" in e]
+    assert replicas == [0, 1, 0, 1], replicas
+    texts = [r.json()["choices"][0]["text"] for r in unseeded]
+    assert texts[0] != texts[1], texts
+    assert seeded[0].json()["choices"][0]["text"] == seeded[1].json()["choices"][0]["text"]
+
+
+def test_replica_config_moves_only_the_seed() -> None:
+    config = EngineConfig(page_size=4, num_pages=64, seed=5, spec_len=2)
+    assert [replica_config(config, i) for i in range(3)] == [config.replace(seed=s) for s in (5, 6, 7)]
+    assert replica_config(config.replace(seed=None), 1).seed is None  # unseeded: each replica seeds itself
+
+
 # No page leaked across the router ----------------------------------------------------------------------------------
 
 
@@ -304,6 +339,7 @@ def test_a_replica_killed_mid_stream_ends_its_requests_with_an_error_and_the_oth
         victim_pid = llm.replica_pids()[0]
         long = {"model": TINY_NAME, "prompt": PROMPTS[2], "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
         plain_result: dict[str, httpx.Response] = {}
+        running_before: dict[str, float] = {}
 
         async def run() -> list[str]:
             async with httpx.AsyncClient(timeout=120) as client:
@@ -318,6 +354,8 @@ def test_a_replica_killed_mid_stream_ends_its_requests_with_an_error_and_the_oth
                         if len(lines) == 1:
                             while len(llm._requests) < 3:  # both plain requests are placed
                                 await asyncio.sleep(0.01)
+                            scrape = (await client.get(served.url + "/metrics")).text  # the victim at work
+                            running_before.update(running_gauges(scrape))
                             os.kill(victim_pid, signal.SIGKILL)
                 done, pending = await asyncio.wait(plains, return_when=asyncio.FIRST_COMPLETED)
                 plain_result["on_victim"] = done.pop().result()
@@ -340,6 +378,11 @@ def test_a_replica_killed_mid_stream_ends_its_requests_with_an_error_and_the_oth
         (survivor,) = wait_idle_pages(served)
         assert survivor.free == survivor.total, survivor
         assert llm.running and llm.error is None
+        # /metrics: the dead replica keeps its counters but reports no gauge (it was running the stream when
+        # last asked; its gauge must not say so for ever), the survivor's gauges go on
+        assert running_before.get("0", 0) >= 1, running_before
+        assert running_gauges(httpx.get(served.url + "/metrics", timeout=30).text) == {"1": 0.0}
+        assert engine_samples(served.url, "vllm:prompt_tokens_total")["0"] > 0
 
 
 # Flags ---------------------------------------------------------------------------------------------------------------

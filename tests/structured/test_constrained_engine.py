@@ -2,8 +2,8 @@
 
 Unconstrained, the model writes noise; constrained, every output that finishes parses and validates
 (jsonschema), and constraining changes nothing else: greedy (and seeded sampled) ids are the same
-with and without prompt lookup or a draft model, preemption by recompute, prefix caching, chunked
-prefill and batch mates.
+with and without prompt lookup, suffix decoding, a draft model or an EAGLE head, preemption by recompute,
+prefix caching, chunked prefill and batch mates.
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_engines import byte_core
+from tiny_engines import byte_core, drafted_and_accepted, eagle_spec, train_tiny_head
 
 from mechserve.api.config import SpeculativeConfig
 from mechserve.api.errors import ParamError
@@ -202,6 +203,67 @@ def test_draft_model_speculation_keeps_greedy_ids(byte_model: LoadedModel, byte_
     outs, records = run(byte_model, EXACT_PROMPTS, params, speculative=spec)
     assert [o.token_ids for o in outs] == alone
     assert sum(sum(r.drafted.values()) for r in records) > 0
+
+
+# An EAGLE head: guesses from the model's hidden states, never the grammar's; verification keeps only what the mask
+# and the target allow.  JSON keys and punctuation are forced runs (m14), which the head has no features for.
+REGEX = r"(ab|a|b){24,40}c"
+EAGLE_CASES = [
+    ({"json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON)),
+    ({"regex": REGEX}, lambda t: re.fullmatch(REGEX, t) or pytest.fail(t)),
+]
+EAGLE_VARIANTS: dict[str, dict[str, Any]] = {
+    "batch": {},
+    # one request fits 20 pages (its prompt and 60 ids), the three together do not: preemption by recompute
+    "preemption": {"num_pages": 20, "max_step_tokens": 64},
+    "no-prefix-caching": {"prefix_caching": False, "output_caching": False},
+}
+
+
+@pytest.fixture(scope="module")
+def byte_head(byte_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A head for the byte model trained in seconds on its own greedy answers under each constraint, its guesses
+    trained toward the ids the grammar chose (``chosen``): the random model's own argmax is almost never allowed,
+    and verification must run over accepted guesses."""
+    tok = byte_model.tokenizer
+    sequences = []
+    for so, _ in EAGLE_CASES:
+        outs, _ = run(byte_model, EXACT_PROMPTS, greedy(so, max_tokens=60))
+        sequences += [(tok.encode(p), o.token_ids) for p, o in zip(EXACT_PROMPTS, outs)]
+    return train_tiny_head(byte_model.model, tmp_path_factory.mktemp("byte-head"), sequences, steps=80, chosen=True)
+
+
+@pytest.mark.parametrize("case", range(len(EAGLE_CASES)), ids=["json", "regex"])
+@pytest.mark.parametrize("variant", list(EAGLE_VARIANTS))
+def test_an_eagle_head_keeps_constrained_greedy_ids_and_they_validate(
+    byte_model: LoadedModel, byte_head: Path, case: int, variant: str
+) -> None:
+    so, check = EAGLE_CASES[case]
+    params = greedy(so, max_tokens=60)
+    alone = [run(byte_model, [p], params)[0][0].token_ids for p in EXACT_PROMPTS]
+    outs, records = run(
+        byte_model, EXACT_PROMPTS, params, speculative=eagle_spec(byte_head, 4), **EAGLE_VARIANTS[variant]
+    )
+    assert [o.token_ids for o in outs] == alone
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        check(out.text)
+    drafted, accepted = drafted_and_accepted(records)
+    assert 0 < accepted < drafted
+    if variant == "preemption":
+        assert any(r.preempted for r in records)
+
+
+def test_an_eagle_head_keeps_seeded_constrained_ids(byte_model: LoadedModel, byte_head: Path) -> None:
+    prompts = [*PROMPTS, "abababababab"]
+    params = [
+        SamplingParams(temperature=1.0, seed=7 + i, max_tokens=50, structured_outputs={"regex": REGEX})
+        for i in range(len(prompts))
+    ]
+    base, _ = run(byte_model, prompts, params)
+    outs, records = run(byte_model, prompts, params, speculative=eagle_spec(byte_head, 4))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert drafted_and_accepted(records)[0] > 0
 
 
 @pytest.mark.parametrize(
