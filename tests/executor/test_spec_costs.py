@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 from tiny_checkpoints import Tiny, random_prompts
+from tiny_engines import HEAD_PROMPTS, greedy_sequences, train_tiny_head
 from tiny_models import save_cycle_model
 
 from executor.test_spec_decode import CYCLE, PROMPT, drain, loaded
-from executor.test_spec_eagle import train_tiny_head
 from mechserve.api.config import EngineConfig, SpeculativeConfig
 from mechserve.api.params import SamplingParams
 from mechserve.api.proposers import PROPOSERS
@@ -273,8 +273,8 @@ def test_a_given_governor_with_measured_costs_is_fed(tiny: Tiny, monkeypatch: py
 
 @pytest.fixture(scope="module")
 def head(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    prompts = random_prompts([6, 9, 4, 11, 7, 5, 8, 10], seed=71)
-    return train_tiny_head(tiny.model, tmp_path_factory.mktemp("eagle-head"), prompts)
+    sequences = greedy_sequences(tiny.model, HEAD_PROMPTS, 24)
+    return train_tiny_head(tiny.model, tmp_path_factory.mktemp("eagle-head"), sequences)
 
 
 def test_eagle_gets_a_governor_that_prices_its_rounds(tiny: Tiny, head: Path) -> None:
