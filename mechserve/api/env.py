@@ -6,6 +6,9 @@
 ``MECHSERVE_LINEAR``        ``auto`` (default), ``native`` or ``torch``: the matrix products, fused blocks
 ``MECHSERVE_RANK_TIMEOUT``  seconds a tensor-parallel rank may take to answer one step (default 300)
 ``MECHSERVE_TRACEBACK``     set: a rank's full traceback on its stderr (the driver reports one line)
+``MECHSERVE_SPEC_COSTS``    ``measured`` (default) or ``static``: what adaptive speculation's governor prices
+                            guesses with: costs measured on the loaded model (a calibration at start, then
+                            every step), or the fixed prior (the same decisions on every run and machine)
 ``CXX``                     the C++ compiler that builds the native kernels (default c++/g++/clang++)
 ==========================  ===========================================================================
 """
@@ -22,6 +25,8 @@ ATTENTION_ENV = "MECHSERVE_ATTENTION"
 ATTENTION_MODES = ("auto", "native", "torch")
 LINEAR_ENV = "MECHSERVE_LINEAR"
 RANK_TIMEOUT_ENV = "MECHSERVE_RANK_TIMEOUT"
+SPEC_COSTS_ENV = "MECHSERVE_SPEC_COSTS"
+SPEC_COSTS_MODES = ("measured", "static")
 DEFAULT_RANK_TIMEOUT_S = 300.0
 
 
@@ -63,6 +68,14 @@ def rank_timeout() -> float:
     return value
 
 
+def spec_costs_mode() -> str:
+    """``MECHSERVE_SPEC_COSTS`` (``measured``/``static``, default ``measured``); ``ValueError`` otherwise."""
+    value = os.environ.get(SPEC_COSTS_ENV, "measured").strip().lower() or "measured"
+    if value not in SPEC_COSTS_MODES:
+        raise ValueError(f"{SPEC_COSTS_ENV} must be one of {', '.join(SPEC_COSTS_MODES)}, got {value!r}")
+    return value
+
+
 def traceback_wanted() -> bool:
     """Whether ``MECHSERVE_TRACEBACK`` asks for full tracebacks."""
     return bool(os.environ.get("MECHSERVE_TRACEBACK"))
@@ -72,9 +85,12 @@ __all__ = [
     "ATTENTION_MODES",
     "CACHE_ENV",
     "LINEAR_ENV",
+    "SPEC_COSTS_ENV",
+    "SPEC_COSTS_MODES",
     "attention_mode",
     "cache_dir",
     "linear_mode",
     "rank_timeout",
+    "spec_costs_mode",
     "traceback_wanted",
 ]

@@ -10,8 +10,9 @@ looked up here and nowhere else compared as a string::
         needs_model                            a model of its own (SpeculativeConfig.draft_model), loaded next
                                                to the target by the engine (mechserve.model.draft)
         page_bytes(model, page_size)           what its own KV adds to each page of the pool (None: nothing)
-        governor(model, target, max_k)         the adaptive governor that prices its guesses (None: the
-                                               model-free default, executor.governor.Governor())
+        governor(proposer, model, target, max_k)  the adaptive governor's prior price of its draft rounds
+                                               (None: rounds priced free, executor.governor.Governor());
+                                               the executor then measures the real costs (executor.costs)
         ranks                                  whether it runs on tensor-parallel ranks (world_size > 1)
         hidden                                 the target forward also returns its final hidden states at the
                                                sampling rows, and the executor hands each request's kept rows
@@ -89,14 +90,15 @@ class ProposerMethod:
             return 0
         return int(resolve(self.page_bytes)(model, page_size))
 
-    def new_governor(self, model: Any, target: Any, max_k: int) -> Any:
-        """The governor that prices this method's guesses (``executor.governor.Governor``); ``max_k``: the most
-        guesses per window."""
-        if self.governor is None or model is None:
+    def new_governor(self, proposer: Any, model: Any, target: Any, max_k: int) -> Any:
+        """The governor that prices this method's guesses (``executor.governor.Governor``): ``governor`` called
+        with the built ``proposer``, the method's own ``model`` (None for a model-free method), the ``target``
+        and ``max_k``, the most guesses per window; without ``governor``, draft rounds are priced free."""
+        if self.governor is None:
             from importlib import import_module
 
             return import_module("mechserve.executor.governor").Governor()
-        return resolve(self.governor)(model, target, max_k)
+        return resolve(self.governor)(proposer, model, target, max_k)
 
 
 PROPOSERS: Mapping[str, ProposerMethod] = {
@@ -136,6 +138,7 @@ PROPOSERS: Mapping[str, ProposerMethod] = {
             hidden=True,
             options=("eagle_head", "eagle_draft_vocab"),
             model_field="eagle_head",
+            governor="mechserve.executor.proposers_eagle:eagle_governor",
         ),
     )
 }

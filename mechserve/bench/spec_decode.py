@@ -25,8 +25,9 @@ blocks); ``--llama-cpp`` runs llama-server beside every cell, on the same prompt
 new ids per request, in each of ``--llama-cpp-modes`` (``mechserve.bench.spec_llama_cpp``), and reports its
 tok/s per GGUF and the best proposer's tok/s over llama.cpp's best (``llama_cpp`` in the JSON report).
 
-``--costs`` instead measures what a target step of M rows costs (batch 1 and 8), the numbers
-behind ``speculative.Governor``'s cost model.
+``--costs`` instead measures what a target step of M rows costs (batch 1 and 8), relative to one row: the
+shape of ``executor.costs.StaticCosts`` (the adaptive engine measures its own steps and draft rounds, in its
+mode, when it starts and as it runs: ``executor.costs``).
 """
 
 from __future__ import annotations
@@ -305,37 +306,18 @@ def table(title: str, cell: dict[str, dict[str, Any]]) -> str:
 
 def costs(args: argparse.Namespace) -> dict[str, Any]:
     """Median time of a target forward of ``batch`` decode windows of M rows each (context ~300, ``--mode``),
-    relative to one row at batch 1; ``row_cost``/``jump_cost`` fitted as the ``Governor`` uses them."""
-    import torch
-
+    relative to one row at batch 1; ``row_cost``/``jump_cost`` fitted as ``executor.costs.StaticCosts`` uses
+    them (the adaptive engine measures its own at start: ``executor.costs.calibrate``)."""
     from mechserve.bench.runners import MODES
     from mechserve.engine.executors import configure_threads
-    from mechserve.kv.paged import Span, build_attention_batch
+    from mechserve.executor.costs import step_inputs
     from mechserve.model.loader import load_model
 
     configure_threads()
     dtype, quantization = MODES[args.mode]
     model = load_model(args.model, dtype=dtype, tokenizer=False, quantization=quantization).model
-    ps, ctx = 16, 300
     shapes = [(b, m) for b in (1, 8) for m in (1, 2, 3, 4, 5, 6, 8)]
-    prepared = {}
-    for b, m in shapes:
-        per = (ctx + m) // ps + 1
-        cache = model.new_cache(b * per, ps)
-        spans: list[Any] = []
-        slots: list[int] = []
-        ids: list[int] = []
-        pos: list[int] = []
-        for i in range(b):
-            table_ = list(range(i * per, (i + 1) * per))
-            spans.append(Span(len(ids), ctx, m, table_))
-            for j in range(m):
-                slots.append(table_[(ctx + j) // ps] * ps + (ctx + j) % ps)
-                ids.append(100 + j)
-                pos.append(ctx + j)
-        a = model.arch
-        batch = build_attention_batch(spans, slots, ps, a.num_heads // a.num_kv_heads, model.distinct_sliding_windows)
-        prepared[(b, m)] = (torch.tensor(ids), torch.tensor(pos), cache, batch, torch.arange(len(ids)))
+    prepared = {(b, m): step_inputs(model, b, m, 300, 16) for b, m in shapes}
     times: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
     for _ in range(args.repeats * 4):
         for s in shapes:

@@ -16,7 +16,12 @@ step's ``spec_len``::
     Acceptance                   per-request estimate of how often a guess is accepted
     Governor                     (adaptive) the spec_len for the next step, between 0 and
                                  num_speculative_tokens: guesses cost target rows (and draft
-                                 forwards) and pay only when accepted
+                                 rounds) and pay only when accepted
+    costs.MeasuredCosts          what those rows and rounds cost, in seconds, measured on the
+                                 loaded model in its mode (a calibration when the executor is
+                                 built, then every decode step); each method's registry entry
+                                 gives the prior (``ProposerMethod.governor``: a draft model's
+                                 weight share, an EAGLE head's layer and LM head rows)
 
 Why the control side: the boundary requires every planned position to be computed and written, so a
 window the proposer cannot fill still costs its rows.  ``EngineCore`` therefore asks, before each
@@ -35,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mechserve.executor.costs import CostModel, StaticCosts
 from mechserve.model.draft import weight_share
 from mechserve.model.protocol import Model
 
@@ -118,49 +124,69 @@ class Governor:
     not have is computed anyway (a pad, almost never accepted).  For each ``k`` in ``0..max_k``::
 
         tokens(k) = sum over requests of  1 + alpha + ... + alpha ** g,   g = min(k, cap, available)
-        cost(k)   = step_cost(sum of (1 + min(k, cap)))   +   draft_costs for k rounds
+        cost(k)   = costs.step(sum of (1 + min(k, cap)))  +  costs.draft(min(k, max cap), drafting windows)
         choose the k with the largest tokens(k) / cost(k)   (ties: the smaller k)
 
-    ``step_cost(M) = 1 + jump_cost * [M > 1] + row_cost * (M - 1)`` in units of a one-row decode
-    step: on a CPU a one-row step runs matrix-vector kernels and a second row switches to
-    matrix-matrix kernels (the jump); after that each row is cheap until compute catches up with
-    the weight reads.  ``draft_costs[j]`` is the cost of draft round ``j + 1`` (a draft model's own
-    forwards; none for prompt lookup).  Defaults: SmolLM2-135M in float32 on the 2-core CPU
-    (``python -m mechserve.bench.spec_decode --costs`` measures them).
+    and speculates (``k > 0``) only when that beats ``k = 0`` by more than ``margin`` (0.03: the cost
+    model's measurement noise; a guess that pays less is not worth the risk of a slower step).
+
+    ``costs`` (``executor.costs``): ``StaticCosts(row_cost, jump_cost, draft_costs)`` in units of a
+    one-row step when not given; the executor gives a ``MeasuredCosts`` (seconds measured on the loaded
+    model in its mode, at start and step by step) for the adaptive engine, with the method's static
+    costs (its draft rounds' weight share) as the prior.  Windows that draft: those with a guess to
+    make (``min(k, cap, available) > 0``).
     """
 
-    def __init__(self, row_cost: float = 0.05, jump_cost: float = 0.45, draft_costs: Sequence[float] = ()) -> None:
-        self.row_cost = row_cost
-        self.jump_cost = jump_cost
-        self.draft_costs = tuple(draft_costs)
+    def __init__(
+        self,
+        row_cost: float = 0.05,
+        jump_cost: float = 0.45,
+        draft_costs: Sequence[float] = (),
+        *,
+        costs: CostModel | None = None,
+        margin: float = 0.03,
+    ) -> None:
+        self.costs: CostModel = costs if costs is not None else StaticCosts(row_cost, jump_cost, tuple(draft_costs))
+        self.margin = margin
 
     def step_cost(self, rows: int) -> float:
-        """A target step of ``rows`` rows, in units of a one-row step."""
-        return 1.0 + (self.jump_cost if rows > 1 else 0.0) + self.row_cost * max(0, rows - 1)
+        """A target step of ``rows`` rows, in the cost model's unit."""
+        return self.costs.step(rows)
+
+    def rates(self, candidates: Sequence[Candidate], max_k: int) -> list[float]:
+        """Expected tokens per unit of cost for each ``k`` in ``0..max_k`` (the class docstring)."""
+        out = []
+        top = max((c.cap for c in candidates), default=0)
+        for k in range(max_k + 1):
+            tokens = 0.0
+            rows = 0
+            drafting = 0
+            for c in candidates:
+                g = min(k, c.cap, c.available)
+                tokens += sum(c.alpha**j for j in range(g + 1))
+                rows += 1 + min(k, c.cap)
+                drafting += g > 0
+            cost = self.costs.step(rows) + self.costs.draft(min(k, top), drafting)
+            out.append(tokens / cost if cost > 0 else 0.0)
+        return out
 
     def choose(self, candidates: Sequence[Candidate], max_k: int) -> int:
         """The ``spec_len`` in ``0..max_k`` with the best expected tokens per unit of cost (0 without candidates)."""
         if not candidates or max_k <= 0:
             return 0
-        best, best_rate = 0, 0.0
-        for k in range(max_k + 1):
-            tokens = 0.0
-            rows = 0
-            for c in candidates:
-                g = min(k, c.cap, c.available)
-                tokens += sum(c.alpha**j for j in range(g + 1))
-                rows += 1 + min(k, c.cap)
-            drafts = sum(self.draft_costs[: min(k, max(c.cap for c in candidates))])
-            rate = tokens / (self.step_cost(rows) + drafts)
-            if rate > best_rate * (1.0 + 1e-9):
-                best, best_rate = k, rate
+        rates = self.rates(candidates, max_k)
+        best, best_rate = 0, rates[0] * (1.0 + self.margin)
+        for k in range(1, max_k + 1):
+            if rates[k] > best_rate * (1.0 + 1e-9):
+                best, best_rate = k, rates[k]
         return best
 
 
-def draft_governor(draft: Model, target: Model, max_k: int) -> Governor:
+def draft_governor(proposer: object, draft: Model, target: Model, max_k: int) -> Governor:
     """A ``Governor`` whose draft rounds cost what ``draft``'s weights cost next to ``target``'s
     (``weight_share``): round 1 adds the draft's LM head rows (its layers run anyway, to keep its
-    KV), every later round a whole draft step."""
+    KV), every later round a whole draft step.  (The registry's governor factory: ``proposer``, the
+    built ``DraftModelProposer``, is not needed.)"""
     layers, head = weight_share(draft, target)
     return Governor(draft_costs=(head, *([layers + head] * max(0, max_k - 1))))
 

@@ -32,8 +32,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from mechserve.api.errors import HeadError
+from mechserve.executor.governor import Governor
 from mechserve.executor.proposers import NO_DRAFT, Draft, Window
 from mechserve.model.eagle import LoadedHead, Shared, find
+from mechserve.model.protocol import Model
 
 if TYPE_CHECKING:
     from mechserve.api.proposers import ProposerContext
@@ -110,6 +112,17 @@ class EagleProposer:
     def release(self, request: ExecutorRequest, output_ids: Sequence[int]) -> None:
         self._features.pop(request.request_id, None)
 
+    def calibrate(self, windows: int, rounds: int) -> None:
+        """A representative draft for timing (``executor.costs.calibrate``): ``rounds`` guesses for each of
+        ``windows`` windows with a full context of ``window`` rows (placeholder ids and features); keeps no
+        state."""
+        w = self.window
+        ids = torch.zeros(windows, w, dtype=torch.int64)
+        positions = torch.arange(w, dtype=torch.int64).expand(windows, w)
+        valid = torch.ones(windows, w, dtype=torch.bool)
+        feats = torch.zeros(windows, w, self.head.config.hidden, dtype=torch.float32)
+        self.head.draft(self.shared, ids, feats, positions, valid, rounds)
+
     def propose(self, windows: Sequence[Window]) -> list[Draft]:
         drafts = [NO_DRAFT] * len(windows)
         ready: list[tuple[int, list[int]]] = []
@@ -141,4 +154,23 @@ class EagleProposer:
         return drafts
 
 
-__all__ = ["EagleProposer"]
+def eagle_governor(proposer: EagleProposer, model: object, target: Model, max_k: int) -> Governor:
+    """The registry's governor for ``eagle``: each draft round priced, before anything is measured, at what
+    the head reads next to one target step: its own layer and ``fc`` (float32) and the LM head rows of the
+    draft vocabulary in use (FR-Spec's subset, float32, or the target's whole LM head as stored), over the
+    target's decoder layers and LM head (``Model.weight_elements``), in bytes.  ``model`` (no draft model) is
+    unused.  The executor measures the real rounds (``executor.costs``); this is the prior."""
+    head_bytes = 4 * sum(p.numel() for p in proposer.head.parameters())
+    hidden = proposer.head.config.hidden
+    # bytes per target weight: GGUF blocks (q8_0: 34 bytes per 32 weights, q4_1: 20), else its dtype's
+    blocks = {"q8_0": 34 / 32, "q4_1": 20 / 32}
+    target_size = blocks.get(getattr(target, "quantization", None) or "", target.dtype.itemsize)
+    sub = proposer.shared.vocab_ids
+    vocab = target.arch.vocab_size if sub is None else int(sub.numel())
+    lm_bytes = vocab * hidden * (target_size if sub is None else 4)
+    layers, lm_head = target.weight_elements()
+    per_round = (head_bytes + lm_bytes) / ((layers + lm_head) * target_size)
+    return Governor(draft_costs=(per_round,) * max_k)
+
+
+__all__ = ["EagleProposer", "eagle_governor"]

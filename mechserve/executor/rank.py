@@ -107,8 +107,15 @@ class RankServer:
         os.environ["MECHSERVE_ATTENTION"] = "native" if spec.native_attention else "torch"
         native.enabled.cache_clear()
         model = load_shard(spec.path, rank, world_size, getattr(torch, spec.dtype), arch=spec.arch, rope=spec.rope)
+        # no calibration at start (its forwards would need every rank at once): rank 0's governor measures online
         self.executor = RankExecutor(
-            model, rank, spec.num_pages, spec.page_size, sampler=Sampler(spec.seed), speculative=spec.speculative
+            model,
+            rank,
+            spec.num_pages,
+            spec.page_size,
+            sampler=Sampler(spec.seed),
+            speculative=spec.speculative,
+            calibrate=False,
         )
 
     def handle(self, command: tuple[Any, ...]) -> Any:

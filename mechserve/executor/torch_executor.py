@@ -81,10 +81,13 @@ from typing import Any, TypeVar
 import torch
 
 from mechserve.api.config import SpeculativeConfig
+from mechserve.api.env import spec_costs_mode
 from mechserve.api.errors import first_line
 from mechserve.api.outputs import TokenLogprobs
 from mechserve.api.params import GREEDY
 from mechserve.api.proposers import DEFAULT_MODEL_METHOD, ProposerContext, ProposerMethod, proposer_method
+from mechserve.executor.costs import MeasuredCosts, StaticCosts
+from mechserve.executor.costs import calibrate as measure_costs
 from mechserve.executor.forcing import ForcedSource
 from mechserve.executor.governor import Acceptance, Candidate, Governor
 from mechserve.executor.proposers import CallableProposer, Draft, Proposer, Window
@@ -207,9 +210,16 @@ class TorchExecutor:
     prompt lookup with ``SpeculativeConfig``'s n-gram bounds), built by its entry in the registry of
     proposers (``mechserve.api.proposers``) with ``draft_model`` when the method has a model (a
     ``Model`` with the target's vocabulary, its KV in its own pages of the same geometry).
-    ``governor`` prices guesses for ``advise`` (default: the method's, e.g. the draft model's own
-    rounds).  Raises ``ValueError`` for a draft model with another vocabulary, a model given to a
-    model-free method, or a method that needs a model without one.
+    ``governor`` prices guesses for ``advise``.  Default: the method's (``ProposerMethod.new_governor``),
+    and with an adaptive ``speculative`` config its costs measured (``executor.costs.MeasuredCosts``, the
+    method's own prices as the prior): with ``calibrate``, target steps and draft rounds are timed once here
+    (``costs.calibrate``: well under a second for SmolLM2; off on tensor-parallel ranks, where a forward
+    needs every rank), and every step times its proposal and its target step by ``clock`` (seconds;
+    default ``time.perf_counter``; tests inject a synthetic one) into the same estimates (a given
+    ``governor`` whose costs are a ``MeasuredCosts`` is fed too); ``MECHSERVE_SPEC_COSTS=static`` keeps the
+    method's static prices (reproducible decisions).  Raises ``ValueError`` for a draft model
+    with another vocabulary, a model given to a model-free method, or a method that needs a model without
+    one.
     """
 
     def __init__(
@@ -224,6 +234,8 @@ class TorchExecutor:
         speculative: SpeculativeConfig | None = None,
         draft_model: Model | None = None,
         governor: Governor | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        calibrate: bool = True,
     ) -> None:
         self.model = model
         self.page_size = page_size
@@ -234,16 +246,20 @@ class TorchExecutor:
         spec = speculative or SpeculativeConfig()
         # without a config, a draft model given means the model-based method
         method = proposer_method(DEFAULT_MODEL_METHOD if speculative is None and draft_model else spec.method)
+        self._draft = draft_model
         self.proposer: Proposer = self._new_proposer(method, spec, num_pages, proposer, draft_model)
         # the method's proposer is fed the target's final hidden states at the kept rows (an EAGLE head)
         self._hidden = method.hidden and proposer is None
+        self.clock = clock
         if governor is None:
             governor = (
                 Governor()
                 if proposer is not None
-                else method.new_governor(draft_model, model, spec.num_speculative_tokens)
+                else self._new_governor(method, spec, speculative is not None and spec.adaptive, calibrate)
             )
         self.governor = governor
+        # the estimates this executor's timed steps feed (``execute``)
+        self.costs = governor.costs if isinstance(governor.costs, MeasuredCosts) else None
         self.acceptance = Acceptance()
         self.counters = ExecutorStats()
         self._proposed: list[int] = []  # this step's proposal lengths, per item (before padding)
@@ -253,6 +269,30 @@ class TorchExecutor:
         # Structured outputs' cost on the step: seconds spent syncing matchers and filling and unpacking
         # masks (``_mask_rows``; read by ``mechserve bench structured``).
         self.grammar_mask_s = 0.0
+
+    def _new_governor(
+        self, method: ProposerMethod, spec: SpeculativeConfig, measure: bool, calibrate: bool
+    ) -> Governor:
+        """The method's governor for its own proposer; with ``measure`` (an adaptive config) its costs measured
+        (the method's as the prior), calibrated now when ``calibrate``, unless ``MECHSERVE_SPEC_COSTS=static``
+        (``api.env.spec_costs_mode``; raises its ``ValueError``)."""
+        max_k = spec.num_speculative_tokens
+        governor: Governor = method.new_governor(self.proposer, self._draft, self.model, max_k)
+        if not measure or spec_costs_mode() == "static" or not isinstance(governor.costs, StaticCosts):
+            return governor
+        governor.costs = costs = MeasuredCosts(governor.costs)
+        if calibrate and max_k > 0:
+            measure_costs(
+                self.model,
+                self.proposer,
+                costs,
+                max_k=max_k,
+                page_size=self.page_size,
+                kv_dtype=self.kv_dtype,
+                hidden=self._hidden,
+                clock=self.clock,
+            )
+        return governor
 
     def _new_proposer(
         self,
@@ -442,7 +482,9 @@ class TorchExecutor:
         if not plan:
             return ()
         windows = [self._window(item) for item in plan]
+        began = self.clock()
         proposed = self._isolated(windows, lambda: self.proposer.propose(windows))
+        drafted = self.clock()
         self._proposed = [len(d.tokens) for d in proposed]
         step = self._flatten(plan, [self._fill(d, w) for d, w in zip(proposed, windows)])
         self._recompute_prompt_logprobs(plan)
@@ -464,7 +506,21 @@ class TorchExecutor:
         outcomes = self._verdicts(plan, step.guesses, targets, recorded)
         if hidden is not None:
             self._observe_hidden(plan, step, outcomes, hidden[0])
+        if self.costs is not None:
+            self._measure(plan, step, drafted - began, self.clock() - drafted)
         return outcomes
+
+    def _measure(self, plan: tuple[PlanItem, ...], step: _Step, draft_s: float, step_s: float) -> None:
+        """Feed the cost estimates (``self.costs``) this step's timings: the proposal (``draft_s``) by windows
+        that drafted and rounds, and, for a step of decode windows only (a prompt chunk's rows cost
+        attention over its context and are no guess's price), the target step (``step_s``: from the
+        proposal to the verdicts) by rows."""
+        assert self.costs is not None
+        rounds = max(self._proposed, default=0)
+        if rounds > 0:
+            self.costs.observe_draft(sum(1 for n in self._proposed if n > 0), rounds, draft_s)
+        if all(item.decode for item in plan) and not step.prompt_rows:
+            self.costs.observe_step(int(step.input_ids.numel()), step_s)
 
     def _observe_hidden(
         self, plan: tuple[PlanItem, ...], step: _Step, outcomes: tuple[Outcome, ...], hidden: torch.Tensor

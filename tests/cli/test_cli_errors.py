@@ -495,6 +495,16 @@ def test_bad_kernel_mode_is_a_usage_error(cli, monkeypatch, env: str) -> None:
     assert cli("mechs").code == 0
 
 
+def test_bad_spec_costs_mode_is_a_usage_error(cli, monkeypatch) -> None:
+    """``MECHSERVE_SPEC_COSTS`` (the governor's cost model) is checked as the kernel modes are: before any work."""
+    monkeypatch.setenv("MECHSERVE_SPEC_COSTS", "guessed")
+    assert_one_error_line(
+        cli("generate", "hi", "--max-tokens", "2", "--spec-method", "ngram"),
+        "MECHSERVE_SPEC_COSTS must be one of measured, static",
+        "'guessed'",
+    )
+
+
 @pytest.mark.parametrize("env", ["MECHSERVE_ATTENTION", "MECHSERVE_LINEAR"])
 def test_bad_kernel_mode_fails_the_engine_at_construction(monkeypatch, env: str) -> None:
     from mechserve.api.config import EngineConfig

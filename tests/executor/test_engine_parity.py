@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 from engine_runs import Run as GenerateResult
 from engine_runs import run_engine as generate
 from tiny_checkpoints import Tiny, hf_greedy, random_prompts
@@ -63,7 +64,9 @@ def test_page_size_one(tiny: Tiny) -> None:
     assert_parity(tiny, prompts, result)
 
 
-def test_spec_len_three(tiny: Tiny) -> None:
+def test_spec_len_three(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the governor's static prices: whether prompt lookup drafts on random ids is then the same on every machine
+    monkeypatch.setenv("MECHSERVE_SPEC_COSTS", "static")
     prompts = random_prompts([5, 8, 12, 3], seed=8)
     result = generate(tiny.model, prompts, 20, config=EngineConfig(spec_len=3, page_size=4))
     assert_parity(tiny, prompts, result, 20)

@@ -590,6 +590,17 @@ def loaded(model: LlamaModel, path: Path) -> LoadedModel:
     return LoadedModel(path, model, None, ())
 
 
+def static_core(model: LlamaModel, config: EngineConfig) -> EngineCore:
+    """An ``EngineCore`` whose governor prices guesses with the static cost model (``StaticCosts``' defaults),
+    not with costs measured on this machine: a test of the governor's decisions is then reproducible (the
+    measured costs are tested on a synthetic clock, ``test_spec_costs.py``)."""
+    spec = config.speculative_config()
+    executor = None
+    if spec is not None:
+        executor = TorchExecutor(model, config.num_pages, config.page_size, speculative=spec, governor=Governor())
+    return EngineCore(loaded(model, Path("/nonexistent")), config, executor=executor)
+
+
 def drain(core: EngineCore) -> list[Any]:
     outs = []
     while core.has_unfinished():
@@ -604,7 +615,7 @@ def test_adaptive_spec_len_backs_off_and_keeps_the_output(tiny: Tiny, cycle_mode
     plain = EngineConfig(page_size=4, num_pages=64)
 
     def outputs(model: LlamaModel, config: EngineConfig, prompts: Sequence[Sequence[int]]) -> tuple[Any, Any]:
-        core = EngineCore(loaded(model, Path("/nonexistent")), config)
+        core = static_core(model, config)
         for p in prompts:
             core.add_request(p, params)
         records = [o.record for o in drain(core)]
@@ -801,7 +812,7 @@ def test_the_governor_backs_off_a_request_whose_guesses_never_pay(
     prompts = [[CYCLE[(i + j) % len(CYCLE)] for j in range(9)] for i in range(batch)]
 
     def probes(config: EngineConfig) -> tuple[int, Any]:
-        core = EngineCore(loaded(cycle_model, Path("/nonexistent")), config)
+        core = static_core(cycle_model, config)
         for p in prompts:
             core.add_request(p, params)
         records = [o.record for o in drain(core)]

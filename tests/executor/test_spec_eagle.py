@@ -143,9 +143,17 @@ def engine(tiny: Tiny, spec: SpeculativeConfig | None) -> EngineCore:
 
 
 def test_adaptive_speculation_with_the_head_keeps_the_output(
-    tiny: Tiny, head: Path, plain: dict[str, list[int]]
+    tiny: Tiny, head: Path, plain: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The governor sizes each window (down to none) from the head's acceptance so far: the ids do not change."""
+    """The governor sizes each window (down to none) from the head's acceptance so far: the ids do not change.
+    Its rounds priced free here (the static cost model without the head's price), so that windows are drafted
+    whatever this machine's costs: what the measured price turns off is tested in ``test_spec_costs.py``."""
+    from dataclasses import replace
+
+    from mechserve.api.proposers import PROPOSERS
+
+    monkeypatch.setenv("MECHSERVE_SPEC_COSTS", "static")
+    monkeypatch.setitem(PROPOSERS, "eagle", replace(PROPOSERS["eagle"], governor=None))  # type: ignore[call-overload]
     adaptive = SpeculativeConfig(method="eagle", num_speculative_tokens=4, eagle_head=str(head))
     params = SamplingParams(temperature=0.0, max_tokens=16)
     got, records = answer(engine(tiny, adaptive), PROMPTS, params)

@@ -164,9 +164,11 @@ def test_ranks_apply_penalties_and_record_prompt_logprobs_as_one_process(cores, 
         assert len(a) == len(b) and all(abs(x - y) < 1e-4 for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
-def test_ranks_count_speculation_as_one_process_does(cores, loaded) -> None:
+def test_ranks_count_speculation_as_one_process_does(cores, loaded, monkeypatch: pytest.MonkeyPatch) -> None:
     """``settle`` reaches every rank: rank 0's counters after a speculative run (prompt lookup, spec_len 2)
-    are the one-process executor's, decode window for decode window."""
+    are the one-process executor's, decode window for decode window (the governor on the static cost model
+    in both, so that both choose the same spec_len: measured costs differ between two processes)."""
+    monkeypatch.setenv("MECHSERVE_SPEC_COSTS", "static")
     # Both fresh: a core that ran these prompts before has their blocks cached (prefix and output caching),
     # so its windows would differ from a fresh one's for a reason that is not the ranks.
     one = EngineCore(loaded, CONFIG)
@@ -285,12 +287,13 @@ def test_a_model_without_weights_is_only_for_a_driver_of_ranks(loaded) -> None:
         EngineCore(shape, EngineConfig(num_pages=8))
 
 
-def test_ranks_speculate_with_suffix_decoding_as_one_process_does(loaded) -> None:
+def test_ranks_speculate_with_suffix_decoding_as_one_process_does(loaded, monkeypatch: pytest.MonkeyPatch) -> None:
     """Suffix decoding keeps state across steps and requests (its trees) and only rank 0 answers the governor's
     ``advise``: every rank must still draft the same guesses, so two ranks generate and count what one
-    process does."""
+    process does (the governor on the static cost model in both, as above)."""
     from mechserve.api.config import SpeculativeConfig
 
+    monkeypatch.setenv("MECHSERVE_SPEC_COSTS", "static")
     config = CONFIG.replace(spec_len=0, speculative=SpeculativeConfig(method="suffix", num_speculative_tokens=3))
     one = EngineCore(loaded, config)
     two = EngineCore(loaded, config.replace(world_size=2))

@@ -36,6 +36,17 @@ def test_bench_spec_decode_reports_every_cell_and_identical_outputs(capsys, tiny
         assert by_position == sorted(by_position, reverse=True)
 
 
+def test_bench_spec_decode_costs_times_steps_by_rows(capsys, tiny_dir: Path) -> None:
+    """``--costs``: target steps of 1 and 8 windows of 1 .. 8 rows (``executor.costs.step_inputs``), relative to
+    one row at batch 1, and the static model's row and jump costs fitted to them."""
+    assert main(["bench", "spec-decode", "--model", str(tiny_dir), "--costs", "--repeats", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) == {"unit_ms", "relative", "row_cost", "jump_cost"} and report["unit_ms"] > 0
+    shapes = [f"batch {b}, {m} row(s) each" for b in (1, 8) for m in (1, 2, 3, 4, 5, 6, 8)]
+    assert list(report["relative"]) == shapes and report["relative"][shapes[0]] == 1.0
+    assert all(v > 0 for v in report["relative"].values())
+
+
 def test_bench_spec_decode_runs_multi_turn_sessions_turn_by_turn(capsys, tiny_dir: Path) -> None:
     """The chat and agent workloads: 4 turns per session, each with the earlier answers; every configuration
     answers them identically, and the kept tokens per step are reported."""
