@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tiny_checkpoints import Tiny, random_prompts
 
@@ -356,6 +356,8 @@ def window(r: ExecutorRequest, history: list[int], slots: int) -> Window:
 
 @settings(max_examples=120, deadline=None, database=None)
 @given(ops=Op.any, depth=st.integers(2, 6), cached=st.sampled_from([1, 2, 100]), num=st.integers(1, 5))
+# CI's failure: regrowth that repeats the last ``depth`` ids after an earlier id changed ([0, 0, 0] -> [1, 0, 0])
+@example(ops=[("grow", [0, 0, 0]), ("rollback", 3, [1, 0, 0])], depth=2, cached=1, num=1)
 def test_the_incremental_state_equals_one_built_from_nothing_across_rollback_preemption_and_release(
     ops: list[tuple[Any, ...]], depth: int, cached: int, num: int
 ) -> None:
