@@ -57,11 +57,12 @@ lint: setup
 	$(VENV)/bin/ruff format --check mechserve tests
 	$(VENV)/bin/mypy mechserve
 
-# Mutation testing of the modules whose bugs hurt most, one module and one worker at a time, each against its
+# Mutation testing of the modules whose bugs hurt most, one module at a time on every core (MUTATION_JOBS=1: one worker), each against its
 # own tests (tools/mutation.py; scratch copies and mutmut's caches in build/mutation/). The table it prints
 # heads docs/mutation.md; `python tools/mutation.py verify` runs one module.
+MUTATION_JOBS ?= $(shell nproc)
 mutation: setup
-	$(PY) tools/mutation.py
+	$(PY) tools/mutation.py --max-children $(MUTATION_JOBS)
 
 # docs/api-fields.md is the server's field table (mechserve/http/fields.py) rendered; a test checks they agree.
 api-fields: setup

@@ -54,6 +54,8 @@ PLUGIN = Path(__file__).with_name("mutation_plugin.py")
 # most mutants die on the first examples, and a survivor is run again with the tests' own counts.
 MAX_EXAMPLES = 10
 LOAD_EVERY_S = 30
+# mutmut workers (`--max-children`): 1 on a shared machine; `make mutation` gives every core (MUTATION_JOBS).
+MAX_CHILDREN = 1
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,9 @@ HTTP_MODEL_TESTS = (
     "tests/http/test_fields.py::test_the_request_models_declare_exactly_the_honoured_fields",
     "tests/http/test_fields.py::test_every_row_is_complete_and_names_are_unique_per_endpoint",
 )
+# protocol.py's shared pieces (``_Body``, ``check_supported``, the limits) also serve the Responses and
+# Anthropic request models, whose server-less tests are these.
+PROTOCOL_TESTS = (*HTTP_MODEL_TESTS, "tests/http/test_api_translation.py")
 HTTP_NO_SERVER = ("--deselect", "tests/http/test_field_layer.py::test_the_engine_receives_the_view")
 
 # E1 on every plan item of m13 and m14 (parametrized by rung; docs/mutation.md, m13's `_plan` 30).
@@ -200,7 +205,7 @@ MODULES: tuple[Module, ...] = (
     Module(
         "protocol",
         "mechserve/http/protocol.py",
-        HTTP_MODEL_TESTS,
+        PROTOCOL_TESTS,
         HTTP_NO_SERVER,
     ),
     Module(
@@ -408,13 +413,13 @@ def run_module(
     if sample < 1.0 and not only:
         # Generate the mutants (and collect stats) running one mutant only, then
         # draw the seeded sample from the selected functions' mutants and run it.
-        first = _mutmut(work, "run", "--max-children", "1", _probe(mod))
+        first = _mutmut(work, "run", "--max-children", str(MAX_CHILDREN), _probe(mod))
         if first.returncode != 0:
             raise SystemExit(f"mutmut failed generating {mod.name}'s mutants (exit {first.returncode})")
         everyone = [n for n in _all_mutant_names(work, mod) if mod.selects(n)]
         rng = random.Random(seed)
         names = sorted(rng.sample(everyone, max(1, round(sample * len(everyone)))))
-    proc = _mutmut(work, "run", "--max-children", "1", *names)
+    proc = _mutmut(work, "run", "--max-children", str(MAX_CHILDREN), *names)
     if proc.returncode != 0:
         raise SystemExit(f"mutmut failed on {mod.name} (exit {proc.returncode}); see {work / 'mutmut.log'}")
     summary = summarise(
@@ -460,6 +465,7 @@ def summarise(
         "sample": sample,
         "seed": seed,
         "max_examples": max_examples,
+        "max_children": MAX_CHILDREN,
         "killed": sum(n for s, n in counts.items() if s in KILLED),
         "survived": sum(n for s, n in counts.items() if s in SURVIVED),
         "no_tests": counts.get("no tests", 0),
@@ -489,7 +495,7 @@ def rerun_survivors(mod: Module, why: str = "tests added since", max_examples: i
     started = time.monotonic()
     if names:
         work = _prepare(mod, keep=False, max_examples=max_examples, scratch=mod.name + "-rerun")
-        proc = _mutmut(work, "run", "--max-children", "1", *names)
+        proc = _mutmut(work, "run", "--max-children", str(MAX_CHILDREN), *names)
         if proc.returncode != 0:
             raise SystemExit(f"mutmut failed re-running {mod.name} (exit {proc.returncode}); see {work / 'mutmut.log'}")
         again = {k: v for k, v in _statuses(work).items() if k in set(names)}
@@ -571,7 +577,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the last run's survivors against the current tests (the tests' own example counts unless --max-examples)",
     )
+    ap.add_argument(
+        "--max-children",
+        type=int,
+        default=1,
+        metavar="N",
+        help="mutants run at once (mutmut's workers; default 1, the machine is shared)",
+    )
     args = ap.parse_args(argv)
+    if args.max_children < 1:
+        ap.error(f"--max-children must be >= 1, not {args.max_children}")
+    global MAX_CHILDREN
+    MAX_CHILDREN = args.max_children
     if args.max_examples is not None and args.max_examples < 0:
         ap.error(f"--max-examples must be >= 0, not {args.max_examples}")
     if args.list:
