@@ -129,6 +129,8 @@ class MeasuredCosts:
         self._recent: deque[tuple[int, float]] = deque(maxlen=recent)  # (rows, seconds / shape) of the last steps
         self._seen: dict[tuple[int, int], deque[float]] = {}  # (windows, rounds) -> the last draft calls
         self._cache: tuple[dict[int, float], float, list[tuple[int, float]]] | None = None
+        # the shape made non-decreasing, by rows (``_base``; rebuilt when a row count joins the shape)
+        self._curve: dict[int, float] | None = None
 
     def _estimate(self, key: tuple[int, int], seconds: float) -> float:
         """Add ``seconds`` to the key's last measurements; their interquartile mean."""
@@ -142,7 +144,7 @@ class MeasuredCosts:
         """A target step of ``rows`` rows took ``seconds`` in the calibration: the shape of the curve."""
         if rows > 0:
             self.shape[rows] = max(float(seconds), 1e-12)
-            self._cache = None
+            self._cache = self._curve = None
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A target step of ``rows`` rows took ``seconds`` (online)."""
@@ -155,6 +157,7 @@ class MeasuredCosts:
             overall = self._ratios()[1]
             self.shape[rows] = seconds / overall
             self._recent.append((rows, overall))
+            self._curve = None
         self._cache = None
 
     def observe_draft(self, windows: int, rounds: int, seconds: float) -> None:
@@ -193,11 +196,13 @@ class MeasuredCosts:
         """The shape's curve at ``rows``: interpolated between its row counts, made non-decreasing; past the
         largest, the least-squares slope of its multi-row counts (the prior's shape with fewer than two);
         below the smallest, the prior's shape."""
-        curve: dict[int, float] = {}
-        top = 0.0
-        for x in sorted(self.shape):
-            top = max(top, self.shape[x])
-            curve[x] = top
+        curve = self._curve
+        if curve is None:  # asked several times per step (``Governor.rates``), changed only by a new row count
+            curve, top = {}, 0.0
+            for x in sorted(self.shape):
+                top = max(top, self.shape[x])
+                curve[x] = top
+            self._curve = curve
         found = _interpolate(curve, rows)
         if found is not None:
             return found

@@ -44,9 +44,11 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class _Features:
-    """One request's kept features: position -> (the id at that position, [hidden] float32)."""
+    """One request's kept features: position -> (the id at that position, [hidden] float32); ``top``: the
+    highest position held (-1: none)."""
 
     rows: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    top: int = -1
 
 
 class EagleProposer:
@@ -79,12 +81,20 @@ class EagleProposer:
     def observe(self, request: ExecutorRequest, position: int, ids: Sequence[int], hidden: torch.Tensor) -> None:
         """The target's features of ``request`` at ``position`` .. ``position + n - 1`` (``hidden``: [n, hidden]
         float32), whose ids are ``ids`` (n of them)."""
-        rows = self._features.setdefault(request.request_id, _Features()).rows
+        state = self._features.setdefault(request.request_id, _Features())
+        rows = state.rows
+        end = position + len(ids)
+        for p in range(end, state.top + 1):  # past the newest row: a future that was rolled back or cut
+            rows.pop(p, None)
+        state.top = end - 1
         for j, t in enumerate(ids):
-            rows[position + j] = (int(t), hidden[j])
-        low = position + len(ids) - self.window - 1
-        for p in [p for p in rows if p < low]:
-            del rows[p]
+            rows[position + j] = (int(t), hidden[j])  # a view of the step's features: no copy, no host sync
+        # Positions below ``low`` are never read again: a window reads at most ``window`` rows before its last.
+        # They go once more than ``window + 1`` are kept (one comparison per step while a request sits out).
+        if len(rows) > self.window + 1:
+            low = position + len(ids) - self.window - 1
+            for p in [p for p in rows if p < low]:
+                del rows[p]
 
     def _context(self, w: Window) -> list[int]:
         """The positions whose features the window's head rows read (ending at ``L - 1``; empty: none)."""
@@ -127,8 +137,10 @@ class EagleProposer:
         drafts = [NO_DRAFT] * len(windows)
         ready: list[tuple[int, list[int]]] = []
         for i, w in enumerate(windows):
+            if w.slots <= 0:  # a window the governor sat out (or a prompt chunk): its features are not read
+                continue
             context = self._context(w)
-            if w.slots > 0 and context:
+            if context:
                 ready.append((i, context))
         if not ready:
             return drafts

@@ -137,6 +137,47 @@ def test_the_proposer_keeps_the_targets_features_of_the_kept_rows(tiny: Tiny, he
     assert checked > 20 and total(got.records, "accepted") > 0
 
 
+@pytest.mark.parametrize("sat_out", [1, 3, 9])
+def test_a_request_that_sat_out_drafts_from_the_features_it_would_have_kept(
+    tiny: Tiny, head: Path, plain: dict[str, list[int]], sat_out: int
+) -> None:
+    from dataclasses import replace
+
+    """Windows of spec_len 0 (the governor sat the requests out) do not read the features, but each step's row
+    is still kept: the first windows that draft again guess exactly what a proposer fed the teacher-forced
+    features of every position guesses, and the output does not change."""
+    resumed: list[tuple[tuple[int, ...], Any]] = []
+    steps = 0
+
+    def on_step(engine_: Any, ex: TorchExecutor, record_: m14.StepRecord) -> None:
+        nonlocal steps
+        steps += 1  # step 1 is the prompts' prefill; the next ``sat_out`` steps decode with spec_len 0
+        engine_.spec_len = 0 if steps <= sat_out else 3
+
+    real_propose = EagleProposer.propose
+
+    def spy(self: EagleProposer, windows: Any) -> Any:
+        drafts = real_propose(self, windows)
+        if not resumed and any(w.slots > 0 for w in windows):
+            # (the window's history as it was: the executor's list grows as the request does)
+            resumed.extend((d.tokens, replace(w, history=list(w.history))) for w, d in zip(windows, drafts) if w.slots)
+        return drafts
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EagleProposer, "propose", spy)
+        got = run(tiny.model, PROMPTS, 16, spec=eagle_spec(head), budget=256, num_pages=200, on_step=on_step)
+    assert got.outputs == plain
+    assert len(resumed) == len(PROMPTS) and all(tokens for tokens, _ in resumed)
+    assert min(len(w.history) for _, w in resumed) > min(len(p) for p in PROMPTS) + sat_out - 1
+    kept_along = EagleProposer(tiny.model, eagle.load(head, tiny.model))
+    for tokens, w in resumed:
+        # the target's features, teacher-forced, at every position the target computed a sampling row for: from
+        # the prompt's last (its prefill's row) on
+        first = w.request.prompt_len - 1
+        kept_along.observe(w.request, first, w.history[first:], record(tiny.model, w.history, first).feats)
+        assert kept_along.propose([w])[0].tokens == tokens
+
+
 def engine(tiny: Tiny, spec: SpeculativeConfig | None) -> EngineCore:
     loaded = LoadedModel(tiny.path, tiny.model, None, ())
     return core(loaded, num_pages=128, prefix_caching=True, output_caching=True, speculative=spec)
