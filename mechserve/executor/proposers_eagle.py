@@ -16,6 +16,10 @@ skipped the prompt's last row, it has none and the window is padded until the ne
 Features at or past ``L`` (a rollback, a cut at a stop id, a preemption) are dropped, and a feature whose
 position's id changed is dropped with everything after it.
 
+A window the governor sat out (no slots) costs a dict entry: ``propose`` does not look at it, and ``observe``
+keeps its one row as a view of the step's features (no copy, no host sync), so a request that drafts again
+after sitting out reads the same features as one that drafted all along.
+
 Guesses are the head's argmax (point masses) for every request, sampling ones included: verification draws
 ``t ~ p`` and accepts while ``t`` equals the guess, so the emitted ids are distributed as without
 speculation (and a seeded request's ids do not change at all).  ``vocab`` (FR-Spec, Zhao et al. 2025,
