@@ -163,8 +163,15 @@ def test_a_request_that_sat_out_drafts_from_the_features_it_would_have_kept(
             resumed.extend((d.tokens, replace(w, history=list(w.history))) for w, d in zip(windows, drafts) if w.slots)
         return drafts
 
+    real_context = EagleProposer._context
+
+    def read(self: EagleProposer, w: Any) -> list[int]:
+        assert w.slots > 0, "a window that was sat out read the features"
+        return real_context(self, w)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(EagleProposer, "propose", spy)
+        mp.setattr(EagleProposer, "_context", read)
         got = run(tiny.model, PROMPTS, 16, spec=eagle_spec(head), budget=256, num_pages=200, on_step=on_step)
     assert got.outputs == plain
     assert len(resumed) == len(PROMPTS) and all(tokens for tokens, _ in resumed)
