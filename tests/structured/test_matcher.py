@@ -178,3 +178,62 @@ def test_ends_past_a_stopped_grammar_are_counted_and_rolled_back(byte_model, com
     m.sync(ids[:1])
     m.fill(bm, 0)
     assert torch.equal(bm[0], mask_after(compiler, StructuredOutputsParams(regex="ab"), ids[:1]))
+
+
+def test_a_bitmask_has_a_word_per_32_ids_all_allowed_and_each_bit_is_its_own_id() -> None:
+    from mechserve.executor.structured import set_bit
+
+    for vocab, words in ((33, 2), (64, 2), (65, 3)):
+        bm = new_bitmask(2, vocab)
+        assert bm.shape == (2, words) and bm.dtype == torch.int32 and bool((bm == -1).all())
+        assert bool(allowed_rows(bm, vocab).all())
+    bm = new_bitmask(1, 96)
+    bm.zero_()
+    chosen = {0, 1, 5, 31, 32, 33, 63, 64, 67, 95}
+    for t in chosen:
+        set_bit(bm, 0, t)
+    assert [t for t in range(96) if is_allowed(bm, 0, t)] == sorted(chosen)
+    assert allowed_rows(bm, 96)[0].nonzero().flatten().tolist() == sorted(chosen)
+
+
+def test_an_engine_message_is_one_line_without_llguidances_markup_and_bounded() -> None:
+    from mechserve.executor.structured import _line
+
+    assert _line("a  b\n\t<non-verbose/>c") == "a b c"
+    assert _line("x" * 300) == "x" * 300 and _line("x" * 301) == "x" * 297 + "..."
+    assert _line("abcdefghij", limit=10) == "abcdefghij" and _line("abcdefghijk", limit=10) == "abcdefg..."
+
+
+class FailedMatcher:
+    """What ``_matcher_problem`` reads of an llguidance matcher in its error state."""
+
+    def __init__(self, reason: str, error: str) -> None:
+        self.reason, self.error = reason, error
+
+    def stop_reason(self) -> str:
+        return self.reason
+
+    def get_error(self) -> str:
+        return self.error
+
+
+@pytest.mark.parametrize(
+    ("reason", "error", "said"),
+    [
+        ("InternalError", "NoExtension: no token can follow", "empty"),
+        ("InternalError", "NoExtensionBias", "empty"),
+        ("ParserTooComplex", "budget spent", "it is too complex for the grammar engine (budget spent)"),
+        ("InternalError", "Parser Error: deep", "it is too complex for the grammar engine (Parser Error: deep)"),
+        ("LexerTooComplex", "x", "its regular expressions are too complex for the grammar engine (x)"),
+        (
+            "InternalError",
+            "the Lexer  state\nlimit",
+            "its regular expressions are too complex for the grammar engine (the Lexer state limit)",
+        ),
+        ("InternalError", "token 5 not allowed", "token 5 not allowed"),
+    ],
+)
+def test_a_matchers_error_is_said_in_words_by_its_kind(reason: str, error: str, said: str) -> None:
+    from mechserve.executor.structured import _EMPTY, _matcher_problem
+
+    assert _matcher_problem(FailedMatcher(reason, error)) == (_EMPTY if said == "empty" else said)
