@@ -237,3 +237,14 @@ def test_a_matchers_error_is_said_in_words_by_its_kind(reason: str, error: str, 
     from mechserve.executor.structured import _EMPTY, _matcher_problem
 
     assert _matcher_problem(FailedMatcher(reason, error)) == (_EMPTY if said == "empty" else said)
+
+
+@pytest.mark.parametrize("which", ["PROBE_LIMITS", "STEP_LIMITS"])
+def test_llguidance_gets_each_limit_and_no_verbose_errors(which: str) -> None:
+    """The limits the compile-time probe and the step's matchers run under (a hostile grammar's bound), and
+    errors that never quote the grammar."""
+    from mechserve.executor import structured
+
+    values = getattr(structured, which)
+    limits = structured._limits(values)
+    assert {name: getattr(limits, name) for name in values} == values and limits.verbose_errors is False
