@@ -248,3 +248,11 @@ def test_llguidance_gets_each_limit_and_no_verbose_errors(which: str) -> None:
     values = getattr(structured, which)
     limits = structured._limits(values)
     assert {name: getattr(limits, name) for name in values} == values and limits.verbose_errors is False
+
+
+def test_every_rebuild_is_counted(byte_model: LoadedModel, compiler) -> None:
+    tok = byte_model.tokenizer
+    m = compiler.compile(StructuredOutputsParams(json=SCHEMA)).matcher([0])
+    for n in (1, 2, 3):
+        m.rebuild(tok.encode('{"na'))
+        assert m.rebuilds == n and m.tokens == tok.encode('{"na')
