@@ -640,7 +640,13 @@ def test_the_unknown_keys_of_function_tools_and_a_named_tool_choice_are_each_fou
     choice = {"type": "function", "function": {"name": "f", "w": 1}, "v": 2}
     body = body_of(CHAT, {"tools": tools, "tool_choice": choice})
     found = ChatCompletionRequest.model_validate(body).unknown_fields()
-    assert [u.path for u in found] == ["tools.0.y", "tools.0.function.x1", "tools.1.z", "tool_choice.v", "tool_choice.function.w"]
+    assert [u.path for u in found] == [
+        "tools.0.y",
+        "tools.0.function.x1",
+        "tools.1.z",
+        "tool_choice.v",
+        "tool_choice.function.w",
+    ]
     other = body_of(CHAT, {"tools": [{"type": "custom", "custom": {"name": "x"}}], "tool_choice": "auto"})
     assert ChatCompletionRequest.model_validate(other).unknown_fields() == []
     tokenize = TokenizeChatRequest.model_validate({"messages": USER, "tools": tools})
