@@ -4,6 +4,7 @@ executor, drafts the grammar forbids are never accepted while the ids stay the s
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -256,3 +257,56 @@ def test_every_rebuild_is_counted(byte_model: LoadedModel, compiler) -> None:
     for n in (1, 2, 3):
         m.rebuild(tok.encode('{"na'))
         assert m.rebuilds == n and m.tokens == tok.encode('{"na')
+
+
+def test_the_ends_past_a_stopped_grammar_are_counted_one_by_one_and_rolled_back_without_a_rebuild(
+    byte_model, compiler
+) -> None:
+    """An end given in one sync with the ids before it, ends added later one at a time, and a sync back past the
+    ends into the grammar's own ids: each end past the stopped grammar counted once, nothing rebuilt, and no id
+    but an end valid after one."""
+    tok = byte_model.tokenizer
+    so = StructuredOutputsParams(regex="ab")
+    ids = tok.encode("ab")
+    m = compiler.compile(so).matcher([0])
+    m.sync([*ids, 0])  # the ids and the end at once: llguidance consumes this end itself
+    assert (m.tokens, m._ends, m.rebuilds) == ([*ids, 0], 0, 0)
+    m.sync([*ids, 0, 0])
+    m.sync([*ids, 0, 0, 0])  # each end past the stopped grammar counted
+    assert (m.tokens, m._ends, m.rebuilds) == ([*ids, 0, 0, 0], 2, 0)
+    assert m.valid_prefix(ids[:1]) == 0 and m.valid_prefix([0, *ids[:1]]) == 1
+    m.sync(ids[:1])  # back past three ends and one grammar id
+    assert (m.tokens, m._ends, m.rebuilds) == (ids[:1], 0, 0)
+    bm = new_bitmask(1, compiler.vocab_size)
+    m.fill(bm, 0)
+    assert torch.equal(bm[0], mask_after(compiler, so, ids[:1]))
+
+
+def test_an_id_the_grammar_forbids_is_named_with_its_output_position(byte_model, compiler) -> None:
+    tok = byte_model.tokenizer
+    m = compiler.compile(StructuredOutputsParams(regex="abc")).matcher([0])
+    a, b, x = (tok.encode(c)[0] for c in "abx")
+    m.sync([a])
+    with pytest.raises(ValueError) as caught:
+        m.sync([a, b, x])
+    assert str(caught.value) == f"output id {x} at output position 2 is not allowed by the grammar"
+
+
+def test_the_only_id_the_mask_allows_is_found_in_any_bit_of_its_word(byte_model, compiler) -> None:
+    """``only_token`` for one-character regexes whose id falls on each bit position of a mask word (bit 0
+    included), and None while two ids are allowed or once only the end is."""
+    tok = byte_model.tokenizer
+    by_bit: dict[int, str] = {}
+    for code in range(33, 127):
+        ch = chr(code)
+        ids = tok.encode(ch)
+        if len(ids) == 1:
+            by_bit.setdefault(ids[0] % 32, ch)
+    assert 0 in by_bit, by_bit  # the case a mask word's lowest bit decides
+    for ch in by_bit.values():
+        m = compiler.compile(StructuredOutputsParams(regex=re.escape(ch))).matcher([0])
+        assert m.only_token() == tok.encode(ch)[0], ch
+        m.sync(tok.encode(ch))
+        assert m.only_token() is None  # only the end may follow
+    two = compiler.compile(StructuredOutputsParams(regex="a|b")).matcher([0])
+    assert two.only_token() is None
