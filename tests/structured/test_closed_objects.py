@@ -169,3 +169,11 @@ def test_the_grammar_closes_objects_by_default_whether_the_schema_came_as_text_o
     assert closed != open_
     assert grammar_text(StructuredOutputsParams(json=schema)) == closed
     assert grammar_text(StructuredOutputsParams(json=json.dumps(schema))) == closed
+
+
+def test_a_json_object_constraint_is_the_any_object_schema_with_the_same_defaults() -> None:
+    from mechserve.executor.structured import grammar_text
+
+    assert grammar_text(StructuredOutputsParams(json_object=True)) == grammar_text(
+        StructuredOutputsParams(json={"type": "object"})
+    )
