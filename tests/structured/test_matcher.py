@@ -310,3 +310,23 @@ def test_the_only_id_the_mask_allows_is_found_in_any_bit_of_its_word(byte_model,
         assert m.only_token() is None  # only the end may follow
     two = compiler.compile(StructuredOutputsParams(regex="a|b")).matcher([0])
     assert two.only_token() is None
+
+
+def test_a_refused_constraint_is_refused_again_from_memory_naming_the_field(
+    byte_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mechserve.api.errors import ParamError
+
+    fresh = GrammarCompiler(byte_model.tokenizer, byte_model.model.arch.vocab_size)
+    so = StructuredOutputsParams(regex="[^\\x00-\\U0010FFFF]")  # an empty language (issue 31)
+    with pytest.raises(ParamError) as first:
+        fresh.compile(so)
+
+    def no_build(_: Any) -> None:
+        raise AssertionError("a refused key is not compiled again")
+
+    monkeypatch.setattr(fresh, "_build", no_build)
+    with pytest.raises(ParamError) as again:
+        fresh.compile(so)
+    assert (again.value.param, str(again.value)) == (first.value.param, str(first.value))
+    assert first.value.param == "structured_outputs"
