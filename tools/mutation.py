@@ -109,7 +109,22 @@ HTTP_MODEL_TESTS = (
 )
 # protocol.py's shared pieces (``_Body``, ``check_supported``, the limits) also serve the Responses and
 # Anthropic request models, whose server-less tests are these.
-PROTOCOL_TESTS = (*HTTP_MODEL_TESTS, "tests/http/test_api_translation.py")
+# The unknown-key walk (``_Body.unknown_fields``, the tools' and tool_choice's keys) and the request models'
+# refusals are checked server-less in tests/http/test_unknown_fields.py too; its served tests stay out.
+UNKNOWN_FIELDS_MODEL_TESTS = tuple(
+    f"tests/http/test_unknown_fields.py::{t}"
+    for t in (
+        "test_a_body_names_its_unknown_keys_with_the_closest_known_name",
+        "test_a_body_of_known_keys_has_no_unknown_key",
+        "test_the_tables_refused_rows_are_known_not_unknown",
+        "test_every_key_of_the_official_sdks_body_parts_is_known",
+        "test_an_assistant_messages_audio_is_refused",
+        "test_include_obfuscation_is_refused_only_when_true",
+        "test_an_ignored_tool_call_key_does_not_reach_the_template",
+        "test_the_unknown_keys_of_function_tools_and_a_named_tool_choice_are_each_found",
+    )
+)
+PROTOCOL_TESTS = (*HTTP_MODEL_TESTS, "tests/http/test_api_translation.py", *UNKNOWN_FIELDS_MODEL_TESTS)
 HTTP_NO_SERVER = ("--deselect", "tests/http/test_field_layer.py::test_the_engine_receives_the_view")
 
 # E1 on every plan item of m13 and m14 (parametrized by rung; docs/mutation.md, m13's `_plan` 30).

@@ -174,3 +174,53 @@ def test_the_grammars_mask_comes_last_and_alone_when_the_filters_leave_it_nothin
     out = process_logits(logits, [Row(banned, 0, banned=(1, 2), allowed=allowed)])
     assert out[0].tolist() == [INF, 2.0, 3.0, INF, INF]
     assert logits.tolist() == [[1.0, 2.0, 3.0, 4.0, 5.0]]
+
+
+@pytest.mark.parametrize(
+    ("fields", "row_fields", "changed"),
+    [
+        # each filter's ids past the row's last (V) are ignored, alone (an index past the row) or as the
+        # only ids it has (an empty index must still be an integer one); the rest of the filter applies
+        ({"allowed_token_ids": [0, V]}, {}, {i: INF for i in range(1, V)}),
+        ({"allowed_token_ids": [V, V + 3]}, {}, {i: INF for i in range(V)}),
+        ({"bad_words": ("x",)}, {"request": ((V,), (2,))}, {2: INF}),
+        ({"min_tokens": 1}, {"banned": (4, V)}, {4: INF}),
+        ({"min_tokens": 1}, {"banned": (V, V + 1)}, {}),
+        ({"logit_bias": {2: 1.0, V: 5.0}}, {}, {2: 1.5}),
+        ({"logit_bias": {V: 5.0}}, {}, {}),
+        ({"repetition_penalty": 2.0}, {"history": (3, V), "prompt_len": 2}, {3: 1.5}),
+        ({"repetition_penalty": 2.0}, {"history": (V, V + 2), "prompt_len": 1}, {}),
+        ({"frequency_penalty": 0.5}, {"history": (3, 1, V), "prompt_len": 1}, {1: -1.5}),
+        ({"presence_penalty": 1.0, "frequency_penalty": 1.0}, {"history": (3, V, V), "prompt_len": 1}, {}),
+    ],
+)
+def test_ids_outside_the_row_are_ignored_by_every_filter(fields: dict, row_fields: dict, changed: dict) -> None:
+    """``process_logits`` ignores ids past the logits row (the docstring's promise: the tokenizer's vocabulary
+    may be smaller than the model's rows, and submission refuses ids outside it).  Mutation testing found
+    each ``t < vocab`` check loosened to ``t <= vocab`` (an IndexError at id V) and the empty id lists built
+    as float tensors (not an index) unseen."""
+    params = SamplingParams(temperature=0.0, **fields)
+    if "request" in row_fields:  # the bad words' ids, as the executor derives them from the tokenizer
+        row_fields = {**row_fields, "request": ExecutorRequest("r", (), params, bad_words_ids=row_fields["request"])}
+    row = Row(params, **{"token_index": 0, **row_fields})
+    got = process_logits(torch.tensor([LOGITS]), [row])[0]
+    assert_close(got, [changed.get(i, v) for i, v in enumerate(LOGITS)])
+
+
+def test_min_tokens_bans_up_to_the_token_before_min_tokens_only() -> None:
+    """At ``token_index == min_tokens`` the stop and EOS ids are allowed again (the row is processed for its
+    bias, so only the bound decides)."""
+    params = SamplingParams(temperature=0.0, min_tokens=2, logit_bias={0: 1.0})
+    rows = [Row(params, i, (4, 9)) for i in (1, 2)]
+    got = process_logits(torch.tensor([LOGITS, LOGITS]), rows)
+    assert got[0, 4] == got[0, 9] == INF
+    assert got[1, 4] == LOGITS[4] and got[1, 9] == LOGITS[9] and got[1, 0] == LOGITS[0] + 1
+
+
+def test_a_row_error_says_what_was_raised() -> None:
+    """The message a failed request's error carries (``RowError``): the cause's type and text."""
+    from mechserve.executor.sampling import RowError
+
+    row = Row(SamplingParams(), 0)
+    err = RowError(row, ValueError("bad grammar state"))
+    assert str(err) == "ValueError: bad grammar state" and err.row is row and isinstance(err.cause, ValueError)

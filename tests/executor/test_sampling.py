@@ -315,3 +315,75 @@ def test_the_draw_workspace_is_float64_reused_and_grown_on_demand() -> None:
     assert other.shape == (2, 4) and other.dtype == torch.float64 and other.is_contiguous()
     q = s._exponentials([Row(SamplingParams(temperature=1.0), 0)] * 2, torch.Size([2, 4]))
     assert q.shape == (2, 4) and q.dtype == torch.float32 and bool((q > 0).all())
+
+
+def test_top_k_keeps_exactly_the_k_largest_and_their_ties() -> None:
+    """The sampled distribution (``Sampler.probs``) under top-k: the k largest logits and any tied with the
+    k-th, nothing else (the masked-ids property checks only that no masked id is emitted, which a top-k keeping
+    fewer ids, or none, passes)."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0, 2.0], [0.0, 3.0, 1.0, 2.0, -1.0, 0.5]])
+    rows = [Row(SamplingParams(temperature=1.0, top_k=3), 0), Row(SamplingParams(temperature=1.0, top_k=2), 0)]
+    probs = Sampler(seed=0).probs(logits, rows)
+    assert (probs[0] > 0).nonzero().squeeze(1).tolist() == [1, 3, 5]
+    assert (probs[1] > 0).nonzero().squeeze(1).tolist() == [1, 3]
+    assert torch.allclose(probs[1, [1, 3]], torch.softmax(torch.tensor([3.0, 2.0]), -1))
+
+
+def test_top_p_drops_a_token_once_the_more_likely_ones_hold_exactly_p() -> None:
+    """A token stays iff the tokens more likely than it hold *less* than p: with 0.5, 0.25, 0.25 (exact in
+    binary) and p = 0.5 only the first stays; p just above 0.5 keeps all three (ties with the last kept)."""
+    probs = torch.tensor([[0.25, 0.5, 0.125, 0.125], [0.25, 0.5, 0.125, 0.125]])
+    got = apply_top_p(probs.clone(), torch.tensor([0.5, 0.5000001]))
+    assert got[0].tolist() == [0.0, 0.5, 0.0, 0.0]
+    assert got[1].tolist() == [0.25, 0.5, 0.0, 0.0]
+
+
+def test_a_greedy_rows_distribution_is_a_point_mass_at_its_argmax_in_any_batch() -> None:
+    """``Sampler.probs`` (what speculative verification compares): each greedy row exactly one-hot at its own
+    argmax, beside a sampling row."""
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0], [1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 1.0, 2.0]])
+    greedy = Row(SamplingParams(temperature=0.0), 0)
+    probs = Sampler(seed=0).probs(logits, [greedy, Row(SamplingParams(temperature=1.0), 0), greedy])
+    assert probs[0].tolist() == [0.0, 0.0, 1.0, 0.0] and probs[2].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert torch.allclose(probs[1], torch.full((4,), 0.25)) and probs.dtype == torch.float32
+    lone = Sampler(seed=0).probs(logits[2:], [greedy])
+    assert lone.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+
+
+def test_a_draw_of_no_rows_is_empty() -> None:
+    """A fresh sampler (an empty draw workspace) drawing for no rows returns no ids."""
+    assert Sampler(seed=0).draw(torch.zeros(0, 9), []) == []
+
+
+def race(probs: torch.Tensor, seed: int, stream: int, token_index: int) -> int:
+    """The exponential race for one seeded row, written from the definition (``Sampler._exponentials``)."""
+    from mechserve.executor.sampling import row_seed, stream_seed
+
+    gen = torch.Generator().manual_seed(row_seed(stream_seed(seed, stream), token_index))
+    u = torch.empty(probs.shape[0], dtype=torch.float64).uniform_(generator=gen)
+    return int((probs / (-u.log()).to(torch.float32)).argmax())
+
+
+def test_a_seeded_rows_draw_comes_from_the_stream_it_is_asked_for() -> None:
+    from mechserve.executor.sampling import STREAM_DRAFT, STREAM_SAMPLE
+
+    probs = torch.full((1, 500), 1.0 / 500)
+    row = Row(SamplingParams(temperature=1.0, seed=11), 4)
+    draft = Sampler(seed=0).draw(probs.clone(), [row], STREAM_DRAFT)
+    sample = Sampler(seed=0).draw(probs.clone(), [row])
+    assert draft == [race(probs[0], 11, STREAM_DRAFT, 4)] and sample == [race(probs[0], 11, STREAM_SAMPLE, 4)]
+    assert draft != sample
+
+
+def test_unseeded_rows_draw_as_if_their_seeded_batchmates_were_not_there() -> None:
+    """The shared generator's draws go to the unseeded rows in row order, one row of V uniforms each: a seeded
+    row in the batch takes none of them (its own stream), so the unseeded rows' ids are those of a batch
+    without it."""
+    probs = torch.full((3, 500), 1.0 / 500)
+    plain, seeded = Row(SamplingParams(temperature=1.0), 0), Row(SamplingParams(temperature=1.0, seed=3), 0)
+    alone = Sampler(seed=8).draw(probs[:2].clone(), [plain, plain])
+    mixed = Sampler(seed=8).draw(probs.clone(), [seeded, plain, plain])
+    assert mixed[1:] == alone and alone[0] != alone[1]
+    assert mixed[0] == race(probs[0], 3, 0, 0)
+    again = Sampler(seed=8).draw(probs.clone(), [plain, seeded, plain])
+    assert [again[0], again[2]] == alone

@@ -477,6 +477,66 @@ def test_a_row_is_built_with_what_it_was_given() -> None:
     assert _f("x", (CHAT,), VLLM, why="w", bad={"x": 1}).bad == {"x": 1}
 
 
+def test_json_equality_keeps_booleans_apart_inside_objects_too() -> None:
+    from mechserve.http.fields import _same
+
+    assert _same({"a": [1, {"b": False}], "c": "x"}, {"a": [1.0, {"b": False}], "c": "x"})
+    assert not _same({"a": False}, {"a": 0}) and not _same({"a": 1}, {"b": 1}) and not _same({"a": 1}, {"a": 2})
+
+
+# The rows below are built when the module is imported, before a mutant is switched on: called here, their
+# builders are checked like ``_f`` (docs/mutation.md, the end-to-end run's `fields`).
+
+
+def test_a_llama_cpp_samplers_options_are_neutral_while_its_switch_is_off() -> None:
+    from mechserve.http.fields import BOTH, LLAMA_CPP, _sampler
+
+    switch, tau, eta = _sampler("s", "not supported: no S", (0, 0.0), 1, tau=5.0, eta=0.1)
+    assert switch == Field("s", BOTH, LLAMA_CPP, why="not supported: no S", neutral=(0, 0.0), bad={"s": 1})
+    for row, name, value in ((tau, "tau", 5.0), (eta, "eta", 0.1)):
+        assert (row.name, row.endpoints, row.origin, row.why, row.neutral) == (name, BOTH, LLAMA_CPP, switch.why, ())
+        assert row.neutral_note == "any value while s is 0" and row.bad == {name: value, "s": 1}
+        assert row.when_neutral is not None
+        assert row.when_neutral({}) and row.when_neutral({"s": 0}) and row.when_neutral({"s": None, name: 3})
+        assert not row.when_neutral({"s": 1}) and not row.when_neutral({"s": False})
+
+
+def test_a_request_template_row_is_honoured_only_for_a_trusted_template() -> None:
+    from mechserve.http import fields
+
+    row = fields._request_template((CHAT,), "on the way: ")
+    assert row == Field(
+        "chat_template",
+        (CHAT,),
+        fields.VLLM,
+        honoured="on the way: " + fields._REQUEST_TEMPLATE,
+        refused_values="any template, with a 400 naming the flag, unless the server trusts request templates",
+        bad={"chat_template": "{{ x }}"},
+    )
+    assert fields._request_template((CHAT,)).honoured == fields._REQUEST_TEMPLATE
+
+
+def test_a_responses_row_taken_from_chat_is_chats_row_word_for_word() -> None:
+    from mechserve.http.fields import FIELDS, RESPONSES, _as_chat
+
+    for name in ("min_p", "service_tier"):
+        (chat_row,) = (f for f in FIELDS if f.name == name and CHAT in f.endpoints)
+        assert _as_chat(name) == dataclasses.replace(chat_row, endpoints=(RESPONSES,))
+
+
+def test_reasoning_and_thinking_that_ask_for_nothing_are_neutral() -> None:
+    from mechserve.http.fields import _reasoning_off, _thinking_off
+
+    for off in ({}, {"effort": None, "summary": None}, {"effort": "none"}):
+        assert _reasoning_off({"reasoning": off}), off
+    for on in ({"effort": "low"}, {"summary": "none"}, {"effort": "none", "summary": "auto"}):
+        assert not _reasoning_off({"reasoning": on}), on
+    assert not _reasoning_off({"reasoning": "none"}) and not _reasoning_off({})
+    assert _thinking_off({"thinking": {"type": "disabled"}})
+    assert not _thinking_off({"thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert not _thinking_off({"thinking": "disabled"}) and not _thinking_off({"thinking": {}}) and not _thinking_off({})
+
+
 def test_the_rendered_table_escapes_pipes_and_newlines(monkeypatch: pytest.MonkeyPatch) -> None:
     from mechserve.http import fields
 
@@ -588,6 +648,42 @@ COMBINATIONS = [
         "tool_choice",
         "tool_choice 'required' forces the output to a tool call; it cannot be combined with another output constraint",
     ),
+    (
+        CHAT,
+        {"max_completion_tokens": 3},
+        "max_completion_tokens",
+        "max_completion_tokens (3) and max_tokens (2) disagree; give one of them (max_tokens is the older name)",
+    ),
+    (
+        CHAT,
+        {"max_tokens": None, "max_completion_tokens": 2, "n_predict": 5},
+        "max_completion_tokens",
+        "max_completion_tokens (2) and n_predict (5) disagree; give one of them (max_tokens is the older name)",
+    ),
+    (
+        CHAT,
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format",
+        'response_format of type "json_schema" needs json_schema.schema',
+    ),
+    (
+        CHAT,
+        {"response_format": {"type": "json_schema"}},
+        "response_format",
+        'response_format of type "json_schema" needs json_schema.schema',
+    ),
+    (  # the constraint's own error, said of the field it came in (not of structured_outputs.json)
+        COMPLETIONS,
+        {"guided_json": "{not json"},
+        "guided_json",
+        "guided_json is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+    ),
+    (
+        CHAT,
+        {"stream": True, "stream_options": {"include_obfuscation": True}},
+        "stream_options",
+        "stream_options.include_obfuscation true is not supported: no obfuscation is sent",
+    ),
     (CHAT, {"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
     (CHAT, {"top_logprobs": 2, "logprobs": False}, "top_logprobs", "top_logprobs needs logprobs: true"),
     (
@@ -625,7 +721,39 @@ def test_a_refused_combination_names_its_field(endpoint: str, body: dict[str, An
         (COMPLETIONS, {"echo": False, "stream": True, "n": 2, "logprobs": 0}),
         (COMPLETIONS, {"n": 3, "best_of": 3}),
         (CHAT, {"top_logprobs": 2, "logprobs": True}),
+        (CHAT, {"max_completion_tokens": 2}),
+        (CHAT, {"max_tokens": None, "max_completion_tokens": 2, "n_predict": 2}),
+        (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
     ],
 )
 def test_the_combinations_next_to_a_refused_one_are_served(endpoint: str, body: dict[str, Any]) -> None:
     engine_view(build(endpoint, body))
+
+
+def test_a_tool_call_history_reaches_the_template_as_openai_has_it() -> None:
+    """An assistant turn's ``tool_calls`` (arguments as objects, the templates' shape) and a tool turn's
+    ``tool_call_id``, in the conversation the chat template renders."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    turns = [*USER, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "3"}]
+    assert build(CHAT, {"messages": turns}).chat().messages == [
+        *USER,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}],
+        },
+        {"role": "tool", "content": "3", "tool_call_id": "c1"},
+    ]
+
+
+def test_a_tokenize_conversations_tools_are_rendered_and_a_bad_one_is_refused_by_path() -> None:
+    from mechserve.http.protocol import TokenizeChatRequest
+
+    body = TokenizeChatRequest.model_validate({"messages": USER, "tools": [TOOL]})
+    body.check_supported()
+    assert body.chat().tools == [TOOL]
+    assert TokenizeChatRequest.model_validate({"messages": USER}).chat().tools is None
+    bad = TokenizeChatRequest.model_validate({"messages": USER, "tools": [{"type": "function", "function": {}}]})
+    with pytest.raises(ParamError) as caught:
+        bad.check_supported()
+    assert caught.value.param == "tools.0.function.name"

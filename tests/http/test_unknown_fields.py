@@ -628,3 +628,26 @@ def test_the_routers_tokenize_query_keeps_a_text_blocks_text_alone() -> None:
         {"role": "user", "content": [{"type": "text", "text": "w1"}]},
         {"role": "assistant", "content": [use]},
     ]
+
+
+def test_the_unknown_keys_of_function_tools_and_a_named_tool_choice_are_each_found() -> None:
+    """Every level of chat's function tools and named ``tool_choice`` (OpenAI's keys), in the body's order; a tool
+    of another type is refused by its type (``parse_tools``), not for its keys; /tokenize's tools likewise."""
+    tools = [
+        {"type": "function", "function": {"name": "f", "x1": 1}, "y": 2},
+        {"type": "function", "function": {"name": "g"}, "z": 3},
+    ]
+    choice = {"type": "function", "function": {"name": "f", "w": 1}, "v": 2}
+    body = body_of(CHAT, {"tools": tools, "tool_choice": choice})
+    found = ChatCompletionRequest.model_validate(body).unknown_fields()
+    assert [u.path for u in found] == [
+        "tools.0.y",
+        "tools.0.function.x1",
+        "tools.1.z",
+        "tool_choice.v",
+        "tool_choice.function.w",
+    ]
+    other = body_of(CHAT, {"tools": [{"type": "custom", "custom": {"name": "x"}}], "tool_choice": "auto"})
+    assert ChatCompletionRequest.model_validate(other).unknown_fields() == []
+    tokenize = TokenizeChatRequest.model_validate({"messages": USER, "tools": tools})
+    assert [u.path for u in tokenize.unknown_fields()] == ["tools.0.y", "tools.0.function.x1", "tools.1.z"]

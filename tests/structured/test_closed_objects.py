@@ -150,3 +150,30 @@ def test_the_engine_option_reaches_the_compiler(byte_model: LoadedModel) -> None
         core.compile_grammar(StructuredOutputsParams(json=OPEN))
         compiler = core.grammars._compiler
         assert compiler is not None and compiler.allow_additional_properties is allow
+
+
+def test_a_list_of_item_schemas_is_closed_member_by_member() -> None:
+    """``items`` as a list (draft 4's tuple form): each member is a schema and is closed."""
+    props = {"properties": {"a": {"type": "integer"}}}
+    got = close_objects({"type": "array", "items": [props, {"type": "string"}], "additionalItems": props})
+    closed = {**props, "additionalProperties": False}
+    assert got == {"type": "array", "items": [closed, {"type": "string"}], "additionalItems": closed}
+
+
+def test_the_grammar_closes_objects_by_default_whether_the_schema_came_as_text_or_as_an_object() -> None:
+    from mechserve.executor.structured import grammar_text
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    closed = grammar_text(StructuredOutputsParams(json=close_objects(schema)), allow_additional_properties=True)
+    open_ = grammar_text(StructuredOutputsParams(json=schema), allow_additional_properties=True)
+    assert closed != open_
+    assert grammar_text(StructuredOutputsParams(json=schema)) == closed
+    assert grammar_text(StructuredOutputsParams(json=json.dumps(schema))) == closed
+
+
+def test_a_json_object_constraint_is_the_any_object_schema_with_the_same_defaults() -> None:
+    from mechserve.executor.structured import grammar_text
+
+    assert grammar_text(StructuredOutputsParams(json_object=True)) == grammar_text(
+        StructuredOutputsParams(json={"type": "object"})
+    )

@@ -4,6 +4,7 @@ executor, drafts the grammar forbids are never accepted while the ids stay the s
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -178,3 +179,154 @@ def test_ends_past_a_stopped_grammar_are_counted_and_rolled_back(byte_model, com
     m.sync(ids[:1])
     m.fill(bm, 0)
     assert torch.equal(bm[0], mask_after(compiler, StructuredOutputsParams(regex="ab"), ids[:1]))
+
+
+def test_a_bitmask_has_a_word_per_32_ids_all_allowed_and_each_bit_is_its_own_id() -> None:
+    from mechserve.executor.structured import set_bit
+
+    for vocab, words in ((33, 2), (64, 2), (65, 3)):
+        bm = new_bitmask(2, vocab)
+        assert bm.shape == (2, words) and bm.dtype == torch.int32 and bool((bm == -1).all())
+        assert bool(allowed_rows(bm, vocab).all())
+    bm = new_bitmask(1, 96)
+    bm.zero_()
+    chosen = {0, 1, 5, 31, 32, 33, 63, 64, 67, 95}
+    for t in chosen:
+        set_bit(bm, 0, t)
+    assert [t for t in range(96) if is_allowed(bm, 0, t)] == sorted(chosen)
+    assert allowed_rows(bm, 96)[0].nonzero().flatten().tolist() == sorted(chosen)
+
+
+def test_an_engine_message_is_one_line_without_llguidances_markup_and_bounded() -> None:
+    from mechserve.executor.structured import _line
+
+    assert _line("a  b\n\t<non-verbose/>c") == "a b c"
+    assert _line("x" * 300) == "x" * 300 and _line("x" * 301) == "x" * 297 + "..."
+    assert _line("abcdefghij", limit=10) == "abcdefghij" and _line("abcdefghijk", limit=10) == "abcdefg..."
+
+
+class FailedMatcher:
+    """What ``_matcher_problem`` reads of an llguidance matcher in its error state."""
+
+    def __init__(self, reason: str, error: str) -> None:
+        self.reason, self.error = reason, error
+
+    def stop_reason(self) -> str:
+        return self.reason
+
+    def get_error(self) -> str:
+        return self.error
+
+
+@pytest.mark.parametrize(
+    ("reason", "error", "said"),
+    [
+        ("InternalError", "NoExtension: no token can follow", "empty"),
+        ("InternalError", "NoExtensionBias", "empty"),
+        ("ParserTooComplex", "budget spent", "it is too complex for the grammar engine (budget spent)"),
+        ("InternalError", "Parser Error: deep", "it is too complex for the grammar engine (Parser Error: deep)"),
+        ("LexerTooComplex", "x", "its regular expressions are too complex for the grammar engine (x)"),
+        (
+            "InternalError",
+            "the Lexer  state\nlimit",
+            "its regular expressions are too complex for the grammar engine (the Lexer state limit)",
+        ),
+        ("InternalError", "token 5 not allowed", "token 5 not allowed"),
+    ],
+)
+def test_a_matchers_error_is_said_in_words_by_its_kind(reason: str, error: str, said: str) -> None:
+    from mechserve.executor.structured import _EMPTY, _matcher_problem
+
+    assert _matcher_problem(FailedMatcher(reason, error)) == (_EMPTY if said == "empty" else said)
+
+
+@pytest.mark.parametrize("which", ["PROBE_LIMITS", "STEP_LIMITS"])
+def test_llguidance_gets_each_limit_and_no_verbose_errors(which: str) -> None:
+    """The limits the compile-time probe and the step's matchers run under (a hostile grammar's bound), and
+    errors that never quote the grammar."""
+    from mechserve.executor import structured
+
+    values = getattr(structured, which)
+    limits = structured._limits(values)
+    assert {name: getattr(limits, name) for name in values} == values and limits.verbose_errors is False
+
+
+def test_every_rebuild_is_counted(byte_model: LoadedModel, compiler) -> None:
+    tok = byte_model.tokenizer
+    m = compiler.compile(StructuredOutputsParams(json=SCHEMA)).matcher([0])
+    for n in (1, 2, 3):
+        m.rebuild(tok.encode('{"na'))
+        assert m.rebuilds == n and m.tokens == tok.encode('{"na')
+
+
+def test_the_ends_past_a_stopped_grammar_are_counted_one_by_one_and_rolled_back_without_a_rebuild(
+    byte_model, compiler
+) -> None:
+    """An end given in one sync with the ids before it, ends added later one at a time, and a sync back past the
+    ends into the grammar's own ids: each end past the stopped grammar counted once, nothing rebuilt, and no id
+    but an end valid after one."""
+    tok = byte_model.tokenizer
+    so = StructuredOutputsParams(regex="ab")
+    ids = tok.encode("ab")
+    m = compiler.compile(so).matcher([0])
+    m.sync([*ids, 0])  # the ids and the end at once: llguidance consumes this end itself
+    assert (m.tokens, m._ends, m.rebuilds) == ([*ids, 0], 0, 0)
+    m.sync([*ids, 0, 0])
+    m.sync([*ids, 0, 0, 0])  # each end past the stopped grammar counted
+    assert (m.tokens, m._ends, m.rebuilds) == ([*ids, 0, 0, 0], 2, 0)
+    assert m.valid_prefix(ids[:1]) == 0 and m.valid_prefix([0, *ids[:1]]) == 1
+    m.sync(ids[:1])  # back past three ends and one grammar id
+    assert (m.tokens, m._ends, m.rebuilds) == (ids[:1], 0, 0)
+    bm = new_bitmask(1, compiler.vocab_size)
+    m.fill(bm, 0)
+    assert torch.equal(bm[0], mask_after(compiler, so, ids[:1]))
+
+
+def test_an_id_the_grammar_forbids_is_named_with_its_output_position(byte_model, compiler) -> None:
+    tok = byte_model.tokenizer
+    m = compiler.compile(StructuredOutputsParams(regex="abc")).matcher([0])
+    a, b, x = (tok.encode(c)[0] for c in "abx")
+    m.sync([a])
+    with pytest.raises(ValueError) as caught:
+        m.sync([a, b, x])
+    assert str(caught.value) == f"output id {x} at output position 2 is not allowed by the grammar"
+
+
+def test_the_only_id_the_mask_allows_is_found_in_any_bit_of_its_word(byte_model, compiler) -> None:
+    """``only_token`` for one-character regexes whose id falls on each bit position of a mask word (bit 0
+    included), and None while two ids are allowed or once only the end is."""
+    tok = byte_model.tokenizer
+    by_bit: dict[int, str] = {}
+    for code in range(33, 127):
+        ch = chr(code)
+        ids = tok.encode(ch)
+        if len(ids) == 1:
+            by_bit.setdefault(ids[0] % 32, ch)
+    assert 0 in by_bit, by_bit  # the case a mask word's lowest bit decides
+    for ch in by_bit.values():
+        m = compiler.compile(StructuredOutputsParams(regex=re.escape(ch))).matcher([0])
+        assert m.only_token() == tok.encode(ch)[0], ch
+        m.sync(tok.encode(ch))
+        assert m.only_token() is None  # only the end may follow
+    two = compiler.compile(StructuredOutputsParams(regex="a|b")).matcher([0])
+    assert two.only_token() is None
+
+
+def test_a_refused_constraint_is_refused_again_from_memory_naming_the_field(
+    byte_model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mechserve.api.errors import ParamError
+
+    fresh = GrammarCompiler(byte_model.tokenizer, byte_model.model.arch.vocab_size)
+    so = StructuredOutputsParams(regex="[^\\x00-\\U0010FFFF]")  # an empty language (issue 31)
+    with pytest.raises(ParamError) as first:
+        fresh.compile(so)
+
+    def no_build(_: Any) -> None:
+        raise AssertionError("a refused key is not compiled again")
+
+    monkeypatch.setattr(fresh, "_build", no_build)
+    with pytest.raises(ParamError) as again:
+        fresh.compile(so)
+    assert (again.value.param, str(again.value)) == (first.value.param, str(first.value))
+    assert first.value.param == "structured_outputs"
