@@ -42,8 +42,6 @@ MAX_LOGPROBS = 20  # top-N log-probabilities per position
 MAX_SAMPLES = 64  # n, independent samples of one prompt
 MAX_FILTER_IDS = 65_536  # ids in allowed_token_ids / stop_token_ids (logit_bias: MAX_LOGIT_BIAS_IDS)
 MAX_BAD_WORDS = 128  # vLLM's MAX_NUM_BAD_WORDS
-MAX_CHOICES = 1024  # strings in a structured_outputs choice
-MAX_GRAMMAR_CHARS = 1_000_000  # a schema's JSON text, a regex or a grammar
 # A KV budget (kv_memory, --kv-memory): 1 PiB.
 MAX_KV_MEMORY = 1 << 50
 # An HTTP request body (the server's --max-request-bytes default): larger is a 413 before any parsing.
