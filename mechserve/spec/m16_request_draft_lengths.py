@@ -977,7 +977,9 @@ class Engine:
             if request_id not in self.live:
                 raise ValueError(f"limit_drafts: {request_id!r} is not a waiting or running request")
             if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-                raise ValueError(f"limit_drafts: the limit for {request_id!r} must be None or an int >= 0, not {limit!r}")
+                raise ValueError(
+                    f"limit_drafts: the limit for {request_id!r} must be None or an int >= 0, not {limit!r}"
+                )
         for request_id, limit in limits.items():
             self.live[request_id].draft_limit = limit
 
