@@ -64,7 +64,7 @@ def test_recorder_reports_what_m15s_engine_reports(
     m15's own events (its publish and evict points) say, with vLLM's chained hashes."""
     kw = dict(max_step_tokens=16, page_size=page_size, num_pages=num_pages, output_caching=output_caching)
     spec = m15.Engine(requests(m15, seed, count), **kw)
-    real = m16.Engine(requests(m14, seed, count), **kw)
+    real = m16.Engine(requests(m16, seed, count), **kw)
     recorder = CacheEventRecorder(page_size)
     theirs: list[set[int]] = []
     mine: list[set[int]] = []

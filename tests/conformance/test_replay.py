@@ -43,7 +43,7 @@ def explicit(workload: dict[str, Any]) -> dict[str, Any]:
 def test_the_scripted_executor_replays_itself(workload: dict[str, Any]) -> None:
     """Fed the scripted executor's own verdicts and ids, ``ReplayExecutor`` reproduces its trace exactly,
     accept scripts with out-of-range entries, EOS triggers and stop ids included."""
-    engine = build(m14, workload, validate=cli_valid(workload))
+    engine = build(m16, workload, validate=cli_valid(workload))
     records = engine.run()
     replayed = replay(explicit(workload), records, eos_token_ids=(m16.EOS_TOKEN_ID,))
     compare(records, replayed, real_end=end_state(engine))

@@ -578,8 +578,9 @@ def test_governor_speculates_only_when_it_pays() -> None:
     assert g.choose([Candidate(4, 0, 0.9)], 4) == 0  # nothing to propose: pads only cost
     assert g.choose([Candidate(4, 2, 0.9)], 4) == 2  # a short proposal: its window, not more
     assert g.choose([Candidate(1, 4, 0.9)], 4) == 1  # capped by max_new_tokens
-    # one spec_len for all: one copier among eight pays 7 pad rows per guess, four copiers pay for four
-    assert g.choose([Candidate(4, 4, 0.9)] + [Candidate(4, 0, 0.5)] * 7, 4) == 0
+    # m16: one copier among eight drafts alone (its seven batchmates are limited to 0, no pad rows);
+    # four copiers pay for four
+    assert g.decide([Candidate(4, 4, 0.9)] + [Candidate(4, 0, 0.5)] * 7, 4) == (4, [None] + [0] * 7)
     assert g.choose([Candidate(4, 4, 0.9)] * 4 + [Candidate(4, 0, 0.5)] * 4, 4) == 4
     # a draft model's rounds cost: a weak draft is not worth running
     drafting = Governor(draft_costs=(0.2, 0.3, 0.3, 0.3))
