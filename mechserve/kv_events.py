@@ -23,8 +23,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from mechserve.spec import m16_request_draft_lengths as m16
 from mechserve.spec import m15_routing as m15
+from mechserve.spec import m16_request_draft_lengths as m16
 
 # vLLM's structs (vllm/distributed/kv_events.py): array_like, events tagged with their class name.
 

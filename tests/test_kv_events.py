@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mechserve.kv_events import CacheEventRecorder, KVEventPublisher, decode_batch, encode_batch
-from mechserve.spec import m16_request_draft_lengths as m16
 from mechserve.spec import m15_routing as m15
+from mechserve.spec import m16_request_draft_lengths as m16
 
 
 def apply(held: set[int], events: Any) -> None:
