@@ -964,15 +964,13 @@ class Engine:
         return None
 
     def limit_drafts(self, limits: Mapping[str, int | None]) -> None:
-        """m16 (L2): set the ``draft_limit`` of live requests: request id -> the most guesses its decode
-        windows may carry from the next ``schedule`` on (None: no limit).  A limit stays until changed.
+        """m16 (N2): set the ``draft_limit`` of live requests: request id -> the most guesses its decode
+        windows may carry from the next ``schedule`` on (None: no limit).  A limit stays until changed;
+        a step already open keeps the windows it planned.
 
         Raises ``ValueError`` naming the first id that is not a WAITING or RUNNING request, or the first
-        limit that is not None or an int ``>= 0``; then no limit is changed.  Raises ``RuntimeError``
-        while a step is open (between ``schedule`` and ``commit``).
+        limit that is not None or an int ``>= 0``; then no limit is changed.
         """
-        if self._open is not None:
-            raise RuntimeError("limit_drafts() while a step is open: call it between commit() and schedule()")
         for request_id, limit in limits.items():
             if request_id not in self.live:
                 raise ValueError(f"limit_drafts: {request_id!r} is not a waiting or running request")
@@ -1282,7 +1280,7 @@ class Engine:
             if r.generated >= 1 and r.computed == r.target - 1:
                 r.draft_len = min(self.spec_len, r.max_new_tokens - r.generated - 1)
                 if r.draft_len:
-                    # m16 (L3, L4): a draft decision; the script's entry and the request's limit may cut it.
+                    # m16 (N3, N5): a draft decision; the script's entry and the request's limit may cut it.
                     limit = r.draft_limit
                     script = self._limit_scripts.get(r.request_id)
                     if script:

@@ -73,9 +73,13 @@ def test_m16_n2_limit_drafts_validates_every_entry_before_setting_any() -> None:
         with pytest.raises(ValueError, match=match):
             eng.limit_drafts(bad)  # type: ignore[arg-type]
         assert (eng.requests[0].draft_limit, eng.requests[1].draft_limit) == (1, None)  # nothing changed
-    eng.schedule()
-    with pytest.raises(RuntimeError, match="while a step is open"):
-        eng.limit_drafts({"a": 0})
+    eng.step()  # a and b computed their prompts
+    plan = eng.schedule()
+    eng.limit_drafts({"a": 0})  # the open step keeps its windows: a drafts 1 now, none after
+    assert {i.request_id: i.num_tokens for i in plan} == {"a": 2, "b": 4}
+    rec = eng.commit(eng.executor.execute(plan))
+    assert rec.drafted == {"a": 1, "b": 3}
+    assert eng.step().drafted["a"] == 0
     run(eng)
     with pytest.raises(ValueError, match=r"'a' is not a waiting or running request"):  # finished
         eng.limit_drafts({"a": 0})
