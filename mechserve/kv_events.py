@@ -23,8 +23,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from mechserve.spec import m14_forced_runs as m14
 from mechserve.spec import m15_routing as m15
+from mechserve.spec import m16_request_draft_lengths as m16
 
 # vLLM's structs (vllm/distributed/kv_events.py): array_like, events tagged with their class name.
 
@@ -96,13 +96,13 @@ class CacheEventRecorder:
     def __init__(self, page_size: int, hash_seed: str = "") -> None:
         self.page_size = page_size
         self.root = m15.hash_root(hash_seed)
-        self.held: dict[m14.PrefixKey, int] = {}  # resident key -> its block hash
+        self.held: dict[m16.PrefixKey, int] = {}  # resident key -> its block hash
 
-    def changes(self, cache: m14.RadixCache) -> list[m15.KVEvent]:
+    def changes(self, cache: m16.RadixCache) -> list[m15.KVEvent]:
         """The events that take a subscriber from the last call's cache to ``cache``'s."""
-        now: dict[m14.PrefixKey, int] = {}
+        now: dict[m16.PrefixKey, int] = {}
         stored: list[m15.KVEvent] = []
-        run: list[tuple[int, m14.PrefixKey]] = []  # the current run of new blocks along one chain
+        run: list[tuple[int, m16.PrefixKey]] = []  # the current run of new blocks along one chain
         run_parent: list[int | None] = [None]
 
         def close_run() -> None:

@@ -16,7 +16,7 @@ the ``Engine`` of any rung of the ladder, passing only what that rung takes,
 and ``check_rung`` reports what a lower rung cannot take (prefix caching
 before m08, speculation before m09, ranks before m11, admission settings and
 the shared-prefix hold before m12, output caching before m13, forced scripts
-before m14, a fleet before m15).  ``build_fleet`` turns it into m15's
+before m14, a fleet before m15, draft limit scripts before m16).  ``build_fleet`` turns it into m15's
 ``Fleet``: the ``fleet`` section (``replicas``, ``routing_policy`` and the
 router's thresholds) beside the engine section every replica gets.
 Standard library only.
@@ -79,6 +79,7 @@ REQUEST_KEYS = (
     "accept_script",
     "stop_token_ids",
     "forced_script",
+    "draft_limit_script",
 )
 # m14: the most forced ids one forced_script may hold, over all its entries.
 MAX_FORCED_IDS = 100_000
@@ -109,6 +110,8 @@ class RequestSpec:
     stop_token_ids: tuple[int, ...] = ()  # m12
     # m14: (output index, forced ids) pairs, ascending index; None when absent
     forced_script: tuple[tuple[int, tuple[int, ...]], ...] | None = None
+    # m16: one draft limit per draft decision, front first; None when absent
+    draft_limit_script: tuple[int, ...] | None = None
     synthetic: bool = False  # the prompt came from prompt_len (synthetic_prompt), not from explicit tokens
 
     @property
@@ -422,7 +425,8 @@ def parse_request(
     Errors name the request as ``where`` (default ``requests[<index>]``) and a
     field as ``where + sep + name``.  A request without ``tokens`` gets the
     synthetic prompt of its position.  ``arrival_step``, ``eos_after``,
-    ``accept_script``, ``stop_token_ids`` and ``forced_script`` (m14) may be null (absent).
+    ``accept_script``, ``stop_token_ids``, ``forced_script`` (m14) and ``draft_limit_script`` (m16)
+    may be null (absent).
     ``max_new_tokens`` may be 0 and ``tokens`` empty here (m12 takes both;
     ``check_rung`` refuses them below m12).  Raises ``WorkloadError`` for an
     unknown key, a missing ``request_id``, ``max_new_tokens`` or prompt, a
@@ -437,6 +441,7 @@ def parse_request(
         if required not in req:
             raise WorkloadError(f"{where}: missing {required}")
     script, stops, forced = req.get("accept_script"), req.get("stop_token_ids"), req.get("forced_script")
+    limits = req.get("draft_limit_script")  # m16
     max_new = _integer(f"{where}{sep}max_new_tokens", req["max_new_tokens"], 0, MAX_NEW_TOKENS)
     forced_script = None if forced is None else _forced_script(f"{where}{sep}forced_script", forced)
     for index, _ in forced_script or ():
@@ -454,6 +459,7 @@ def parse_request(
         accept_script=None if script is None else _int_list(f"{where}{sep}accept_script", script, None),
         stop_token_ids=() if stops is None else _int_list(f"{where}{sep}stop_token_ids", stops, 0, TOKEN_ID_LIMIT),
         forced_script=forced_script,
+        draft_limit_script=None if limits is None else _int_list(f"{where}{sep}draft_limit_script", limits, 0),
         synthetic=req.get("tokens") is None,
     )
 
@@ -629,6 +635,16 @@ def has_routing(rung: ModuleType) -> bool:
     return hasattr(rung, "Fleet")
 
 
+def runs_fleet(rung: ModuleType, workload: Workload) -> bool:
+    """Whether ``workload`` on ``rung`` is a fleet (``build_fleet``) rather than one engine.
+
+    m15, whose mechanism is routing, always runs a fleet (one replica when the workload has no fleet
+    section); a rung above it (m16: one engine that also carries m15's routing) runs a fleet only for
+    a workload with a fleet section.
+    """
+    return has_routing(rung) and (bool(workload.fleet) or rung.__name__.rsplit(".", 1)[-1] == "m15_routing")
+
+
 def has_admission_control(rung: ModuleType) -> bool:
     """Whether ``rung`` has m12's door (``add_request``, ``max_waiting``, ...)."""
     return "max_waiting" in engine_params(rung)
@@ -643,8 +659,9 @@ def check_rung(rung: ModuleType, workload: Workload) -> None:
     ``max_model_len``, a non-empty ``stop_token_ids``, ``max_new_tokens`` 0
     or an empty ``tokens`` list, ``prefix_caching`` true before m08,
     ``hold_shared_prefix`` true before m12, ``output_caching`` true before m13,
-    a non-empty ``forced_script`` before m14 (forced runs), and any fleet value
-    before m15 (routing).  From m09 on a non-empty ``accept_script`` with
+    a non-empty ``forced_script`` before m14 (forced runs), any fleet value
+    before m15 (routing), and a non-empty ``draft_limit_script`` before m16
+    (per-request draft lengths).  From m09 on a non-empty ``accept_script`` with
     ``spec_len`` 0 is refused too: with no guesses there is no verdict to
     script.  An empty ``accept_script``, ``stop_token_ids`` or
     ``forced_script``, and a switch set to false (what a rung without the
@@ -681,6 +698,13 @@ def check_rung(rung: ModuleType, workload: Workload) -> None:
                 raise WorkloadError(
                     f"{label} has no forced runs: request {_show(req.request_id)} has a forced_script "
                     "(it needs m14 or later)"
+                )
+    if "draft_limit_script" not in _request_fields(rung):  # m16
+        for req in workload.requests:
+            if req.draft_limit_script:
+                raise WorkloadError(
+                    f"{label} has no per-request draft lengths: request {_show(req.request_id)} has a "
+                    "draft_limit_script (it needs m16 or later)"
                 )
     if workload.fleet and not has_routing(rung):  # m15
         given = ", ".join(f"fleet.{k} {_show(v)}" for k, v in workload.fleet.items())
@@ -721,6 +745,8 @@ def _make_request(rung: ModuleType, req: RequestSpec, fields: set[str]) -> Any:
         kwargs["stop_token_ids"] = tuple(req.stop_token_ids)
     if req.forced_script and "forced_script" in fields:  # m14
         kwargs["forced_script"] = dict(req.forced_script)
+    if req.draft_limit_script and "draft_limit_script" in fields:  # m16
+        kwargs["draft_limit_script"] = list(req.draft_limit_script)
     return rung.Request(**kwargs)
 
 
@@ -770,7 +796,7 @@ def fit_rung(rung: ModuleType, workload: Workload) -> tuple[Workload, tuple[str,
     m11 ``world_size`` becomes 1; before m12 the admission settings and stop
     ids are dropped; the prefix-caching switch before m08, the shared-prefix
     hold before m12 and the output-caching switch before m13; before m14 the forced scripts are;
-    before m15 the fleet section is.  ``mechserve demo --mech`` uses this so the fixed demo
+    before m15 the fleet section is; before m16 the draft limit scripts are.  ``mechserve demo --mech`` uses this so the fixed demo
     runs on every rung; ``run`` reports the same things as errors
     (``check_rung``).  Zero-token requests and empty prompts are not dropped:
     ``build_engine`` still refuses them below m12.
@@ -800,6 +826,9 @@ def fit_rung(rung: ModuleType, workload: Workload) -> tuple[Workload, tuple[str,
     if "forced_script" not in _request_fields(rung) and any(r.forced_script for r in requests):  # m14
         notes.append(f"{label} has no forced runs: running without forced scripts")
         requests = tuple(dataclasses.replace(r, forced_script=None) for r in requests)
+    if "draft_limit_script" not in _request_fields(rung) and any(r.draft_limit_script for r in requests):  # m16
+        notes.append(f"{label} has no per-request draft lengths: running without draft limit scripts")
+        requests = tuple(dataclasses.replace(r, draft_limit_script=None) for r in requests)
     fleet = workload.fleet
     if fleet and not has_routing(rung):  # m15
         notes.append(f"{label} has no routing: running one engine without {', '.join(f'fleet.{k}' for k in fleet)}")

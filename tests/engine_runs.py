@@ -21,7 +21,7 @@ from mechserve.api.errors import RequestRejected
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
 from mechserve.engine.pool import auto_num_pages, model_context
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 # Where run_engine's engines run: the gpu tests set this to "cuda" to replay the CPU tests there.
 DEVICE = "cpu"
@@ -44,7 +44,7 @@ class Completion:
 class Run:
     """A finished run: its step records, one completion per prompt, the summary and the core."""
 
-    records: list[m14.StepRecord]
+    records: list[m16.StepRecord]
     completions: list[Completion]
     summary: list[dict[str, Any]]
     num_pages: int
@@ -103,7 +103,7 @@ def run_engine(
             core.add_request(list(ids), params, request_id=f"r{i}", arrival_step=step)
         except RequestRejected as exc:
             rejected[f"r{i}"] = exc.reason.value
-    records: list[m14.StepRecord] = []
+    records: list[m16.StepRecord] = []
     outputs = {o.request_id: o for o in core.run_until_idle(lambda out: records.append(out.record))}
     summary = core.summary()
     reasons = {e["request_id"]: e["finish_reason"] for e in summary}

@@ -34,7 +34,7 @@ from mechserve.dp.wire import (
     wire_error,
 )
 from mechserve.entrypoints.events import StreamEvent
-from mechserve.spec.m14_forced_runs import RejectReason
+from mechserve.spec.m16_request_draft_lengths import RejectReason
 
 
 def test_an_add_carries_every_sampling_field_through_the_socket() -> None:

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mechserve.kv_events import CacheEventRecorder, KVEventPublisher, decode_batch, encode_batch
-from mechserve.spec import m14_forced_runs as m14
 from mechserve.spec import m15_routing as m15
+from mechserve.spec import m16_request_draft_lengths as m16
 
 
 def apply(held: set[int], events: Any) -> None:
@@ -64,7 +64,7 @@ def test_recorder_reports_what_m15s_engine_reports(
     m15's own events (its publish and evict points) say, with vLLM's chained hashes."""
     kw = dict(max_step_tokens=16, page_size=page_size, num_pages=num_pages, output_caching=output_caching)
     spec = m15.Engine(requests(m15, seed, count), **kw)
-    real = m14.Engine(requests(m14, seed, count), **kw)
+    real = m16.Engine(requests(m16, seed, count), **kw)
     recorder = CacheEventRecorder(page_size)
     theirs: list[set[int]] = []
     mine: list[set[int]] = []
@@ -83,7 +83,7 @@ def test_recorder_reports_what_m15s_engine_reports(
 
     try:
         spec.run(on_step=spec_step)
-    except (m14.OutOfPages, RuntimeError):
+    except (m16.OutOfPages, RuntimeError):
         return  # the workload does not fit; m14 would refuse it the same way
     real.run(on_step=real_step)
     assert mine == theirs

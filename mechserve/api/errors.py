@@ -21,7 +21,7 @@ HTTP server turns it into an OpenAI-style 4xx/5xx body::
 
 from __future__ import annotations
 
-from mechserve.spec.m14_forced_runs import RejectReason
+from mechserve.spec.m16_request_draft_lengths import RejectReason
 
 
 class ParamError(ValueError):

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from mechserve.api.errors import RequestFailed
-from mechserve.spec.m14_forced_runs import StepRecord
+from mechserve.spec.m16_request_draft_lengths import StepRecord
 
 LENGTH = "length"
 STOP = "stop"

@@ -21,7 +21,7 @@ from mechserve.executor.forcing import ForcedSource, ScriptedForcer
 from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.model.loader import load_model
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 TEXTS = (
     'Give a JSON object with keys "name", "age" and "city" for a person.',
@@ -45,11 +45,11 @@ def run(
         ex.add_request(ExecutorRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0, max_tokens=new)))
         if forcers:
             ex.set_forcer(f"r{i}", forcers[i])
-        reqs.append(m14.Request(f"r{i}", list(p), new))
-    eng = m14.Engine(reqs, 512, 16, 256, executors=[ex], eos_token_ids=loaded.eos_token_ids)
+        reqs.append(m16.Request(f"r{i}", list(p), new))
+    eng = m16.Engine(reqs, 512, 16, 256, executors=[ex], eos_token_ids=loaded.eos_token_ids)
     wall, cpu = time.perf_counter(), time.process_time()
 
-    def done(rec: m14.StepRecord) -> None:
+    def done(rec: m16.StepRecord) -> None:
         for rid in rec.finished:
             ex.release(rid)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from mechserve.cli.run import add_output_arguments, execute
 from mechserve.cli.viz import VizOutputs
-from mechserve.workload import fit_rung, has_routing, load_rung, parse_workload
+from mechserve.workload import fit_rung, load_rung, parse_workload, rung_label
 
 # Three requests with staggered arrivals, chunked prefill, page contention and a
 # scripted speculative verdict, on a 4-rank executor group.
@@ -51,10 +51,10 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo on the chosen rung.
 
     A rung without speculative decoding or parallelism runs the demo without
-    them (the text view says so); m15 runs ``DEMO_FLEET``.  Raises ``WorkloadError``
+    them (the text view says so); m15 runs ``DEMO_FLEET`` (m16, the one-engine top rung, the engine demo).  Raises ``WorkloadError``
     for an unknown rung and ``CliError`` if the engine fails.
     """
     rung = load_rung(args.mech)
     viz = VizOutputs.from_args(args)
-    workload, notes = fit_rung(rung, parse_workload(DEMO_FLEET if has_routing(rung) else DEMO_WORKLOAD))
+    workload, notes = fit_rung(rung, parse_workload(DEMO_FLEET if rung_label(rung) == "m15" else DEMO_WORKLOAD))
     return execute(rung, workload, as_json=args.json, explain=args.explain, notes=notes, viz=viz)

@@ -1,6 +1,6 @@
 """``mechserve generate "prompt"``: continue a raw prompt (or, with ``--chat``, answer it) with a real model.
 
-The request runs on an ``EngineCore`` (the top rung, m14, over the torch
+The request runs on an ``EngineCore`` (the top rung, m16, over the torch
 executor), with vLLM's sampling flags; the default temperature is 0
 (greedy), so that the same command prints the same text every time.
 Prints one compact line per engine step, then the prompt and its
@@ -44,7 +44,7 @@ from mechserve.cli.errors import CliError, engine_failure
 from mechserve.cli.parser import Bounded, add_device_arguments
 from mechserve.cli.viz import VizOutputs, add_output_flags
 from mechserve.cli.vllm_names import add_chat_template_argument, apply_chat_template_flag
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 # The type of a flag that takes any finite number (ranges are checked by ``SamplingParams`` or ``EngineConfig``).
 NUMBER = Bounded(float, finite=True)
@@ -648,7 +648,7 @@ class Clock:
         self.ended: float | None = None
         self.steps = 0
 
-    def step(self, record: m14.StepRecord) -> None:
+    def step(self, record: m16.StepRecord) -> None:
         """Count a step; its end is the first token's time if it is the first to sample."""
         self.steps += 1
         if self.first is None and record.tokens:
@@ -684,15 +684,15 @@ def rate(count: int, seconds: float) -> str:
     return f"{per_second:.2g} tok/s"
 
 
-def _print_json(record: m14.StepRecord) -> None:
+def _print_json(record: m16.StepRecord) -> None:
     print(json.dumps(record.to_json()), flush=True)
 
 
-def _print_trace(console: Console) -> Callable[[m14.StepRecord], None]:
+def _print_trace(console: Console) -> Callable[[m16.StepRecord], None]:
     return lambda record: console.print(_trace_line(record))
 
 
-def _trace_line(record: m14.StepRecord) -> Text:
+def _trace_line(record: m16.StepRecord) -> Text:
     """One step as ``step N  scheduled ..  executed r=n  sampled r=TOKEN ...``; empty fields left out."""
     line = Text(f"step {record.step:>3}", style="bold")
     fields: list[tuple[str, Any]] = [

@@ -1,10 +1,10 @@
 """``mechserve run``: run a workload (a JSON spec or ``--request`` flags) through one rung.
 
 ``--backend spec`` (the default) runs it on the rung's scripted executor; on
-m15 (``--mech m15``) it runs a fleet of such engines behind a router (the
+m15 (``--mech m15``), or on m16 given a ``fleet`` section or fleet flags, it runs a fleet of such engines behind a router (the
 workload's ``fleet`` section and the ``--replicas``/``--routing-policy``/...
 flags) and prints one fleet record per step.  ``--backend torch`` runs it on a
-real model under the top engine rung (m14), through
+real model under the top engine rung (m16), through
 an ``EngineCore``: the same step trace, then each request's decoded text.
 A request's ``prompt_len`` becomes that many real token ids (its synthetic
 ids mapped onto the model's ordinary tokens, ``real_prompt``), explicit
@@ -49,6 +49,7 @@ from mechserve.workload import (
     load_workload,
     rung_label,
     rung_range,
+    runs_fleet,
     with_engine,
     with_fleet,
     workload_from_flags,
@@ -70,7 +71,7 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="mNN",
         default=ENGINE_TOP,
         help=f"the rung to run: {rung_range()} or a full name (default: {ENGINE_TOP}, the top rung of one engine; "
-        "m15 runs a fleet)",
+        "m15 runs a fleet, and so does m16 given a fleet section)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object per step, then the summary")
     parser.add_argument("--explain", action="store_true", help="add the engine's own sentences to every step")
@@ -262,7 +263,7 @@ def execute(
     the pictures to write (``--viz``/``--plot``), also of a failed run's
     steps.
     """
-    fleet = has_routing(rung)
+    fleet = runs_fleet(rung, workload)
     viz = viz or VizOutputs()
     if fleet and (viz.viz or viz.plot):
         raise CliError(f"--viz and --plot draw one engine's pool; {rung_label(rung)} runs a fleet (use --mech m14)")
@@ -323,6 +324,11 @@ def check_torch_workload(rung: ModuleType, workload: Workload) -> None:
             raise CliError(
                 f"request {req.request_id!r} has a forced_script: a real model's forced ids come from its "
                 "grammar (structured outputs), so a scripted grammar cannot apply (remove forced_script)"
+            )
+        if req.draft_limit_script:
+            raise CliError(
+                f"request {req.request_id!r} has a draft_limit_script: a real run's draft limits come from its "
+                "speculation governor, so scripted limits cannot apply (remove draft_limit_script)"
             )
 
 

@@ -43,7 +43,7 @@ import torch
 from mechserve.conformance.errors import ContractViolation
 from mechserve.conformance.runner import events, run_workload
 from mechserve.conformance.target import KV
-from mechserve.spec.m14_forced_runs import Outcome, PlanItem
+from mechserve.spec.m16_request_draft_lengths import Outcome, PlanItem
 
 
 def check_outcomes(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mechserve.spec.m14_forced_runs import BoundaryViolation
+from mechserve.spec.m16_request_draft_lengths import BoundaryViolation
 
 
 class ConformanceError(Exception):

@@ -31,7 +31,7 @@ import torch
 
 from mechserve.conformance.errors import ConformanceError, KVMismatch
 from mechserve.conformance.runner import RealRun, events, run_workload
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 
 @dataclass
@@ -65,7 +65,7 @@ class KVAuditor:
         self._last: dict[tuple[str, int, tuple[int, ...]], _Copy] = {}
         self.positions = 0
 
-    def snapshot(self, run: RealRun, record: m14.StepRecord) -> None:
+    def snapshot(self, run: RealRun, record: m16.StepRecord) -> None:
         """Copy every running request's and every cache block's paged K/V, on every rank.
 
         A request that finished in this step has given its pages back, but nothing has written
@@ -79,7 +79,7 @@ class KVAuditor:
         live += [
             (r, last_tables[r.request_id])
             for r in engine.requests
-            if r.request_id in record.finished and r.request_id in last_tables and r.state is m14.RequestState.FINISHED
+            if r.request_id in record.finished and r.request_id in last_tables and r.state is m16.RequestState.FINISHED
         ]
         for rank, ex in enumerate(run.executors):
             k, v = self.target.kv_of(ex)

@@ -42,17 +42,17 @@ from mechserve.conformance.runner import (
     events,
     run_workload,
 )
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 
-class ReplayExecutor(m14.LocalExecutor):
+class ReplayExecutor(m16.LocalExecutor):
     """m14's scripted executor answering from a recorded run (see the module docstring).
 
     ``records``: the real run's step records.  Raises ``ConformanceError`` from ``execute`` when
     the replay asks a request for more sampled ids than the real run produced.
     """
 
-    def __init__(self, records: Sequence[m14.StepRecord]) -> None:
+    def __init__(self, records: Sequence[m16.StepRecord]) -> None:
         scripts: dict[str, list[int]] = {}
         ids: dict[str, deque[tuple[int, ...]]] = {}
         for rec in records:
@@ -63,7 +63,7 @@ class ReplayExecutor(m14.LocalExecutor):
         super().__init__(scripts, {})
         self.ids = ids
 
-    def _run(self, item: m14.PlanItem) -> m14.Outcome:
+    def _run(self, item: m16.PlanItem) -> m16.Outcome:
         out = super()._run(item)
         if not item.sample:
             return out
@@ -84,13 +84,13 @@ class Replay:
     """The replay run: its engine, records, exchanges and the error that stopped it (None if none)."""
 
     engine: Any
-    records: list[m14.StepRecord]
+    records: list[m16.StepRecord]
     exchanges: list[Exchange]
     error: Exception | None = None
 
 
 def replay(
-    workload: Mapping[str, Any], records: Sequence[m14.StepRecord], *, eos_token_ids: Sequence[int] = ()
+    workload: Mapping[str, Any], records: Sequence[m16.StepRecord], *, eos_token_ids: Sequence[int] = ()
 ) -> Replay:
     """Run ``workload`` on m14 over ``ReplayExecutor``s (one per rank) fed ``records``.
 
@@ -108,7 +108,7 @@ def replay(
         for rid in records[k].aborted if k < len(records) else ():
             engine.abort(rid)
 
-    def on_step(record: m14.StepRecord) -> None:
+    def on_step(record: m16.StepRecord) -> None:
         out.records.append(record)
         if len(out.records) > len(records):
             raise _Overrun
@@ -138,7 +138,7 @@ def _norm(value: Any) -> Any:
 
 
 def compare(
-    real_records: Sequence[m14.StepRecord],
+    real_records: Sequence[m16.StepRecord],
     replayed: Replay,
     *,
     real_exchanges: Sequence[Exchange] | None = None,
@@ -177,11 +177,11 @@ def compare(
                     raise ReplayMismatch(None, f"requests[{i}].{name} ({x['request_id']})", x[name], y.get(name))
 
 
-def _compare_plans(step: int, real: Sequence[m14.PlanItem], mine: Sequence[m14.PlanItem]) -> None:
+def _compare_plans(step: int, real: Sequence[m16.PlanItem], mine: Sequence[m16.PlanItem]) -> None:
     if len(real) != len(mine):
         raise ReplayMismatch(step, "plan (items)", [i.request_id for i in real], [i.request_id for i in mine])
     for i, (x, y) in enumerate(zip(real, mine)):
-        for f in dataclasses.fields(m14.PlanItem):
+        for f in dataclasses.fields(m16.PlanItem):
             if getattr(x, f.name) != getattr(y, f.name):
                 raise ReplayMismatch(
                     step, f"plan[{i}].{f.name} ({x.request_id})", getattr(x, f.name), getattr(y, f.name)
@@ -189,10 +189,10 @@ def _compare_plans(step: int, real: Sequence[m14.PlanItem], mine: Sequence[m14.P
 
 
 def check_replay(
-    target: Any, workload: Mapping[str, Any], *, engine_factory: Callable[..., Any] = m14.Engine
+    target: Any, workload: Mapping[str, Any], *, engine_factory: Callable[..., Any] = m16.Engine
 ) -> dict[str, Any]:
-    """Check 1 on one workload: run it on ``engine_factory`` (the "real engine", default m14) over the
-    target's executors, replay the verdicts and ids on m14, and compare (``ReplayMismatch``).
+    """Check 1 on one workload: run it on ``engine_factory`` (the "real engine", default m16) over the
+    target's executors, replay the verdicts and ids on m16, and compare (``ReplayMismatch``).
 
     Returns ``{"runs": 2, "steps": <steps compared>, "events": <what the real run exercised>}``.
     """

@@ -2,7 +2,7 @@
 
 This is the "real run" every check starts from::
 
-    workload ──> m14.Engine(requests, executors=[wrap(rank, target.make_executor(P, S)) for each rank],
+    workload ──> m16.Engine(requests, executors=[wrap(rank, target.make_executor(P, S)) for each rank],
                             eos_token_ids=target.eos_token_ids, **engine section)
                  engine.executor (the rank group) is wrapped by a Recorder: (step, plan, joined outcomes)
     after each step: on_step(run, record); finished/aborted ids are released on every executor
@@ -22,7 +22,7 @@ from typing import Any
 from mechserve.conformance.errors import ConformanceError
 from mechserve.conformance.strategies import engine_of, prompt_len
 from mechserve.executor.request import ExecutorRequest
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 from mechserve.workload import ENGINE_KEYS
 
 
@@ -31,8 +31,8 @@ class Exchange:
     """One step's traffic across the boundary: the engine's plan and the outcomes the rank group joined."""
 
     step: int
-    plan: tuple[m14.PlanItem, ...]
-    outcomes: tuple[m14.Outcome, ...]
+    plan: tuple[m16.PlanItem, ...]
+    outcomes: tuple[m16.Outcome, ...]
 
 
 class Recorder:
@@ -43,7 +43,7 @@ class Recorder:
         self.engine = engine
         self.exchanges: list[Exchange] = []
 
-    def execute(self, plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
+    def execute(self, plan: tuple[m16.PlanItem, ...]) -> tuple[m16.Outcome, ...]:
         outcomes = tuple(self.inner.execute(plan))
         self.exchanges.append(Exchange(self.engine.step_counter, plan, outcomes))
         return outcomes
@@ -58,7 +58,7 @@ class RealRun:
     engine: Any
     executors: list[Any]
     ranks: list[Any]
-    records: list[m14.StepRecord] = field(default_factory=list)
+    records: list[m16.StepRecord] = field(default_factory=list)
     exchanges: list[Exchange] = field(default_factory=list)
 
 
@@ -78,12 +78,12 @@ def engine_settings(workload: Mapping[str, Any]) -> dict[str, Any]:
     return settings
 
 
-def make_requests(workload: Mapping[str, Any]) -> list[m14.Request]:
+def make_requests(workload: Mapping[str, Any]) -> list[m16.Request]:
     """Fresh m14 requests for the workload's request list (explicit ``tokens`` required)."""
     out = []
     for spec in workload.get("requests") or []:
         out.append(
-            m14.Request(
+            m16.Request(
                 str(spec["request_id"]),
                 list(spec["tokens"]),
                 int(spec["max_new_tokens"]),
@@ -100,9 +100,9 @@ def build_engine(
     ranks: Sequence[Any],
     *,
     eos_token_ids: Sequence[int] = (),
-    engine_factory: Callable[..., Any] = m14.Engine,
+    engine_factory: Callable[..., Any] = m16.Engine,
 ) -> Any:
-    """``engine_factory`` (default ``m14.Engine``) over the workload, with ``ranks`` as its rank executors.
+    """``engine_factory`` (default ``m16.Engine``) over the workload, with ``ranks`` as its rank executors.
 
     Raises ``ValueError`` as m14's constructor does (e.g. a number of ranks other than ``world_size``).
     """
@@ -123,8 +123,8 @@ def run_workload(
     workload: Mapping[str, Any],
     *,
     wrap: Callable[[int, Any], Any] | None = None,
-    on_step: Callable[[RealRun, m14.StepRecord], None] | None = None,
-    engine_factory: Callable[..., Any] = m14.Engine,
+    on_step: Callable[[RealRun, m16.StepRecord], None] | None = None,
+    engine_factory: Callable[..., Any] = m16.Engine,
 ) -> RealRun:
     """Run ``workload`` to the end on ``engine_factory`` over ``target``'s executors; return the run.
 
@@ -150,7 +150,7 @@ def run_workload(
     run = RealRun(dict(workload), engine, executors, ranks, exchanges=recorder.exchanges)
     bound = step_bound(workload)
 
-    def step_done(record: m14.StepRecord) -> None:
+    def step_done(record: m16.StepRecord) -> None:
         run.records.append(record)
         for rid in (*record.finished, *record.aborted):
             for ex in executors:
@@ -170,7 +170,7 @@ EVENTS = ("preempted", "rolled_back", "reused", "evicted", "rejected", "stopped"
 """The trace events ``events`` counts: what a run exercised."""
 
 
-def events(records: Sequence[m14.StepRecord]) -> dict[str, int]:
+def events(records: Sequence[m16.StepRecord]) -> dict[str, int]:
     """How often a run's trace shows each of ``EVENTS``: preemptions, decode windows with a rollback,
     prefix reuses, evicted pages, rejections, requests that finished with STOP and with EOS."""
     out = dict.fromkeys(EVENTS, 0)
@@ -180,8 +180,8 @@ def events(records: Sequence[m14.StepRecord]) -> dict[str, int]:
         out["reused"] += len(rec.reused)
         out["evicted"] += len(rec.evicted)
         out["rejected"] += len(rec.rejected)
-        out["stopped"] += sum(1 for v in rec.finished.values() if v is m14.FinishReason.STOP)
-        out["eos"] += sum(1 for v in rec.finished.values() if v is m14.FinishReason.EOS)
+        out["stopped"] += sum(1 for v in rec.finished.values() if v is m16.FinishReason.STOP)
+        out["eos"] += sum(1 for v in rec.finished.values() if v is m16.FinishReason.EOS)
     return out
 
 

@@ -40,6 +40,9 @@ test ask for the situation it needs:
 * ``output_caching`` (m13 and later): ``True`` puts ``"output_caching": true`` in the engine section (the
   rungs below refuse it, or ``build`` drops it for them), ``"any"`` draws it either way, ``False``
   (the default) leaves it out, so that m13 runs as m12.
+* ``draft_limits`` (m16 and later): ``True`` gives about half the requests a ``draft_limit_script``
+  (entries from 0 to ``spec_len + 1``) when ``spec_len`` is drawn above 0; ``False`` (the default) gives
+  none, so that m16 runs as m15.  ``build`` drops the scripts below m16.
 
 ``mechanism_idle(rung)`` presets the knobs under which a rung's mechanism changes nothing relative to
 the rung below, for ladder-consistency checks (for m12, arrivals in list order as well as a door that
@@ -221,6 +224,7 @@ def workloads(
     admission: bool = False,
     output_caching: bool | str = False,
     arrivals: str = "any",
+    draft_limits: bool = False,
 ) -> dict[str, Any]:
     """A random workload in the 4.2 JSON shape; see the module docstring for the knobs.
 
@@ -278,6 +282,8 @@ def workloads(
             chain = scripted_ids(_prompt_of(req, i), max(1, int(req["max_new_tokens"])))
             stops = st.sampled_from(chain) | st.integers(1, 2**31 - 1)
             req["stop_token_ids"] = draw(st.lists(stops, min_size=1, max_size=2))
+        if draft_limits and k and draw(st.booleans()):  # m16: limits from 0 to above spec_len
+            req["draft_limit_script"] = draw(st.lists(st.integers(0, k + 1), min_size=1, max_size=6))
         requests.append(req)
     if arrivals == "list_order":
         # m12 (D9): FCFS admits by arrival step, a negative one counting as 0; sorted, it is list order.
@@ -349,6 +355,9 @@ IDLE_KNOBS: dict[str, dict[str, Any]] = {
     # m15's engine is m14's: its records add KV events, which are no JSON field (N11); the fleet is
     # checked against m14 fed at arrival by tests/property/test_m15_properties.py (N1).
     "m15_routing": {"output_caching": "any", "prompts": "mixed"},
+    # N1 of m16: no request has a draft_limit_script (draft_limits off) and nothing calls limit_drafts,
+    # so every window is m15's.
+    "m16_request_draft_lengths": {"output_caching": "any", "prompts": "mixed", "spec_len": (0, 3), "scripts": True},
 }
 """Per rung, the knobs under which its mechanism is idle, so its trace equals the rung below's."""
 
@@ -395,6 +404,8 @@ def _request(rung: ModuleType, index: int, spec: Mapping[str, Any]) -> Any:
             kwargs[key] = list(value) if key == "accept_script" else tuple(value) if key == "stop_token_ids" else value
     if spec.get("forced_script") and "forced_script" in takes:  # m14: JSON keys are decimal strings
         kwargs["forced_script"] = {int(i): tuple(ids) for i, ids in spec["forced_script"].items()}
+    if spec.get("draft_limit_script") and "draft_limit_script" in takes:  # m16
+        kwargs["draft_limit_script"] = list(spec["draft_limit_script"])
     return rung.Request(**kwargs)
 
 

@@ -67,7 +67,7 @@ from mechserve.entrypoints.async_llm import AsyncLLM, RequestStream, prompt_char
 from mechserve.entrypoints.events import Admission
 from mechserve.entrypoints.prompts import PromptInput, PromptPolicy
 from mechserve.router.fleet import TOKENIZED, RouterOptions, WorkerFleet
-from mechserve.spec.m14_forced_runs import RejectReason
+from mechserve.spec.m16_request_draft_lengths import RejectReason
 
 log = logging.getLogger("mechserve.dp")
 T = TypeVar("T")

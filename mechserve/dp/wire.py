@@ -34,7 +34,7 @@ from mechserve.api.errors import (
 )
 from mechserve.api.params import SamplingParams
 from mechserve.entrypoints.events import StreamEvent
-from mechserve.spec.m14_forced_runs import RejectReason
+from mechserve.spec.m16_request_draft_lengths import RejectReason
 
 # The API server's messages --------------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from typing import Any
 from mechserve.api.errors import ParamError
 from mechserve.api.params import SamplingParams, StructuredOutputsParams
 from mechserve.executor.structured import CompiledGrammar, GrammarCompiler
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +118,7 @@ def samples(request_id: str, params: SamplingParams) -> list[SampleSpec]:
 
 
 def reject_detail(
-    reason: m14.RejectReason,
+    reason: m16.RejectReason,
     sample: SampleSpec,
     prompt_len: int,
     *,
@@ -129,10 +129,10 @@ def reject_detail(
     max_waiting: int | None,
 ) -> str:
     """The limit behind m12's refusal of ``sample`` (a prompt of ``prompt_len``), in words."""
-    if reason is m14.RejectReason.EMPTY_PROMPT:
+    if reason is m16.RejectReason.EMPTY_PROMPT:
         return "the prompt has no tokens"
     max_tokens = sample.max_new_tokens
-    if reason is m14.RejectReason.TOO_LONG:
+    if reason is m16.RejectReason.TOO_LONG:
         limit = (
             f"max_model_len {max_model_len}"
             if configured_max_model_len
@@ -145,12 +145,12 @@ def reject_detail(
             f"a prompt of {prompt_len} token(s) + {max_tokens} new token(s) = {prompt_len + max_tokens}, "
             f"over {limit}{extra}"
         )
-    if reason is m14.RejectReason.NEVER_FITS:
-        need = m14.pages_for(prompt_len + max_tokens - 1, page_size)
+    if reason is m16.RejectReason.NEVER_FITS:
+        need = m16.pages_for(prompt_len + max_tokens - 1, page_size)
         return f"needs {need} pages of {page_size} positions, the pool has {num_pages}"
-    if reason is m14.RejectReason.OVERLOADED:
+    if reason is m16.RejectReason.OVERLOADED:
         return f"{max_waiting} request(s) already wait (max_waiting)"
-    if reason is m14.RejectReason.DUPLICATE_ID:
+    if reason is m16.RejectReason.DUPLICATE_ID:
         return "a request with this id is running"
     return str(reason.value)
 

@@ -1,4 +1,4 @@
-"""The engine: one scheduler (the top rung, m14), one executor behind the boundary, and the tokenizer.
+"""The engine: one scheduler (the top rung, m16), one executor behind the boundary, and the tokenizer.
 
 ``EngineCore`` is what every front end drives: ``LLM`` (offline batches), the background stepper
 under ``AsyncLLM`` and the server, ``mechserve generate`` and ``mechserve run --backend torch``.
@@ -6,7 +6,7 @@ It is synchronous, single-threaded and does no I/O; one step happens in one plac
 
     add_request(prompt_ids, params) ── admission checks ── m12's door ──┬── RequestRejected (ValueError)
                                                                         └── n samples: m14 requests + records
-    step()  plan = scheduler.schedule(spec_len)            m14 admits, reuses, drafts, schedules, plans
+    step()  plan = scheduler.schedule(spec_len, limits)    m16 admits, reuses, drafts, schedules, plans
             outcomes = executor.execute(plan)              every rank's report joined (m11)
             record = scheduler.commit(outcomes, stop)      m14 commits; stop = what the text decided
             settle, release, outputs                       the executor counts what was kept; deltas
@@ -44,7 +44,7 @@ from mechserve.engine.scheduler import PageUsage, Scheduler, Step
 from mechserve.executor.protocol import Executor, ExecutorStats, RequestFailure
 from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.structured import CompiledGrammar
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 __all__ = ["EngineCore", "EngineStats"]
 
@@ -82,10 +82,10 @@ class EngineCore:
     (``ValueError``, ``KVMemoryError``, ``NativeKernelError``, ``RankError``).
 
     Speculation (``config.speculative_config()``): with ``adaptive`` on, every ``step`` first
-    chooses the engine's ``spec_len`` (0 .. ``num_speculative_tokens``) from what the executor
-    advises for the requests about to draft: the guesses their proposers have, weighed by how
+    chooses the engine's ``spec_len`` (0 .. ``num_speculative_tokens``) and each drafting request's
+    draft limit (m16) from what the executor advises for the requests about to draft: the guesses their proposers have, weighed by how
     often their guesses were accepted.  A rank that crashes or hangs raises ``RankError``, a
-    disagreement ``m14.GroupViolation``; either shuts the group down.
+    disagreement ``m16.GroupViolation``; either shuts the group down.
     """
 
     def __init__(
@@ -184,7 +184,7 @@ class EngineCore:
         admission.check_samples(params, self.config.max_waiting)
         request_id = self._new_id() if request_id is None else str(request_id)
         if request_id in self._groups:
-            raise RequestRejected(request_id, m14.RejectReason.DUPLICATE_ID, "a request with this id is running")
+            raise RequestRejected(request_id, m16.RejectReason.DUPLICATE_ID, "a request with this id is running")
         group = RequestGroup(request_id, prompt, ids, [], time.perf_counter())
         for spec in admission.samples(request_id, params):
             p = spec.params
@@ -237,11 +237,11 @@ class EngineCore:
         """Run one engine step: schedule, execute, commit (with the stops the text decides), then the outputs:
         the step's record, each touched sample's delta, the requests that ended and those that failed.
 
-        Engine and executor failures propagate (``m14.OutOfPages``, a torch error, ``RankError``,
-        ``m14.GroupViolation``: the last two shut the rank group down); ``step_counter`` names the
+        Engine and executor failures propagate (``m16.OutOfPages``, a torch error, ``RankError``,
+        ``m16.GroupViolation``: the last two shut the rank group down); ``step_counter`` names the
         failing step.  A request that fails on its own account inside the step ends alone (``failed``).
         """
-        plan = self.scheduler.schedule(self._spec_len())
+        plan = self.scheduler.schedule(*self._spec_len())
         outcomes = self._execute(plan)
         failures = {f.request_id: f for f in self.executor.take_failures()}
         now = time.perf_counter()
@@ -260,20 +260,23 @@ class EngineCore:
                 on_step(out)
         return finished
 
-    def _spec_len(self) -> int | None:
-        """The ``spec_len`` for the coming step (adaptive speculation: what the executor advises for the
-        requests about to draft), or None to leave it."""
+    def _spec_len(self) -> tuple[int | None, dict[str, int | None] | None]:
+        """The ``spec_len`` for the coming step and the draft limits of the requests about to draft (m16)
+        (adaptive speculation: what the executor advises for them), or ``(None, None)`` to leave both."""
         spec = self.speculative
         if spec is None or not spec.adaptive:
-            return None
+            return None, None
         caps = self.scheduler.drafting(spec.num_speculative_tokens)
-        return self.executor.advise(caps, spec.num_speculative_tokens) if caps else 0
+        if not caps:
+            return 0, None
+        advice = self.executor.advise(caps, spec.num_speculative_tokens)
+        return advice.spec_len, advice.limits
 
-    def _execute(self, plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
+    def _execute(self, plan: tuple[m16.PlanItem, ...]) -> tuple[m16.Outcome, ...]:
         """The executor's outcomes for ``plan``; a rank group that failed or disagreed is shut down."""
         try:
             return self.executor.execute(plan)
-        except (m14.GroupViolation, RankError):
+        except (m16.GroupViolation, RankError):
             self.close()  # the ranks' states can no longer be trusted to agree
             raise
 
@@ -281,7 +284,7 @@ class EngineCore:
         self,
         engine_id: str,
         ids: tuple[int, ...],
-        reason: m14.FinishReason | None,
+        reason: m16.FinishReason | None,
         failures: dict[str, RequestFailure],
         now: float,
     ) -> int | None:
@@ -431,7 +434,7 @@ class EngineCore:
         in the cache.  Raises what ``admission.Grammars.compile`` raises (``ParamError``)."""
         return self.grammars.compile(so)
 
-    def _reject_detail(self, reason: m14.RejectReason, spec: admission.SampleSpec, prompt_len: int) -> str:
+    def _reject_detail(self, reason: m16.RejectReason, spec: admission.SampleSpec, prompt_len: int) -> str:
         return admission.reject_detail(
             reason,
             spec,

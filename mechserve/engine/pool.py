@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from mechserve.api.config import EngineConfig, format_bytes
 from mechserve.api.errors import KVMemoryError
 from mechserve.api.limits import MAX_PAGES, MAX_SLOTS
-from mechserve.spec.m14_forced_runs import pages_for
+from mechserve.spec.m16_request_draft_lengths import pages_for
 
 if TYPE_CHECKING:  # torch stays out of this module's imports
     from mechserve.model.protocol import ModelShape

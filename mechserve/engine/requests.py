@@ -29,7 +29,7 @@ from mechserve.api.outputs import (
 )
 from mechserve.api.params import SamplingParams
 from mechserve.engine.detokenizer import OutputText
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 
 @dataclass(eq=False)
@@ -75,7 +75,7 @@ class Sample:
     def keep(
         self,
         ids: Sequence[int],
-        reason: m14.FinishReason | None,
+        reason: m16.FinishReason | None,
         now: float,
         taken: Sequence[TokenLogprobs] = (),
         to_vllm: Callable[[TokenLogprobs], PositionLogprobs] = TokenLogprobs.to_dict,
@@ -92,7 +92,7 @@ class Sample:
         if self.prompt_only:
             return 0
         kept, stop = len(ids), None
-        ends_on_id = reason in (m14.FinishReason.EOS, m14.FinishReason.STOP)
+        ends_on_id = reason in (m16.FinishReason.EOS, m16.FinishReason.STOP)
         for k, token_id in enumerate(ids):
             is_end_id = ends_on_id and k == len(ids) - 1
             stop = self.text.push(token_id, detokenize=not is_end_id or self.params.include_stop_str_in_output)
@@ -111,7 +111,7 @@ class Sample:
             self.cumulative_logprob += sum(lp.logprob for lp in taken[:kept])
         return kept if stop is not None else None
 
-    def end(self, reason: m14.FinishReason) -> None:
+    def end(self, reason: m16.FinishReason) -> None:
         """The engine ended this sample with m14's ``reason``: its finish reason and stop reason as vLLM
         reports them (the one place where m14's reasons are mapped)::
 
@@ -122,11 +122,11 @@ class Sample:
             max_tokens                          "length"                        (m14: LENGTH)
         """
         self.text.finish()  # a sample that ended without ids still releases what its text held back
-        if self.prompt_only or (reason is m14.FinishReason.LENGTH and self.text.stop is None):
+        if self.prompt_only or (reason is m16.FinishReason.LENGTH and self.text.stop is None):
             self.finish_reason, self.stop_reason = LENGTH, None
         elif self.text.stop is not None:
             self.finish_reason, self.stop_reason = STOP, self.text.stop
-        elif reason is m14.FinishReason.STOP:
+        elif reason is m16.FinishReason.STOP:
             self.finish_reason, self.stop_reason = STOP, self.token_ids[-1] if self.token_ids else None
         else:
             self.finish_reason, self.stop_reason = STOP, None

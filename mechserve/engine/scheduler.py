@@ -1,24 +1,25 @@
 """The scheduler as the runtime sees it: the top rung of the ladder, behind a small contract.
 
-``m14.Engine`` is the executable specification, unchanged; ``Scheduler`` is the one place in the
+``m16.Engine`` is the executable specification, unchanged; ``Scheduler`` is the one place in the
 runtime that touches its state (vLLM's ``SchedulerInterface`` plays this part there).  Callers ask
 for numbers and give orders; they never read its queues, pool or cache::
 
     add(...)                    offer a request to m12's door -> None, or the RejectReason
     abort(id)                   the request leaves now (the next record lists it under ``aborted``)
     drafting()                  the requests about to draft and their caps (m09's rule)
-    schedule(spec_len) -> plan  open a step: m14's admission, reuse, drafts, schedule, residency, plan
-    commit(outcomes, stop)      close it with the executor's outcomes -> Step: m14's record (with every
+    schedule(spec_len, limits)  open a step -> plan: m16's draft limits, admission, reuse, drafts,
+      -> plan                   schedule, residency, plan
+    commit(outcomes, stop)      close it with the executor's outcomes -> Step: m16's record (with every
       -> Step                   stop decided on text applied: m12 N26) and what it means for metrics
     counts() / page_usage()     running and waiting requests, pages free/cached/private: O(1)
-    summary() / check()         the end-of-run summary; m14's invariants plus the leak check
+    summary() / check()         the end-of-run summary; m16's invariants plus the leak check
 
 A stop decided outside the engine (a stop string, a failed request) is an input of ``commit``,
 ``stop(request_id, ids, finish_reason) -> None | keep``, asked once per request that appended ids
 in the step, right after they are appended: the record ``commit`` returns is already the final one,
 so nothing rewrites it afterwards.
 
-``spec_engine`` is the m14 engine itself, for the two tools whose job is to read the spec's own
+``spec_engine`` is the m16 engine itself, for the two tools whose job is to read the spec's own
 state: the trace pictures (``mechserve.viz``) and the conformance audits; ``prefix_cache`` is its
 radix cache alone, for the KV event publisher.  Nothing writes to either from outside this class.
 """
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mechserve.api.config import EngineConfig
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,27 +66,27 @@ class Step:
     thrashing, not counted).
     """
 
-    record: m14.StepRecord
+    record: m16.StepRecord
     prompt_tokens: Mapping[str, int]
     prefix_hits: int
     preemptions: int
 
 
 # A stop decided on text, asked by ``commit`` for each request that appended ids in the step:
-# (request id, the ids it appended, m14's finish reason if the step ended it) -> None, or the ids it keeps.
-StopHook = Callable[[str, tuple[int, ...], m14.FinishReason | None], int | None]
+# (request id, the ids it appended, m16's finish reason if the step ended it) -> None, or the ids it keeps.
+StopHook = Callable[[str, tuple[int, ...], m16.FinishReason | None], int | None]
 
 
 class Scheduler:
-    """The m14 engine for one ``EngineCore``: ``num_pages`` pages of ``config.page_size``.
+    """The m16 engine for one ``EngineCore``: ``num_pages`` pages of ``config.page_size``.
 
-    ``executors`` are the rank executors m14's own group joins when the spec engine steps itself
+    ``executors`` are the rank executors m16's own group joins when the spec engine steps itself
     (one per rank; the runtime runs each plan through ``Executor.execute`` instead, which joins the
     same ranks the same way); ``eos_token_ids`` end a request (unless it ignores EOS);
     ``max_model_len`` bounds prompt + output.  With ``keep_finished``, requests that left stay in
     ``summary()`` (a finite run printing its summary at the end); without it a request is dropped
     once its leaving has been reported, so a long-lived engine's memory follows its live requests.
-    Raises ``ValueError`` for sizes m14 refuses.
+    Raises ``ValueError`` for sizes m16 refuses.
     """
 
     def __init__(
@@ -95,13 +96,13 @@ class Scheduler:
         num_pages: int,
         max_model_len: int | None,
         eos_token_ids: Sequence[int],
-        executors: Sequence[m14.Executor],
+        executors: Sequence[m16.Executor],
         keep_finished: bool = False,
     ) -> None:
         self.page_size = config.page_size
         self.num_pages = num_pages
         self.keep_finished = keep_finished
-        self._engine = m14.Engine(
+        self._engine = m16.Engine(
             [],
             max_step_tokens=config.max_step_tokens,
             page_size=config.page_size,
@@ -117,17 +118,17 @@ class Scheduler:
             max_running=config.max_running,
             max_model_len=max_model_len,
         )
-        self._requests: dict[str, m14.Request] = {}  # accepted and not yet dropped, by id
+        self._requests: dict[str, m16.Request] = {}  # accepted and not yet dropped, by id
         self._computed_before: dict[str, int] = {}  # the open step's running requests' computed tokens
 
     @property
-    def spec_engine(self) -> m14.Engine:
-        """The m14 engine itself, to be read (never written) by the viz recorder and the conformance audits."""
+    def spec_engine(self) -> m16.Engine:
+        """The m16 engine itself, to be read (never written) by the viz recorder and the conformance audits."""
         return self._engine
 
     @property
-    def prefix_cache(self) -> m14.RadixCache:
-        """The m14 engine's radix cache, to be read (never written) between steps on the engine thread: the
+    def prefix_cache(self) -> m16.RadixCache:
+        """The m16 engine's radix cache, to be read (never written) between steps on the engine thread: the
         KV event publisher (``mechserve.kv_events``) diffs it after a step that published or evicted."""
         return self._engine.cache
 
@@ -147,10 +148,10 @@ class Scheduler:
         arrival_step: int = 0,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
-    ) -> m14.RejectReason | None:
+    ) -> m16.RejectReason | None:
         """Offer a request to m12's door: None if it joined the waiting queue, else why not (recorded
         in the next step's ``rejected``)."""
-        request = m14.Request(
+        request = m16.Request(
             request_id,
             list(prompt_ids),
             max_new_tokens,
@@ -178,22 +179,28 @@ class Scheduler:
 
     # One step: schedule, (the executor runs the plan), commit ----------------------------------------------------
 
-    def schedule(self, spec_len: int | None = None) -> tuple[m14.PlanItem, ...]:
-        """Open a step with ``spec_len`` guesses per decode window (if given); return its plan (m10 N21).
+    def schedule(
+        self, spec_len: int | None = None, limits: Mapping[str, int | None] | None = None
+    ) -> tuple[m16.PlanItem, ...]:
+        """Open a step with ``spec_len`` guesses per decode window (if given) and each named request's
+        draft limit (m16's ``limit_drafts``: request id -> None or the most guesses; a limit stays until
+        changed); return its plan (m10 N21).  ``ValueError`` for an id that is not live or a bad limit.
 
         Requests whose end was already reported are dropped first (unless ``keep_finished``).
-        ``m14.OutOfPages`` propagates."""
+        ``m16.OutOfPages`` propagates."""
         engine = self._engine
         if not self.keep_finished:
             for gone in engine.drop_finished():
                 if self._requests.get(gone.request_id) is gone:
                     del self._requests[gone.request_id]
+        if limits:
+            engine.limit_drafts(limits)
         if spec_len is not None:
             engine.spec_len = spec_len
         self._computed_before = {r.request_id: r.computed for r in engine.running if r.computed}
         return engine.schedule()
 
-    def commit(self, outcomes: Sequence[m14.Outcome], stop: StopHook | None = None) -> Step:
+    def commit(self, outcomes: Sequence[m16.Outcome], stop: StopHook | None = None) -> Step:
         """Close the open step with one outcome per plan item (m14's ``commit``); return its record and
         its metrics facts.
 
@@ -236,7 +243,7 @@ class Scheduler:
         tables' length)."""
         engine = self._engine
         owner = engine.pool.owner
-        shared = {p for r in engine.running for p in r.page_table if owner[p] is m14.CACHE}
+        shared = {p for r in engine.running for p in r.page_table if owner[p] is m16.CACHE}
         return PageUsage(self.num_pages, len(engine.pool.free), engine.cache.size, len(shared))
 
     def has_live(self) -> bool:

@@ -30,7 +30,7 @@ from mechserve.entrypoints.prompts import Chat, Prompt, encode_chat, params_list
 from mechserve.entrypoints.tools import parse_tools
 from mechserve.model.checkpoint import EMBEDDED
 from mechserve.model.loader import LoadedModel
-from mechserve.spec.m14_forced_runs import StepRecord
+from mechserve.spec.m16_request_draft_lengths import StepRecord
 
 __all__ = [
     "LLM",

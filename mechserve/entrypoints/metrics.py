@@ -68,7 +68,7 @@ from prometheus_client import (
 from prometheus_client.exposition import choose_encoder
 
 from mechserve.api.outputs import ABORT, LENGTH, STOP
-from mechserve.spec.m14_forced_runs import RejectReason
+from mechserve.spec.m16_request_draft_lengths import RejectReason
 
 RATE_WINDOW = 10.0  # seconds of history behind the tokens/s gauge
 LABELS = ("model_name", "engine")

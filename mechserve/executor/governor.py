@@ -1,10 +1,11 @@
-"""How far it pays to speculate: acceptance estimates and the governor that chooses the next ``spec_len``.
+"""How far it pays to speculate: acceptance estimates and the governor that chooses the next ``spec_len``
+and each request's draft limit.
 
-The spec (m09) decides how many guesses a decode window carries, ``draft_len = min(spec_len,
-max_new_tokens - generated - 1)``, and commits the verdict (m12: rollback, tail-page free, the cut at
+The spec decides how many guesses a decode window carries, ``draft_len = min(spec_len,
+max_new_tokens - generated - 1, draft_limit)`` (m09's rule D1 with m16's per-request limit), and commits the verdict (m12: rollback, tail-page free, the cut at
 the first EOS or stop id).  Behind the boundary the executor fills the window with guesses and
 verifies them exactly (``torch_executor``); in front of it, the control side may choose the next
-step's ``spec_len``::
+step's ``spec_len`` and each request's ``draft_limit`` (m16)::
 
     SpeculativeConfig            method "ngram" (prompt lookup) or "draft" (a smaller model with the
                                  same vocabulary), num_speculative_tokens (the most guesses per
@@ -15,8 +16,9 @@ step's ``spec_len``::
                                  preemption apply to it unchanged)
     Acceptance                   per-request estimate of how often a guess is accepted
     Governor                     (adaptive) the spec_len for the next step, between 0 and
-                                 num_speculative_tokens: guesses cost target rows (and draft
-                                 rounds) and pay only when accepted
+                                 num_speculative_tokens, and each caught-up request's limit
+                                 (``Advice``): guesses cost target rows (and draft rounds) and
+                                 pay only when accepted
     costs.MeasuredCosts          what those rows and rounds cost, in seconds, measured on the
                                  loaded model in its mode (a calibration when the executor is
                                  built, then every decode step); each method's registry entry
@@ -26,9 +28,10 @@ step's ``spec_len``::
 Why the control side: the boundary requires every planned position to be computed and written, so a
 window the proposer cannot fill still costs its rows.  ``EngineCore`` therefore asks, before each
 step, how many guesses each caught-up request's proposer has and how often its guesses were accepted,
-and sets the engine's ``spec_len`` to what the expected speedup favours (``Governor``).  At batch 1
-the window is then exactly the proposal, so proposing nothing costs a plain decode step; with
-several requests one ``spec_len`` serves them all (a per-request cap would need a spec change).
+and sets the engine's ``spec_len`` and each request's draft limit to what the expected speedup
+favours (``Governor``).  Each request's window is then exactly its proposal (a request limited to
+the guesses its proposer has), so proposing nothing costs a plain decode row, at batch 1 and in a
+batch alike; a request whose own guesses do not pay is limited to 0 (m16).
 
 Draft models are written ``MODEL[:layers=N]``: ``smollm2:layers=4`` keeps the first 4 of SmolLM2's 30
 layers (sharing the target's weights when the target is the same model); a directory names any
@@ -106,6 +109,15 @@ class Acceptance:
 
 
 @dataclass(frozen=True, slots=True)
+class Advice:
+    """What the governor advises for the coming step: the engine's ``spec_len`` and, per request
+    about to draft, its ``draft_limit`` (m16: None is no limit, 0 no guesses)."""
+
+    spec_len: int
+    limits: dict[str, int | None]
+
+
+@dataclass(frozen=True, slots=True)
 class Candidate:
     """A request about to draft: ``cap`` guesses allowed (spec_len and its length cap), ``available``
     guesses its proposer has (prompt lookup: the match's length; a draft model: ``cap``) and its
@@ -117,18 +129,30 @@ class Candidate:
 
 
 class Governor:
-    """Chooses the engine's ``spec_len`` for the next step: the one the expected speedup favours.
+    """Chooses the engine's ``spec_len`` for the next step and each request's draft limit (m16).
 
-    The spec gives every caught-up request the same ``draft_len = min(spec_len, cap)``, and the
-    boundary makes the executor compute every position of a window, so a guess the proposer does
-    not have is computed anyway (a pad, almost never accepted).  For each ``k`` in ``0..max_k``::
+    The boundary makes the executor compute every position of a window, so the control side limits
+    each request's window to the guesses its proposer has (m16's ``draft_limit``): request ``i``'s
+    window is exactly ``g_i = min(k, cap_i, available_i)`` guesses, no pads, or 0 when the request
+    is dropped (limited to 0).  For each ``k`` in ``0..max_k`` and a set ``D`` of dropped requests::
 
-        tokens(k) = sum over requests of  1 + alpha + ... + alpha ** g,   g = min(k, cap, available)
-        cost(k)   = costs.step(sum of (1 + min(k, cap)))  +  costs.draft(min(k, max cap), drafting windows)
-        choose the k with the largest tokens(k) / cost(k)   (ties: the smaller k)
+        tokens(k, D) = sum over requests of  1 + alpha + ... + alpha ** g_i    (g_i = 0 for i in D)
+        cost(k, D)   = costs.step(sum of (1 + g_i))  +  costs.draft(min(k, max cap), windows with g_i > 0)
+        rate(k, D)   = tokens(k, D) / cost(k, D)
 
-    and speculates (``k > 0``) only when that beats ``k = 0`` by more than ``margin`` (0.03: the cost
-    model's measurement noise; a guess that pays less is not worth the risk of a slower step).
+    The choice (``advise``), after SmartSpec's per-request goodput (Liu et al. 2024, arXiv 2406.14066)
+    in a greedy form:
+
+    1. ``k`` := the best ``k`` with nobody dropped (ties: the smaller ``k``);
+    2. while some request drafts at ``k``: drop the drafting request with the lowest ``alpha`` (ties:
+       the later one) if that raises ``rate(k, D)``, else stop;
+    3. ``k`` := the best ``k`` again with ``D`` dropped;
+    4. speculate (``k > 0``) only when ``rate(k, D)`` beats ``k = 0`` by more than ``margin`` (0.03: the
+       cost model's measurement noise; a guess that pays less is not worth the risk of a slower step).
+
+    Each dropped request gets limit 0; a request whose proposer has fewer than ``min(k, cap)``
+    guesses gets limit ``available``; every other one no limit.  A draft model or EAGLE head
+    (``available = cap``) thus behaves as with one ``spec_len`` for all unless a request is dropped.
 
     ``costs`` (``executor.costs``): ``StaticCosts(row_cost, jump_cost, draft_costs)`` in units of a
     one-row step when not given; the executor gives a ``MeasuredCosts`` (seconds measured on the loaded
@@ -153,33 +177,70 @@ class Governor:
         """A target step of ``rows`` rows, in the cost model's unit."""
         return self.costs.step(rows)
 
-    def rates(self, candidates: Sequence[Candidate], max_k: int) -> list[float]:
-        """Expected tokens per unit of cost for each ``k`` in ``0..max_k`` (the class docstring)."""
-        out = []
+    def rate(self, candidates: Sequence[Candidate], k: int, dropped: frozenset[int] = frozenset()) -> float:
+        """Expected tokens per unit of cost at ``spec_len`` ``k`` with the candidates at the indices in
+        ``dropped`` limited to 0 (the class docstring)."""
         top = max((c.cap for c in candidates), default=0)
-        for k in range(max_k + 1):
-            tokens = 0.0
-            rows = 0
-            drafting = 0
-            for c in candidates:
-                g = min(k, c.cap, c.available)
-                tokens += sum(c.alpha**j for j in range(g + 1))
-                rows += 1 + min(k, c.cap)
-                drafting += g > 0
-            cost = self.costs.step(rows) + self.costs.draft(min(k, top), drafting)
-            out.append(tokens / cost if cost > 0 else 0.0)
-        return out
+        tokens = 0.0
+        rows = 0
+        drafting = 0
+        for i, c in enumerate(candidates):
+            g = 0 if i in dropped else min(k, c.cap, c.available)
+            tokens += sum(c.alpha**j for j in range(g + 1))
+            rows += 1 + g
+            drafting += g > 0
+        cost = self.costs.step(rows) + self.costs.draft(min(k, top), drafting)
+        return tokens / cost if cost > 0 else 0.0
+
+    def rates(self, candidates: Sequence[Candidate], max_k: int, dropped: frozenset[int] = frozenset()) -> list[float]:
+        """``rate`` for each ``k`` in ``0..max_k``."""
+        return [self.rate(candidates, k, dropped) for k in range(max_k + 1)]
+
+    def _best_k(self, candidates: Sequence[Candidate], max_k: int, dropped: frozenset[int]) -> tuple[int, float]:
+        """The ``k`` in ``1..max_k`` with the best rate (ties: the smaller), and that rate."""
+        best, best_rate = 1, self.rate(candidates, 1, dropped)
+        for k in range(2, max_k + 1):
+            r = self.rate(candidates, k, dropped)
+            if r > best_rate * (1.0 + 1e-9):
+                best, best_rate = k, r
+        return best, best_rate
+
+    def decide(self, candidates: Sequence[Candidate], max_k: int) -> tuple[int, list[int | None]]:
+        """The ``spec_len`` in ``0..max_k`` and one draft limit per candidate (None: no limit), by the
+        class docstring's steps; ``(0, [None, ...])`` when speculation does not pay."""
+        none: list[int | None] = [None] * len(candidates)
+        if not candidates or max_k <= 0:
+            return 0, none
+        plain = self.rate(candidates, 0)
+        k, _ = self._best_k(candidates, max_k, frozenset())
+        dropped: frozenset[int] = frozenset()
+        current = self.rate(candidates, k, dropped)
+        while True:
+            drafting = [i for i, c in enumerate(candidates) if i not in dropped and min(k, c.cap, c.available) > 0]
+            if not drafting:
+                break
+            worst = min(drafting, key=lambda i: (candidates[i].alpha, -i))
+            trial = dropped | {worst}
+            r = self.rate(candidates, k, trial)
+            if r <= current * (1.0 + 1e-9):
+                break
+            dropped, current = trial, r
+        k, best = self._best_k(candidates, max_k, dropped)
+        if best <= plain * (1.0 + self.margin) * (1.0 + 1e-9):
+            return 0, none
+        limits: list[int | None] = []
+        for i, c in enumerate(candidates):
+            if i in dropped:
+                limits.append(0)
+            elif c.available < min(k, c.cap):
+                limits.append(c.available)
+            else:
+                limits.append(None)
+        return k, limits
 
     def choose(self, candidates: Sequence[Candidate], max_k: int) -> int:
-        """The ``spec_len`` in ``0..max_k`` with the best expected tokens per unit of cost (0 without candidates)."""
-        if not candidates or max_k <= 0:
-            return 0
-        rates = self.rates(candidates, max_k)
-        best, best_rate = 0, rates[0] * (1.0 + self.margin)
-        for k in range(1, max_k + 1):
-            if rates[k] > best_rate * (1.0 + 1e-9):
-                best, best_rate = k, rates[k]
-        return best
+        """The ``spec_len`` of ``decide`` (0 without candidates)."""
+        return self.decide(candidates, max_k)[0]
 
 
 def draft_governor(proposer: object, draft: Model, target: Model, max_k: int) -> Governor:
@@ -191,4 +252,4 @@ def draft_governor(proposer: object, draft: Model, target: Model, max_k: int) ->
     return Governor(draft_costs=(head, *([layers + head] * max(0, max_k - 1))))
 
 
-__all__ = ["Acceptance", "Candidate", "Governor", "draft_governor"]
+__all__ = ["Acceptance", "Advice", "Candidate", "Governor", "draft_governor"]

@@ -50,7 +50,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from mechserve.executor.sampling import STREAM_DRAFT, Row, Sampler, sampling_logits
 from mechserve.kv.paged import Span, build_attention_batch
 from mechserve.model.protocol import Model
-from mechserve.spec.m14_forced_runs import PlanItem
+from mechserve.spec.m16_request_draft_lengths import PlanItem
 
 if TYPE_CHECKING:
     from mechserve.api.proposers import ProposerContext

@@ -1,7 +1,7 @@
 """The executor contract: what ``EngineCore`` asks of whatever runs its plans behind the boundary.
 
 The spec (m10) fixes the data plane: one frozen plan per step in, one outcome per plan item out,
-validated by the engine's commit (``mechserve.spec.m14_forced_runs.Executor``).  A real
+validated by the engine's commit (``mechserve.spec.m16_request_draft_lengths.Executor``).  A real
 executor also keeps per-request state that the spec does not model (sampling params, token
 history for proposers, logprobs, a grammar); ``EngineCore`` drives it through the control methods
 below and through nothing else, so any class with these methods can stand behind the engine::
@@ -12,11 +12,11 @@ below and through nothing else, so any class with these methods can stand behind
                                                    one proxy per rank process
     add_request (after the door) ─ add_request(ExecutorRequest): the request record (id, prompt ids,
                                    params, EOS ids, bad-word ids, compiled grammar; executor/request.py)
-    before a step ──────────────── advise(caps, max_k) -> spec_len for the coming step
+    before a step ──────────────── advise(caps, max_k) -> Advice: spec_len and per-request draft limits (m16)
     the step ───────────────────── execute(plan) -> outcomes: every rank's report, joined as m11 joins
-                                   them (m14.ExecutorGroup: GroupViolation unless all agree)
+                                   them (m16.ExecutorGroup: GroupViolation unless all agree)
                                    take_failures() -> the requests that failed inside it (below)
-      m14 commits the outcomes; for each request that appended ids:
+      m16 commits the outcomes; for each request that appended ids:
                                    take_logprobs(id) -> one TokenLogprobs per appended id
                                    take_prompt_logprobs(id) -> one per prompt position recorded
     after the step ─────────────── settle(windows): the accepted guesses each decode window kept after
@@ -39,11 +39,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from mechserve.api.outputs import TokenLogprobs
 from mechserve.executor.request import ExecutorRequest
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
+
+if TYPE_CHECKING:
+    from mechserve.executor.governor import Advice
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +87,12 @@ class ExecutorStats:
 class Executor(Protocol):
     """Anything ``EngineCore`` can drive: m14's ``execute`` plus the control methods (module docstring)."""
 
-    def execute(self, plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
+    def execute(self, plan: tuple[m16.PlanItem, ...]) -> tuple[m16.Outcome, ...]:
         """One step: an outcome per plan item, in item order; with several ranks, every rank's report joined
-        as m11 joins them (``m14.ExecutorGroup``: ``GroupViolation`` unless all are equal)."""
+        as m11 joins them (``m16.ExecutorGroup``: ``GroupViolation`` unless all are equal)."""
         ...
 
-    def rank_executors(self) -> Sequence[m14.Executor]:
+    def rank_executors(self) -> Sequence[m16.Executor]:
         """The per-rank executors (m11): m14 is built with one per rank, and a group joins their reports."""
         ...
 
@@ -125,8 +128,9 @@ class Executor(Protocol):
         all of them by the step that samples the first token)."""
         ...
 
-    def advise(self, caps: Sequence[tuple[str, int]], max_k: int) -> int:
-        """The ``spec_len`` in ``0..max_k`` that pays best for the requests about to draft."""
+    def advise(self, caps: Sequence[tuple[str, int]], max_k: int) -> Advice:
+        """The ``spec_len`` in ``0..max_k`` that pays best for the requests about to draft, and each one's
+        draft limit (m16: ``Advice.limits``, request id -> None or the most guesses its window carries)."""
         ...
 
     def stats(self) -> ExecutorStats:

@@ -31,7 +31,7 @@ from mechserve.kv import native
 from mechserve.model.arch import LlamaArch
 from mechserve.model.loader import load_shard
 from mechserve.model.sharded import ShardedLlama
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 # Failures a test can plant in a rank's next step (RankGroup.plant).
 FAULTS = ("disagree", "hang", "crash", "raise")
@@ -80,7 +80,7 @@ class RankExecutor(TorchExecutor):
             dist.broadcast(ids, src=0)
         return ids.tolist()
 
-    def execute(self, plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
+    def execute(self, plan: tuple[m16.PlanItem, ...]) -> tuple[m16.Outcome, ...]:
         fault, self.fault = self.fault, None
         if fault == "hang":
             while True:

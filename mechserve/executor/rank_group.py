@@ -4,7 +4,7 @@ The control side (m14's engine, in the driver) freezes one plan per step; the gr
 plan to every rank and gives m14 one executor per rank, so m11's join compares the N real reports
 and raises ``GroupViolation`` unless all N are equal::
 
-    driver: m14.Engine ──plan──> ExecutorGroup ──> proxy 0 ─┐ first call: send (queued commands, plan)
+    driver: m16.Engine ──plan──> ExecutorGroup ──> proxy 0 ─┐ first call: send (queued commands, plan)
                                                    proxy 1 ─┤ to every rank, wait for every report
                                                    ...      ┘ (deadline, process sentinels)
     rank r: (queued add/release..., execute plan) ─> ShardedLlama forward (all-reduce / all-gather)
@@ -49,10 +49,11 @@ import torch.distributed as dist
 from mechserve.api.env import rank_timeout
 from mechserve.api.errors import RankError, first_line
 from mechserve.api.outputs import TokenLogprobs
+from mechserve.executor.governor import Advice
 from mechserve.executor.protocol import ExecutorStats, RequestFailure
 from mechserve.executor.rank import FAULTS, RankServer, RankSpec, _DistChannel, _spawned_rank, serve_rank
 from mechserve.executor.request import ExecutorRequest
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 # Seconds the ranks may take to start (load their shards).
 DEFAULT_START_TIMEOUT_S = 300.0
@@ -72,7 +73,7 @@ class _RankProxy:
     def __init__(self, group: RankGroup, rank: int) -> None:
         self.group, self.rank = group, rank
 
-    def execute(self, plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
+    def execute(self, plan: tuple[m16.PlanItem, ...]) -> tuple[m16.Outcome, ...]:
         return self.group.report(self.rank, plan)
 
 
@@ -90,8 +91,8 @@ class RankGroup:
 
     def __init__(self) -> None:
         self._queues: list[list[tuple[Any, ...]]] = [[] for _ in range(self.world_size)]
-        self._plan: tuple[m14.PlanItem, ...] | None = None
-        self._reports: dict[int, tuple[m14.Outcome, ...]] = {}
+        self._plan: tuple[m16.PlanItem, ...] | None = None
+        self._reports: dict[int, tuple[m16.Outcome, ...]] = {}
         self._failures: list[RequestFailure] = []
         self.closed = False
 
@@ -100,11 +101,11 @@ class RankGroup:
         """One proxy per rank: m14's group fans each plan out to them and joins their reports (m11)."""
         return [_RankProxy(self, r) for r in range(self.world_size)]
 
-    def execute(self, plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
+    def execute(self, plan: tuple[m16.PlanItem, ...]) -> tuple[m16.Outcome, ...]:
         """Every rank's outcomes for ``plan``, joined as m11 joins them (``GroupViolation`` on disagreement)."""
-        return m14.ExecutorGroup(self.rank_executors()).execute(plan)
+        return m16.ExecutorGroup(self.rank_executors()).execute(plan)
 
-    def report(self, rank: int, plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
+    def report(self, rank: int, plan: tuple[m16.PlanItem, ...]) -> tuple[m16.Outcome, ...]:
         """Rank ``rank``'s outcomes for ``plan``; the first proxy asked sends the plan to every rank."""
         if not plan:
             return ()
@@ -147,8 +148,9 @@ class RankGroup:
         result: list[TokenLogprobs] = self._ask(("prompt_logprobs", request_id))
         return result
 
-    def advise(self, caps: Sequence[tuple[str, int]], max_k: int) -> int:
-        return int(self._ask(("advise", list(caps), max_k)))
+    def advise(self, caps: Sequence[tuple[str, int]], max_k: int) -> Advice:
+        result: Advice = self._ask(("advise", list(caps), max_k))
+        return result
 
     def stats(self) -> ExecutorStats:
         """Rank 0's counters (every rank counts the same)."""

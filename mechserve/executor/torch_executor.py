@@ -27,13 +27,16 @@ min_tokens bans, temperature, top-k, top-p and min-p.
   the plain sampling stream.  Every emitted id is distributed as the target's own sampling.  A
   seeded request is reproducible for one run configuration (its guesses come from the seeded
   ``STREAM_DRAFT``), but which token indices are drafted depends on the windows (batchmates,
-  budget, preemption, the adaptive spec_len), so its ids may differ between configurations,
+  budget, preemption, the adaptive spec_len and draft limits), so its ids may differ between configurations,
   unlike the point-mass case.
 
 The boundary requires every planned position to be computed and written, so a point-mass proposal
 shorter than its window is padded with the last known id (a pad is verified like any guess).
 Proposing fewer guesses than the window holds therefore saves nothing here; the control side
-avoids it by sizing the windows (``advise``, used by ``EngineCore``; see ``speculative``).
+avoids it by sizing each request's window: ``advise`` (used by ``EngineCore``) returns the step's
+``spec_len`` and, per request about to draft, m16's draft limit (the guesses its proposer has, or 0
+when its guesses do not pay), so a batchmate with nothing to propose costs one plain decode row.
+The pad stays for a window whose proposer proposes fewer than its limit allows.
 
 Each registered request has one state object (``_RequestState``): its record (``ExecutorRequest``:
 prompt, params, end ids, bad-word ids, compiled grammar), its token history (known ids from the plans,
@@ -89,7 +92,7 @@ from mechserve.api.proposers import DEFAULT_MODEL_METHOD, ProposerContext, Propo
 from mechserve.executor.costs import MeasuredCosts, StaticCosts
 from mechserve.executor.costs import calibrate as measure_costs
 from mechserve.executor.forcing import ForcedSource
-from mechserve.executor.governor import Acceptance, Candidate, Governor
+from mechserve.executor.governor import Acceptance, Advice, Candidate, Governor
 from mechserve.executor.proposers import CallableProposer, Draft, Proposer, Window
 from mechserve.executor.protocol import ExecutorStats, RequestFailure
 from mechserve.executor.request import ExecutorRequest
@@ -98,7 +101,7 @@ from mechserve.executor.structured import GrammarMatcher, allowed_rows, new_bitm
 from mechserve.executor.verify import verify_draft
 from mechserve.kv.paged import AttentionBatch, Span, build_attention_batch
 from mechserve.model.protocol import Model
-from mechserve.spec.m14_forced_runs import Outcome, PlanItem
+from mechserve.spec.m16_request_draft_lengths import Outcome, PlanItem
 
 # (history, num) -> up to num point-mass guesses; the executor pads a short proposal with the last known id.
 ProposerFn = Callable[[Sequence[int], int], Sequence[int]]
@@ -457,22 +460,32 @@ class TorchExecutor:
         found, state.prompt_logprobs.found = state.prompt_logprobs.found, []
         return found
 
-    def advise(self, caps: Sequence[tuple[str, int]], max_k: int) -> int:
-        """The ``spec_len`` (``0..max_k``) that pays best next step, for requests about to draft.
+    def advise(self, caps: Sequence[tuple[str, int]], max_k: int) -> Advice:
+        """The ``spec_len`` (``0..max_k``) that pays best next step and each caught-up request's draft
+        limit (m16), for requests about to draft.
 
         ``caps``: ``(request_id, cap)`` per caught-up request, ``cap`` the guesses the spec allows it
         (``min(max_k, max_new_tokens - generated - 1)``).  Asks the proposer how many guesses it has
         for each (from the ids this executor knows) and weighs them with each request's acceptance so
-        far (``Governor.choose``); a request backing off (``Acceptance.waiting``) counts as having none.
+        far (``Governor.decide``); a request backing off (``Acceptance.waiting``) counts as having none.
+        Every request in ``caps`` gets a limit in the answer: the governor's, else 0 for one with no
+        guess to make (cap 0, or unknown here).
         """
         candidates = []
+        ids = []
+        limits: dict[str, int | None] = {}
         for rid, cap in caps:
             state = self._requests.get(rid)
             if cap > 0 and state is not None and state.history:
                 waiting = self.acceptance.waiting(rid)  # its guesses kept failing: it sits this one out
                 found = 0 if waiting else self.proposer.available(state.record, state.history, cap)
                 candidates.append(Candidate(cap, found, self.acceptance.rate(rid)))
-        return self.governor.choose(candidates, max_k)
+                ids.append(rid)
+            else:
+                limits[rid] = 0
+        spec_len, chosen = self.governor.decide(candidates, max_k)
+        limits.update(zip(ids, chosen))
+        return Advice(spec_len, limits)
 
     # One step -----------------------------------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ from mechserve.api.errors import (
     RequestFailed,
     RequestRejected,
 )
-from mechserve.spec.m14_forced_runs import RejectReason
+from mechserve.spec.m16_request_draft_lengths import RejectReason
 
 log = logging.getLogger("mechserve.http")
 RETRY_AFTER_SECONDS = 1

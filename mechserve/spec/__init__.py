@@ -21,8 +21,10 @@ RUNGS = (
     "m13_output_caching",
     "m14_forced_runs",
     "m15_routing",
+    "m16_request_draft_lengths",
 )
 TOP = RUNGS[-1]
-ENGINE_TOP = "m14_forced_runs"
+ENGINE_TOP = "m16_request_draft_lengths"
 """The top rung of one engine: what the runtime schedules with, and what ``run`` and ``demo`` drive by
-default.  The rung above it, m15, puts several such engines behind a router (a fleet)."""
+default.  m16 is also the top rung of the ladder: it carries m15's routing (several such engines behind
+a router, a fleet) unchanged and adds per-request draft lengths to the one engine."""

@@ -20,7 +20,7 @@ def test_mechs_prints_one_aligned_line_per_rung(cli) -> None:
     result = cli("mechs")
     assert result.code == 0
     lines = result.lines
-    assert len(lines) == len(RUNGS) == 16
+    assert len(lines) == len(RUNGS) == 17
     rungs = [load_rung(name) for name in RUNGS]
     note_width = max(len(r.NOTE) for r in rungs)
     title_width = max(len(r.TITLE) for r in rungs)

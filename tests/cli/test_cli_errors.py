@@ -235,7 +235,7 @@ def test_missing_spec_file(cli, tmp_path) -> None:
 
 @pytest.mark.parametrize("command", [["run", "--request", "a:1:1"], ["demo"]])
 def test_unknown_rung(cli, command: list[str]) -> None:
-    assert_one_error_line(cli(*command, "--mech", "m16"), "unknown rung", '"m16"', "m00 .. m15", RUNGS[-1])
+    assert_one_error_line(cli(*command, "--mech", "m17"), "unknown rung", '"m17"', "m00 .. m16", RUNGS[-1])
 
 
 @pytest.mark.parametrize(

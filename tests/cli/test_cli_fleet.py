@@ -78,7 +78,10 @@ def test_flags_override_the_section_and_bad_flags_are_refused(cli, spec_file) ->
 def test_below_m15_the_section_is_refused_and_the_demo_drops_it(cli, spec_file) -> None:
     line = assert_one_error_line(cli("run", "--mech", "m12", "--spec", spec_file(WORKLOAD)), "m12 has no routing")
     assert "fleet.replicas 2" in line and 'fleet.routing_policy "cache_aware"' in line
-    assert_one_error_line(cli("run", "--spec", spec_file(WORKLOAD)), "m14 has no routing")  # the default rung is m14
+    assert_one_error_line(cli("run", "--mech", "m14", "--spec", spec_file(WORKLOAD)), "m14 has no routing")
+    # the default rung, m16, carries m15's routing: the section runs a fleet there
+    result = cli("run", "--spec", spec_file(WORKLOAD), "--json")
+    assert result.code == 0 and list(result.json_lines()[0]) == ["step", "routed", "replicas"]
 
 
 def test_fleet_text_view_and_explain(cli, spec_file) -> None:

@@ -179,7 +179,7 @@ def test_run_torch_prints_the_trace_and_the_texts(tiny_dir, capsys) -> None:
     rc, out, err = call(argv, capsys)
     assert rc == 0, err
     lines = out.splitlines()
-    assert lines[0].startswith("m14 Forced runs") and "torch backend" in lines[0]
+    assert lines[0].startswith("m16 Per-request draft lengths") and "torch backend" in lines[0]
     assert "step 0" in lines and any(line.strip().startswith("tokens") for line in lines)
     text = lines.index("text")
     assert lines[text + 1].startswith('a  " w') and lines[text + 2].startswith('b  " w')
@@ -224,7 +224,7 @@ def test_run_torch_spec_file_with_tokens_rejections_and_stop_ids(tiny_dir, tmp_p
     ("argv", "message"),
     [
         (["--request", "a:4:2:0:1"], "eos_after: a real model ends on its own EOS"),
-        (["--request", "a:4:2", "--mech", "m05"], "--backend torch runs the top engine rung (m14)"),
+        (["--request", "a:4:2", "--mech", "m05"], "--backend torch runs the top engine rung (m16)"),
         (["--request", "a:4:2", "--world-size", "8"], "world size 8 exceeds the model's 4 attention heads"),
     ],
 )
@@ -249,6 +249,11 @@ def test_run_torch_refuses_accept_scripts_and_foreign_ids(tiny_dir, tmp_path: Pa
     )
     rc, _, err = call(["run", "--backend", "torch", "--model", str(path), "--spec", str(file)], capsys)
     assert "has a forced_script" in error_line(rc, err)
+    file.write_text(
+        json.dumps({"requests": [{"request_id": "a", "prompt_len": 3, "max_new_tokens": 4, "draft_limit_script": [0]}]})
+    )
+    rc, _, err = call(["run", "--backend", "torch", "--model", str(path), "--spec", str(file)], capsys)
+    assert "has a draft_limit_script" in error_line(rc, err)  # m16: a real run's limits come from its governor
     file.write_text(json.dumps({"requests": [{"request_id": "a", "tokens": [1, VOCAB], "max_new_tokens": 2}]}))
     rc, _, err = call(["run", "--backend", "torch", "--model", str(path), "--spec", str(file)], capsys)
     assert f"tokens holds {VOCAB}, not a token id of the model" in error_line(rc, err)

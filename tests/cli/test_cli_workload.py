@@ -87,14 +87,14 @@ def test_load_rung_spellings(spelling: str) -> None:
     assert rung_label(rung) == "m05"
 
 
-@pytest.mark.parametrize("spelling", ["m16", "16", "preemption", "", "m05_preempt", "-1"])
+@pytest.mark.parametrize("spelling", ["m17", "17", "preemption", "", "m05_preempt", "-1"])
 def test_load_rung_unknown(spelling: str) -> None:
-    with pytest.raises(UnknownRung, match=r"m00 \.\. m15: m00_engine_loop.*m14_forced_runs, m15_routing"):
+    with pytest.raises(UnknownRung, match=r"m00 \.\. m16: m00_engine_loop.*m15_routing, m16_request_draft_lengths"):
         load_rung(spelling)
 
 
 def test_load_rung_top() -> None:
-    assert load_rung("m15") is load_rung(RUNGS[-1]) is load_rung("15")
+    assert load_rung("m16") is load_rung(RUNGS[-1]) is load_rung("16")
 
 
 def test_unknown_rung_is_a_workload_error() -> None:

@@ -32,8 +32,8 @@ import torch
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.spec import m09_speculative_decode as m09
 from mechserve.spec import m12_admission_control as m12
-from mechserve.spec import m14_forced_runs as m14
-from mechserve.spec.m14_forced_runs import Outcome, PlanItem
+from mechserve.spec import m16_request_draft_lengths as m16
+from mechserve.spec.m16_request_draft_lengths import Outcome, PlanItem
 
 
 class OneSlotOff(TorchExecutor):
@@ -163,10 +163,10 @@ class LiesAboutTokens(TorchExecutor):
         return tuple(outs)
 
 
-class NewestFirst(m14.Engine):
+class NewestFirst(m16.Engine):
     """A "real engine" whose scheduler walks the running requests newest first."""
 
-    def _schedule(self) -> list[tuple[m14.Request, int]]:
+    def _schedule(self) -> list[tuple[m16.Request, int]]:
         self.running.reverse()
         try:
             return super()._schedule()

@@ -14,7 +14,7 @@ from hypothesis import given
 from mechserve.conformance import CheckedExecutor, ContractViolation, Target, check_contract, real_workloads
 from mechserve.conformance.contract import check_outcomes, check_writes
 from mechserve.conformance.runner import build_engine, run_workload
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 from . import mutants as m
 from .conftest import CI
@@ -46,7 +46,7 @@ class Snapshot:
     def __init__(self, inner: Any, engine: Callable[[], Any]) -> None:
         self.inner, self.engine, self.at_execute = inner, engine, None
 
-    def execute(self, plan: tuple[m14.PlanItem, ...]) -> tuple[m14.Outcome, ...]:
+    def execute(self, plan: tuple[m16.PlanItem, ...]) -> tuple[m16.Outcome, ...]:
         self.at_execute = state(self.engine())
         return self.inner.execute(plan)
 
@@ -66,19 +66,19 @@ def test_a_violation_raises_the_boundary_error_and_commits_nothing(tiny_pair: An
     snap = Snapshot(checked, lambda: holder[0])
     engine = build_engine(workload, [snap])
     holder.append(engine)
-    with pytest.raises(m14.BoundaryViolation) as info:
+    with pytest.raises(m16.BoundaryViolation) as info:
         engine.run()
     assert isinstance(info.value, ContractViolation)
     assert state(engine) == snap.at_execute
 
 
-def item(rid: str = "a", start: int = 4, n: int = 3, decode: bool = True, sample: bool = True) -> m14.PlanItem:
+def item(rid: str = "a", start: int = 4, n: int = 3, decode: bool = True, sample: bool = True) -> m16.PlanItem:
     placements = tuple((p, 1, p % 4) for p in range(start, start + n))
-    return m14.PlanItem(rid, start, n, n - 1 if decode else 0, decode, placements, (7,), sample, 1, (0, 1))
+    return m16.PlanItem(rid, start, n, n - 1 if decode else 0, decode, placements, (7,), sample, 1, (0, 1))
 
 
-def outcome(it: m14.PlanItem, **changes: Any) -> m14.Outcome:
-    base = m14.Outcome(it.request_id, it.start_position, it.num_tokens, 0, it.placements, (5,) if it.sample else ())
+def outcome(it: m16.PlanItem, **changes: Any) -> m16.Outcome:
+    base = m16.Outcome(it.request_id, it.start_position, it.num_tokens, 0, it.placements, (5,) if it.sample else ())
     return dataclasses.replace(base, **changes)
 
 

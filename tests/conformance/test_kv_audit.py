@@ -10,7 +10,7 @@ from hypothesis import given
 
 from mechserve.conformance import KVAuditor, KVMismatch, Target, check_kv, real_workloads
 from mechserve.conformance.runner import RealRun, run_workload
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 from .conftest import CI
 
@@ -36,7 +36,7 @@ def test_stale_kv_of_rejected_guesses_past_the_frontier_is_not_flagged(target: T
     stale: list[tuple[int, str]] = []
     auditor = KVAuditor(target)
 
-    def on_step(run: RealRun, record: m14.StepRecord) -> None:
+    def on_step(run: RealRun, record: m16.StepRecord) -> None:
         auditor.snapshot(run, record)
         ps = run.engine.pool.page_size
         for r in run.engine.running:
@@ -80,9 +80,9 @@ def test_the_audit_covers_generated_blocks_in_the_cache(target: Target) -> None:
     corrupted = KVAuditor(target)
     hit: list[int] = []
 
-    def on_step(run: RealRun, record: m14.StepRecord) -> None:
+    def on_step(run: RealRun, record: m16.StepRecord) -> None:
         a = run.engine.requests[0]
-        cached = [p for p in a.page_table if run.engine.pool.owner[p] is m14.CACHE]
+        cached = [p for p in a.page_table if run.engine.pool.owner[p] is m16.CACHE]
         if not hit and len(cached) * 4 > len(a.tokens):  # a's first block past its prompt is cached
             k, _ = target.kv_of(run.executors[0])
             k[0, cached[-1], 3] += 0.5
@@ -101,7 +101,7 @@ def test_a_mismatch_names_step_rank_request_position_and_tolerance(target: Targe
     """Corrupt one cached page between steps (behind the executor's back): the audit reports it."""
     auditor = KVAuditor(target)
 
-    def on_step(run: RealRun, record: m14.StepRecord) -> None:
+    def on_step(run: RealRun, record: m16.StepRecord) -> None:
         if record.step == 1:
             k, _ = target.kv_of(run.executors[1])
             page = run.engine.requests[0].page_table[0]
@@ -109,7 +109,7 @@ def test_a_mismatch_names_step_rank_request_position_and_tolerance(target: Targe
         auditor.snapshot(run, record)
 
     # Rank 1 now reads different K/V than rank 0, so the ranks disagree at the next step (m11's join).
-    with pytest.raises(m14.GroupViolation, match="rank 1 disagrees with rank 0"):
+    with pytest.raises(m16.GroupViolation, match="rank 1 disagrees with rank 0"):
         run_workload(target, SPECULATIVE, on_step=on_step)
     pattern = r"kv: after step 1, rank 1, a: K at position 2 \(page \d+, offset 2\), layer 1"
     with pytest.raises(KVMismatch, match=pattern) as info:

@@ -28,7 +28,7 @@ from mechserve.conformance import (
     model_workload,
 )
 from mechserve.conformance.runner import events, run_workload
-from mechserve.spec.m14_forced_runs import BoundaryViolation
+from mechserve.spec.m16_request_draft_lengths import BoundaryViolation
 
 from . import mutants as m
 

@@ -16,7 +16,7 @@ from mechserve.conformance import ReplayMismatch, Target, check_replay, compare,
 from mechserve.conformance.replay import ReplayExecutor, replay
 from mechserve.conformance.runner import build_engine, end_state, run_workload
 from mechserve.conformance.strategies import build, cli_valid, prompt_tokens, workloads
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 from .conftest import CI
 
@@ -43,9 +43,9 @@ def explicit(workload: dict[str, Any]) -> dict[str, Any]:
 def test_the_scripted_executor_replays_itself(workload: dict[str, Any]) -> None:
     """Fed the scripted executor's own verdicts and ids, ``ReplayExecutor`` reproduces its trace exactly,
     accept scripts with out-of-range entries, EOS triggers and stop ids included."""
-    engine = build(m14, workload, validate=cli_valid(workload))
+    engine = build(m16, workload, validate=cli_valid(workload))
     records = engine.run()
-    replayed = replay(explicit(workload), records, eos_token_ids=(m14.EOS_TOKEN_ID,))
+    replayed = replay(explicit(workload), records, eos_token_ids=(m16.EOS_TOKEN_ID,))
     compare(records, replayed, real_end=end_state(engine))
 
 
@@ -119,6 +119,6 @@ def test_a_tampered_trace_is_reported_at_its_step_and_field(target: Target) -> N
 
 
 def test_a_replay_that_runs_out_of_recorded_ids_is_a_difference() -> None:
-    item = m14.PlanItem("a", 3, 1, 0, True, ((3, 0, 3),), (9,), True, 1, (0,))
+    item = m16.PlanItem("a", 3, 1, 0, True, ((3, 0, 3),), (9,), True, 1, (0,))
     with pytest.raises(Exception, match="recorded no more ids"):
         ReplayExecutor([]).execute((item,))

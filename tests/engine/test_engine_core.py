@@ -11,7 +11,7 @@ from mechserve.api.errors import RequestRejected
 from mechserve.api.params import SamplingParams
 from mechserve.bench.timings import trace_stats
 from mechserve.engine.core import EngineCore
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
@@ -171,10 +171,10 @@ def test_door_refusals_are_request_rejected_and_in_the_trace(tiny) -> None:
     c = core(tiny)
     with pytest.raises(RequestRejected) as info:
         c.add_request([], GREEDY, request_id="empty")
-    assert info.value.reason is m14.RejectReason.EMPTY_PROMPT and info.value.request_id == "empty"
+    assert info.value.reason is m16.RejectReason.EMPTY_PROMPT and info.value.request_id == "empty"
     assert c.has_unfinished()  # the refusal is still to be recorded
     (out,) = drain(c)
-    assert out.record.rejected == (("empty", m14.RejectReason.EMPTY_PROMPT),)
+    assert out.record.rejected == (("empty", m16.RejectReason.EMPTY_PROMPT),)
     c.add_request([1, 2, 3], GREEDY, request_id="x")
     with pytest.raises(RequestRejected, match="DUPLICATE_ID"):
         c.add_request([1, 2, 3], GREEDY, request_id="x")
@@ -191,7 +191,7 @@ def test_max_waiting_refuses_overload_without_leaving_samples_behind(tiny) -> No
         c.add_request([3, 4], SamplingParams(n=2, temperature=0.0, max_tokens=2))  # sample 0 fits, sample 1 not
     done = finished(drain(c))
     assert list(done) == ["0"]
-    assert all(r.state is not m14.RequestState.WAITING for r in c.scheduler.spec_engine.requests)
+    assert all(r.state is not m16.RequestState.WAITING for r in c.scheduler.spec_engine.requests)
     c.check_pages()
 
 

@@ -15,7 +15,7 @@ from mechserve.api.config import SpeculativeConfig
 from mechserve.api.outputs import RequestOutput
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 ATOL = 1e-4  # float32 forward, paged and chunked, against transformers' dense one
 
@@ -122,7 +122,7 @@ def test_max_tokens_0_scores_the_prompt_only(tiny, tiny_hf) -> None:
     done = out.outputs[0]
     assert (done.token_ids, done.text, done.finish_reason, done.logprobs) == ([], "", "length", [])
     assert not any(step.record.tokens.get(rid) for step in outs)
-    assert [step.record.finished[rid] for step in outs if rid in step.record.finished] == [m14.FinishReason.STOP]
+    assert [step.record.finished[rid] for step in outs if rid in step.record.finished] == [m16.FinishReason.STOP]
     (entry,) = c.summary()
     assert (entry["state"], entry["finish_reason"], entry["generated"]) == ("FINISHED", "STOP", 0)
     deltas = [d for step in outs for d in step.deltas]

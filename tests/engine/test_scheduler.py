@@ -6,7 +6,7 @@ from typing import Any
 
 from mechserve.api.config import EngineConfig
 from mechserve.engine.scheduler import Scheduler, Step, StopHook
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 
 class Scripted(Scheduler):
@@ -19,16 +19,16 @@ class Scripted(Scheduler):
 def scheduler(num_pages: int, **config: Any) -> Scripted:
     """A scheduler over m14's scripted executor: page size 1, a budget of 16 tokens."""
     cfg = EngineConfig(page_size=1, max_step_tokens=16, max_running=None, **config)
-    ranks = [m14.LocalExecutor({}, {})]
+    ranks = [m16.LocalExecutor({}, {})]
     s = Scripted(cfg, num_pages=num_pages, max_model_len=None, eos_token_ids=(), executors=ranks)
-    s.ranks = m14.ExecutorGroup(ranks)  # type: ignore[attr-defined]
+    s.ranks = m16.ExecutorGroup(ranks)  # type: ignore[attr-defined]
     return s
 
 
 def stop_after(rid: str, keep: int, at_step: int, s: Scheduler) -> StopHook:
     """A stop that keeps ``keep`` of the ids ``rid`` appends in step ``at_step`` (a stop string found there)."""
 
-    def stop(request_id: str, ids: tuple[int, ...], reason: m14.FinishReason | None) -> int | None:
+    def stop(request_id: str, ids: tuple[int, ...], reason: m16.FinishReason | None) -> int | None:
         return keep if request_id == rid and s.step_counter == at_step else None
 
     return stop
@@ -89,16 +89,16 @@ def test_a_stop_decided_on_text_is_a_stop_inside_the_commit() -> None:
     s = scheduler(16, spec_len=3)
     s.add("a", [1, 2, 3], 10)
     s.step()  # prefill, one token
-    seen: list[tuple[str, tuple[int, ...], m14.FinishReason | None]] = []
+    seen: list[tuple[str, tuple[int, ...], m16.FinishReason | None]] = []
 
-    def stop(rid: str, ids: tuple[int, ...], reason: m14.FinishReason | None) -> int | None:
+    def stop(rid: str, ids: tuple[int, ...], reason: m16.FinishReason | None) -> int | None:
         seen.append((rid, ids, reason))
         return 2
 
     record = s.step(stop).record  # a decode window: 3 guesses, all accepted by the scripted executor
     ((rid, ids, reason),) = seen
     assert (rid, len(ids), reason) == ("a", 4, None)  # asked once, with the 4 ids it appended, still running
-    assert record.finished["a"] is m14.FinishReason.STOP and record.tokens["a"] == ids[:2]
+    assert record.finished["a"] is m16.FinishReason.STOP and record.tokens["a"] == ids[:2]
     assert (record.accepted["a"], record.rolled_back["a"]) == (1, 2)
     assert s.counts() == (0, 0) and s.page_usage().private == 0
     (entry,) = s.summary()
@@ -115,12 +115,12 @@ def test_the_stop_is_told_the_finish_reason_of_a_request_that_ended_in_the_step(
     s.add("a", [1, 2, 3], 1)
     seen = []
 
-    def stop(rid: str, ids: tuple[int, ...], reason: m14.FinishReason | None) -> int | None:
+    def stop(rid: str, ids: tuple[int, ...], reason: m16.FinishReason | None) -> int | None:
         seen.append(reason)
         return len(ids)
 
     record = s.step(stop).record
-    assert seen == [m14.FinishReason.LENGTH] and record.finished["a"] is m14.FinishReason.STOP
+    assert seen == [m16.FinishReason.LENGTH] and record.finished["a"] is m16.FinishReason.STOP
     assert len(record.tokens["a"]) == 1
 
 
@@ -133,10 +133,10 @@ def test_every_cut_leaves_the_record_counting_what_the_request_keeps() -> None:
     prompt = [1, 2, 3]
     chain, prev = [], prompt[-1]
     for j in range(8):
-        prev = m14.scripted_token(prev, len(prompt) + j)
+        prev = m16.scripted_token(prev, len(prompt) + j)
         chain.append(prev)
 
-    def window(**add: object) -> m14.StepRecord:
+    def window(**add: object) -> m16.StepRecord:
         s = scheduler(16, spec_len=3)
         s.add("a", prompt, int(add.pop("max_new", 10)), **add)  # type: ignore[arg-type]
         s.step()  # the prefill samples chain[0]
@@ -145,7 +145,7 @@ def test_every_cut_leaves_the_record_counting_what_the_request_keeps() -> None:
     plain = window()
     assert (plain.drafted["a"], plain.accepted["a"], plain.tokens["a"]) == (3, 3, tuple(chain[1:5]))
     stop = window(stop_token_ids=(chain[2],))
-    assert (stop.accepted["a"], stop.tokens["a"], stop.finished["a"]) == (1, tuple(chain[1:3]), m14.FinishReason.STOP)
+    assert (stop.accepted["a"], stop.tokens["a"], stop.finished["a"]) == (1, tuple(chain[1:3]), m16.FinishReason.STOP)
     capped = window(max_new=3)
     assert (capped.drafted["a"], capped.accepted["a"], capped.tokens["a"]) == (1, 1, tuple(chain[1:3]))
     s = scheduler(16, spec_len=3)
@@ -153,11 +153,11 @@ def test_every_cut_leaves_the_record_counting_what_the_request_keeps() -> None:
     s.step()
     cut = s.step(stop_after("a", 2, 1, s)).record  # a stop string ended in the second id the window appended
     assert (cut.accepted["a"], cut.rolled_back["a"], cut.tokens["a"]) == (1, 2, tuple(chain[1:3]))
-    eng = m14.Engine([m14.Request("a", prompt, 10, eos_after=2)], 16, 1, 16, spec_len=3)
+    eng = m16.Engine([m16.Request("a", prompt, 10, eos_after=2)], 16, 1, 16, spec_len=3)
     eng.step()
     eos = eng.step()
     assert (eos.accepted["a"], eos.tokens["a"], eos.finished["a"]) == (
         1,
-        (chain[1], m14.EOS_TOKEN_ID),
-        m14.FinishReason.EOS,
+        (chain[1], m16.EOS_TOKEN_ID),
+        m16.FinishReason.EOS,
     )

@@ -14,7 +14,7 @@ import pytest
 from tiny_engines import ToyTokenizer, core, drain, rigged
 
 from mechserve.api.params import SamplingParams
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 TOKENS = [b"ABC", b"DEF", b"GHI", b"X", b"\xc3", b"\xa9", b"\xe2", b"\x82", b"\xac", b"Y"]
 
@@ -64,7 +64,7 @@ def test_bc19_stop_string_inside_and_across_tokens(toy) -> None:
     assert "".join(chunks) == "AB" and all("C" not in chunk for chunk in chunks)
     # each finished with status STOP in the step that found its string (not an abort); every page came back
     stopped = {rid: reason for out in outs for rid, reason in out.record.finished.items()}
-    assert stopped == dict.fromkeys(["R1", "R2", "R3"], m14.FinishReason.STOP)
+    assert stopped == dict.fromkeys(["R1", "R2", "R3"], m16.FinishReason.STOP)
     assert not any(out.record.aborted for out in outs)
     assert [e["state"] for e in c.summary()] == ["FINISHED"] * 3
     c.check_pages()

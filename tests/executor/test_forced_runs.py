@@ -22,7 +22,7 @@ from mechserve.api.params import SamplingParams
 from mechserve.executor.forcing import ForcedSource, ScriptedForcer
 from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.torch_executor import TorchExecutor
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 PROMPTS = random_prompts([5, 9, 12], seed=7)
 NEW = 20
@@ -42,7 +42,7 @@ def one_thread() -> Iterator[None]:
 class Run:
     outputs: dict[str, list[int]]
     finish: dict[str, str | None]
-    records: list[m14.StepRecord]
+    records: list[m16.StepRecord]
     executor: TorchExecutor
 
 
@@ -65,12 +65,12 @@ def run(
         ex.add_request(ExecutorRequest(f"r{i}", p, params))
         if forcers and f"r{i}" in forcers:
             ex.set_forcer(f"r{i}", forcers[f"r{i}"])
-        requests.append(m14.Request(f"r{i}", list(p), NEW, stop_token_ids=stop_token_ids))
-    engine = m14.Engine(
+        requests.append(m16.Request(f"r{i}", list(p), NEW, stop_token_ids=stop_token_ids))
+    engine = m16.Engine(
         requests, budget, page_size, num_pages, spec_len=spec.num_speculative_tokens if spec else 0, executors=[ex]
     )
 
-    def done(record: m14.StepRecord) -> None:
+    def done(record: m16.StepRecord) -> None:
         engine.check_invariants()
         ex.settle(record.accepted)
         for rid in record.finished:

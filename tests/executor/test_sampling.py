@@ -17,7 +17,7 @@ from mechserve.api.params import SamplingParams
 from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.sampling import Row, Sampler, apply_top_p, token_logprobs
 from mechserve.executor.torch_executor import TorchExecutor
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 SLACK = 1e-4  # float32 against the float64 reference at a mask's boundary
 
@@ -216,7 +216,7 @@ def sample_once_each(tiny: Tiny, params: list[SamplingParams], sampler_seed: int
     for i, p in enumerate(params):
         ex.add_request(ExecutorRequest(f"r{i}", PROMPT, p))
         placements = tuple((pos, i, pos) for pos in range(len(PROMPT)))
-        plan.append(m14.PlanItem(f"r{i}", 0, len(PROMPT), 0, False, placements, tuple(PROMPT), True, 0, (i,)))
+        plan.append(m16.PlanItem(f"r{i}", 0, len(PROMPT), 0, False, placements, tuple(PROMPT), True, 0, (i,)))
     return [o.token_ids[0] for o in ex.execute(tuple(plan))]
 
 

@@ -19,7 +19,7 @@ from mechserve.executor.proposers import propose_ngram
 from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.sampling import Sampler
 from mechserve.executor.torch_executor import TorchExecutor
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Req:
 class Run:
     outputs: dict[str, list[int]]
     finish: dict[str, str | None]
-    records: list[m14.StepRecord]
+    records: list[m16.StepRecord]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
@@ -59,7 +59,7 @@ def run(
     for r in reqs:
         ex.add_request(ExecutorRequest(r.rid, r.prompt, r.params, eos))
         requests.append(
-            m14.Request(
+            m16.Request(
                 r.rid,
                 list(r.prompt),
                 r.params.max_tokens,
@@ -68,10 +68,10 @@ def run(
                 ignore_eos=r.params.ignore_eos,
             )
         )
-    engine = m14.Engine(requests, budget, page_size, num_pages, spec_len=spec_len, executors=[ex], eos_token_ids=eos)
+    engine = m16.Engine(requests, budget, page_size, num_pages, spec_len=spec_len, executors=[ex], eos_token_ids=eos)
     logprobs: dict[str, list[TokenLogprobs]] = {r.rid: [] for r in reqs}
 
-    def on_step(record: m14.StepRecord) -> None:
+    def on_step(record: m16.StepRecord) -> None:
         for r in reqs:
             got, kept = ex.take_logprobs(r.rid), record.tokens.get(r.rid, ())
             if r.params.logprobs is None:
@@ -83,7 +83,7 @@ def run(
             ex.release(rid)
 
     records = engine.run(on_step)
-    assert all(r.state is m14.RequestState.FINISHED for r in requests)
+    assert all(r.state is m16.RequestState.FINISHED for r in requests)
     outputs = {r.request_id: list(r.output_ids) for r in requests}
     finish = {r.request_id: r.finish_reason.value if r.finish_reason else None for r in requests}
     return Run(outputs, finish, records, logprobs)
@@ -102,7 +102,7 @@ def oracle(continuations: dict[tuple[int, ...], Sequence[int]]) -> Proposer:
     return propose
 
 
-def accepted(records: Sequence[m14.StepRecord], rid: str) -> int:
+def accepted(records: Sequence[m16.StepRecord], rid: str) -> int:
     return sum(r.accepted.get(rid, 0) for r in records)
 
 
@@ -141,7 +141,7 @@ def test_bc24_seeded_request_is_reproducible_whatever_its_batchmates(tiny: Tiny)
     alone = run(tiny, [a], eos=eos)
     b_seeded = run(tiny, [a, Req("B", Y, replace(UNSEEDED, seed=7))], eos=eos)
     late = run(tiny, [replace(a, arrival=6), b], eos=eos)
-    assert late.records[6].admitted == ("A",) and late.records[5].sampled.get("B") is m14.Sample.TOKEN
+    assert late.records[6].admitted == ("A",) and late.records[5].sampled.get("B") is m16.Sample.TOKEN
     want = alone.outputs["A"]
     assert len(want) == 16
     for r in [*batched, b_seeded, late]:
@@ -202,7 +202,7 @@ def test_seeded_output_is_invariant_to_the_configuration(
     prompts = random_prompts([n for n, _, _ in others], seed=len(others) + budget)
     reqs = [Req(f"o{i}", p, params, arrival) for i, (p, (_, params, arrival)) in enumerate(zip(prompts, others))]
     reqs.insert(min(a_at, len(reqs)), Req("A", X, a_params, a_arrival))  # later in the list = a likelier victim
-    need = max(m14.pages_for(len(r.prompt) + r.params.max_tokens, page_size) for r in reqs)
+    need = max(m16.pages_for(len(r.prompt) + r.params.max_tokens, page_size) for r in reqs)
     proposer = oracle({tuple(X): want}) if drafter == "oracle" else None
     got = run(
         tiny,

@@ -35,7 +35,7 @@ from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.model.llama import LlamaModel
 from mechserve.model.loader import LoadedModel, load_model
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False)
 SUFFIX = SpeculativeConfig(method="suffix", num_speculative_tokens=3, adaptive=False)
@@ -59,7 +59,7 @@ def one_thread() -> Iterator[None]:
 class Run:
     outputs: dict[str, list[int]]
     finish: dict[str, str | None]
-    records: list[m14.StepRecord]
+    records: list[m16.StepRecord]
     executor: TorchExecutor
 
 
@@ -86,11 +86,11 @@ def run(
     requests = []
     for i, (p, n, a) in enumerate(zip(prompts, news, arrivals)):
         ex.add_request(ExecutorRequest(f"r{i}", p, params or SamplingParams(temperature=0.0, max_tokens=n), eos))
-        requests.append(m14.Request(f"r{i}", list(p), n, arrival_step=a, stop_token_ids=stop_token_ids))
+        requests.append(m16.Request(f"r{i}", list(p), n, arrival_step=a, stop_token_ids=stop_token_ids))
     spec_len = spec.num_speculative_tokens if spec else 0
-    engine = m14.Engine(requests, budget, page_size, num_pages, spec_len=spec_len, executors=[ex], eos_token_ids=eos)
+    engine = m16.Engine(requests, budget, page_size, num_pages, spec_len=spec_len, executors=[ex], eos_token_ids=eos)
 
-    def step_done(record: m14.StepRecord) -> None:
+    def step_done(record: m16.StepRecord) -> None:
         engine.check_invariants()
         if on_step is not None:
             on_step(engine, ex, record)
@@ -107,7 +107,7 @@ def run(
     )
 
 
-def total(records: Sequence[m14.StepRecord], name: str) -> int:
+def total(records: Sequence[m16.StepRecord], name: str) -> int:
     return sum(sum(getattr(rec, name).values()) for rec in records)
 
 
@@ -182,7 +182,7 @@ def test_preemption_mid_speculation_gives_the_same_output(
 ) -> None:
     """A pool that cannot hold every request: speculating requests are preempted and recomputed."""
     spec, draft = (MODEL_FREE[proposer], None) if proposer in MODEL_FREE else (draft_spec(), tiny.model)
-    need = max(m14.pages_for(len(p) + 16, 2) for p in PROMPTS)
+    need = max(m16.pages_for(len(p) + 16, 2) for p in PROMPTS)
     got = run(tiny.model, PROMPTS, 16, spec=spec, draft=draft, page_size=2, num_pages=need + 6, budget=24)
     assert got.outputs == plain
     assert any(rec.preempted for rec in got.records)
@@ -204,10 +204,10 @@ def test_preemption_mid_speculation_gives_the_same_output(
 
 def dense_kv(model: LlamaModel, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of ``model`` over ``ids`` in one fresh contiguous forward: [layers, len(ids), KV, D]."""
-    ex = TorchExecutor(model, m14.pages_for(len(ids), 4), 4)
+    ex = TorchExecutor(model, m16.pages_for(len(ids), 4), 4)
     n = len(ids)
-    table = tuple(range(m14.pages_for(n, 4)))
-    item = m14.PlanItem("d", 0, n, 0, False, tuple((p, p // 4, p % 4) for p in range(n)), tuple(ids), True, 0, table)
+    table = tuple(range(m16.pages_for(n, 4)))
+    item = m16.PlanItem("d", 0, n, 0, False, tuple((p, p // 4, p % 4) for p in range(n)), tuple(ids), True, 0, table)
     ex.execute((item,))
     k, v = ex.cache.k, ex.cache.v
     return k.reshape(k.shape[0], -1, *k.shape[3:])[:, :n], v.reshape(v.shape[0], -1, *v.shape[3:])[:, :n]
@@ -216,10 +216,10 @@ def dense_kv(model: LlamaModel, ids: Sequence[int]) -> tuple[torch.Tensor, torch
 def dense_greedy(model: LlamaModel, ids: Sequence[int], n: int) -> list[int]:
     out = list(ids)
     for _ in range(n):
-        ex = TorchExecutor(model, m14.pages_for(len(out), 4), 4)
-        table = tuple(range(m14.pages_for(len(out), 4)))
+        ex = TorchExecutor(model, m16.pages_for(len(out), 4), 4)
+        table = tuple(range(m16.pages_for(len(out), 4)))
         placements = tuple((p, p // 4, p % 4) for p in range(len(out)))
-        (o,) = ex.execute((m14.PlanItem("d", 0, len(out), 0, False, placements, tuple(out), True, 0, table),))
+        (o,) = ex.execute((m16.PlanItem("d", 0, len(out), 0, False, placements, tuple(out), True, 0, table),))
         out.append(o.token_ids[0])
     return out[len(ids) :]
 
@@ -233,7 +233,7 @@ def test_draft_kv_and_proposals_match_a_dense_draft_after_reuse_rollback_and_pre
     checked = {"kv": 0, "proposals": 0}
     proposals: list[tuple[list[int], tuple[int, ...]]] = []
 
-    def on_step(engine: m14.Engine, ex: TorchExecutor, record: m14.StepRecord) -> None:
+    def on_step(engine: m16.Engine, ex: TorchExecutor, record: m16.StepRecord) -> None:
         proposer = ex.proposer
         assert isinstance(proposer, DraftModelProposer)
         cache, ps = proposer.cache, 2
@@ -292,15 +292,15 @@ def test_a_draft_reads_valid_kv_from_another_requests_generated_blocks(tiny: Tin
     proposer = ex.proposer
     assert isinstance(proposer, DraftModelProposer)
     firsts = random_prompts([6, 9, 5], seed=91)
-    engine = m14.Engine([], 64, 4, 64, spec_len=3, executors=[ex], eos_token_ids=(), output_caching=True)
+    engine = m16.Engine([], 64, 4, 64, spec_len=3, executors=[ex], eos_token_ids=(), output_caching=True)
 
-    def submit(rid: str, prompt: list[int], n: int) -> m14.Request:
-        r = m14.Request(rid, list(prompt), n)
+    def submit(rid: str, prompt: list[int], n: int) -> m16.Request:
+        r = m16.Request(rid, list(prompt), n)
         assert engine.add_request(r) is None
         ex.add_request(ExecutorRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=n)))
         return r
 
-    def step_done(record: m14.StepRecord) -> None:
+    def step_done(record: m16.StepRecord) -> None:
         ex.settle(record.accepted)
         for rid in record.finished:
             ex.release(rid)
@@ -308,7 +308,7 @@ def test_a_draft_reads_valid_kv_from_another_requests_generated_blocks(tiny: Tin
     # lengths such that every last window ends a block: P + n - 1 is a multiple of the page size
     turn1 = [submit(f"a{i}", p, n) for i, (p, n) in enumerate(zip(firsts, (7, 8, 8)))]
     engine.run(step_done)
-    gaps = {page: set(offsets) for page, offsets in proposer._stale.items() if engine.pool.owner[page] is m14.CACHE}
+    gaps = {page: set(offsets) for page, offsets in proposer._stale.items() if engine.pool.owner[page] is m16.CACHE}
     assert gaps, "no cached block was left with a draft-KV gap"
     proposals: list[tuple[list[int], tuple[int, ...]]] = []
     original = DraftModelProposer.propose
@@ -337,7 +337,7 @@ def test_a_draft_reads_valid_kv_from_another_requests_generated_blocks(tiny: Tin
     for r in turn2:  # the draft KV of the whole sequence, reused pages included
         ids = [*r.tokens, *r.output_ids][: r.computed]
         want_k, _ = dense_kv(draft, ids)
-        table = engine.cache.match(m14.prefix_keys(ids, ps))
+        table = engine.cache.match(m16.prefix_keys(ids, ps))
         pages = torch.tensor([table[p // ps] for p in range(len(table) * ps)])
         offsets = torch.tensor([p % ps for p in range(len(table) * ps)])
         torch.testing.assert_close(
@@ -449,7 +449,7 @@ def test_a_stop_string_inside_an_accepted_run_cuts_ids_and_text(
     # guesses before the cut; the guesses after it count as rolled back.
     last = next(step.record for step in outs if step.record.finished)
     kept = last.tokens["0"]
-    assert last.finished["0"] is m14.FinishReason.STOP and list(kept) == [2, 7, 4][-len(kept) :]
+    assert last.finished["0"] is m16.FinishReason.STOP and list(kept) == [2, 7, 4][-len(kept) :]
     assert last.accepted["0"] == len(kept) - 1 < last.drafted["0"]
     assert last.rolled_back["0"] == last.drafted["0"] - last.accepted["0"]
     assert not last.aborted and core.summary()[0]["state"] == "FINISHED"
@@ -578,8 +578,9 @@ def test_governor_speculates_only_when_it_pays() -> None:
     assert g.choose([Candidate(4, 0, 0.9)], 4) == 0  # nothing to propose: pads only cost
     assert g.choose([Candidate(4, 2, 0.9)], 4) == 2  # a short proposal: its window, not more
     assert g.choose([Candidate(1, 4, 0.9)], 4) == 1  # capped by max_new_tokens
-    # one spec_len for all: one copier among eight pays 7 pad rows per guess, four copiers pay for four
-    assert g.choose([Candidate(4, 4, 0.9)] + [Candidate(4, 0, 0.5)] * 7, 4) == 0
+    # m16: one copier among eight drafts alone (its seven batchmates are limited to 0, no pad rows);
+    # four copiers pay for four
+    assert g.decide([Candidate(4, 4, 0.9)] + [Candidate(4, 0, 0.5)] * 7, 4) == (4, [None] + [0] * 7)
     assert g.choose([Candidate(4, 4, 0.9)] * 4 + [Candidate(4, 0, 0.5)] * 4, 4) == 4
     # a draft model's rounds cost: a weak draft is not worth running
     drafting = Governor(draft_costs=(0.2, 0.3, 0.3, 0.3))

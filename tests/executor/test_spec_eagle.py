@@ -50,7 +50,7 @@ from mechserve.model import eagle
 from mechserve.model.eagle import EagleHead, HeadConfig, HeadError, Shared
 from mechserve.model.eagle_train import TrainSettings, evaluate, record, train_head
 from mechserve.model.loader import LoadedModel
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -106,7 +106,7 @@ def test_batch_one_equals_plain_decoding(tiny: Tiny, head: Path, plain: dict[str
 
 
 def test_preemption_mid_speculation_gives_the_same_output(tiny: Tiny, head: Path, plain: dict[str, list[int]]) -> None:
-    need = max(m14.pages_for(len(p) + 16, 2) for p in PROMPTS)
+    need = max(m16.pages_for(len(p) + 16, 2) for p in PROMPTS)
     got = run(tiny.model, PROMPTS, 16, spec=eagle_spec(head), page_size=2, num_pages=need + 6, budget=24)
     assert got.outputs == plain
     assert any(rec.preempted for rec in got.records)
@@ -118,7 +118,7 @@ def test_the_proposer_keeps_the_targets_features_of_the_kept_rows(tiny: Tiny, he
     final ids gives at that position, and it is paired with the id there."""
     checked = 0
 
-    def on_step(engine: Any, ex: TorchExecutor, record_: m14.StepRecord) -> None:
+    def on_step(engine: Any, ex: TorchExecutor, record_: m16.StepRecord) -> None:
         nonlocal checked
         proposer = ex.proposer
         assert isinstance(proposer, EagleProposer)
@@ -231,8 +231,8 @@ def test_sampling_with_the_head_keeps_the_target_distribution(tmp_path: Path) ->
     requests = []
     for i in range(n):
         ex.add_request(ExecutorRequest(f"r{i}", PROMPT, PARAMS))
-        requests.append(m14.Request(f"r{i}", list(PROMPT), PARAMS.max_tokens))
-    m14.Engine(requests, 1 << 20, 8, n + 1, spec_len=2, executors=[ex], eos_token_ids=()).run(
+        requests.append(m16.Request(f"r{i}", list(PROMPT), PARAMS.max_tokens))
+    m16.Engine(requests, 1 << 20, 8, n + 1, spec_len=2, executors=[ex], eos_token_ids=()).run(
         lambda rec: ex.settle(rec.accepted)
     )
     runs = [list(r.output_ids) for r in requests]

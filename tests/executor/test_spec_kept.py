@@ -29,7 +29,7 @@ from mechserve.entrypoints.metrics import ServingMetrics
 from mechserve.executor.governor import Acceptance
 from mechserve.executor.protocol import ExecutorStats
 from mechserve.executor.rank_group import RankGroup
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 CYCLE = [3, 5, 2, 7, 4, 6, 1]
 PROMPT = [*CYCLE, *CYCLE[:2]]  # continues 2, 7, 4, 6, 1, 3, 5, 2, ...
@@ -147,7 +147,7 @@ def test_a_stop_string_inside_an_accepted_window(plain_dir: Path) -> None:
     assert (done.token_ids, done.finish_reason, done.stop_reason) == ([2, 7, 4], "stop", "w4")
     window = the_window(steps)
     assert (window.drafted["0"], window.accepted["0"], window.tokens["0"]) == (4, 1, (7, 4))
-    assert window.finished["0"] is m14.FinishReason.STOP
+    assert window.finished["0"] is m16.FinishReason.STOP
     assert (stats.proposed, stats.accepted, stats.emitted) == (4, 1, 2) and observed == [("0", 4, 1)]
     check_kept(steps, stats, observed)
 

@@ -28,7 +28,7 @@ from mechserve.executor.verify import verify_draft
 from mechserve.model.checkpoint import Checkpoint
 from mechserve.model.llama import LlamaModel
 from mechserve.model.loader import model_from_checkpoint
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -221,8 +221,8 @@ def sample_engine(
     requests = []
     for i in range(n):
         ex.add_request(ExecutorRequest(f"r{i}", PROMPT, params))
-        requests.append(m14.Request(f"r{i}", list(PROMPT), params.max_tokens))
-    m14.Engine(requests, 1 << 20, 8, n + 1, spec_len=spec_len if draft else 0, executors=[ex], eos_token_ids=()).run()
+        requests.append(m16.Request(f"r{i}", list(PROMPT), params.max_tokens))
+    m16.Engine(requests, 1 << 20, 8, n + 1, spec_len=spec_len if draft else 0, executors=[ex], eos_token_ids=()).run()
     return [list(r.output_ids) for r in requests]
 
 
@@ -254,10 +254,10 @@ def test_the_draft_really_was_rejected_and_accepted(small: tuple[LlamaModel, obj
     model, _, draft = small
     spec = SpeculativeConfig(method="draft", num_speculative_tokens=2, draft_model="x", adaptive=False)
     ex = TorchExecutor(model, 64, 8, sampler=Sampler(1), speculative=spec, draft_model=draft)
-    requests = [m14.Request(f"r{i}", list(PROMPT), 4) for i in range(40)]
+    requests = [m16.Request(f"r{i}", list(PROMPT), 4) for i in range(40)]
     for r in requests:
         ex.add_request(ExecutorRequest(r.request_id, PROMPT, PARAMS))
-    m14.Engine(requests, 1 << 20, 8, 64, spec_len=2, executors=[ex], eos_token_ids=()).run(
+    m16.Engine(requests, 1 << 20, 8, 64, spec_len=2, executors=[ex], eos_token_ids=()).run(
         lambda record: ex.settle(record.accepted)
     )
     assert 0 < ex.stats().accepted < ex.stats().proposed
@@ -271,14 +271,14 @@ def seeded_runs(model: LlamaModel, draft: LlamaModel, seeds: Sequence[int]) -> C
         for s in seeds:
             params = SamplingParams(temperature=1.0, seed=s, max_tokens=10, ignore_eos=True, logprobs=1)
             ex.add_request(ExecutorRequest(f"s{s}", PROMPT, params))
-            requests.append(m14.Request(f"s{s}", list(PROMPT), 10))
+            requests.append(m16.Request(f"s{s}", list(PROMPT), 10))
         logprobs: dict[str, list[int]] = {r.request_id: [] for r in requests}
 
-        def on_step(record: m14.StepRecord) -> None:
+        def on_step(record: m16.StepRecord) -> None:
             for rid, ids in record.tokens.items():
                 logprobs[rid] += [lp.token_id for lp in ex.take_logprobs(rid)][: len(ids)]
 
-        m14.Engine(requests, 64, 4, 64, spec_len=3, executors=[ex], eos_token_ids=()).run(on_step)
+        m16.Engine(requests, 64, 4, 64, spec_len=3, executors=[ex], eos_token_ids=()).run(on_step)
         assert all(logprobs[r.request_id] == r.output_ids for r in requests)
         return [list(r.output_ids) for r in requests]
 
@@ -309,8 +309,8 @@ def test_engine_with_suffix_decoding_samples_the_target_distribution(
     requests = []
     for i in range(n):
         ex.add_request(ExecutorRequest(f"r{i}", PROMPT, PARAMS))
-        requests.append(m14.Request(f"r{i}", list(PROMPT), PARAMS.max_tokens))
-    m14.Engine(requests, 1 << 20, 8, n + 1, spec_len=2, executors=[ex], eos_token_ids=()).run(
+        requests.append(m16.Request(f"r{i}", list(PROMPT), PARAMS.max_tokens))
+    m16.Engine(requests, 1 << 20, 8, n + 1, spec_len=2, executors=[ex], eos_token_ids=()).run(
         lambda record: ex.settle(record.accepted)
     )
     runs = [list(r.output_ids) for r in requests]

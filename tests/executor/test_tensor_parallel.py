@@ -22,7 +22,7 @@ from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
 from mechserve.model.loader import LoadedModel, load_model
 from mechserve.model.sharded import HeadSplit, RankShape, full_parameter_count
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 HEADS, KV_HEADS, HIDDEN = 6, 3, 48
 CONFIG = EngineConfig(num_pages=48, page_size=4, max_step_tokens=16, spec_len=2)
@@ -206,7 +206,7 @@ def test_a_planted_disagreement_is_a_group_violation_and_stops_the_group(cores, 
     core = core_of(cores, loaded, 2)
     assert core.executor is not None
     pids = core.executor.pids  # type: ignore[attr-defined]
-    with pytest.raises(m14.GroupViolation, match="rank 1 disagrees with rank 0"):
+    with pytest.raises(m16.GroupViolation, match="rank 1 disagrees with rank 0"):
         generate(core, plant=(1, "disagree"))
     assert core.executor.closed and gone(pids)
 

@@ -15,7 +15,7 @@ from mechserve.api.errors import EngineStoppedError
 from mechserve.api.outputs import StepOutput
 from mechserve.api.params import SamplingParams
 from mechserve.entrypoints.async_llm import AsyncLLM, EngineDeadError, EngineStepError, RequestRejected
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 
 
 def greedy(max_tokens: int, **more: Any) -> SamplingParams:
@@ -133,7 +133,7 @@ def _state(core: Any, rid: str) -> Any:
 
 def waiting(core: Any, out: StepOutput) -> bool:
     r = _state(core, "victim")
-    return r is not None and r.state is m14.RequestState.WAITING
+    return r is not None and r.state is m16.RequestState.WAITING
 
 
 def prefilling(core: Any, out: StepOutput) -> bool:
@@ -176,7 +176,7 @@ def test_abort_takes_the_request_out_at_once_and_returns_its_pages(make_llm, sta
             r = llm.core.scheduler.spec_engine.live["victim"]  # the engine thread is parked in the gate
             held.update(
                 pages=list(r.page_table),
-                cached={p for p in r.page_table if llm.core.scheduler.spec_engine.pool.owner[p] is m14.CACHE},
+                cached={p for p in r.page_table if llm.core.scheduler.spec_engine.pool.owner[p] is m16.CACHE},
             )
             aborted = llm.abort("victim")  # queued: runs before the next step
             gate.open()
@@ -189,7 +189,7 @@ def test_abort_takes_the_request_out_at_once_and_returns_its_pages(make_llm, sta
     victim_out, other_out, (owners, still_live) = asyncio.run(main())
     assert not still_live and "victim" not in owners
     for page in held["pages"]:  # private pages are free again, cached prompt pages stay cached and unowned
-        assert owners[page] is (m14.CACHE if page in held["cached"] else None), (page, owners[page])
+        assert owners[page] is (m16.CACHE if page in held["cached"] else None), (page, owners[page])
     assert victim_out.outputs[0].finish_reason == "abort"
     assert other_out.outputs[0].finish_reason == "length" and len(other_out.outputs[0].token_ids) == 20
     assert any("victim" in record.aborted for record in llm.trace)
@@ -249,7 +249,7 @@ def test_a_full_waiting_queue_refuses_new_requests_as_overloaded(make_llm) -> No
             return refused.value, llm.metrics.snapshot()
 
     refused, snap = asyncio.run(main())
-    assert refused.reason is m14.RejectReason.OVERLOADED and "max_waiting" in refused.detail
+    assert refused.reason is m16.RejectReason.OVERLOADED and "max_waiting" in refused.detail
     assert snap["rejected"] == {"OVERLOADED": 1}
     wait_idle(llm)
 
@@ -261,7 +261,7 @@ def test_bc26_empty_prompt_is_refused_and_the_async_engine_keeps_serving(make_ll
             for empty in ("", [], {"prompt_token_ids": []}):
                 with pytest.raises(RequestRejected) as refused:
                     await llm.generate(empty, greedy(5))
-                assert refused.value.reason is m14.RejectReason.EMPTY_PROMPT
+                assert refused.value.reason is m16.RejectReason.EMPTY_PROMPT
             return await running, await llm.run_in_engine(page_counts)
 
     out, counts = asyncio.run(main())
@@ -273,7 +273,7 @@ def test_a_prompt_that_never_fits_is_refused_naming_the_limit(make_llm) -> None:
         async with make_llm(num_pages=4) as llm:
             with pytest.raises(RequestRejected) as refused:
                 await llm.generate(random_prompts([20])[0], greedy(10))
-            assert refused.value.reason is m14.RejectReason.NEVER_FITS
+            assert refused.value.reason is m16.RejectReason.NEVER_FITS
             assert "the pool has 4" in refused.value.detail
             with pytest.raises(ValueError, match="not a token id"):
                 await llm.generate([1, 2, 999], greedy(2))

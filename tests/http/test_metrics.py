@@ -19,7 +19,7 @@ from server_support import TINY_NAME
 from mechserve.api.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mechserve.api.params import SamplingParams
 from mechserve.entrypoints.metrics import ServingMetrics, buckets_1_2_5
-from mechserve.spec.m14_forced_runs import RejectReason
+from mechserve.spec.m16_request_draft_lengths import RejectReason
 
 # The PromQL of vLLM's Grafana dashboard, taken verbatim (one entry per distinct query; the quantile
 # panels' 0.95/0.9/0.5 variants select the same series as their 0.99 one).

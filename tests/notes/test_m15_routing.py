@@ -478,9 +478,12 @@ def test_m15_n23_fleet_keys_need_m15(capsys: pytest.CaptureFixture[str], tmp_pat
     assert (
         len(err) == 1 and "fleet.replicas 2" in err[0] and 'fleet.routing_policy "oracle"' in err[0] and "m15" in err[0]
     )
-    assert main(["run", "--request", "a:5:2", "--replicas", "2", "--cache-threshold", "0.5"]) == 2
+    flags = ["--request", "a:5:2", "--replicas", "2", "--cache-threshold", "0.5"]
+    assert main(["run", "--mech", "m14", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--replicas 2" in err[0] and "--cache-threshold 0.5" in err[0]
+    assert main(["run", *flags, "--json"]) == 0  # the default rung, m16, carries m15's routing: a fleet
+    assert len(json.loads(capsys.readouterr().out.splitlines()[0])["replicas"]) == 2
     with pytest.raises(WorkloadError, match="has no routing"):
         build_engine(load_rung("m12"), parse_workload(workload))
     assert main(["run", "--mech", "m15", "--spec", str(spec), "--json"]) == 0

@@ -29,8 +29,9 @@ from test_m14_properties import forced_workloads
 
 from mechserve.conformance.strategies import build, workloads
 
-RUNGS = ["m13_output_caching", "m14_forced_runs"]
+RUNGS = ["m13_output_caching", "m14_forced_runs", "m16_request_draft_lengths"]
 FORCED_KINDS = ("forced", "forced_finished")  # m14's own sentences
+LIMIT_KINDS = ("limited",)  # m16's own sentence
 
 _ID = r"(?P<rid>[^\s']+)"
 _PAGES = r"\[(?:\d+(?:, \d+)*)?\]"
@@ -48,6 +49,8 @@ KINDS: dict[str, re.Pattern[str]] = {
         rf"\(pages (?P<pages>{_PAGES})\): (?P<t>\d+) token\(s\) it need not compute\.",
         "draft": rf"{_ID} is caught up and asks for (?P<d>\d+) guess\(es\)"
         r"(?P<capped> \(capped so it cannot pass max_new_tokens\))?\.",
+        "limited": rf"{_ID} is caught up and may ask for (?P<d>\d+) guess\(es\) but its draft limit is "
+        r"(?P<l>\d+): it asks for (?P=l)\.",
         "cut": rf"{_ID} was cut to (?P<take>\d+) of the (?P<owed>\d+) token\(s\) it owes: the budget ran out\.",
         "evicted": r"(?P<need>\d+) page\(s\) needed but only (?P<free>\d+) free: "
         rf"evicted unreferenced cache page\(s\) (?P<pages>{_PAGES}), deepest first\.",
@@ -185,7 +188,11 @@ def check_step(
         caught_up = done >= 1 and rec.reused.get(rid, pre.computed[rid]) == r.prompt_len + done - 1
         if caught_up and min(eng.spec_len, r.max_new_tokens - done - 1) > 0:
             drafters.append(rid)
-    assert rids("draft") == drafters
+    spoken = rids("draft") + rids("limited")  # m16: a request whose limit cut its window says "limited"
+    assert len(set(spoken)) == len(spoken) and sorted(spoken, key=drafters.index) == drafters
+    for g in said["limited"]:
+        r, d, lim = by_id[g["rid"]], int(g["d"]), int(g["l"])
+        assert d == min(eng.spec_len, r.max_new_tokens - pre.generated[r.request_id] - 1) and lim < d
     for g in said["draft"]:
         r, d = by_id[g["rid"]], int(g["d"])
         assert d == min(eng.spec_len, r.max_new_tokens - pre.generated[r.request_id] - 1)
@@ -329,6 +336,8 @@ FORCED = forced_workloads().map(lambda pair: pair[1])
 WORKLOADS = st.one_of(
     workloads(prompts="shared", pool="tight", spec_len=(0, 3), scripts=True, world_size=(1, 2), max_new=6),
     workloads(prompts="shared", pool="tight", spec_len=(0, 2), scripts=True, output_caching=True, max_new=8),
+    # m16: draft limit scripts (dropped below m16)
+    workloads(prompts="shared", pool="tight", spec_len=(1, 3), scripts=True, draft_limits=True, max_new=8),
     workloads(admission=True, prompts="mixed", spec_len=(0, 2), scripts=True, output_caching="any"),
 )
 
@@ -393,6 +402,9 @@ def scenarios(mod: Any) -> list[tuple[Any, dict[str, Any]]]:
             16,
         )
         cases.append((forced, {}))
+    if "draft_limit_script" in mod.Request.__dataclass_fields__:
+        # m16: h's script limits its first window to 1 of the 3 guesses spec_len allows
+        cases.append((mod.Engine([R("h", [1, 2, 3], 6, draft_limit_script=[1])], 16, 2, 16, spec_len=3), {}))
     return cases
 
 
@@ -402,5 +414,6 @@ def test_the_scenarios_say_every_kind_of_sentence(name: str) -> None:
     said: set[str] = set()
     for eng, actions in scenarios(mod):
         said |= explained_run(mod, eng, **actions)
-    expected = set(KINDS) - (set() if name == "m14_forced_runs" else set(FORCED_KINDS))
+    expected = set(KINDS) - (set() if name != "m13_output_caching" else set(FORCED_KINDS))
+    expected -= set() if name == "m16_request_draft_lengths" else set(LIMIT_KINDS)
     assert said == expected, f"never said: {sorted(expected - said)}"

@@ -265,7 +265,7 @@ def test_oversized_request_raises_each_rungs_documented_error() -> None:
     }
     runs = [execute(rung, workload) for rung in RUNGS]
     got = [run.error_name for run in runs]
-    assert got == [None, None, "RuntimeError", "RuntimeError", "OutOfPages"] + ["Irreducible"] * 7 + [None] * 4, got
+    assert got == [None, None, "RuntimeError", "RuntimeError", "OutOfPages"] + ["Irreducible"] * 7 + [None] * 5, got
     m12 = runs[RUNGS.index("m12_admission_control")]
     assert [(r.state.value, r.reject_reason.value) for r in m12.engine.requests] == [("REJECTED", "NEVER_FITS")]
     assert [(rec["step"], rec["rejected"], rec["admitted"]) for rec in m12.trace] == [(0, [["big", "NEVER_FITS"]], [])]

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-RUNGS = ["m13_output_caching", "m14_forced_runs"]
+RUNGS = ["m13_output_caching", "m14_forced_runs", "m16_request_draft_lengths"]
 
 
 @pytest.fixture(params=RUNGS)

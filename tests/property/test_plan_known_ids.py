@@ -19,7 +19,7 @@ from ladder_harness import CI
 
 from mechserve.conformance.strategies import build, workloads
 
-RUNGS = ["m13_output_caching", "m14_forced_runs"]
+RUNGS = ["m13_output_caching", "m14_forced_runs", "m16_request_draft_lengths"]
 
 
 def rung(name: str) -> Any:

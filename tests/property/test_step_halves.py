@@ -19,7 +19,15 @@ from test_m14_properties import forced_workloads
 
 from mechserve.conformance.strategies import build, workloads
 
-HALVES = ["m10_executor_boundary", "m11_parallelism", "m12_admission_control", "m13_output_caching", "m14_forced_runs"]
+HALVES = [
+    "m10_executor_boundary",
+    "m11_parallelism",
+    "m12_admission_control",
+    "m13_output_caching",
+    "m14_forced_runs",
+    "m16_request_draft_lengths",
+]
+FORCING = ("m14_forced_runs", "m16_request_draft_lengths")  # the rungs with forced runs among them
 STOPS = HALVES[2:]
 SCHEDULED = workloads(pool="tight", prompts="mixed", spec_len=(0, 3), scripts=True, max_new=6, world_size=(1, 2))
 
@@ -51,16 +59,17 @@ def test_schedule_execute_commit_is_step(name: str, w: dict[str, Any]) -> None:
 
 
 @CI
+@pytest.mark.parametrize("name", FORCING)
 @given(pair=forced_workloads())
-def test_schedule_execute_commit_is_step_with_forced_runs(pair: tuple) -> None:
-    halves_equal_step(rung("m14_forced_runs"), pair[1])
+def test_schedule_execute_commit_is_step_with_forced_runs(name: str, pair: tuple) -> None:
+    halves_equal_step(rung(name), pair[1])
 
 
 @CI
 @pytest.mark.parametrize("name", STOPS)
 @given(w=SCHEDULED, cuts=st.dictionaries(st.integers(0, 4), st.integers(0, 4)), data=st.data())
 def test_a_stop_ends_the_named_requests_with_the_ids_they_kept(name: str, w: dict, cuts: dict, data: Any) -> None:
-    if name == "m14_forced_runs":
+    if name in FORCING:
         w = data.draw(forced_workloads())[1]
     mod = rung(name)
     eng = build(mod, w, validate=False)
@@ -91,7 +100,7 @@ def test_a_stop_ends_the_named_requests_with_the_ids_they_kept(name: str, w: dic
             assert rec.finished[rid] is mod.FinishReason.STOP
             assert by_id[rid].output_ids == expected[rid] and not by_id[rid].page_table
             assert by_id[rid].generated == len(expected[rid]) - uncounted[rid]
-            if name == "m14_forced_runs":
+            if name in FORCING:
                 assert (
                     rec.forced.get(rid, 0) <= len(rec.tokens[rid]) - rec.accepted.get(rid, 0) - 1 or not rec.tokens[rid]
                 )

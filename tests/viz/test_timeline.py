@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from mechserve.spec import m14_forced_runs as m14
+from mechserve.spec import m16_request_draft_lengths as m16
 from mechserve.viz.timeline import (
     ACCEPTED,
     DECODE,
@@ -69,8 +69,8 @@ def test_waiting_shows_only_with_snapshots() -> None:
 
 
 def test_rejections_and_aborts_are_marked() -> None:
-    engine = m14.Engine(
-        [m14.Request("a", [1, 2, 3], 5), m14.Request("huge", list(range(1, 100)), 1)],
+    engine = m16.Engine(
+        [m16.Request("a", [1, 2, 3], 5), m16.Request("huge", list(range(1, 100)), 1)],
         max_step_tokens=8,
         page_size=4,
         num_pages=4,
