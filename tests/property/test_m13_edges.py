@@ -180,6 +180,32 @@ def test_a_request_is_held_for_the_leading_blocks_it_shares_though_the_next_diff
     assert (t2.admitted, dict(t2.reused)) == (("q",), {"q": 4})
 
 
+def test_requests_arriving_together_are_held_behind_the_one_admitted_first_and_the_limit_keeps_the_rest(
+    m: Any,
+) -> None:
+    # all arrive at step 0, max_running 3: a is admitted and its prompt blocks are pending at once, so c and
+    # d (a's prompt; d asks for 1 token) are held behind it and z (a's prompt, 0 tokens) finishes at
+    # admission; the walk goes on past the held: e and f are admitted, and g finds the limit reached
+    shared = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    reqs = [m.Request("a", shared, 2), m.Request("c", shared, 2), m.Request("d", shared, 1)]
+    reqs += [m.Request("z", shared, 0), m.Request("e", [20, 21, 22], 2), m.Request("f", [30, 31, 32], 2)]
+    reqs += [m.Request("g", [40, 41, 42], 2)]
+    eng = m.Engine(reqs, 8, 4, 32, max_running=3, hold_shared_prefix=True)
+    t0 = eng.step()
+    assert (t0.admitted, dict(t0.finished)) == (("a", "z", "e", "f"), {"z": m.FinishReason.LENGTH})
+    held = [line for line in t0.explain if "held back" in line or "wait:" in line]
+    assert held == [
+        "c is held back: a is still computing the 2 prompt block(s) they share (0 cached); c will reuse them "
+        "once they are published.",
+        "d is held back: a is still computing the 2 prompt block(s) they share (0 cached); d will reuse them "
+        "once they are published.",
+        "1 arrived request(s) wait: 3 running is the max_running limit.",
+    ]
+    assert [r.request_id for r in eng.due] == ["c", "d", "g"]
+    eng.run()
+    assert all(r.finish_reason is m.FinishReason.LENGTH for r in reqs) and not eng.live
+
+
 def test_a_draft_is_said_to_be_capped_only_when_max_new_tokens_cut_it(m: Any) -> None:
     # spec_len 2: after its first sample, a (10 new tokens) asks for both guesses; b (3 new tokens) may
     # draft only 1, since its window's bonus sample would otherwise pass max_new_tokens
