@@ -206,6 +206,28 @@ def test_requests_arriving_together_are_held_behind_the_one_admitted_first_and_t
     assert all(r.finish_reason is m.FinishReason.LENGTH for r in reqs) and not eng.live
 
 
+def test_each_plan_item_places_exactly_its_own_positions_through_its_request_page_table(m: Any) -> None:
+    # budget 3 cuts prompts into chunks (start > 0), a pool of 6 pages preempts, spec_len 2 runs windows,
+    # b reuses a's published block: every item writes positions start..start+n-1, each to the slot its
+    # request's page table gives it, and carries that table whole
+    reqs = [m.Request("a", [1, 2, 3, 4, 5, 6, 7], 5), m.Request("b", [1, 2, 3, 4, 9, 9], 5, arrival_step=2)]
+    eng = m.Engine(reqs, 3, 2, 6, spec_len=2)
+    starts, records = set(), []
+    while eng.live:
+        assert eng.step_counter < 100
+        plan = eng.schedule()
+        tables = {r.request_id: tuple(r.page_table) for r in eng.running}
+        for item in plan:
+            table = tables[item.request_id]
+            positions = range(item.start_position, item.start_position + item.num_tokens)
+            assert item.page_table == table
+            assert item.placements == tuple((p, table[p // 2], p % 2) for p in positions)
+            starts.add(item.start_position > 0 and not item.decode)
+        records.append(eng.commit(eng.executor.execute(plan)))
+    assert starts == {True, False}  # a prefill chunk that starts past 0, and one that starts at 0
+    assert all(any(getattr(rec, what) for rec in records) for what in ("preempted", "reused", "drafted"))
+
+
 def test_a_draft_is_said_to_be_capped_only_when_max_new_tokens_cut_it(m: Any) -> None:
     # spec_len 2: after its first sample, a (10 new tokens) asks for both guesses; b (3 new tokens) may
     # draft only 1, since its window's bonus sample would otherwise pass max_new_tokens
