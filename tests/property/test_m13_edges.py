@@ -281,6 +281,32 @@ def test_an_eos_id_ends_a_request_unless_it_ignores_eos(m: Any) -> None:
     assert (eng.eos_token_ids, c.finish_reason, c.output_ids) == (frozenset(), m.FinishReason.LENGTH, [0, 0])
 
 
+class Windows:
+    """The scripted executor, with every sampled id replaced by 9 and every decode window of three ids (two
+    accepted guesses, then the sample) by ``window``."""
+
+    def __init__(self, m: Any, window: tuple[int, int, int]) -> None:
+        self.inner, self.window = m.LocalExecutor({}, {}), window
+
+    def execute(self, plan: tuple[Any, ...]) -> tuple[Any, ...]:
+        out = self.inner.execute(plan)
+        ids = {1: (9,), 3: self.window}
+        return tuple(dataclasses.replace(o, token_ids=ids.get(len(o.token_ids), o.token_ids)) for o in out)
+
+
+def test_an_accepted_run_is_cut_at_an_eos_id_of_your_executor_unless_the_request_ignores_eos(m: Any) -> None:
+    # spec_len 2: at step 1 each window accepts both guesses, [9, 5], and samples 9; 5 is an EOS id. a's run
+    # is cut at it (one guess kept, 5 is a's sample: EOS); b ignores EOS and keeps both guesses and the sample
+    reqs = [m.Request("a", [1, 2, 3], 8), m.Request("b", [1, 2, 3], 8, ignore_eos=True)]
+    eng = m.Engine(reqs, 8, 4, 16, spec_len=2, executors=[Windows(m, (9, 5, 9))], eos_token_ids=[5])
+    eng.step()
+    t1 = eng.step()
+    assert (t1.drafted, t1.accepted, t1.rolled_back) == ({"a": 2, "b": 2}, {"a": 1, "b": 2}, {"a": 1, "b": 0})
+    assert (t1.sampled, t1.finished) == ({"a": m.Sample.EOS, "b": m.Sample.TOKEN}, {"a": m.FinishReason.EOS})
+    got = [(r.output_ids, r.generated, r.finish_reason) for r in reqs]
+    assert got == [([9, 9, 5], 2, m.FinishReason.EOS), ([9, 9, 5, 9], 4, None)]
+
+
 Cut = tuple[Any, int]  # (when: the ids a request appended this step -> bool, how many of them to keep)
 
 
