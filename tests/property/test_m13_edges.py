@@ -49,6 +49,15 @@ def test_each_setting_at_its_least_value_is_accepted(m: Any) -> None:
     assert {k: getattr(eng.pool if k in ("page_size", "num_pages") else eng, k) for k in least} == least
 
 
+def test_output_caching_is_off_unless_asked_for(m: Any) -> None:
+    # a 5-token prompt and 6 generated tokens, pages of 2: by default only the prompt's 2 complete blocks are
+    # published; with output caching the generated ones too
+    for given, blocks in (({}, 2), ({"output_caching": True}, 5)):
+        eng = m.Engine([m.Request("a", [1, 2, 3, 4, 5], 6)], 8, 2, 16, **given)
+        eng.run()
+        assert (eng.output_caching, eng.cache.size) == (bool(given), blocks)
+
+
 def test_as_many_rank_executors_as_ranks_or_a_refusal_naming_both(m: Any) -> None:
     one = [m.LocalExecutor({}, {})]
     with pytest.raises(ValueError, match=r"^1 rank executor\(s\) for world_size 2$"):
@@ -303,6 +312,7 @@ def test_an_accepted_run_is_cut_at_an_eos_id_of_your_executor_unless_the_request
     t1 = eng.step()
     assert (t1.drafted, t1.accepted, t1.rolled_back) == ({"a": 2, "b": 2}, {"a": 1, "b": 2}, {"a": 1, "b": 0})
     assert (t1.sampled, t1.finished) == ({"a": m.Sample.EOS, "b": m.Sample.TOKEN}, {"a": m.FinishReason.EOS})
+    assert t1.tokens == {"a": (9, 5), "b": (9, 5, 9)}  # a's record ends at its EOS
     got = [(r.output_ids, r.generated, r.finish_reason) for r in reqs]
     assert got == [([9, 9, 5], 2, m.FinishReason.EOS), ([9, 9, 5, 9], 4, None)]
 
