@@ -381,17 +381,21 @@ def test_a_stop_inside_a_forced_run_that_ended_on_a_stop_id_keeps_every_kept_tok
     assert a.computed == 3  # the prompt: the forced ids were never computed
 
 
-def test_a_stop_inside_a_forced_run_after_a_decode_window_counts_only_the_forced_ids_it_kept() -> None:
+@pytest.mark.parametrize(("keep", "forced", "accepted"), [(4, 1, 2), (2, 0, 1)])
+def test_a_stop_inside_a_forced_run_after_a_decode_window_counts_only_the_forced_ids_it_kept(
+    keep: int, forced: int, accepted: int
+) -> None:
     from mechserve.spec import m14_forced_runs as m
 
     # spec_len 2: at step 1 a's window appends [g1, g2, s] (both guesses accepted; s has output index 3) and
-    # its grammar forces [7, 8, 9] after s.  The stop keeps the window and one forced id: the record says 1
-    # forced id kept (not the window's accepted guesses counted with it), the window's 2 still accepted.
+    # its grammar forces [7, 8, 9] after s.  A stop keeping the window and one forced id: 1 forced id kept
+    # (not the window's accepted guesses counted with it), the window's 2 still accepted.  One keeping g1, g2:
+    # no forced id kept, g1 accepted (g2 ends the request), g2's acceptance rolled back.
     eng = m.Engine([m.Request("a", [1, 2, 3], 12, forced_script={3: (7, 8, 9)})], 8, 4, 16, spec_len=2)
-    a, ids, rec = run_with_stops(eng, {"a": (lambda ids: len(ids) == 6, 4)})["a"]
-    assert rec.step == 1 and ids[3:] == (7, 8, 9)
-    assert (rec.forced, rec.accepted, rec.rolled_back, rec.tokens) == ({"a": 1}, {"a": 2}, {"a": 0}, {"a": ids[:4]})
-    assert (a.generated, a.output_ids[1:], a.finish_reason) == (5, list(ids[:4]), m.FinishReason.STOP)
+    a, ids, rec = run_with_stops(eng, {"a": (lambda ids: len(ids) == 6, keep)})["a"]
+    assert rec.step == 1 and ids[3:] == (7, 8, 9) and rec.tokens == {"a": ids[:keep]}
+    assert (rec.forced, rec.accepted, rec.rolled_back) == ({"a": forced}, {"a": accepted}, {"a": 2 - accepted})
+    assert (a.generated, a.output_ids[1:], a.finish_reason) == (1 + keep, list(ids[:keep]), m.FinishReason.STOP)
 
 
 def corrupt(m: Any, how: str) -> Any:
