@@ -317,6 +317,18 @@ def test_an_accepted_run_is_cut_at_an_eos_id_of_your_executor_unless_the_request
     assert got == [([9, 9, 5], 2, m.FinishReason.EOS), ([9, 9, 5, 9], 4, None)]
 
 
+def test_the_record_says_how_each_sample_ended_and_the_summary_shows_unfinished_requests(m: Any) -> None:
+    # the executor samples 5 every time: a stop id for s, an EOS id for e; t's eos_after 0 makes its first
+    # sample EOS; u has nothing that ends it early
+    reqs = [m.Request("s", [1, 2, 3], 3, stop_token_ids=(5,)), m.Request("e", [1, 2, 3], 3)]
+    reqs += [m.Request("t", [1, 2, 3], 3, eos_after=0, ignore_eos=True), m.Request("u", [1, 2, 3], 3, ignore_eos=True)]
+    eng = m.Engine(reqs, 16, 2, 16, executors=[Samples(m, 5)], eos_token_ids=[5])
+    assert [entry["finish_reason"] for entry in eng.summary()] == [None] * 4
+    first = eng.step()
+    assert first.sampled == {"s": m.Sample.STOP, "e": m.Sample.EOS, "t": m.Sample.EOS, "u": m.Sample.TOKEN}
+    assert [entry["finish_reason"] for entry in eng.summary()] == ["STOP", "EOS", "EOS", None]
+
+
 Cut = tuple[Any, int]  # (when: the ids a request appended this step -> bool, how many of them to keep)
 
 
