@@ -49,6 +49,15 @@ def test_each_setting_at_its_least_value_is_accepted(m: Any) -> None:
     assert {k: getattr(eng.pool if k in ("page_size", "num_pages") else eng, k) for k in least} == least
 
 
+def test_output_caching_is_off_unless_asked_for(m: Any) -> None:
+    # a 5-token prompt and 6 generated tokens, pages of 2: by default only the prompt's 2 complete blocks are
+    # published; with output caching the generated ones too
+    for given, blocks in (({}, 2), ({"output_caching": True}, 5)):
+        eng = m.Engine([m.Request("a", [1, 2, 3, 4, 5], 6)], 8, 2, 16, **given)
+        eng.run()
+        assert (eng.output_caching, eng.cache.size) == (bool(given), blocks)
+
+
 def test_as_many_rank_executors_as_ranks_or_a_refusal_naming_both(m: Any) -> None:
     one = [m.LocalExecutor({}, {})]
     with pytest.raises(ValueError, match=r"^1 rank executor\(s\) for world_size 2$"):
@@ -180,6 +189,54 @@ def test_a_request_is_held_for_the_leading_blocks_it_shares_though_the_next_diff
     assert (t2.admitted, dict(t2.reused)) == (("q",), {"q": 4})
 
 
+def test_requests_arriving_together_are_held_behind_the_one_admitted_first_and_the_limit_keeps_the_rest(
+    m: Any,
+) -> None:
+    # all arrive at step 0, max_running 3: a is admitted and its prompt blocks are pending at once, so c and
+    # d (a's prompt; d asks for 1 token) are held behind it and z (a's prompt, 0 tokens) finishes at
+    # admission; the walk goes on past the held: e and f are admitted, and g finds the limit reached
+    shared = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    reqs = [m.Request("a", shared, 2), m.Request("c", shared, 2), m.Request("d", shared, 1)]
+    reqs += [m.Request("z", shared, 0), m.Request("e", [20, 21, 22], 2), m.Request("f", [30, 31, 32], 2)]
+    reqs += [m.Request("g", [40, 41, 42], 2)]
+    eng = m.Engine(reqs, 8, 4, 32, max_running=3, hold_shared_prefix=True)
+    t0 = eng.step()
+    assert (t0.admitted, dict(t0.finished)) == (("a", "z", "e", "f"), {"z": m.FinishReason.LENGTH})
+    held = [line for line in t0.explain if "held back" in line or "wait:" in line]
+    assert held == [
+        "c is held back: a is still computing the 2 prompt block(s) they share (0 cached); c will reuse them "
+        "once they are published.",
+        "d is held back: a is still computing the 2 prompt block(s) they share (0 cached); d will reuse them "
+        "once they are published.",
+        "1 arrived request(s) wait: 3 running is the max_running limit.",
+    ]
+    assert [r.request_id for r in eng.due] == ["c", "d", "g"]
+    eng.run()
+    assert all(r.finish_reason is m.FinishReason.LENGTH for r in reqs) and not eng.live
+
+
+def test_each_plan_item_places_exactly_its_own_positions_through_its_request_page_table(m: Any) -> None:
+    # budget 3 cuts prompts into chunks (start > 0), a pool of 6 pages preempts, spec_len 2 runs windows,
+    # b reuses a's published block: every item writes positions start..start+n-1, each to the slot its
+    # request's page table gives it, and carries that table whole
+    reqs = [m.Request("a", [1, 2, 3, 4, 5, 6, 7], 5), m.Request("b", [1, 2, 3, 4, 9, 9], 5, arrival_step=2)]
+    eng = m.Engine(reqs, 3, 2, 6, spec_len=2)
+    starts, records = set(), []
+    while eng.live:
+        assert eng.step_counter < 100
+        plan = eng.schedule()
+        tables = {r.request_id: tuple(r.page_table) for r in eng.running}
+        for item in plan:
+            table = tables[item.request_id]
+            positions = range(item.start_position, item.start_position + item.num_tokens)
+            assert item.page_table == table
+            assert item.placements == tuple((p, table[p // 2], p % 2) for p in positions)
+            starts.add(item.start_position > 0 and not item.decode)
+        records.append(eng.commit(eng.executor.execute(plan)))
+    assert starts == {True, False}  # a prefill chunk that starts past 0, and one that starts at 0
+    assert all(any(getattr(rec, what) for rec in records) for what in ("preempted", "reused", "drafted"))
+
+
 def test_a_draft_is_said_to_be_capped_only_when_max_new_tokens_cut_it(m: Any) -> None:
     # spec_len 2: after its first sample, a (10 new tokens) asks for both guesses; b (3 new tokens) may
     # draft only 1, since its window's bonus sample would otherwise pass max_new_tokens
@@ -231,6 +288,45 @@ def test_an_eos_id_ends_a_request_unless_it_ignores_eos(m: Any) -> None:
     eng = m.Engine([c], 8, 2, 16, executors=[Samples(m, 0)])
     eng.run()
     assert (eng.eos_token_ids, c.finish_reason, c.output_ids) == (frozenset(), m.FinishReason.LENGTH, [0, 0])
+
+
+class Windows:
+    """The scripted executor, with every sampled id replaced by 9 and every decode window of three ids (two
+    accepted guesses, then the sample) by ``window``."""
+
+    def __init__(self, m: Any, window: tuple[int, int, int]) -> None:
+        self.inner, self.window = m.LocalExecutor({}, {}), window
+
+    def execute(self, plan: tuple[Any, ...]) -> tuple[Any, ...]:
+        out = self.inner.execute(plan)
+        ids = {1: (9,), 3: self.window}
+        return tuple(dataclasses.replace(o, token_ids=ids.get(len(o.token_ids), o.token_ids)) for o in out)
+
+
+def test_an_accepted_run_is_cut_at_an_eos_id_of_your_executor_unless_the_request_ignores_eos(m: Any) -> None:
+    # spec_len 2: at step 1 each window accepts both guesses, [9, 5], and samples 9; 5 is an EOS id. a's run
+    # is cut at it (one guess kept, 5 is a's sample: EOS); b ignores EOS and keeps both guesses and the sample
+    reqs = [m.Request("a", [1, 2, 3], 8), m.Request("b", [1, 2, 3], 8, ignore_eos=True)]
+    eng = m.Engine(reqs, 8, 4, 16, spec_len=2, executors=[Windows(m, (9, 5, 9))], eos_token_ids=[5])
+    eng.step()
+    t1 = eng.step()
+    assert (t1.drafted, t1.accepted, t1.rolled_back) == ({"a": 2, "b": 2}, {"a": 1, "b": 2}, {"a": 1, "b": 0})
+    assert (t1.sampled, t1.finished) == ({"a": m.Sample.EOS, "b": m.Sample.TOKEN}, {"a": m.FinishReason.EOS})
+    assert t1.tokens == {"a": (9, 5), "b": (9, 5, 9)}  # a's record ends at its EOS
+    got = [(r.output_ids, r.generated, r.finish_reason) for r in reqs]
+    assert got == [([9, 9, 5], 2, m.FinishReason.EOS), ([9, 9, 5, 9], 4, None)]
+
+
+def test_the_record_says_how_each_sample_ended_and_the_summary_shows_unfinished_requests(m: Any) -> None:
+    # the executor samples 5 every time: a stop id for s, an EOS id for e; t's eos_after 0 makes its first
+    # sample EOS; u has nothing that ends it early
+    reqs = [m.Request("s", [1, 2, 3], 3, stop_token_ids=(5,)), m.Request("e", [1, 2, 3], 3)]
+    reqs += [m.Request("t", [1, 2, 3], 3, eos_after=0, ignore_eos=True), m.Request("u", [1, 2, 3], 3, ignore_eos=True)]
+    eng = m.Engine(reqs, 16, 2, 16, executors=[Samples(m, 5)], eos_token_ids=[5])
+    assert [entry["finish_reason"] for entry in eng.summary()] == [None] * 4
+    first = eng.step()
+    assert first.sampled == {"s": m.Sample.STOP, "e": m.Sample.EOS, "t": m.Sample.EOS, "u": m.Sample.TOKEN}
+    assert [entry["finish_reason"] for entry in eng.summary()] == ["STOP", "EOS", "EOS", None]
 
 
 Cut = tuple[Any, int]  # (when: the ids a request appended this step -> bool, how many of them to keep)
@@ -295,6 +391,23 @@ def test_a_stop_inside_a_forced_run_that_ended_on_a_stop_id_keeps_every_kept_tok
     assert ids[1:] == (7, 8, 9) and rec.forced == {"a": 1}
     assert (a.generated, a.output_ids, a.finish_reason) == (2, list(ids[:2]), m.FinishReason.STOP)
     assert a.computed == 3  # the prompt: the forced ids were never computed
+
+
+@pytest.mark.parametrize(("keep", "forced", "accepted"), [(4, 1, 2), (2, 0, 1)])
+def test_a_stop_inside_a_forced_run_after_a_decode_window_counts_only_the_forced_ids_it_kept(
+    keep: int, forced: int, accepted: int
+) -> None:
+    from mechserve.spec import m14_forced_runs as m
+
+    # spec_len 2: at step 1 a's window appends [g1, g2, s] (both guesses accepted; s has output index 3) and
+    # its grammar forces [7, 8, 9] after s.  A stop keeping the window and one forced id: 1 forced id kept
+    # (not the window's accepted guesses counted with it), the window's 2 still accepted.  One keeping g1, g2:
+    # no forced id kept, g1 accepted (g2 ends the request), g2's acceptance rolled back.
+    eng = m.Engine([m.Request("a", [1, 2, 3], 12, forced_script={3: (7, 8, 9)})], 8, 4, 16, spec_len=2)
+    a, ids, rec = run_with_stops(eng, {"a": (lambda ids: len(ids) == 6, keep)})["a"]
+    assert rec.step == 1 and ids[3:] == (7, 8, 9) and rec.tokens == {"a": ids[:keep]}
+    assert (rec.forced, rec.accepted, rec.rolled_back) == ({"a": forced}, {"a": accepted}, {"a": 2 - accepted})
+    assert (a.generated, a.output_ids[1:], a.finish_reason) == (1 + keep, list(ids[:keep]), m.FinishReason.STOP)
 
 
 def corrupt(m: Any, how: str) -> Any:
