@@ -149,7 +149,7 @@ def test_a_request_that_sat_out_drafts_from_the_features_it_would_have_kept(
     resumed: list[tuple[tuple[int, ...], Any]] = []
     steps = 0
 
-    def on_step(engine_: Any, ex: TorchExecutor, record_: m14.StepRecord) -> None:
+    def on_step(engine_: Any, ex: TorchExecutor, record_: m16.StepRecord) -> None:
         nonlocal steps
         steps += 1  # step 1 is the prompts' prefill; the next ``sat_out`` steps decode with spec_len 0
         engine_.spec_len = 0 if steps <= sat_out else 3
