@@ -176,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
     if fleet and not has_routing(rung):  # m15: one line naming every fleet flag given
         named = ", ".join(f"{FLEET_FLAGS[name]} {value}" for name, value in fleet.items())
         raise CliError(f"{rung_label(rung)} has no routing: {named} need --mech m15 (or drop them)")
+    if fleet and args.backend == "torch":  # name the flags given, not the fleet section they become
+        named = ", ".join(f"{FLEET_FLAGS[name]} {value}" for name, value in fleet.items())
+        raise CliError(f"--backend torch runs one engine; {named} need --backend spec")
     workload = with_fleet(workload, fleet, FLEET_FLAGS)
     if args.backend == "torch":
         return execute_torch(

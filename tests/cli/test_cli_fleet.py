@@ -119,11 +119,13 @@ def test_pictures_and_the_torch_backend_refuse_a_fleet(cli, spec_file, tmp_path)
     )
     assert_one_error_line(cli("demo", "--mech", "m15", "--plot", str(tmp_path / "t.png")), "fleet")
     assert_one_error_line(
-        cli("run", "--spec", spec_file(WORKLOAD), "--mech", "m15", "--backend", "torch"), "top engine rung (m14)"
+        cli("run", "--spec", spec_file(WORKLOAD), "--mech", "m15", "--backend", "torch"), "top engine rung (m16)"
     )
     no_fleet = {**WORKLOAD, "fleet": None}
     assert_one_error_line(
-        cli("run", "--spec", spec_file(no_fleet), "--replicas", "2", "--backend", "torch"), "--replicas 2", "m15"
+        cli("run", "--spec", spec_file(no_fleet), "--replicas", "2", "--backend", "torch"),
+        "--replicas 2",
+        "--backend spec",
     )
 
 

@@ -52,7 +52,10 @@ def test_the_commands_parse_into_what_they_say() -> None:
 
 
 @pytest.mark.e2e
-def test_the_python_example_runs_on_smollm2() -> None:
+def test_the_python_example_runs_on_smollm2(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The governor's fixed prices: with measured ones a calibration timed on a loaded machine (CI runs two
+    # test workers) may rightly price every guess out, and this test checks that guesses are made and kept.
+    monkeypatch.setenv("MECHSERVE_SPEC_COSTS", "static")
     (code,) = blocks("python")
     out = io.StringIO()
     scope: dict[str, object] = {}
