@@ -692,20 +692,17 @@ def check_rung(rung: ModuleType, workload: Workload) -> None:
                 )
     if not has_admission_control(rung):
         _check_no_admission(label, workload)
-    if "forced_script" not in _request_fields(rung):  # m14
-        for req in workload.requests:
-            if req.forced_script:
-                raise WorkloadError(
-                    f"{label} has no forced runs: request {_show(req.request_id)} has a forced_script "
-                    "(it needs m14 or later)"
-                )
-    if "draft_limit_script" not in _request_fields(rung):  # m16
-        for req in workload.requests:
-            if req.draft_limit_script:
-                raise WorkloadError(
-                    f"{label} has no per-request draft lengths: request {_show(req.request_id)} has a "
-                    "draft_limit_script (it needs m16 or later)"
-                )
+    for name, mechanism, first in (
+        ("forced_script", "forced runs", "m14"),
+        ("draft_limit_script", "per-request draft lengths", "m16"),
+    ):
+        if name not in _request_fields(rung):
+            for req in workload.requests:
+                if getattr(req, name):
+                    raise WorkloadError(
+                        f"{label} has no {mechanism}: request {_show(req.request_id)} has a {name} "
+                        f"(it needs {first} or later)"
+                    )
     if workload.fleet and not has_routing(rung):  # m15
         given = ", ".join(f"fleet.{k} {_show(v)}" for k, v in workload.fleet.items())
         raise WorkloadError(f"{label} has no routing: {given} need m15 or later (or drop the fleet section)")
