@@ -9,7 +9,10 @@ earlier answers in its conversation.  Each workload runs at batch 1 (one session
 adaptive; ``ngram-fixed`` and ``suffix-fixed``; ``draft`` = the first ``--draft-layers`` layers of the
 model, fixed ``spec_len``; ``draft-adaptive``).  Configurations are interleaved (session by session at
 batch 1, round by round at batch 8) so that a noisy machine slows them alike.  Greedy speculation is
-exact, so every configuration must produce the same ids (``identical``).
+exact, so every configuration must produce the same ids (``identical``).  Every repeat (and each batch
+size) sends the same prompts, so before each one suffix decoding's proposer forgets the requests that left
+(``SuffixProposer.forget_finished``): its global tree would otherwise draft each answer from the same
+prompt's earlier answer, which measures memorisation, not speculation on new text.
 
 Per (workload, batch, configuration) the report has: ``wall_s``, ``output_tokens``, ``tok_s``,
 ``speedup`` (tok/s over ``off`` in the same run), ``target_forwards``, ``tokens_per_forward``
@@ -154,6 +157,17 @@ def one_call(llm: Any, conversations: Sequence[list[dict[str, str]]], params: An
     return [o.outputs[0].text for o in outs]
 
 
+def forget_finished(llm: Any) -> None:
+    """Make ``llm``'s proposer forget the requests that left, if it remembers them (suffix decoding's global
+    tree): each repeat, and each batch size, runs the same prompts, and a proposer that drafted a prompt's
+    answer from its own earlier answer would measure memorisation, not speculation on new text."""
+    from mechserve.executor.proposers_suffix import SuffixProposer
+
+    proposer = getattr(llm.core.executor, "proposer", None)
+    if isinstance(proposer, SuffixProposer):
+        proposer.forget_finished()
+
+
 def run_sessions(llm: Any, sessions: Sequence[Session], params: Any, tally: Tally) -> None:
     """``sessions`` together, turn by turn: turn k of each (that has one) in one call, with its earlier answers."""
     conversations: list[list[dict[str, str]]] = [
@@ -220,6 +234,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 tallies = {name: Tally() for name in llms}
                 peers = {kind: spec_llama_cpp.PeerTally() for kind in peer.kinds} if peer else {}
                 for _ in range(1 if batch == 1 else args.repeats):
+                    for llm in llms.values():
+                        forget_finished(llm)
                     for start in range(0, len(sessions), batch):
                         done = len(tallies["off"].calls)
                         for name, llm in llms.items():

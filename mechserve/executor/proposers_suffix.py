@@ -409,6 +409,18 @@ class SuffixProposer:
         if self.max_cached_requests > 0:
             self._sync_global(request.request_id, local is not None and local.in_global, output_ids, 0)
 
+    def forget_finished(self) -> None:
+        """Forget every request that has left: an empty global tree and no kept trees, what a new proposer
+        knows.  A benchmark that repeats the same prompts calls it between repeats, so a repeat is not
+        answered from the memory of its own earlier answers (``mechserve bench spec-decode``).
+
+        Raises ``RuntimeError`` while a request is registered: its output is growing in the global tree."""
+        if self._local:
+            raise RuntimeError(f"forget_finished() with {len(self._local)} request(s) still registered")
+        self.global_tree = SuffixTree(self.max_tree_depth)
+        self._cached.clear()
+        self._finished.clear()
+
     # Trees -------------------------------------------------------------------------------------------------------------
 
     @property

@@ -142,6 +142,25 @@ def test_the_proposer_learns_other_requests_outputs_and_evicts_the_oldest() -> N
     assert alone.available(b, [7, 8, 40, 41], 4) == 0 and alone.global_tree.nodes == 1
 
 
+def test_forget_finished_forgets_every_request_that_left_and_refuses_while_one_runs() -> None:
+    proposer = SuffixProposer(max_tree_depth=8, max_cached_requests=4)
+    answer = [40, 41, 42, 43, 44, 45]
+    a = req("a", [1, 2, 3])
+    proposer.available(a, [1, 2, 3, *answer], 4)
+    proposer.release(a, answer)
+    b = req("b", [7, 8])
+    assert proposer.score(b, [7, 8, 40, 41], 4).ids == (42, 43)  # b is registered now (score syncs it)
+    with pytest.raises(RuntimeError, match=r"forget_finished\(\) with 1 request\(s\) still registered"):
+        proposer.forget_finished()
+    proposer.release(b, [40, 41])
+    proposer.forget_finished()
+    assert proposer.cached_requests == 0 and proposer.global_tree.nodes == 1
+    # a repeat of a's prompt is not answered from a's answer, and its own earlier tree is not taken over
+    again = req("a2", [1, 2, 3])
+    assert proposer.available(again, [1, 2, 3, 40, 41], 4) == 0
+    assert proposer.score(req("c", [9]), [9, 40, 41], 4).ids == ()
+
+
 def test_the_global_tree_memory_is_bounded_by_the_cached_requests() -> None:
     proposer = SuffixProposer(max_tree_depth=6, max_cached_requests=3)
     outputs = random_prompts([40] * 30, seed=3)

@@ -36,6 +36,30 @@ def test_bench_spec_decode_reports_every_cell_and_identical_outputs(capsys, tiny
         assert by_position == sorted(by_position, reverse=True)
 
 
+def test_every_repeat_starts_with_a_suffix_proposer_that_remembers_no_earlier_answer(
+    capsys, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each repeat (and each batch size) sends the same prompts: the suffix proposer's global tree forgets the
+    requests that left before each, else a repeat drafts its answers from its own earlier answers."""
+    from mechserve.executor.proposers_suffix import SuffixProposer
+
+    held: list[int] = []
+    forget = SuffixProposer.forget_finished
+
+    def spy(self: SuffixProposer) -> None:
+        held.append(self.cached_requests)
+        forget(self)
+        assert self.cached_requests == 0 and self.global_tree.nodes == 1
+
+    monkeypatch.setattr(SuffixProposer, "forget_finished", spy)
+    argv = ["bench", "spec-decode", "--model", str(tiny_dir), "--prompts", "2", "--max-tokens", "4", "--json"]
+    argv += ["--batches", "1", "2", "--repeats", "2", "--configs", "suffix-fixed", "--sets", "novel"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["cells"]["novel/batch-2"]["suffix-fixed"]["identical"]
+    # batch 1 once (the warm-up request remembered), batch 2 twice (the earlier pass's 2 requests remembered)
+    assert held == [1, 2, 2]
+
+
 def test_bench_spec_decode_costs_times_steps_by_rows(capsys, tiny_dir: Path) -> None:
     """``--costs``: target steps of 1 and 8 windows of 1 .. 8 rows (``executor.costs.step_inputs``), relative to
     one row at batch 1, and the static model's row and jump costs fitted to them."""
