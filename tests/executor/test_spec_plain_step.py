@@ -108,7 +108,9 @@ def one_step(model: LlamaModel, hidden: bool) -> tuple[torch.Tensor, torch.Tenso
     ]
     slots = [*range(len(a)), *(pages_a * page + i for i in range(len(b)))]
     arch = model.arch
-    batch = build_attention_batch(spans, slots, page, arch.num_heads // arch.num_kv_heads, model.distinct_sliding_windows)
+    batch = build_attention_batch(
+        spans, slots, page, arch.num_heads // arch.num_kv_heads, model.distinct_sliding_windows
+    )
     cache = model.new_cache(16, page)
     found: list[torch.Tensor] = []
     logits = model.forward(
@@ -123,7 +125,9 @@ def one_step(model: LlamaModel, hidden: bool) -> tuple[torch.Tensor, torch.Tenso
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_forward_that_returns_hidden_states_is_the_plain_forward(checkpoint: Checkpoint, dtype: torch.dtype) -> None:
+def test_the_forward_that_returns_hidden_states_is_the_plain_forward(
+    checkpoint: Checkpoint, dtype: torch.dtype
+) -> None:
     """``hidden_out`` only reads: logits and K/V are bit for bit the plain forward's, and the hidden states are
     the very rows the LM head multiplied (after the final norm), in float32."""
     model = load_model(str(checkpoint.path), dtype=dtype, tokenizer=False).model
@@ -137,3 +141,35 @@ def test_the_forward_that_returns_hidden_states_is_the_plain_forward(checkpoint:
 
     again = linear(h.to(dtype), model.lm_head, out_dtype=torch.float32)
     assert torch.equal(again, plain)
+
+
+@pytest.mark.parametrize("method", ["draft", "eagle"])
+def test_after_drafting_a_step_with_no_guess_still_gives_the_ids_of_no_speculation(
+    checkpoint: Checkpoint, head: Path, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine that drafted, then proposes nothing, answers the same prompts again with ``off``'s ids and
+    logprobs, bit for bit, where no K/V its verify windows computed is shared: output caching off, so that only
+    prompt blocks (computed by the same prefill rows as ``off``'s) are published.  With output caching on, a
+    request whose output repeats an earlier one adopts the resident pages of that output (m08 D2, first publisher
+    wins), whose K/V the earlier verify windows computed; in bfloat16 a window of 1 + k rows rounds them
+    differently from ``off``'s one row per step, so the ids may then differ (docs/benchmarks.md, issue 27)."""
+    monkeypatch.setenv("MECHSERVE_SPEC_COSTS", "static")
+    guesses = {"k": 3}
+
+    def decide(self: Governor, candidates: Sequence[Candidate], max_k: int) -> tuple[int, list[int | None]]:
+        k = guesses["k"]
+        return (k, [None] * len(candidates)) if k else never_guess(self, candidates, max_k)
+
+    monkeypatch.setattr(Governor, "decide", decide)
+    config = dict(dtype="bfloat16", num_pages=256, output_caching=False)
+    off = core(checkpoint.fast, **config)
+    spec = core(checkpoint.fast, **config, speculative=spec_config(method, checkpoint, head))
+    outputs(off, PROMPTS)
+    outputs(spec, PROMPTS)
+    drafted = spec.stats(executor=True).executor.proposed
+    assert drafted > 0
+    guesses["k"] = 0
+    want = outputs(off, PROMPTS)
+    got = outputs(spec, PROMPTS)
+    assert got == want
+    assert spec.stats(executor=True).executor.proposed == drafted  # the second round guessed nothing
