@@ -177,28 +177,97 @@ def lookup_ngram(history: Sequence[int], num: int, min_n: int = 1, max_n: int = 
     return []
 
 
+class NgramIndex:
+    """One request's history with the earliest end of every n-gram in it that has a follower: ``lookup_ngram``'s
+    answer in O(max_n) per lookup and per id appended, instead of a scan of the whole history per lookup.
+
+    ``first[n]``: n-gram key -> the position of its earliest occurrence's last id, for the n-grams (``min_n <= n
+    <= max_n``, no unknown id in them) that end before the history's last id.  A key packs the n ids into one
+    int, 32 bits each (ids are below 2**32): dicts of ints only, which the cyclic garbage collector does not
+    track.  ``sync(history)`` brings it to ``history``: the ids appended since, or all of it again when
+    ``history`` is not an extension of what it holds (a rollback or a recompute cut it; one list comparison).
+    """
+
+    __slots__ = ("first", "ids", "max_n", "min_n")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.ids: list[int] = []
+        self.first: list[dict[int, int]] = [{} for _ in range(max_n + 1)]
+
+    @staticmethod
+    def _key(ids: Sequence[int]) -> int:
+        key = 0
+        for t in ids:
+            key = (key << 32) | t
+        return key
+
+    def sync(self, history: Sequence[int]) -> None:
+        """Hold ``history``'s ids (appending the new ones, or rebuilt when it does not extend what is held)."""
+        ids = self.ids
+        held = len(ids)
+        if len(history) < held or list(history[:held]) != ids:
+            self.ids = ids = []
+            self.first = [{} for _ in range(self.max_n + 1)]
+            held = 0
+        first = self.first
+        for e in range(held, len(history)):
+            # the n-grams ending at e - 1 now have a follower (id e): the earliest of each is kept
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                gram = ids[e - n : e]
+                if min(gram) >= 0:
+                    first[n].setdefault(self._key(gram), e - 1)
+            ids.append(int(history[e]))
+
+    def lookup(self, num: int) -> list[int]:
+        """``lookup_ngram(history, num, min_n, max_n)`` for the history held."""
+        ids = self.ids
+        length = len(ids)
+        if num <= 0 or length < self.min_n + 1:
+            return []
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = ids[length - n :]
+            if min(suffix) < 0:
+                continue
+            end = self.first[n].get(self._key(suffix))
+            if end is not None:
+                follow = ids[end + 1 : end + 1 + num]
+                cut = next((j for j, t in enumerate(follow) if t < 0), len(follow))
+                return follow[:cut]
+        return []
+
+
 class NgramProposer:
-    """Prompt lookup: ``lookup_ngram`` with ``min_n``..``max_n``."""
+    """Prompt lookup: ``lookup_ngram`` with ``min_n``..``max_n``, answered from each request's ``NgramIndex``
+    (kept in step with its history, dropped at ``release``)."""
 
     def __init__(self, min_n: int = 1, max_n: int = 3) -> None:
         self.min_n, self.max_n = min_n, max_n
+        self._index: dict[str, NgramIndex] = {}
 
     @classmethod
     def build(cls, ctx: ProposerContext) -> NgramProposer:
         """The registry's factory: the n-gram bounds of ``ctx.speculative``."""
         return cls(ctx.speculative.ngram_min, ctx.speculative.ngram_max)
 
+    def _lookup(self, request: ExecutorRequest, history: Sequence[int], num: int) -> list[int]:
+        index = self._index.get(request.request_id)
+        if index is None:
+            index = self._index[request.request_id] = NgramIndex(self.min_n, self.max_n)
+        index.sync(history)
+        return index.lookup(num)
+
     def propose(self, windows: Sequence[Window]) -> list[Draft]:
         return [
-            Draft(tuple(found)) if (found := lookup_ngram(w.history, w.slots, self.min_n, self.max_n)) else NO_DRAFT
+            Draft(tuple(found)) if w.slots and (found := self._lookup(w.request, w.history, w.slots)) else NO_DRAFT
             for w in windows
         ]
 
     def available(self, request: ExecutorRequest, history: Sequence[int], cap: int) -> int:
-        return len(lookup_ngram(history, cap, self.min_n, self.max_n))
+        return len(self._lookup(request, history, cap))
 
     def release(self, request: ExecutorRequest, output_ids: Sequence[int]) -> None:
-        pass
+        self._index.pop(request.request_id, None)
 
 
 class CallableProposer:
@@ -418,6 +487,7 @@ __all__ = [
     "CallableProposer",
     "Draft",
     "DraftModelProposer",
+    "NgramIndex",
     "NgramProposer",
     "Proposer",
     "Window",

@@ -30,7 +30,7 @@ from mechserve.api.params import SamplingParams
 from mechserve.cli.main import main
 from mechserve.engine.core import EngineCore
 from mechserve.executor.governor import Candidate, Governor
-from mechserve.executor.proposers import DraftModelProposer, Window, lookup_ngram
+from mechserve.executor.proposers import DraftModelProposer, NgramIndex, NgramProposer, Window, lookup_ngram
 from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.torch_executor import TorchExecutor
 from mechserve.model.llama import LlamaModel
@@ -134,6 +134,39 @@ def test_lookup_ngram_takes_the_longest_suffix_then_the_earliest_match() -> None
     assert lookup_ngram([4, 6, -1, 4], 3) == [6]  # ... and ends a proposal
     assert lookup_ngram([8, 9, 8, 9, 8], 2, max_n=1) == [9, 8]  # n = 1 only: first 8 at 0
     assert lookup_ngram([7], 3) == [] and lookup_ngram([7, 7], 0) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(-1, 5), max_size=12), min_size=1, max_size=6),
+    st.lists(st.integers(0, 30), min_size=6, max_size=6),
+    st.integers(1, 3),
+    st.integers(0, 2),
+    st.integers(0, 5),
+)
+def test_the_ngram_index_answers_what_lookup_ngram_answers_as_the_history_grows_and_is_cut(
+    pieces: list[list[int]], cuts: list[int], min_n: int, extra: int, num: int
+) -> None:
+    """Prompt lookup's incremental index (``NgramIndex``) against the scan it replaces, over a history that
+    grows by pieces and is cut back between them (a rollback, a recompute), with unknown ids (-1) in it."""
+    max_n = min_n + extra
+    index = NgramIndex(min_n, max_n)
+    history: list[int] = []
+    for piece, cut in zip(pieces, cuts):
+        history = history[: max(0, len(history) - cut)] + piece
+        for end in range(len(history) - len(piece), len(history) + 1):
+            index.sync(history[:end])
+            assert index.lookup(num) == lookup_ngram(history[:end], num, min_n, max_n), (history[:end], num)
+
+
+def test_prompt_lookup_keeps_one_index_per_request_until_its_release() -> None:
+    proposer = NgramProposer(1, 3)
+    a = ExecutorRequest("a", (1, 2, 3, 1, 2))
+    assert proposer.available(a, [1, 2, 3, 1, 2], 2) == 2  # [1, 2] first at 0: 3, 1 follow
+    assert proposer.available(a, [1, 2, 3, 1, 2, 3], 5) == 3  # [1, 2, 3] at 0: only 1, 2, 3 follow
+    assert proposer.available(a, [1, 2, 9], 3) == 0  # cut back and regrown: [9] never seen
+    proposer.release(a, [9])
+    assert proposer._index == {}
 
 
 # Greedy equality ----------------------------------------------------------------------------------------------------
