@@ -25,16 +25,16 @@ from mechserve.api.config import EngineConfig, SpeculativeConfig
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
 from mechserve.executor.proposers import Window
-from mechserve.executor.proposers_suffix import Match, Node, SuffixProposer, SuffixTree, best_draft
+from mechserve.executor.proposers_suffix import ROOT, Match, SuffixProposer, SuffixTree, best_draft
 from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.sampling import Row
 from mechserve.model.loader import LoadedModel
 
 
-def shape(node: Node) -> Any:
+def shape(tree: SuffixTree, node: int = ROOT) -> Any:
     """A tree as nested (count, out, {id: child}) tuples, for comparing two trees."""
-    kids = node.children or {}
-    return node.count, node.out, {t: shape(c) for t, c in sorted(kids.items())}
+    kids = tree.children(node)
+    return tree.count[node], tree.out[node], {t: shape(tree, c) for t, c in sorted(kids.items())}
 
 
 def substrings(seqs: Sequence[Sequence[int]], depth: int) -> dict[tuple[int, ...], int]:
@@ -49,16 +49,16 @@ def substrings(seqs: Sequence[Sequence[int]], depth: int) -> dict[tuple[int, ...
 
 def counts(tree: SuffixTree) -> dict[tuple[int, ...], int]:
     found: dict[tuple[int, ...], int] = {}
-    stack: list[tuple[tuple[int, ...], Node]] = [((), tree.root)]
+    stack: list[tuple[tuple[int, ...], int]] = [((), tree.root)]
     while stack:
         path, node = stack.pop()
-        for t, child in (node.children or {}).items():
-            found[(*path, t)] = child.count
-            assert child.count > 0
+        kids = tree.children(node)
+        for t, child in kids.items():
+            found[(*path, t)] = tree.count[child]
+            assert tree.count[child] > 0 and tree.token[child] == t and tree.child(node, t) == child
             stack.append(((*path, t), child))
-        assert node.out == sum(c.count for c in (node.children or {}).values())
-        kids = node.children or {}
-        assert node.best == (max(kids, key=lambda t: (kids[t].count, -t)) if kids else -1)
+        assert tree.out[node] == sum(tree.count[c] for c in kids.values())
+        assert tree.best[node] == (kids[max(kids, key=lambda t: (tree.count[kids[t]], -t))] if kids else -1)
     return found
 
 
@@ -79,7 +79,7 @@ def test_the_tree_counts_every_substring_and_removal_gives_back_what_was_added(
     for s in added:
         only.add(s)
     assert counts(tree) == substrings(added, depth)
-    assert shape(tree.root) == shape(only.root) and tree.nodes == only.nodes == len(counts(only)) + 1
+    assert shape(tree) == shape(only) and tree.nodes == only.nodes == len(counts(only)) + 1
 
 
 def test_a_draft_follows_the_most_frequent_continuation_and_its_length_follows_the_match() -> None:
@@ -174,7 +174,7 @@ def test_the_global_tree_memory_is_bounded_by_the_cached_requests() -> None:
     bound = SuffixTree(6)
     for out in outputs[-3:]:
         bound.add(out)
-    assert shape(proposer.global_tree.root) == shape(bound.root)
+    assert shape(proposer.global_tree) == shape(bound)
 
 
 def test_the_request_tree_follows_its_history() -> None:
@@ -268,7 +268,7 @@ def test_proposals_do_not_depend_on_which_requests_available_was_asked_about() -
 # The incremental state (issue 27: the proposer's cost) ---------------------------------------------------------------
 
 
-def forward_draft(matched: Sequence[Node], num: int, factor: float, min_prob: float) -> Match:
+def forward_draft(tree: SuffixTree, matched: Sequence[int], num: int, factor: float, min_prob: float) -> Match:
     """The draft rule as first written: every match length tried, shortest first, ties to the longer match."""
     best = Match()
     if num <= 0:
@@ -277,12 +277,12 @@ def forward_draft(matched: Sequence[Node], num: int, factor: float, min_prob: fl
         budget = min(num, int(factor * m))
         ids: list[int] = []
         prob, score = 1.0, 0.0
-        while len(ids) < budget and node.best >= 0:
-            child = (node.children or {})[node.best]
-            prob *= child.count / node.out
+        while len(ids) < budget and tree.best[node] >= 0:
+            child = tree.best[node]
+            prob *= tree.count[child] / tree.out[node]
             if prob < min_prob:
                 break
-            ids.append(node.best)
+            ids.append(tree.token[child])
             score += prob
             node = child
         if ids and score >= best.score:
@@ -323,13 +323,14 @@ def test_the_pruned_search_drafts_what_trying_every_match_length_drafts(
 ) -> None:
     """``best_draft`` tries the longest match first and stops where no shorter one can win: the same draft as
     trying them all, and ``beat`` kept unless a draft has a higher score, or as high from a longer match."""
-    matched = tree_of(added, depth).matches(context)
+    tree = tree_of(added, depth)
+    matched = tree.matches(context)
     args = (num, factor, min_prob)
-    assert best_draft(matched, *args) == forward_draft(matched, *args)
+    assert best_draft(tree, matched, *args) == forward_draft(tree, matched, *args)
     rival = Match((9,), *beat)
-    every = forward_draft(matched, *args)
+    every = forward_draft(tree, matched, *args)
     wins = every.ids and (every.score, every.length) > (rival.score, rival.length)
-    assert best_draft(matched, *args, beat=rival) == (every if wins else rival)
+    assert best_draft(tree, matched, *args, beat=rival) == (every if wins else rival)
 
 
 class Op:
@@ -362,7 +363,7 @@ def test_the_next_turn_takes_over_the_last_turns_tree() -> None:
     second = req("t2", [5, 6, 7, 8, 9, 1, 2])
     proposer.propose([window(second, [5, 6, 7, 8, 9, 1, 2], 0)])
     assert proposer._local["t2"].tree is tree and not proposer._finished
-    assert shape(tree.root) == shape(tree_of([[5, 6, 7, 8, 9, 1, 2]], 6).root)
+    assert shape(tree) == shape(tree_of([[5, 6, 7, 8, 9, 1, 2]], 6))
     proposer.release(second, [])
     other = req("t3", [5, 6, 7, 8, 3])  # diverges inside what t2 held
     proposer.propose([window(other, [5, 6, 7, 8, 3], 0)])
@@ -400,14 +401,15 @@ def test_the_incremental_state_equals_one_built_from_nothing_across_rollback_pre
         expected[r.request_id] = history[len(prompt) :]
 
     def check(history: list[int], got: Match) -> None:
-        assert shape(proposer.global_tree.root) == shape(tree_of(list(expected.values()), depth).root)
+        assert shape(proposer.global_tree) == shape(tree_of(list(expected.values()), depth))
         local = proposer._local[r.request_id]
-        assert shape(local.tree.root) == shape(tree_of([history], depth).root)
+        assert shape(local.tree) == shape(tree_of([history], depth))
         fresh = proposer.global_tree.matches(known_tail(history, depth))
         nodes = local.matcher._nodes
-        assert len(nodes) <= len(fresh) and all(a is b for a, b in zip(nodes, fresh))
-        want = forward_draft(tree_of([history], depth).matches(known_tail(history, depth)), num, 1.0, 0.0)
-        other = forward_draft(nodes, num, 1.0, 0.0)
+        assert len(nodes) <= len(fresh) and nodes == fresh[: len(nodes)]
+        alone = tree_of([history], depth)
+        want = forward_draft(alone, alone.matches(known_tail(history, depth)), num, 1.0, 0.0)
+        other = forward_draft(proposer.global_tree, nodes, num, 1.0, 0.0)
         if (other.score, other.length) > (want.score, want.length) and other.ids:
             want = other
         assert got == want
@@ -442,9 +444,9 @@ def test_the_incremental_state_equals_one_built_from_nothing_across_rollback_pre
             continue
         history = prompt + output
         if op[0] == "ask":
-            before = shape(proposer.global_tree.root), list(proposer._cached)
+            before = shape(proposer.global_tree), list(proposer._cached)
             assert 0 <= proposer.available(r, history, op[1]) <= op[1]
-            assert (shape(proposer.global_tree.root), list(proposer._cached)) == before
+            assert (shape(proposer.global_tree), list(proposer._cached)) == before
             continue
         got = proposer.score(r, history, num)
         synced(history)
