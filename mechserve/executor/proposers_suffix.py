@@ -76,7 +76,8 @@ class SuffixTree:
     smaller token id; -1 without children), ``token[n]`` the token id on the edge into it.  The edges are one
     dict of ints, ``edges[(parent << 32) | token] = child``; a node's children are also chained (``_first``,
     ``_next``, ``_prev``: node ids, -1 ends the chain) so that ``best`` can be found again when a child loses a
-    count.  Ids of dropped nodes are reused (``_free``).  Why not one object per node: arrays and a dict of ints
+    count.  Ids of dropped nodes are reused (``_free``; a free node's fields are a new one's: count and out 0,
+    no children, not in a chain).  Why not one object per node: arrays and a dict of ints
     are not containers Python's cyclic garbage collector tracks, so a tree of millions of nodes costs every
     collection nothing, where node objects and their children dicts were all scanned (issue 27).
     """
@@ -119,8 +120,10 @@ class SuffixTree:
         """Room for more nodes: every array half as long again (at least 64), the new ids onto ``_free``."""
         old = len(self.count)
         more = max(64, old // 2)
-        for column in (self.count, self.out, self.best, self.token, self._first, self._next, self._prev):
-            column.extend(array("q", (0,)) * more)
+        for column, free in ((self.count, 0), (self.out, 0), (self.best, -1), (self.token, -1)):
+            column.extend(array("q", (free,)) * more)
+        for column in (self._first, self._next, self._prev):
+            column.extend(array("q", (-1,)) * more)
         self._free.extend(range(old + more - 1, old - 1, -1))
 
     def cursor(self) -> Cursor:
@@ -138,7 +141,8 @@ class SuffixTree:
         left with a zero count are dropped (their ids freed for reuse).
 
         A node whose count falls to zero held only this occurrence, so everything under it is this
-        occurrence's continuation: the walk goes on down it, dropping each node, instead of stopping."""
+        occurrence's continuation, a chain of nodes of count one: the walk goes on down it, dropping each node
+        (which leaves it with a free node's fields: no count, no children), instead of stopping."""
         self.version += 1
         count, out, best, edges = self.count, self.out, self.best, self.edges
         first, nxt, prev, free = self._first, self._next, self._prev, self._free
@@ -163,6 +167,7 @@ class SuffixTree:
                         first[node] = after
                     if after >= 0:
                         prev[after] = before
+                    prev[child] = -1
                     free.append(child)
                     self.nodes -= 1
                 if child == best[node]:
@@ -271,36 +276,38 @@ class Cursor:
         self.ids.append(token)
         tree = self.tree
         count, out, best, label, edges, free = tree.count, tree.out, tree.best, tree.token, tree.edges, tree._free
-        first, nxt, prev = tree._first, tree._next, tree._prev
+        first, nxt, prev, shift = tree._first, tree._next, tree._prev, _SHIFT
         active = [ROOT]
         grown = active.append
         created = 0
         for node in self._active:
-            key = (node << _SHIFT) | token
-            child = edges.get(key, -1)
-            if child < 0:  # a new node, first in its parent's chain of children
+            key = (node << shift) | token
+            if created:  # a longer suffix than one just created is new too: it holds that one as its suffix
+                child = -1
+            else:
+                child = edges.get(key, -1)
+            if child < 0:  # a new node (its fields are a free node's: no children), first in its parent's chain
                 if not free:
                     tree._grow()  # in place: the arrays bound here stay the tree's
                 child = edges[key] = free.pop()
-                count[child] = 1
-                out[child] = 0
-                best[child] = -1
+                count[child] = k = 1
                 label[child] = token
-                first[child] = -1
-                prev[child] = -1
                 after = nxt[child] = first[node]
                 if after >= 0:
                     prev[after] = child
                 first[node] = child
                 created += 1
-                k = 1
             else:
                 k = count[child] = count[child] + 1
             out[node] += 1
             top = best[node]
             if top != child:  # is the child now the most frequent? (ties: the smaller token id)
-                if top < 0 or k > count[top] or (k == count[top] and token < label[top]):
+                if top < 0:
                     best[node] = child
+                else:
+                    held = count[top]
+                    if k > held or (k == held and token < label[top]):
+                        best[node] = child
             grown(child)
         tree.nodes += created
         if len(active) > tree.max_depth:  # the root plus suffixes of 1 .. max_depth - 1 ids may still grow
