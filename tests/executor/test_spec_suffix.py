@@ -11,9 +11,11 @@ test_spec_sampling.py (chi-square), structured/test_constrained_engine.py and en
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from types import FunctionType, ModuleType
 from typing import Any
 
 import pytest
@@ -25,7 +27,7 @@ from mechserve.api.config import EngineConfig, SpeculativeConfig
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
 from mechserve.executor.proposers import Window
-from mechserve.executor.proposers_suffix import ROOT, Match, SuffixProposer, SuffixTree, best_draft
+from mechserve.executor.proposers_suffix import MAX_TOKEN_ID, ROOT, Match, SuffixProposer, SuffixTree, best_draft
 from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.sampling import Row
 from mechserve.model.loader import LoadedModel
@@ -451,3 +453,171 @@ def test_the_incremental_state_equals_one_built_from_nothing_across_rollback_pre
         got = proposer.score(r, history, num)
         synced(history)
         check(history, got)
+
+
+# The trees' representation (issue 27: nodes the garbage collector never scans) ----------------------------------------
+
+
+def held_substrings(seqs: Sequence[Sequence[int]], depth: int) -> dict[tuple[int, ...], int]:
+    """``substrings`` of the runs of known ids (an id < 0 breaks a sequence: nothing spans it)."""
+    runs: list[list[int]] = []
+    for s in seqs:
+        runs.append([])
+        for t in s:
+            if t < 0:
+                runs.append([])
+            else:
+                runs[-1].append(t)
+    return substrings(runs, depth)
+
+
+def reference_draft(
+    held: dict[tuple[int, ...], int], context: Sequence[int], depth: int, num: int, factor: float, min_prob: float
+) -> Match:
+    """The draft rule (module docstring) read off the substring counts: every suffix of ``context`` held is a
+    match, followed by its most frequent continuation (ties: the smaller id) while the path probability lasts."""
+    best = Match()
+    if num <= 0:
+        return best
+    for m in range(1, min(len(context), depth - 1) + 1):
+        path = tuple(context[len(context) - m :])
+        if path not in held:
+            break
+        ids: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(ids) < min(num, int(factor * m)) and len(path) < depth:
+            after = {s[-1]: n for s, n in held.items() if len(s) == len(path) + 1 and s[:-1] == path}
+            if not after:
+                break
+            token = max(after, key=lambda t: (after[t], -t))
+            prob *= after[token] / sum(after.values())
+            if prob < min_prob:
+                break
+            ids.append(token)
+            score += prob
+            path = (*path, token)
+        if ids and (score > best.score or (score == best.score and m > best.length)):
+            best = Match(tuple(ids), score, m)
+    return best
+
+
+def free_nodes_are_blank(tree: SuffixTree) -> None:
+    """Every freed node id has a new node's fields (what ``Cursor.append`` relies on) and is not in the tree."""
+    live = {ROOT}
+    stack = [ROOT]
+    while stack:
+        kids = tree.children(stack.pop()).values()
+        live.update(kids)
+        stack.extend(kids)
+    assert len(live) == tree.nodes and not live & set(tree._free)
+    assert len(live) + len(tree._free) == len(tree.count)  # no id lost
+    for n in tree._free:
+        assert (tree.count[n], tree.out[n], tree.best[n], tree._first[n], tree._prev[n]) == (0, 0, -1, -1, -1)
+
+
+tree_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.lists(st.integers(-1, 3), max_size=10)),
+        # grow sequence k of the ones being appended to (a new one if k has none)
+        st.tuples(st.just("append"), st.integers(0, 2), st.lists(st.integers(-1, 3), min_size=1, max_size=6)),
+        # take out the i-th sequence held (mod their number): an added one or an appended one, whole
+        st.tuples(st.just("remove"), st.integers(0, 10)),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(
+    ops=tree_ops,
+    depth=st.integers(2, 5),
+    context=st.lists(st.integers(0, 3), max_size=6),
+    num=st.integers(0, 5),
+    factor=st.sampled_from([0.5, 1.0, 2.5]),
+    min_prob=st.sampled_from([0.0, 0.1, 0.5]),
+)
+def test_adds_appends_and_removes_count_and_draft_what_the_sequences_held_say(
+    ops: list[tuple[Any, ...]], depth: int, context: list[int], num: int, factor: float, min_prob: float
+) -> None:
+    """After every step of adds, cursors grown id by id and removals (freed node ids reused), the tree's counts,
+    most frequent children and drafts are what the substrings of the sequences it holds say."""
+    tree = SuffixTree(depth)
+    held: list[list[int]] = []
+    growing: dict[int, tuple[Any, list[int]]] = {}  # k -> its cursor and its sequence (one of ``held``)
+    for op in ops:
+        if op[0] == "add":
+            tree.add(op[1])
+            held.append(list(op[1]))
+        elif op[0] == "append":
+            if op[1] not in growing:
+                growing[op[1]] = (tree.cursor(), [])
+                held.append(growing[op[1]][1])
+            cursor, seq = growing[op[1]]
+            for t in op[2]:
+                cursor.append(t)
+                seq.append(t)
+            assert cursor.ids == seq
+        elif held:
+            gone = held.pop(op[1] % len(held))
+            tree.remove(gone)
+            growing = {k: v for k, v in growing.items() if v[1] is not gone}
+        want = held_substrings(held, depth)
+        assert counts(tree) == want and tree.nodes == len(want) + 1
+        free_nodes_are_blank(tree)
+        for ctx in [context, *(s[-depth:] for s in held)]:
+            assert tree.speculate(ctx, num, factor, min_prob) == reference_draft(want, ctx, depth, num, factor, min_prob)
+        for cursor, seq in growing.values():  # a cursor's matches are the suffixes of its own known ids
+            assert cursor.matched == tree.matches(seq[-(depth - 1) :])[: len(cursor.matched)]
+
+
+def test_a_token_id_too_large_for_the_edge_key_is_refused() -> None:
+    tree = SuffixTree(4)
+    tree.add([MAX_TOKEN_ID, 0, MAX_TOKEN_ID])
+    assert tree.speculate([MAX_TOKEN_ID], 2, 2.0, 0.0).ids == (0, MAX_TOKEN_ID)
+    with pytest.raises(ValueError, match=f"token id {MAX_TOKEN_ID + 1} is above the suffix tree's largest"):
+        tree.add([1, MAX_TOKEN_ID + 1])
+    assert counts(tree) == held_substrings([[MAX_TOKEN_ID, 0, MAX_TOKEN_ID], [1]], 4)  # the refused id is not in
+
+
+def tracked_from(root: object) -> int:
+    """How many objects the cyclic garbage collector tracks among those reachable from ``root`` (classes,
+    functions and modules not followed: they are shared, not the proposer's)."""
+    seen: set[int] = set()
+    stack, tracked = [root], 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, ModuleType, FunctionType)):
+            continue
+        seen.add(id(obj))
+        tracked += gc.is_tracked(obj)
+        stack.extend(gc.get_referents(obj))
+    return tracked
+
+
+def test_the_trees_hold_no_object_the_garbage_collector_tracks_per_id() -> None:
+    """Issue 27: one object per node (and its children dict) made every collection scan every node held, the
+    global tree's included (up to ``max_cached_requests`` outputs).  A proposer that has grown request trees over
+    a few hundred ids each and a global tree over their outputs tracks as many objects as one over a few ids."""
+
+    def grown(n: int) -> tuple[SuffixProposer, int]:
+        outputs = random_prompts([n] * 5, seed=21)  # made before counting: the test's, not the proposer's
+        prompts = random_prompts([n] * 5, seed=22)
+        histories = [[*p, *o] for p, o in zip(prompts, outputs)]
+        gc.collect()
+        before = len(gc.get_objects())
+        proposer = SuffixProposer(max_tree_depth=24, max_cached_requests=3)
+        for i, history in enumerate(histories):
+            r = req(f"r{i}", history[:n])
+            for k in range(n, 2 * n + 1, max(1, n // 8)):  # prefill, then the output in steps
+                proposer.score(r, history[:k], 4)
+            if i < 4:  # the last one stays running
+                proposer.release(r, history[n:])
+        gc.collect()
+        return proposer, len(gc.get_objects()) - before
+
+    small, small_new = grown(8)
+    big, big_new = grown(320)
+    assert big.global_tree.nodes > 20 * small.global_tree.nodes and big.cached_requests == 3
+    assert sum(tree.nodes for tree, _ in big._finished.values()) > 10_000  # finished requests' trees, kept
+    assert tracked_from(big) == tracked_from(small)
+    assert big_new <= small_new + 8  # what else the run left (tracked) does not grow with the ids either
