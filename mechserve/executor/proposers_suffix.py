@@ -93,6 +93,7 @@ class SuffixTree:
         self._first = array("q", (-1,))
         self._next = array("q", (-1,))
         self._prev = array("q", (-1,))
+        self._chain = (self._first, self._next, self._prev)
         self.edges: dict[int, int] = {}
         self._free = array("q")  # node ids to reuse, the next one last
         self.nodes = 1
@@ -105,7 +106,7 @@ class SuffixTree:
 
     def child(self, node: int, token: int) -> int:
         """The node id of ``node``'s child under ``token``; -1 when it has none."""
-        return self.edges.get((node << _SHIFT) | token, -1)
+        return self.edges.get((node << _SHIFT) | token, -1) if 0 <= token <= MAX_TOKEN_ID else -1
 
     def children(self, node: int) -> dict[int, int]:
         """``node``'s children: token id -> node id, by token id."""
@@ -120,10 +121,9 @@ class SuffixTree:
         """Room for more nodes: every array half as long again (at least 64), the new ids onto ``_free``."""
         old = len(self.count)
         more = max(64, old // 2)
-        for column, free in ((self.count, 0), (self.out, 0), (self.best, -1), (self.token, -1)):
-            column.extend(array("q", (free,)) * more)
-        for column in (self._first, self._next, self._prev):
-            column.extend(array("q", (-1,)) * more)
+        blank = ((self.count, 0), (self.out, 0), (self.best, -1), (self.token, -1), *((c, -1) for c in self._chain))
+        for column, value in blank:
+            column.extend(array("q", (value,)) * more)
         self._free.extend(range(old + more - 1, old - 1, -1))
 
     def cursor(self) -> Cursor:
@@ -282,10 +282,8 @@ class Cursor:
         created = 0
         for node in self._active:
             key = (node << shift) | token
-            if created:  # a longer suffix than one just created is new too: it holds that one as its suffix
-                child = -1
-            else:
-                child = edges.get(key, -1)
+            # a longer suffix than one just created is new too (it holds that one as its suffix): no lookup
+            child = -1 if created else edges.get(key, -1)
             if child < 0:  # a new node (its fields are a free node's: no children), first in its parent's chain
                 if not free:
                     tree._grow()  # in place: the arrays bound here stay the tree's

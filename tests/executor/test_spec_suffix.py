@@ -564,8 +564,9 @@ def test_adds_appends_and_removes_count_and_draft_what_the_sequences_held_say(
         want = held_substrings(held, depth)
         assert counts(tree) == want and tree.nodes == len(want) + 1
         free_nodes_are_blank(tree)
+        args = (num, factor, min_prob)
         for ctx in [context, *(s[-depth:] for s in held)]:
-            assert tree.speculate(ctx, num, factor, min_prob) == reference_draft(want, ctx, depth, num, factor, min_prob)
+            assert tree.speculate(ctx, *args) == reference_draft(want, ctx, depth, *args)
         for cursor, seq in growing.values():  # a cursor's matches are the suffixes of its own known ids
             assert cursor.matched == tree.matches(seq[-(depth - 1) :])[: len(cursor.matched)]
 
