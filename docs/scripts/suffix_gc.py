@@ -1,0 +1,121 @@
+"""What Python's cyclic garbage collector costs suffix decoding's trees (issue 27), this checkout's
+``SuffixTree`` beside ``--baseline REF``'s (its ``proposers_suffix.py`` from git), in one process.
+
+    PYTHONPATH=$PWD python docs/scripts/suffix_gc.py [--baseline main] [--mode fast] [--repeats 8]
+                                                     [--outputs 400] [--no-model]
+
+With the model loaded (``--no-model``: without it; the heap the collector walks is then almost only the
+trees) and the collector on, as in a server:
+
+    prompts   milliseconds to add the 8 ``summarise`` prompts (through the chat template) to fresh trees of
+              depth 24, the last 16 trees kept alive (``SuffixProposer.FINISHED_KEPT``), repeats interleaved
+    collect   milliseconds of one full collection (``gc.collect()``) with no tree, then with a global tree over
+              ``--outputs`` outputs of 128 ids (Pareto-distributed ids below 8000, seeded)
+
+Prints one line per measurement; every figure is a wall-clock time on whatever else the machine runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import importlib.util
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from mechserve.bench.spec_workloads import workloads
+from mechserve.executor import proposers_suffix
+
+
+def baseline_module(ref: str) -> Any:
+    """``ref``'s ``mechserve/executor/proposers_suffix.py``, imported as ``baseline_suffix``."""
+    source = subprocess.run(
+        ["git", "show", f"{ref}:mechserve/executor/proposers_suffix.py"], capture_output=True, text=True, check=True
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / "baseline_suffix.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("baseline_suffix", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["baseline_suffix"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def prompt_ids(args: argparse.Namespace) -> tuple[list[list[int]], Any]:
+    """The summarise prompts' ids through the chat template, and the loaded model (kept: it is the heap)."""
+    from mechserve.bench.runners import MODES
+    from mechserve.model.loader import load_model
+
+    dtype, quantization = MODES[args.mode]
+    loaded = load_model("smollm2", dtype=dtype, quantization=quantization)
+    ids = []
+    for session in workloads()["summarise"][:8]:
+        chat = [{"role": "user", "content": session.turns[0]}]
+        got = loaded.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        ids.append(list(got["input_ids"] if hasattr(got, "keys") else got))
+    return ids, loaded
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--baseline", default="main", help="the git ref whose SuffixTree is measured beside")
+    parser.add_argument("--mode", default="fast")
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--outputs", type=int, default=400)
+    parser.add_argument("--no-model", action="store_true", help="random prompt ids, no model loaded")
+    args = parser.parse_args()
+
+    trees = {"baseline": baseline_module(args.baseline).SuffixTree, "current": proposers_suffix.SuffixTree}
+    rng = random.Random(0)
+    if args.no_model:
+        prompts, loaded = [[int(rng.paretovariate(1.0)) % 8000 for _ in range(250)] for _ in range(8)], None
+    else:
+        prompts, loaded = prompt_ids(args)
+    print(f"prompt ids {[len(p) for p in prompts]}, objects the collector tracks {len(gc.get_objects())}")
+
+    kept: dict[str, collections.deque[Any]] = {name: collections.deque(maxlen=16) for name in trees}
+    times: dict[str, list[float]] = {name: [] for name in trees}
+    for rep in range(args.repeats):
+        for name in list(trees) if rep % 2 == 0 else list(trees)[::-1]:
+            started = time.perf_counter()
+            for ids in prompts:
+                tree = trees[name](24)
+                tree.add(ids)
+                kept[name].append(tree)
+            times[name].append((time.perf_counter() - started) * 1e3)
+    for name, got in times.items():
+        each = " ".join(f"{t:.0f}" for t in got)
+        print(f"prompts {name:8}: add 8 prompts, ms by repeat {each}; median {statistics.median(got):.0f}")
+    for held in kept.values():
+        held.clear()
+
+    def collect_ms() -> str:
+        spent = []
+        for _ in range(3):
+            started = time.perf_counter()
+            gc.collect()
+            spent.append((time.perf_counter() - started) * 1e3)
+        return " ".join(f"{t:.0f}" for t in spent)
+
+    print(f"collect no tree : gc.collect() ms {collect_ms()}")
+    outputs = [[int(rng.paretovariate(1.0)) % 8000 for _ in range(128)] for _ in range(args.outputs)]
+    for name, cls in trees.items():
+        tree = cls(24)
+        for ids in outputs:
+            tree.add(ids)
+        print(f"collect {name:8}: global tree over {args.outputs} outputs, {tree.nodes} nodes: ms {collect_ms()}")
+        del tree
+        gc.collect()
+    del loaded
+
+
+if __name__ == "__main__":
+    main()
