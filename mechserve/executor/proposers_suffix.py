@@ -77,9 +77,10 @@ class SuffixTree:
     dict of ints, ``edges[(parent << 32) | token] = child``; a node's children are also chained (``_first``,
     ``_next``, ``_prev``: node ids, -1 ends the chain) so that ``best`` can be found again when a child loses a
     count.  Ids of dropped nodes are reused (``_free``; a free node's fields are a new one's: count and out 0,
-    no children, not in a chain).  Why not one object per node: arrays and a dict of ints
-    are not containers Python's cyclic garbage collector tracks, so a tree of millions of nodes costs every
-    collection nothing, where node objects and their children dicts were all scanned (issue 27).
+    no children, not in a chain).  Why not one object per node: Python's cyclic garbage collector tracks an
+    array as one object with nothing inside to visit, whatever its length, and a dict holding only ints not at
+    all, so a tree of millions of nodes costs a collection what a tree of one does, where node objects and
+    their children dicts were each tracked, counted towards the next collection and scanned (issue 27).
     """
 
     def __init__(self, max_depth: int) -> None:
@@ -224,13 +225,23 @@ def best_draft(
     Matches are tried longest first, and the search stops at the first whose adaptive length cannot beat the
     best so far: a draft of ``b`` ids scores at most ``b`` (every path probability is at most 1), and a shorter
     match has no longer budget.  Where the text repeats itself the longest match drafts with probability 1
-    and ends the search at once, so a proposal walks one path instead of one per match length.
+    and ends the search at once, so a proposal walks one path instead of one per match length.  Where it does
+    not, the longest matches have never been followed (a request tree's longest suffixes occur once, at its
+    end); a suffix that was followed has every shorter one followed too, so the longest followed match is found
+    by bisection, O(log max_depth), not by trying each.
     """
     best = NO_MATCH if beat is None else beat
     if num <= 0:
         return best
     count, out, follow, token = tree.count, tree.out, tree.best, tree.token
-    for m in range(len(matched), 0, -1):
+    lo, hi = 0, len(matched)  # the longest match with a child: matched[lo - 1] (none: lo == 0)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if follow[matched[mid - 1]] >= 0:
+            lo = mid
+        else:
+            hi = mid - 1
+    for m in range(lo, 0, -1):
         budget = min(num, int(max_spec_factor * m))
         if budget < best.score or (budget == best.score and m <= best.length):
             break
