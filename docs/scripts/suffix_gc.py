@@ -9,6 +9,8 @@ trees) and the collector on, as in a server:
 
     prompts   milliseconds to add the 8 ``summarise`` prompts (through the chat template) to fresh trees of
               depth 24, the last 16 trees kept alive (``SuffixProposer.FINISHED_KEPT``), repeats interleaved
+    off       the same with the collector off (the tree work alone), and for text that repeats itself (each
+              prompt's first 60 ids over to its length: mostly nodes that exist, where a prompt makes new ones)
     collect   milliseconds of one full collection (``gc.collect()``) with no tree, then with a global tree over
               ``--outputs`` outputs of 128 ids (Pareto-distributed ids below 8000, seeded); each tree after a
               measurement without one
@@ -99,6 +101,20 @@ def main() -> None:
         print(f"prompts {name:8}: add 8 prompts, CPU/wall ms by repeat {each}; median {cpu:.0f}/{wall:.0f}")
     for held in kept.values():
         held.clear()
+
+    gc.disable()  # the tree work alone: the prompts, and text that repeats itself (each prompt's first 60 ids over)
+    repeats = [(ids[:60] * (len(ids) // 60 + 1))[: len(ids)] for ids in prompts]
+    for label, seqs in (("prompts", prompts), ("repeats", repeats)):
+        alone: dict[str, float] = {name: float("inf") for name in trees}
+        for rep in range(args.repeats):
+            for name in list(trees) if rep % 2 == 0 else list(trees)[::-1]:
+                cpu = time.thread_time()
+                for ids in seqs:
+                    trees[name](24).add(ids)
+                alone[name] = min(alone[name], (time.thread_time() - cpu) * 1e3)
+        each = ", ".join(f"{name} {ms:.1f}" for name, ms in alone.items())
+        print(f"collector off, {label}: add 8, CPU ms (least of {args.repeats}) {each}")
+    gc.enable()
 
     def collect_ms() -> str:
         spent = []

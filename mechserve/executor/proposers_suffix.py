@@ -24,12 +24,27 @@ The guesses are point masses, verified exactly like prompt lookup's (``torch_exe
 can change an output, only how many steps it takes.  Why our own trees and not arctic-inference's
 (faster: C++): its only distribution on PyPI (0.3.0) is a source archive whose build imports torch and
 needs CMake, nanobind and a C++20 compiler (with pip's build isolation it downloads a second torch),
-which a clean CPU install cannot count on.  These trees are plain dicts: O(max_tree_depth) work per id
-appended (the request tree and, for its output, the global tree) and per proposal (``Matcher``; the draft
-search stops at the first match length that cannot win, ``best_draft``); a conversation's next turn takes
-the last turn's request tree over.  Replaying one batch-1 run's proposer calls (``docs/scripts/
-suffix_cost.py --baseline``), that is 0.30 ms per decode step against 6.5 ms before (21.6x; agent and chat,
-fast mode, a machine at load ~15-20), now almost all of it ``Cursor.append`` growing the trees.
+which a clean CPU install cannot count on.  O(max_tree_depth) work per id appended (the request tree and,
+for its output, the global tree) and per proposal (``Matcher``; the draft search stops at the first match
+length that cannot win, ``best_draft``); a conversation's next turn takes the last turn's request tree over.
+Replaying one batch-1 run's proposer calls (``docs/scripts/suffix_cost.py --baseline``), that was 0.30 ms
+per decode step against 6.5 ms before (21.6x; agent and chat, fast mode, a machine at load ~15-20), almost
+all of it ``Cursor.append`` growing the trees.
+
+Most of what remained was Python's cyclic garbage collector, not tree work: a tree of node objects (each
+with a children dict) gave the collector two tracked objects per node, so growing a tree set collections
+off, and every full collection scanned every node alive, the kept trees' and the global tree's (up to
+``max_cached_requests`` outputs: tens of millions of nodes in a long-running server).  The trees hold no
+object per node (``SuffixTree``: int arrays and one dict of ints, which cost a collection nothing).  Measured
+with SmolLM2 loaded (fast mode), the collector on, old and new interleaved in one process on a machine at
+load ~6-7 on 2 cores (CPU time of the measuring thread; ``docs/scripts/suffix_gc.py``): adding the 8
+``summarise`` prompts (221-272 ids, the last 16 trees kept) 19 ms against 250 ms median (27 ms when no full
+collection fell inside); a full collection with a global tree over 400 outputs of 128 ids (865k nodes)
+211-227 ms, what it takes without the tree (198-206 ms: the process's other objects), against 580-605 ms.
+Replaying one ``summarise`` batch-8 run's proposer calls (730 ``available``, 111 ``propose``) with every
+replay's trees kept alive: REPLAY.  The price: without collections an array entry is slower to read and write
+than an attribute (CPython 3.11 does not specialise it), so the tree work itself is 0.9x (new nodes, a prompt)
+to 1.85x (existing nodes, text that repeats) what it was with the collector off.
 """
 
 from __future__ import annotations
