@@ -2,7 +2,7 @@
 ``SuffixTree`` beside ``--baseline REF``'s (its ``proposers_suffix.py`` from git), in one process.
 
     PYTHONPATH=$PWD python docs/scripts/suffix_gc.py [--baseline main] [--mode fast] [--repeats 8]
-                                                     [--outputs 400] [--no-model]
+                                                     [--outputs 400] [--no-model | --replay]
 
 With the model loaded (``--no-model``: without it; the heap the collector walks is then almost only the
 trees) and the collector on, as in a server:
@@ -14,6 +14,8 @@ trees) and the collector on, as in a server:
     collect   milliseconds of one full collection (``gc.collect()``) with no tree, then with a global tree over
               ``--outputs`` outputs of 128 ids (Pareto-distributed ids below 8000, seeded); each tree after a
               measurement without one
+
+``--replay``: one ``summarise`` batch-8 run's proposer calls replayed through each ``SuffixProposer`` (``replay``).
 
 Prints one line per measurement: the CPU time of the measuring thread (``time.thread_time``: the work itself,
 what a loaded machine's other processes take does not count) and the wall-clock time beside it.
@@ -75,9 +77,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--outputs", type=int, default=400)
     parser.add_argument("--no-model", action="store_true", help="random prompt ids, no model loaded")
+    parser.add_argument("--replay", action="store_true", help="also replay a summarise batch-8 run's calls")
     args = parser.parse_args()
+    if args.replay and args.no_model:
+        parser.error("--replay needs the model: drop --no-model")
 
-    trees = {"baseline": baseline_module(args.baseline).SuffixTree, "current": proposers_suffix.SuffixTree}
+    module = baseline_module(args.baseline)
+    trees = {"baseline": module.SuffixTree, "current": proposers_suffix.SuffixTree}
     rng = random.Random(0)
     if args.no_model:
         prompts, loaded = [[int(rng.paretovariate(1.0)) % 8000 for _ in range(250)] for _ in range(8)], None
@@ -135,7 +141,67 @@ def main() -> None:
         )
         del tree
         gc.collect()
+    if args.replay:
+        replay(args, loaded, {"baseline": module.SuffixProposer, "current": proposers_suffix.SuffixProposer})
     del loaded
+
+
+def replay(args: argparse.Namespace, loaded: Any, proposers: dict[str, Any]) -> None:
+    """Record the proposer calls of one ``summarise`` batch-8 run (suffix, adaptive, 4 guesses, 128 new tokens),
+    then replay them through each proposer class in turn, ``--repeats`` times, every replay's proposer kept
+    alive (a server's heap grows as they do): CPU and wall ms per call kind."""
+    from mechserve.api.config import SpeculativeConfig, dtype_name
+    from mechserve.api.params import SamplingParams
+    from mechserve.bench.spec_decode import Tally, run_sessions
+    from mechserve.engine.executors import configure_threads
+    from mechserve.entrypoints.llm import LLM
+    from mechserve.executor.proposers import Window
+    from mechserve.executor.sampling import Row
+
+    configure_threads()
+    size = {"dtype": dtype_name(loaded.model.dtype), "quantization": getattr(loaded.model, "quantization", None)}
+    llm = LLM(loaded, speculative_config=SpeculativeConfig(method="suffix", num_speculative_tokens=4), **size)
+    proposer = llm.core.executor.proposer
+    calls: list[tuple[str, Any]] = []
+    real = proposer.propose, proposer.available, proposer.release
+
+    def propose(windows: list[Window]) -> Any:
+        calls.append(("propose", [(w.request, list(w.history), w.slots) for w in windows]))
+        return real[0](windows)
+
+    def available(request: Any, history: Any, cap: int) -> int:
+        calls.append(("available", (request, list(history), cap)))
+        return real[1](request, history, cap)
+
+    def release(request: Any, output_ids: Any) -> None:
+        calls.append(("release", (request, list(output_ids))))
+        real[2](request, output_ids)
+
+    proposer.propose, proposer.available, proposer.release = propose, available, release
+    params = SamplingParams(temperature=0.0, max_tokens=128)
+    run_sessions(llm, workloads()["summarise"][:8], params, Tally())
+    print(f"replay: {dict(collections.Counter(kind for kind, _ in calls))} calls recorded")
+    options = (proposer.max_tree_depth, proposer.max_cached_requests, proposer.max_spec_factor)
+    alive = []
+    for rep in range(args.repeats):
+        for name in list(proposers) if rep % 2 == 0 else list(proposers)[::-1]:
+            fresh = proposers[name](*options, proposer.min_token_prob)
+            alive.append(fresh)
+            cpu: collections.Counter[str] = collections.Counter()
+            wall: collections.Counter[str] = collections.Counter()
+            for kind, what in calls:
+                started, used = time.perf_counter(), time.thread_time()
+                if kind == "propose":
+                    fresh.propose([Window(None, h, slots, Row(r.params, 0, request=r)) for r, h, slots in what])
+                elif kind == "available":
+                    fresh.available(*what)
+                else:
+                    fresh.release(*what)
+                cpu[kind] += time.thread_time() - used
+                wall[kind] += time.perf_counter() - started
+            each = " ".join(f"{k}={cpu[k] * 1e3:.0f}/{wall[k] * 1e3:.0f}" for k in sorted(cpu))
+            total = f"{sum(cpu.values()) * 1e3:.0f}/{sum(wall.values()) * 1e3:.0f}"
+            print(f"replay {name:8} {rep}: CPU/wall ms total {total}, {each}")
 
 
 if __name__ == "__main__":
