@@ -36,15 +36,18 @@ with a children dict) gave the collector two tracked objects per node, so growin
 off, and every full collection scanned every node alive, the kept trees' and the global tree's (up to
 ``max_cached_requests`` outputs: tens of millions of nodes in a long-running server).  The trees hold no
 object per node (``SuffixTree``: int arrays and one dict of ints, which cost a collection nothing).  Measured
-with SmolLM2 loaded (fast mode), the collector on, old and new interleaved in one process on a machine at
-load ~6-7 on 2 cores (CPU time of the measuring thread; ``docs/scripts/suffix_gc.py``): adding the 8
-``summarise`` prompts (221-272 ids, the last 16 trees kept) 19 ms against 250 ms median (27 ms when no full
-collection fell inside); a full collection with a global tree over 400 outputs of 128 ids (865k nodes)
-211-227 ms, what it takes without the tree (198-206 ms: the process's other objects), against 580-605 ms.
-Replaying one ``summarise`` batch-8 run's proposer calls (730 ``available``, 111 ``propose``) with every
-replay's trees kept alive: REPLAY.  The price: without collections an array entry is slower to read and write
-than an attribute (CPython 3.11 does not specialise it), so the tree work itself is 0.9x (new nodes, a prompt)
-to 1.85x (existing nodes, text that repeats) what it was with the collector off.
+with SmolLM2 loaded (fast mode) and the collector on, old and new interleaved in one process on a machine at
+load ~7-9 on 2 cores, CPU time of the measuring thread (``docs/scripts/suffix_gc.py --replay``): adding the
+8 ``summarise`` prompts (221-272 ids, the last 16 trees kept) 20-22 ms against 218-276 ms (27-30 ms when no
+full collection fell inside); a full collection with a global tree over 400 outputs of 128 ids (865k
+nodes) 198-204 ms, what it takes without a tree (192-211 ms: the process's other objects), against
+520-545 ms; one ``summarise`` batch-8 run's proposer calls (721 ``available``, 106 ``propose``) replayed six
+times, every replay's proposer kept alive, 61-73 ms per replay against 292-552 ms (63 ms in the one replay
+no full collection fell inside); ``suffix_cost.py --baseline``'s batch-1 replay (``summarise``, ``chat``
+and ``agent``, 2 sessions each; wall time, load ~5-7) 0.28 ms per decode step against 0.88 ms.  The price:
+an array entry is slower to read and write than an attribute (CPython 3.11 does not specialise it), so with
+the collector off the tree work alone takes 1.5x (a prompt: 19.0 against 12.3 ms) to 2x (text that repeats
+itself: 12.5 against 6.2 ms) what it took.
 """
 
 from __future__ import annotations
