@@ -94,8 +94,9 @@ class SuffixTree:
     smaller token id; -1 without children), ``token[n]`` the token id on the edge into it.  The edges are one
     dict of ints, ``edges[(parent << 32) | token] = child``; a node's children are also chained (``_first``,
     ``_next``, ``_prev``: node ids, -1 ends the chain) so that ``best`` can be found again when a child loses a
-    count.  Ids of dropped nodes are reused (``_free``; a free node's fields are a new one's: count and out 0,
-    no children, not in a chain).  Why not one object per node: Python's cyclic garbage collector tracks an
+    count.  Ids of dropped nodes are reused (``_free``, before ids never used: ``_top`` on); a free node's
+    fields are a new one's (count and out 0, no children, not in a chain).  The memory: about 190 bytes a node
+    (the edge's dict entry and its two ints, the arrays' entries), against 280 with an object per node.  Why not one object per node: Python's cyclic garbage collector tracks an
     array as one object with nothing inside to visit, whatever its length, and a dict holding only ints not at
     all, so a tree of millions of nodes costs a collection what a tree of one does, where node objects and
     their children dicts were each tracked, counted towards the next collection and scanned (issue 27).
@@ -114,7 +115,8 @@ class SuffixTree:
         self._prev = array("q", (-1,))
         self._chain = (self._first, self._next, self._prev)
         self.edges: dict[int, int] = {}
-        self._free = array("q")  # node ids to reuse, the next one last
+        self._free = array("q")  # ids of dropped nodes, to reuse (the next one last)
+        self._top = 1  # ids from here on were never used
         self.nodes = 1
         self.version = 0  # bumped by every remove(): node ids held elsewhere (a Matcher's) may be gone or reused
 
@@ -137,13 +139,11 @@ class SuffixTree:
         return dict(sorted(found.items()))
 
     def _grow(self) -> None:
-        """Room for more nodes: every array half as long again (at least 64), the new ids onto ``_free``."""
-        old = len(self.count)
-        more = max(64, old // 2)
+        """Room for more nodes: every array half as long again (at least 64 entries), blank."""
+        more = max(64, len(self.count) // 2)
         blank = ((self.count, 0), (self.out, 0), (self.best, -1), (self.token, -1), *((c, -1) for c in self._chain))
         for column, value in blank:
             column.extend(array("q", (value,)) * more)
-        self._free.extend(range(old + more - 1, old - 1, -1))
 
     def cursor(self) -> Cursor:
         """An empty sequence in this tree, to be grown id by id."""
@@ -305,7 +305,7 @@ class Cursor:
         self.ids.append(token)
         tree = self.tree
         count, out, best, label, edges, free = tree.count, tree.out, tree.best, tree.token, tree.edges, tree._free
-        first, nxt, prev, shift = tree._first, tree._next, tree._prev, _SHIFT
+        first, nxt, prev, shift, top = tree._first, tree._next, tree._prev, _SHIFT, tree._top
         active = [ROOT]
         grown = active.append
         created = 0
@@ -314,9 +314,13 @@ class Cursor:
             # a longer suffix than one just created is new too (it holds that one as its suffix): no lookup
             child = -1 if created else edges.get(key, -1)
             if child < 0:  # a new node (its fields are a free node's: no children), first in its parent's chain
-                if not free:
-                    tree._grow()  # in place: the arrays bound here stay the tree's
-                child = edges[key] = free.pop()
+                if free:
+                    child = free.pop()
+                else:
+                    child, top = top, top + 1
+                    if child == len(count):
+                        tree._grow()  # in place: the arrays bound here stay the tree's
+                edges[key] = child
                 count[child] = k = 1
                 label[child] = token
                 after = nxt[child] = first[node]
@@ -327,16 +331,17 @@ class Cursor:
             else:
                 k = count[child] = count[child] + 1
             out[node] += 1
-            top = best[node]
-            if top != child:  # is the child now the most frequent? (ties: the smaller token id)
-                if top < 0:
+            rival = best[node]
+            if rival != child:  # is the child now the most frequent? (ties: the smaller token id)
+                if rival < 0:
                     best[node] = child
                 else:
-                    held = count[top]
-                    if k > held or (k == held and token < label[top]):
+                    held = count[rival]
+                    if k > held or (k == held and token < label[rival]):
                         best[node] = child
             grown(child)
         tree.nodes += created
+        tree._top = top
         if len(active) > tree.max_depth:  # the root plus suffixes of 1 .. max_depth - 1 ids may still grow
             del active[tree.max_depth]
         self._active = active

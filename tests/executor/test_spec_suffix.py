@@ -502,7 +502,8 @@ def reference_draft(
 
 
 def free_nodes_are_blank(tree: SuffixTree) -> None:
-    """Every freed node id has a new node's fields (what ``Cursor.append`` relies on) and is not in the tree."""
+    """Every freed or never used node id has a new node's fields (what ``Cursor.append`` relies on) and is not in
+    the tree; every id below ``_top`` is in the tree or free."""
     live = {ROOT}
     stack = [ROOT]
     while stack:
@@ -510,8 +511,8 @@ def free_nodes_are_blank(tree: SuffixTree) -> None:
         live.update(kids)
         stack.extend(kids)
     assert len(live) == tree.nodes and not live & set(tree._free)
-    assert len(live) + len(tree._free) == len(tree.count)  # no id lost
-    for n in tree._free:
+    assert len(live) + len(tree._free) == tree._top and max(live) < tree._top  # no id lost
+    for n in [*tree._free, *range(tree._top, len(tree.count))]:
         assert (tree.count[n], tree.out[n], tree.best[n], tree._first[n], tree._prev[n]) == (0, 0, -1, -1, -1)
 
 
