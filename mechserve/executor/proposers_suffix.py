@@ -37,17 +37,17 @@ off, and every full collection scanned every node alive, the kept trees' and the
 ``max_cached_requests`` outputs: tens of millions of nodes in a long-running server).  The trees hold no
 object per node (``SuffixTree``: int arrays and one dict of ints, which cost a collection nothing).  Measured
 with SmolLM2 loaded (fast mode) and the collector on, old and new interleaved in one process on a machine at
-load ~7-9 on 2 cores, CPU time of the measuring thread (``docs/scripts/suffix_gc.py --replay``): adding the
-8 ``summarise`` prompts (221-272 ids, the last 16 trees kept) 20-22 ms against 218-276 ms (27-30 ms when no
+load ~3-6 on 2 cores, CPU time of the measuring thread (``docs/scripts/suffix_gc.py --replay``): adding the
+8 ``summarise`` prompts (221-272 ids, the last 16 trees kept) 21-26 ms against 270-312 ms (33-34 ms when no
 full collection fell inside); a full collection with a global tree over 400 outputs of 128 ids (865k
-nodes) 198-204 ms, what it takes without a tree (192-211 ms: the process's other objects), against
-520-545 ms; one ``summarise`` batch-8 run's proposer calls (721 ``available``, 106 ``propose``) replayed six
-times, every replay's proposer kept alive, 61-73 ms per replay against 292-552 ms (63 ms in the one replay
+nodes) 193-200 ms, what it takes without a tree (206-255 ms: the process's other objects), against
+558-654 ms; one ``summarise`` batch-8 run's proposer calls (293 ``available``, 114 ``propose``) replayed six
+times, every replay's proposer kept alive, 47-54 ms per replay against 270-480 ms (51 ms in the one replay
 no full collection fell inside); ``suffix_cost.py --baseline``'s batch-1 replay (``summarise``, ``chat``
 and ``agent``, 2 sessions each; wall time, load ~5-7) 0.28 ms per decode step against 0.88 ms.  The price:
 an array entry is slower to read and write than an attribute (CPython 3.11 does not specialise it), so with
-the collector off the tree work alone takes 1.5x (a prompt: 19.0 against 12.3 ms) to 2x (text that repeats
-itself: 12.5 against 6.2 ms) what it took.
+the collector off the tree work alone takes 1.3x (a prompt: 19.0 against 14.4 ms) to 2x (text that repeats
+itself: 13.1 against 6.4 ms) what it took (1.5x and 2x in an earlier run).
 """
 
 from __future__ import annotations
@@ -96,10 +96,12 @@ class SuffixTree:
     ``_next``, ``_prev``: node ids, -1 ends the chain) so that ``best`` can be found again when a child loses a
     count.  Ids of dropped nodes are reused (``_free``, before ids never used: ``_top`` on); a free node's
     fields are a new one's (count and out 0, no children, not in a chain).  The memory: about 190 bytes a node
-    (the edge's dict entry and its two ints, the arrays' entries), against 280 with an object per node.  Why not one object per node: Python's cyclic garbage collector tracks an
-    array as one object with nothing inside to visit, whatever its length, and a dict holding only ints not at
-    all, so a tree of millions of nodes costs a collection what a tree of one does, where node objects and
-    their children dicts were each tracked, counted towards the next collection and scanned (issue 27).
+    (the edge's dict entry and its two ints, the arrays' entries), against 280 with an object per node.
+
+    Why not one object per node: Python's cyclic garbage collector tracks an array as one object with nothing
+    inside to visit, whatever its length, and a dict holding only ints not at all, so a tree of millions of
+    nodes costs a collection what a tree of one does, where node objects and their children dicts were each
+    tracked, counted towards the next collection and scanned (issue 27).
     """
 
     def __init__(self, max_depth: int) -> None:
