@@ -24,16 +24,35 @@ The guesses are point masses, verified exactly like prompt lookup's (``torch_exe
 can change an output, only how many steps it takes.  Why our own trees and not arctic-inference's
 (faster: C++): its only distribution on PyPI (0.3.0) is a source archive whose build imports torch and
 needs CMake, nanobind and a C++20 compiler (with pip's build isolation it downloads a second torch),
-which a clean CPU install cannot count on.  These trees are plain dicts: O(max_tree_depth) work per id
-appended (the request tree and, for its output, the global tree) and per proposal (``Matcher``; the draft
-search stops at the first match length that cannot win, ``best_draft``); a conversation's next turn takes
-the last turn's request tree over.  Replaying one batch-1 run's proposer calls (``docs/scripts/
-suffix_cost.py --baseline``), that is 0.30 ms per decode step against 6.5 ms before (21.6x; agent and chat,
-fast mode, a machine at load ~15-20), now almost all of it ``Cursor.append`` growing the trees.
+which a clean CPU install cannot count on.  O(max_tree_depth) work per id appended (the request tree and,
+for its output, the global tree) and per proposal (``Matcher``; the draft search stops at the first match
+length that cannot win, ``best_draft``); a conversation's next turn takes the last turn's request tree over.
+Replaying one batch-1 run's proposer calls (``docs/scripts/suffix_cost.py --baseline``), that was 0.30 ms
+per decode step against 6.5 ms before (21.6x; agent and chat, fast mode, a machine at load ~15-20), almost
+all of it ``Cursor.append`` growing the trees.
+
+Most of what remained was Python's cyclic garbage collector, not tree work: a tree of node objects (each
+with a children dict) gave the collector two tracked objects per node, so growing a tree set collections
+off, and every full collection scanned every node alive, the kept trees' and the global tree's (up to
+``max_cached_requests`` outputs: tens of millions of nodes in a long-running server).  The trees hold no
+object per node (``SuffixTree``: int arrays and one dict of ints, which cost a collection nothing).  Measured
+with SmolLM2 loaded (fast mode) and the collector on, old and new interleaved in one process on a machine at
+load ~3-6 on 2 cores, CPU time of the measuring thread (``docs/scripts/suffix_gc.py --replay``): adding the
+8 ``summarise`` prompts (221-272 ids, the last 16 trees kept) 21-26 ms against 270-312 ms (33-34 ms when no
+full collection fell inside); a full collection with a global tree over 400 outputs of 128 ids (865k
+nodes) 193-200 ms, what it takes without a tree (206-255 ms: the process's other objects), against
+558-654 ms; one ``summarise`` batch-8 run's proposer calls (293 ``available``, 114 ``propose``) replayed six
+times, every replay's proposer kept alive, 47-54 ms per replay against 270-480 ms (51 ms in the one replay
+no full collection fell inside); ``suffix_cost.py --baseline``'s batch-1 replay (``summarise``, ``chat``
+and ``agent``, 2 sessions each; wall time, load ~5-7) 0.28 ms per decode step against 0.88 ms.  The price:
+an array entry is slower to read and write than an attribute (CPython 3.11 does not specialise it), so with
+the collector off the tree work alone takes 1.3x (a prompt: 19.0 against 14.4 ms) to 2x (text that repeats
+itself: 13.1 against 6.4 ms) what it took (1.5x and 2x in an earlier run).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,38 +76,9 @@ class Match:
 
 NO_MATCH = Match()
 
-
-class Node:
-    """One node of a ``SuffixTree``: the substring spelled by the path from the root.
-
-    ``count``: how often the substring occurred; ``out``: how often an id followed it (the sum of the
-    children's counts); ``children``: next id -> node (None until it has one); ``best``: the id of the most
-    frequent child (ties: the smaller id; -1 without children), kept as counts change.
-    """
-
-    __slots__ = ("best", "children", "count", "out")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.out = 0
-        self.best = -1
-        self.children: dict[int, Node] | None = None
-
-    def _rank(self, token: int, child: Node) -> None:
-        """``child`` (under ``token``) gained a count: it may now be the most frequent."""
-        best = self.best
-        if best != token:
-            top = self.children[best].count if best >= 0 else 0  # type: ignore[index]
-            if child.count > top or (child.count == top and token < best):
-                self.best = token
-
-    def _rerank(self) -> None:
-        """A child lost a count or left: find the most frequent again."""
-        kids = self.children
-        self.best = max(kids.items(), key=_by_count)[0] if kids else -1
-
-    def child(self, token: int) -> Node | None:
-        return None if self.children is None else self.children.get(token)
+ROOT = 0  # the root's node id in every tree: the empty substring
+_SHIFT = 32  # an edge's key in ``SuffixTree.edges``: (parent id << _SHIFT) | token id
+MAX_TOKEN_ID = (1 << _SHIFT) - 1  # the largest token id a tree takes
 
 
 class SuffixTree:
@@ -97,15 +87,65 @@ class SuffixTree:
     Sequences are added whole (``add``) or one id at a time (``Cursor.append``) and taken out whole
     (``remove``, the ids ``add`` or the cursor put in).  ``nodes`` counts the nodes held (the memory:
     at most ``max_depth`` new nodes per id added).
+
+    A node is an int, its node id (``ROOT``, 0: the empty substring); a node's fields are entries of int64
+    arrays indexed by it: ``count[n]`` how often its substring occurred, ``out[n]`` how often an id followed it
+    (the sum of its children's counts), ``best[n]`` its most frequent child's node id (ties: the child under the
+    smaller token id; -1 without children), ``token[n]`` the token id on the edge into it.  The edges are one
+    dict of ints, ``edges[(parent << 32) | token] = child``; a node's children are also chained (``_first``,
+    ``_next``, ``_prev``: node ids, -1 ends the chain) so that ``best`` can be found again when a child loses a
+    count.  Ids of dropped nodes are reused (``_free``, before ids never used: ``_top`` on); a free node's
+    fields are a new one's (count and out 0, no children, not in a chain).  The memory: about 190 bytes a node
+    (the edge's dict entry and its two ints, the arrays' entries), against 280 with an object per node.
+
+    Why not one object per node: Python's cyclic garbage collector tracks an array as one object with nothing
+    inside to visit, whatever its length, and a dict holding only ints not at all, so a tree of millions of
+    nodes costs a collection what a tree of one does, where node objects and their children dicts were each
+    tracked, counted towards the next collection and scanned (issue 27).
     """
 
     def __init__(self, max_depth: int) -> None:
         if max_depth < 2:
             raise ValueError(f"max_depth must be >= 2, got {max_depth}")
         self.max_depth = max_depth
-        self.root = Node()
+        self.count = array("q", (0,))
+        self.out = array("q", (0,))
+        self.best = array("q", (-1,))
+        self.token = array("q", (-1,))
+        self._first = array("q", (-1,))
+        self._next = array("q", (-1,))
+        self._prev = array("q", (-1,))
+        self._chain = (self._first, self._next, self._prev)
+        self.edges: dict[int, int] = {}
+        self._free = array("q")  # ids of dropped nodes, to reuse (the next one last)
+        self._top = 1  # ids from here on were never used
         self.nodes = 1
-        self.version = 0  # bumped by every remove(): nodes held elsewhere (a Matcher's) may be gone
+        self.version = 0  # bumped by every remove(): node ids held elsewhere (a Matcher's) may be gone or reused
+
+    @property
+    def root(self) -> int:
+        """The root's node id (``ROOT``)."""
+        return ROOT
+
+    def child(self, node: int, token: int) -> int:
+        """The node id of ``node``'s child under ``token``; -1 when it has none."""
+        return self.edges.get((node << _SHIFT) | token, -1) if 0 <= token <= MAX_TOKEN_ID else -1
+
+    def children(self, node: int) -> dict[int, int]:
+        """``node``'s children: token id -> node id, by token id."""
+        found = {}
+        c = self._first[node]
+        while c >= 0:
+            found[self.token[c]] = c
+            c = self._next[c]
+        return dict(sorted(found.items()))
+
+    def _grow(self) -> None:
+        """Room for more nodes: every array half as long again (at least 64 entries), blank."""
+        more = max(64, len(self.count) // 2)
+        blank = ((self.count, 0), (self.out, 0), (self.best, -1), (self.token, -1), *((c, -1) for c in self._chain))
+        for column, value in blank:
+            column.extend(array("q", (value,)) * more)
 
     def cursor(self) -> Cursor:
         """An empty sequence in this tree, to be grown id by id."""
@@ -119,158 +159,209 @@ class SuffixTree:
 
     def remove(self, ids: Sequence[int]) -> None:
         """Take out what ``add(ids)`` put in (ids < 0 break the sequence, as in ``Cursor.append``); nodes
-        left with a zero count are dropped."""
+        left with a zero count are dropped (their ids freed for reuse).
+
+        A node whose count falls to zero held only this occurrence, so everything under it is this
+        occurrence's continuation, a chain of nodes of count one: the walk goes on down it, dropping each node
+        (which leaves it with a free node's fields: no count, no children), instead of stopping."""
         self.version += 1
+        count, out, best, edges = self.count, self.out, self.best, self.edges
+        first, nxt, prev, free = self._first, self._next, self._prev, self._free
         n = len(ids)
         for i in range(n):
-            node = self.root
+            node = ROOT
             for j in range(i, min(i + self.max_depth, n)):
                 t = ids[j]
                 if t < 0:
                     break
-                child = node.child(t)
-                assert child is not None and node.children is not None, "remove() of ids never added"
-                node.out -= 1
-                child.count -= 1
-                if child.count == 0:
-                    del node.children[t]
-                    self.nodes -= _size(child)
-                if t == node.best:
-                    node._rerank()
-                if child.count == 0:
-                    break
+                key = (node << _SHIFT) | t
+                child = edges.get(key, -1)
+                assert child >= 0, "remove() of ids never added"
+                out[node] -= 1
+                left = count[child] = count[child] - 1
+                if left == 0:  # drop it: out of the edges and of its parent's chain of children
+                    del edges[key]
+                    before, after = prev[child], nxt[child]
+                    if before >= 0:
+                        nxt[before] = after
+                    else:
+                        first[node] = after
+                    if after >= 0:
+                        prev[after] = before
+                    prev[child] = -1
+                    free.append(child)
+                    self.nodes -= 1
+                if child == best[node]:
+                    self._rerank(node)
                 node = child
 
-    def matches(self, context: Sequence[int]) -> list[Node]:
-        """The nodes of the suffixes of ``context`` the tree holds, by length (``[m - 1]``: the last ``m`` ids), at
-        most ``max_depth - 1`` of them; every shorter suffix of a held one is held, so they stop at the first
+    def _rerank(self, node: int) -> None:
+        """A child of ``node`` lost a count or left: find the most frequent again (ties: the smaller token id)."""
+        count, token, nxt = self.count, self.token, self._next
+        top, top_token, found = 0, -1, -1
+        c = self._first[node]
+        while c >= 0:
+            k = count[c]
+            if k > top or (k == top and token[c] < top_token):
+                top, top_token, found = k, token[c], c
+            c = nxt[c]
+        self.best[node] = found
+
+    def matches(self, context: Sequence[int]) -> list[int]:
+        """The node ids of the suffixes of ``context`` the tree holds, by length (``[m - 1]``: the last ``m`` ids),
+        at most ``max_depth - 1`` of them; every shorter suffix of a held one is held, so they stop at the first
         miss.  O(max_depth ** 2) dict lookups (``Matcher`` keeps them up to date in O(max_depth) per id)."""
         n = len(context)
-        found: list[Node] = []
+        edges = self.edges
+        found: list[int] = []
         for m in range(1, min(n, self.max_depth - 1) + 1):
-            node: Node | None = self.root
+            node = ROOT
             for t in context[n - m :]:
-                node = node.child(t)  # type: ignore[union-attr]
-                if node is None:
+                node = edges.get((node << _SHIFT) | t, -1) if 0 <= t <= MAX_TOKEN_ID else -1
+                if node < 0:
                     return found
-            found.append(node)  # type: ignore[arg-type]
+            found.append(node)
         return found
 
     def speculate(self, context: Sequence[int], num: int, max_spec_factor: float, min_token_prob: float) -> Match:
         """The best draft of at most ``num`` ids continuing ``context`` (module docstring); an empty
         ``Match`` when no suffix of ``context`` is in the tree or ``num <= 0``."""
-        return best_draft(self.matches(context), num, max_spec_factor, min_token_prob)
+        return best_draft(self, self.matches(context), num, max_spec_factor, min_token_prob)
 
 
 def best_draft(
-    matched: Sequence[Node], num: int, max_spec_factor: float, min_token_prob: float, beat: Match | None = None
+    tree: SuffixTree,
+    matched: Sequence[int],
+    num: int,
+    max_spec_factor: float,
+    min_token_prob: float,
+    beat: Match | None = None,
 ) -> Match:
-    """The best-scoring draft of at most ``num`` ids from the nodes of the matched suffixes (``matched[m - 1]``:
-    the suffix of ``m`` ids), each followed greedily by its most frequent child (module docstring); ``beat``
-    (default: no draft) when none beats it.  A draft beats another with a higher score, or an equal score and
-    a longer match.
+    """The best-scoring draft of at most ``num`` ids from the node ids of ``tree``'s matched suffixes
+    (``matched[m - 1]``: the suffix of ``m`` ids), each followed greedily by its most frequent child (module
+    docstring); ``beat`` (default: no draft) when none beats it.  A draft beats another with a higher score, or
+    an equal score and a longer match.
 
     Matches are tried longest first, and the search stops at the first whose adaptive length cannot beat the
     best so far: a draft of ``b`` ids scores at most ``b`` (every path probability is at most 1), and a shorter
     match has no longer budget.  Where the text repeats itself the longest match drafts with probability 1
-    and ends the search at once, so a proposal walks one path instead of one per match length.
+    and ends the search at once, so a proposal walks one path instead of one per match length.  Where it does
+    not, the longest matches have never been followed (a request tree's longest suffixes occur once, at its
+    end); a suffix that was followed has every shorter one followed too, so the longest followed match is found
+    by bisection, O(log max_depth), not by trying each.
     """
     best = NO_MATCH if beat is None else beat
     if num <= 0:
         return best
-    for m in range(len(matched), 0, -1):
+    count, out, follow, token = tree.count, tree.out, tree.best, tree.token
+    lo, hi = 0, len(matched)  # the longest match with a child: matched[lo - 1] (none: lo == 0)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if follow[matched[mid - 1]] >= 0:
+            lo = mid
+        else:
+            hi = mid - 1
+    for m in range(lo, 0, -1):
         budget = min(num, int(max_spec_factor * m))
         if budget < best.score or (budget == best.score and m <= best.length):
             break
         node = matched[m - 1]
-        if node.out == 0:
-            continue
         ids: list[int] = []
         prob, score = 1.0, 0.0
-        while len(ids) < budget and node.best >= 0:
-            token = node.best
-            child = node.children[token]  # type: ignore[index]
-            prob *= child.count / node.out
+        child = follow[node]
+        while len(ids) < budget and child >= 0:
+            prob *= count[child] / out[node]
             if prob < min_token_prob:
                 break
-            ids.append(token)
+            ids.append(token[child])
             score += prob
             node = child
+            child = follow[node]
         if ids and (score > best.score or (score == best.score and m > best.length)):
             best = Match(tuple(ids), score, m)
     return best
 
 
-def _by_count(item: tuple[int, Node]) -> tuple[int, int]:
-    return item[1].count, -item[0]
-
-
-def _size(node: Node) -> int:
-    """Nodes in the subtree under (and including) ``node``."""
-    total, stack = 0, [node]
-    while stack:
-        n = stack.pop()
-        total += 1
-        if n.children:
-            stack.extend(n.children.values())
-    return total
-
-
 class Cursor:
-    """The end of a sequence being added to ``tree`` id by id: the nodes of its last ``max_depth - 1`` suffixes."""
+    """The end of a sequence being added to ``tree`` id by id: the node ids of its last ``max_depth - 1``
+    suffixes."""
 
     __slots__ = ("_active", "ids", "tree")
 
     def __init__(self, tree: SuffixTree) -> None:
         self.tree = tree
         self.ids: list[int] = []
-        self._active: list[Node] = [tree.root]
+        self._active: list[int] = [ROOT]
 
     def append(self, token: int) -> None:
         """Add ``token`` to the sequence: every suffix ending at it (of at most ``max_depth`` ids) gains one
-        occurrence.  An unknown id (< 0) is kept in ``ids`` but breaks the sequence: no substring spans it."""
-        self.ids.append(token)
+        occurrence.  An unknown id (< 0) is kept in ``ids`` but breaks the sequence: no substring spans it.
+
+        Raises ``ValueError`` for a token id above ``MAX_TOKEN_ID``."""
         if token < 0:
-            self._active = [self.tree.root]
+            self.ids.append(token)
+            self._active = [ROOT]
             return
+        if token > MAX_TOKEN_ID:
+            raise ValueError(f"token id {token} is above the suffix tree's largest, {MAX_TOKEN_ID}")
+        self.ids.append(token)
         tree = self.tree
-        active = [tree.root]
+        count, out, best, label, edges, free = tree.count, tree.out, tree.best, tree.token, tree.edges, tree._free
+        first, nxt, prev, shift, top = tree._first, tree._next, tree._prev, _SHIFT, tree._top
+        active = [ROOT]
         grown = active.append
         created = 0
         for node in self._active:
-            kids = node.children
-            if kids is None:
-                kids = node.children = {}
-            child = kids.get(token)
-            if child is None:
-                child = kids[token] = Node()
+            key = (node << shift) | token
+            # a longer suffix than one just created is new too (it holds that one as its suffix): no lookup
+            child = -1 if created else edges.get(key, -1)
+            if child < 0:  # a new node (its fields are a free node's: no children), first in its parent's chain
+                if free:
+                    child = free.pop()
+                else:
+                    child, top = top, top + 1
+                    if child == len(count):
+                        tree._grow()  # in place: the arrays bound here stay the tree's
+                edges[key] = child
+                count[child] = k = 1
+                label[child] = token
+                after = nxt[child] = first[node]
+                if after >= 0:
+                    prev[after] = child
+                first[node] = child
                 created += 1
-            node.out += 1
-            count = child.count = child.count + 1
-            best = node.best
-            if best != token:  # Node._rank, inlined: this loop is the proposer's hot path
-                top = kids[best].count if best >= 0 else 0
-                if count > top or (count == top and token < best):
-                    node.best = token
+            else:
+                k = count[child] = count[child] + 1
+            out[node] += 1
+            rival = best[node]
+            if rival != child:  # is the child now the most frequent? (ties: the smaller token id)
+                if rival < 0:
+                    best[node] = child
+                else:
+                    held = count[rival]
+                    if k > held or (k == held and token < label[rival]):
+                        best[node] = child
             grown(child)
         tree.nodes += created
+        tree._top = top
         if len(active) > tree.max_depth:  # the root plus suffixes of 1 .. max_depth - 1 ids may still grow
             del active[tree.max_depth]
         self._active = active
 
     @property
-    def matched(self) -> list[Node]:
-        """The nodes of the sequence's suffixes of 1 .. ``max_depth - 1`` ids (its own tree holds them all), as
+    def matched(self) -> list[int]:
+        """The node ids of the sequence's suffixes of 1 .. ``max_depth - 1`` ids (its own tree holds them all), as
         ``SuffixTree.matches`` would find them, at no cost."""
         return self._active[1:]
 
 
 class Matcher:
     """A sequence's suffixes matched in a tree it is not added to (the global tree for a running request): its
-    ``matched`` nodes, kept up to date in O(max_depth) per id appended.
+    ``matched`` node ids, kept up to date in O(max_depth) per id appended.
 
     Ids other sequences add later can make a longer suffix match; the nodes are found afresh every
-    ``REFRESH`` ids and after every ``SuffixTree.remove`` (which may drop a node held here).
+    ``REFRESH`` ids and after every ``SuffixTree.remove`` (which may drop a node held here, or free its id
+    for another).
     """
 
     REFRESH = 16
@@ -278,23 +369,23 @@ class Matcher:
 
     def __init__(self, tree: SuffixTree) -> None:
         self.tree = tree
-        self._nodes: list[Node] = []
+        self._nodes: list[int] = []
         self._version = -1
         self._fresh = 0
         self._seen = 0
 
-    def matched(self, ids: Sequence[int]) -> list[Node]:
-        """The nodes of the suffixes of ``ids`` (known ids only; ``ids`` extends the sequence of the last call)."""
+    def matched(self, ids: Sequence[int]) -> list[int]:
+        """The node ids of the suffixes of ``ids`` (known ids only; ``ids`` extends the sequence of the last call)."""
         nodes, fresh = self._extend(ids)
         self._nodes, self._fresh, self._seen, self._version = nodes, fresh, len(ids), self.tree.version
         return nodes
 
-    def peek(self, ids: Sequence[int]) -> list[Node]:
+    def peek(self, ids: Sequence[int]) -> list[int]:
         """What ``matched(ids)`` would return now, leaving the matcher as it is (the governor's question)."""
         return self._extend(ids)[0]
 
-    def _extend(self, ids: Sequence[int]) -> tuple[list[Node], int]:
-        """The nodes after ``ids`` and the ids extended since they were last found afresh (0: found now)."""
+    def _extend(self, ids: Sequence[int]) -> tuple[list[int], int]:
+        """The node ids after ``ids`` and the ids extended since they were last found afresh (0: found now)."""
         tree = self.tree
         appended = len(ids) - self._seen
         if (
@@ -305,16 +396,15 @@ class Matcher:
         ):
             return tree.matches(_known_tail(ids, tree.max_depth - 1)), 0
         nodes = self._nodes
-        root, longest = tree.root, tree.max_depth - 2
+        edges, longest = tree.edges, tree.max_depth - 2
         for t in ids[len(ids) - appended :] if appended else ():
             if t < 0:
                 nodes = []
                 continue
             grown = []
-            for node in (root, *nodes[:longest]):
-                kids = node.children
-                child = kids.get(t) if kids else None
-                if child is None:
+            for node in (ROOT, *nodes[:longest]):
+                child = edges.get((node << _SHIFT) | t, -1)
+                if child < 0:
                     break
                 grown.append(child)
             nodes = grown
@@ -434,12 +524,12 @@ class SuffixProposer:
         local = self._sync(request, history, own=False)
         return self._draft(local, history, num, local.matcher.matched(history))
 
-    def _draft(self, local: _Local, history: Sequence[int], num: int, in_global: Sequence[Node]) -> Match:
+    def _draft(self, local: _Local, history: Sequence[int], num: int, in_global: Sequence[int]) -> Match:
         """The better of the request tree's draft and the global tree's (``in_global``: the matched nodes there)."""
         args = (num, self.max_spec_factor, self.min_token_prob)
-        found = best_draft(local.cursor.matched, *args)
+        found = best_draft(local.tree, local.cursor.matched, *args)
         if self.max_cached_requests > 0:  # the global tree's wins with a higher score, or as high from a longer match
-            found = best_draft(in_global, *args, beat=found)
+            found = best_draft(self.global_tree, in_global, *args, beat=found)
         return found
 
     def _sync(self, request: ExecutorRequest, history: Sequence[int], *, own: bool) -> _Local:
@@ -521,4 +611,4 @@ def _known_tail(history: Sequence[int], num: int) -> list[int]:
     return tail
 
 
-__all__ = ["Cursor", "Match", "Matcher", "Node", "SuffixProposer", "SuffixTree", "best_draft"]
+__all__ = ["MAX_TOKEN_ID", "ROOT", "Cursor", "Match", "Matcher", "SuffixProposer", "SuffixTree", "best_draft"]

@@ -11,9 +11,11 @@ test_spec_sampling.py (chi-square), structured/test_constrained_engine.py and en
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from types import FunctionType, ModuleType
 from typing import Any
 
 import pytest
@@ -25,16 +27,16 @@ from mechserve.api.config import EngineConfig, SpeculativeConfig
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
 from mechserve.executor.proposers import Window
-from mechserve.executor.proposers_suffix import Match, Node, SuffixProposer, SuffixTree, best_draft
+from mechserve.executor.proposers_suffix import MAX_TOKEN_ID, ROOT, Match, SuffixProposer, SuffixTree, best_draft
 from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.sampling import Row
 from mechserve.model.loader import LoadedModel
 
 
-def shape(node: Node) -> Any:
+def shape(tree: SuffixTree, node: int = ROOT) -> Any:
     """A tree as nested (count, out, {id: child}) tuples, for comparing two trees."""
-    kids = node.children or {}
-    return node.count, node.out, {t: shape(c) for t, c in sorted(kids.items())}
+    kids = tree.children(node)
+    return tree.count[node], tree.out[node], {t: shape(tree, c) for t, c in sorted(kids.items())}
 
 
 def substrings(seqs: Sequence[Sequence[int]], depth: int) -> dict[tuple[int, ...], int]:
@@ -49,16 +51,16 @@ def substrings(seqs: Sequence[Sequence[int]], depth: int) -> dict[tuple[int, ...
 
 def counts(tree: SuffixTree) -> dict[tuple[int, ...], int]:
     found: dict[tuple[int, ...], int] = {}
-    stack: list[tuple[tuple[int, ...], Node]] = [((), tree.root)]
+    stack: list[tuple[tuple[int, ...], int]] = [((), tree.root)]
     while stack:
         path, node = stack.pop()
-        for t, child in (node.children or {}).items():
-            found[(*path, t)] = child.count
-            assert child.count > 0
+        kids = tree.children(node)
+        for t, child in kids.items():
+            found[(*path, t)] = tree.count[child]
+            assert tree.count[child] > 0 and tree.token[child] == t and tree.child(node, t) == child
             stack.append(((*path, t), child))
-        assert node.out == sum(c.count for c in (node.children or {}).values())
-        kids = node.children or {}
-        assert node.best == (max(kids, key=lambda t: (kids[t].count, -t)) if kids else -1)
+        assert tree.out[node] == sum(tree.count[c] for c in kids.values())
+        assert tree.best[node] == (kids[max(kids, key=lambda t: (tree.count[kids[t]], -t))] if kids else -1)
     return found
 
 
@@ -79,7 +81,7 @@ def test_the_tree_counts_every_substring_and_removal_gives_back_what_was_added(
     for s in added:
         only.add(s)
     assert counts(tree) == substrings(added, depth)
-    assert shape(tree.root) == shape(only.root) and tree.nodes == only.nodes == len(counts(only)) + 1
+    assert shape(tree) == shape(only) and tree.nodes == only.nodes == len(counts(only)) + 1
 
 
 def test_a_draft_follows_the_most_frequent_continuation_and_its_length_follows_the_match() -> None:
@@ -174,7 +176,7 @@ def test_the_global_tree_memory_is_bounded_by_the_cached_requests() -> None:
     bound = SuffixTree(6)
     for out in outputs[-3:]:
         bound.add(out)
-    assert shape(proposer.global_tree.root) == shape(bound.root)
+    assert shape(proposer.global_tree) == shape(bound)
 
 
 def test_the_request_tree_follows_its_history() -> None:
@@ -268,7 +270,7 @@ def test_proposals_do_not_depend_on_which_requests_available_was_asked_about() -
 # The incremental state (issue 27: the proposer's cost) ---------------------------------------------------------------
 
 
-def forward_draft(matched: Sequence[Node], num: int, factor: float, min_prob: float) -> Match:
+def forward_draft(tree: SuffixTree, matched: Sequence[int], num: int, factor: float, min_prob: float) -> Match:
     """The draft rule as first written: every match length tried, shortest first, ties to the longer match."""
     best = Match()
     if num <= 0:
@@ -277,12 +279,12 @@ def forward_draft(matched: Sequence[Node], num: int, factor: float, min_prob: fl
         budget = min(num, int(factor * m))
         ids: list[int] = []
         prob, score = 1.0, 0.0
-        while len(ids) < budget and node.best >= 0:
-            child = (node.children or {})[node.best]
-            prob *= child.count / node.out
+        while len(ids) < budget and tree.best[node] >= 0:
+            child = tree.best[node]
+            prob *= tree.count[child] / tree.out[node]
             if prob < min_prob:
                 break
-            ids.append(node.best)
+            ids.append(tree.token[child])
             score += prob
             node = child
         if ids and score >= best.score:
@@ -323,13 +325,14 @@ def test_the_pruned_search_drafts_what_trying_every_match_length_drafts(
 ) -> None:
     """``best_draft`` tries the longest match first and stops where no shorter one can win: the same draft as
     trying them all, and ``beat`` kept unless a draft has a higher score, or as high from a longer match."""
-    matched = tree_of(added, depth).matches(context)
+    tree = tree_of(added, depth)
+    matched = tree.matches(context)
     args = (num, factor, min_prob)
-    assert best_draft(matched, *args) == forward_draft(matched, *args)
+    assert best_draft(tree, matched, *args) == forward_draft(tree, matched, *args)
     rival = Match((9,), *beat)
-    every = forward_draft(matched, *args)
+    every = forward_draft(tree, matched, *args)
     wins = every.ids and (every.score, every.length) > (rival.score, rival.length)
-    assert best_draft(matched, *args, beat=rival) == (every if wins else rival)
+    assert best_draft(tree, matched, *args, beat=rival) == (every if wins else rival)
 
 
 class Op:
@@ -362,7 +365,7 @@ def test_the_next_turn_takes_over_the_last_turns_tree() -> None:
     second = req("t2", [5, 6, 7, 8, 9, 1, 2])
     proposer.propose([window(second, [5, 6, 7, 8, 9, 1, 2], 0)])
     assert proposer._local["t2"].tree is tree and not proposer._finished
-    assert shape(tree.root) == shape(tree_of([[5, 6, 7, 8, 9, 1, 2]], 6).root)
+    assert shape(tree) == shape(tree_of([[5, 6, 7, 8, 9, 1, 2]], 6))
     proposer.release(second, [])
     other = req("t3", [5, 6, 7, 8, 3])  # diverges inside what t2 held
     proposer.propose([window(other, [5, 6, 7, 8, 3], 0)])
@@ -400,14 +403,15 @@ def test_the_incremental_state_equals_one_built_from_nothing_across_rollback_pre
         expected[r.request_id] = history[len(prompt) :]
 
     def check(history: list[int], got: Match) -> None:
-        assert shape(proposer.global_tree.root) == shape(tree_of(list(expected.values()), depth).root)
+        assert shape(proposer.global_tree) == shape(tree_of(list(expected.values()), depth))
         local = proposer._local[r.request_id]
-        assert shape(local.tree.root) == shape(tree_of([history], depth).root)
+        assert shape(local.tree) == shape(tree_of([history], depth))
         fresh = proposer.global_tree.matches(known_tail(history, depth))
         nodes = local.matcher._nodes
-        assert len(nodes) <= len(fresh) and all(a is b for a, b in zip(nodes, fresh))
-        want = forward_draft(tree_of([history], depth).matches(known_tail(history, depth)), num, 1.0, 0.0)
-        other = forward_draft(nodes, num, 1.0, 0.0)
+        assert len(nodes) <= len(fresh) and nodes == fresh[: len(nodes)]
+        alone = tree_of([history], depth)
+        want = forward_draft(alone, alone.matches(known_tail(history, depth)), num, 1.0, 0.0)
+        other = forward_draft(proposer.global_tree, nodes, num, 1.0, 0.0)
         if (other.score, other.length) > (want.score, want.length) and other.ids:
             want = other
         assert got == want
@@ -442,10 +446,180 @@ def test_the_incremental_state_equals_one_built_from_nothing_across_rollback_pre
             continue
         history = prompt + output
         if op[0] == "ask":
-            before = shape(proposer.global_tree.root), list(proposer._cached)
+            before = shape(proposer.global_tree), list(proposer._cached)
             assert 0 <= proposer.available(r, history, op[1]) <= op[1]
-            assert (shape(proposer.global_tree.root), list(proposer._cached)) == before
+            assert (shape(proposer.global_tree), list(proposer._cached)) == before
             continue
         got = proposer.score(r, history, num)
         synced(history)
         check(history, got)
+
+
+# The trees' representation (issue 27: nodes the garbage collector never scans) ----------------------------------------
+
+
+def held_substrings(seqs: Sequence[Sequence[int]], depth: int) -> dict[tuple[int, ...], int]:
+    """``substrings`` of the runs of known ids (an id < 0 breaks a sequence: nothing spans it)."""
+    runs: list[list[int]] = []
+    for s in seqs:
+        runs.append([])
+        for t in s:
+            if t < 0:
+                runs.append([])
+            else:
+                runs[-1].append(t)
+    return substrings(runs, depth)
+
+
+def reference_draft(
+    held: dict[tuple[int, ...], int], context: Sequence[int], depth: int, num: int, factor: float, min_prob: float
+) -> Match:
+    """The draft rule (module docstring) read off the substring counts: every suffix of ``context`` held is a
+    match, followed by its most frequent continuation (ties: the smaller id) while the path probability lasts."""
+    best = Match()
+    if num <= 0:
+        return best
+    for m in range(1, min(len(context), depth - 1) + 1):
+        path = tuple(context[len(context) - m :])
+        if path not in held:
+            break
+        ids: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(ids) < min(num, int(factor * m)) and len(path) < depth:
+            after = {s[-1]: n for s, n in held.items() if len(s) == len(path) + 1 and s[:-1] == path}
+            if not after:
+                break
+            token = max(after, key=lambda t: (after[t], -t))
+            prob *= after[token] / sum(after.values())
+            if prob < min_prob:
+                break
+            ids.append(token)
+            score += prob
+            path = (*path, token)
+        if ids and (score > best.score or (score == best.score and m > best.length)):
+            best = Match(tuple(ids), score, m)
+    return best
+
+
+def free_nodes_are_blank(tree: SuffixTree) -> None:
+    """Every freed or never used node id has a new node's fields (what ``Cursor.append`` relies on) and is not in
+    the tree; every id below ``_top`` is in the tree or free."""
+    live = {ROOT}
+    stack = [ROOT]
+    while stack:
+        kids = tree.children(stack.pop()).values()
+        live.update(kids)
+        stack.extend(kids)
+    assert len(live) == tree.nodes and not live & set(tree._free)
+    assert len(live) + len(tree._free) == tree._top and max(live) < tree._top  # no id lost
+    for n in [*tree._free, *range(tree._top, len(tree.count))]:
+        assert (tree.count[n], tree.out[n], tree.best[n], tree._first[n], tree._prev[n]) == (0, 0, -1, -1, -1)
+
+
+tree_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.lists(st.integers(-1, 3), max_size=10)),
+        # grow sequence k of the ones being appended to (a new one if k has none)
+        st.tuples(st.just("append"), st.integers(0, 2), st.lists(st.integers(-1, 3), min_size=1, max_size=6)),
+        # take out the i-th sequence held (mod their number): an added one or an appended one, whole
+        st.tuples(st.just("remove"), st.integers(0, 10)),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(
+    ops=tree_ops,
+    depth=st.integers(2, 5),
+    context=st.lists(st.integers(0, 3), max_size=6),
+    num=st.integers(0, 5),
+    factor=st.sampled_from([0.5, 1.0, 2.5]),
+    min_prob=st.sampled_from([0.0, 0.1, 0.5]),
+)
+def test_adds_appends_and_removes_count_and_draft_what_the_sequences_held_say(
+    ops: list[tuple[Any, ...]], depth: int, context: list[int], num: int, factor: float, min_prob: float
+) -> None:
+    """After every step of adds, cursors grown id by id and removals (freed node ids reused), the tree's counts,
+    most frequent children and drafts are what the substrings of the sequences it holds say."""
+    tree = SuffixTree(depth)
+    held: list[list[int]] = []
+    growing: dict[int, tuple[Any, list[int]]] = {}  # k -> its cursor and its sequence (one of ``held``)
+    for op in ops:
+        if op[0] == "add":
+            tree.add(op[1])
+            held.append(list(op[1]))
+        elif op[0] == "append":
+            if op[1] not in growing:
+                growing[op[1]] = (tree.cursor(), [])
+                held.append(growing[op[1]][1])
+            cursor, seq = growing[op[1]]
+            for t in op[2]:
+                cursor.append(t)
+                seq.append(t)
+            assert cursor.ids == seq
+        elif held:
+            gone = held.pop(op[1] % len(held))
+            tree.remove(gone)
+            growing = {k: v for k, v in growing.items() if v[1] is not gone}
+        want = held_substrings(held, depth)
+        assert counts(tree) == want and tree.nodes == len(want) + 1
+        free_nodes_are_blank(tree)
+        args = (num, factor, min_prob)
+        for ctx in [context, *(s[-depth:] for s in held)]:
+            assert tree.speculate(ctx, *args) == reference_draft(want, ctx, depth, *args)
+        for cursor, seq in growing.values():  # a cursor's matches are the suffixes of its own known ids
+            assert cursor.matched == tree.matches(seq[-(depth - 1) :])[: len(cursor.matched)]
+
+
+def test_a_token_id_too_large_for_the_edge_key_is_refused() -> None:
+    tree = SuffixTree(4)
+    tree.add([MAX_TOKEN_ID, 0, MAX_TOKEN_ID])
+    assert tree.speculate([MAX_TOKEN_ID], 2, 2.0, 0.0).ids == (0, MAX_TOKEN_ID)
+    with pytest.raises(ValueError, match=f"token id {MAX_TOKEN_ID + 1} is above the suffix tree's largest"):
+        tree.add([1, MAX_TOKEN_ID + 1])
+    assert counts(tree) == held_substrings([[MAX_TOKEN_ID, 0, MAX_TOKEN_ID], [1]], 4)  # the refused id is not in
+
+
+def tracked_from(root: object) -> int:
+    """How many objects the cyclic garbage collector tracks among those reachable from ``root`` (classes,
+    functions and modules not followed: they are shared, not the proposer's)."""
+    seen: set[int] = set()
+    stack, tracked = [root], 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, ModuleType, FunctionType)):
+            continue
+        seen.add(id(obj))
+        tracked += gc.is_tracked(obj)
+        stack.extend(gc.get_referents(obj))
+    return tracked
+
+
+def test_the_trees_hold_no_object_the_garbage_collector_tracks_per_id() -> None:
+    """Issue 27: one object per node (and its children dict) made every collection scan every node held, the
+    global tree's included (up to ``max_cached_requests`` outputs).  A proposer that has grown request trees over
+    a few hundred ids each and a global tree over their outputs tracks as many objects as one over a few ids."""
+
+    def grown(n: int) -> tuple[SuffixProposer, int]:
+        outputs = random_prompts([n] * 5, seed=21)  # made before counting: the test's, not the proposer's
+        prompts = random_prompts([n] * 5, seed=22)
+        histories = [[*p, *o] for p, o in zip(prompts, outputs)]
+        gc.collect()
+        before = len(gc.get_objects())
+        proposer = SuffixProposer(max_tree_depth=24, max_cached_requests=3)
+        for i, history in enumerate(histories):
+            r = req(f"r{i}", history[:n])
+            for k in range(n, 2 * n + 1, max(1, n // 8)):  # prefill, then the output in steps
+                proposer.score(r, history[:k], 4)
+            if i < 4:  # the last one stays running
+                proposer.release(r, history[n:])
+        gc.collect()
+        return proposer, len(gc.get_objects()) - before
+
+    small, small_new = grown(8)
+    big, big_new = grown(320)
+    assert big.global_tree.nodes > 20 * small.global_tree.nodes and big.cached_requests == 3
+    assert sum(tree.nodes for tree, _ in big._finished.values()) > 10_000  # finished requests' trees, kept
+    assert tracked_from(big) == tracked_from(small)
+    assert big_new <= small_new + 8  # what else the run left (tracked) does not grow with the ids either
