@@ -8,12 +8,7 @@ matchers get twice those; a refusal is remembered; the build runs on a thread wi
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
-import sys
-import textwrap
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -268,34 +263,14 @@ def test_each_llguidance_call_of_a_compile_has_the_tokenizer_its_limits_and_no_l
     ]
 
 
-def test_an_interrupted_compile_does_not_keep_the_process_alive() -> None:
-    """Ctrl-C while a compile runs ends the process: the compile thread is a daemon, so the interpreter does not
-    wait for it at exit (a compile may run for seconds; here it never ends).  The timeout only catches a hang."""
-    import mechserve
+def test_the_compile_thread_is_a_daemon_so_it_never_holds_the_process_at_exit() -> None:
+    """The interpreter joins every non-daemon thread before it exits: a compile still running when the server
+    is stopped (up to ``COMPILE_CPU_SECONDS`` between llguidance calls, or stuck inside one) must not hold the
+    process.  Called from the main thread (as here), a thread that inherits its daemon flag would be one."""
+    import threading
 
-    code = textwrap.dedent(
-        """
-        import os, signal, threading
-        from mechserve.executor.structured import on_large_stack
-
-        started = threading.Event()
-
-        def interrupt():
-            started.wait()
-            os.kill(os.getpid(), signal.SIGINT)
-
-        def compile_forever():
-            started.set()
-            threading.Event().wait()
-
-        threading.Thread(target=interrupt, daemon=True).start()
-        on_large_stack(compile_forever)
-        """
-    )
-    root = Path(mechserve.__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr, proc.stderr[-2000:]
+    assert threading.current_thread() is threading.main_thread()
+    assert on_large_stack(lambda: threading.current_thread().daemon) is True
 
 
 class ScriptedMatcher:
