@@ -184,6 +184,34 @@ ROUTER_FUNCTIONS = (
     "xǁRouterǁ*",
 )
 
+# m16's additions to m15 (`mechserve diff m15 m16`): the control call `limit_drafts`, rule D1's draft limit and
+# its `explain` sentence in `_draft`, and the engine's own copy of each request's `draft_limit_script` (made in
+# `add_request`, kept in the table `__init__` creates).  Everything else in the file is m15's (m14's engine and
+# the router), covered by the `m14` and `router` modules; its mutants are generated but not run.
+M16_FUNCTIONS = (
+    "xǁEngineǁ__init__",
+    "xǁEngineǁadd_request",
+    "xǁEngineǁlimit_drafts",
+    "xǁEngineǁ_draft",
+)
+
+# m16's note tests and the ladder-wide properties' cases for m16 (the explanation property draws
+# draft_limit_scripts; the top rungs' edges run m16 too).
+M16_TESTS = (
+    "tests/notes/test_m16_request_draft_lengths.py",
+    "tests/property/test_m13_edges.py",
+    *(f"{t}[m16_request_draft_lengths]" for t in EXPLAIN),
+    "tests/property/test_step_halves.py::test_schedule_execute_commit_is_step[m16_request_draft_lengths]",
+    "tests/property/test_step_halves.py::test_schedule_execute_commit_is_step_with_forced_runs[m16_request_draft_lengths]",
+    "tests/property/test_step_halves.py::test_a_stop_ends_the_named_requests_with_the_ids_they_kept[m16_request_draft_lengths]",
+    "tests/property/test_ladder_properties.py::test_outcome_is_finished_or_the_documented_error[m16_request_draft_lengths]",
+    "tests/property/test_ladder_properties.py::test_every_request_finishes_when_each_fits_the_pool[m16_request_draft_lengths]",
+    "tests/property/test_ladder_properties.py::test_trace_round_trips_and_is_deterministic[m16_request_draft_lengths]",
+    "tests/property/test_speculation_properties.py::test_decode_window_verdicts_follow_the_script[m16_request_draft_lengths]",
+    "tests/property/test_speculation_properties.py::test_decode_window_verdicts_cut_at_stop_ids[m16_request_draft_lengths]",
+    *(f"{t}[m16_request_draft_lengths]" for t in PLAN_KNOWN_IDS),
+)
+
 # The structured-output matcher's tests that run no server and no embedded model (tests/http's
 # structured tests serve; test_bench_structured runs the benchmark on SmolLM2).
 STRUCTURED_TESTS = (
@@ -232,6 +260,13 @@ MODULES: tuple[Module, ...] = (
             "tests/property/test_m15_router_edges.py",
         ),
         functions=ROUTER_FUNCTIONS,
+    ),
+    # The top rung the engine runs: only what m16 adds to m15 (M16_FUNCTIONS).
+    Module(
+        "m16",
+        "mechserve/spec/m16_request_draft_lengths.py",
+        M16_TESTS,
+        functions=M16_FUNCTIONS,
     ),
     Module(
         "sampling",

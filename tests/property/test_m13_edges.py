@@ -116,6 +116,8 @@ def test_a_reused_request_id_inherits_nothing_of_the_scripts_of_the_request_befo
     scripted = {"eos_after": 1, "accept_script": [0, 0, 0]}
     if "forced_script" in m.Request.__dataclass_fields__:
         scripted["forced_script"] = {0: (7, 7)}
+    if "draft_limit_script" in m.Request.__dataclass_fields__:  # m16: no guesses, for more decisions than it makes
+        scripted["draft_limit_script"] = [0] * 6
     eng = m.Engine([m.Request("a", [1, 2, 3], 6, **scripted)], 8, 2, 16, spec_len=2)
     eng.run()
     again = m.Request("a", [1, 2, 3], 6)

@@ -177,3 +177,11 @@ def test_a_json_object_constraint_is_the_any_object_schema_with_the_same_default
     assert grammar_text(StructuredOutputsParams(json_object=True)) == grammar_text(
         StructuredOutputsParams(json={"type": "object"})
     )
+
+
+def test_a_compiler_built_without_the_option_closes_objects(byte_model: LoadedModel) -> None:
+    """``GrammarCompiler``'s own default is vLLM's (closed objects), not only ``EngineConfig``'s."""
+    tok = byte_model.tokenizer
+    compiler = GrammarCompiler(tok, byte_model.model.arch.vocab_size)
+    assert accepts(compiler, OPEN, '{"a":1}', tok)
+    assert not accepts(compiler, OPEN, '{"a":1,"b":2}', tok)

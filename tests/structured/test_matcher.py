@@ -330,3 +330,58 @@ def test_a_refused_constraint_is_refused_again_from_memory_naming_the_field(
         fresh.compile(so)
     assert (again.value.param, str(again.value)) == (first.value.param, str(first.value))
     assert first.value.param == "structured_outputs"
+
+
+def test_an_id_that_is_one_of_the_requests_ends_is_never_the_only_token(byte_model, compiler) -> None:
+    """Where the mask allows one id and that id is one of the request's end ids (a stop id the grammar allows),
+    ``only_token`` gives None: an end is the sampler's to choose, never a forced id."""
+    tok = byte_model.tokenizer
+    (x,) = tok.encode("x")
+    grammar = compiler.compile(StructuredOutputsParams(regex="x"))
+    assert grammar.matcher([0]).only_token() == x
+    assert grammar.matcher([0, x]).only_token() is None
+
+
+class Unrolling:
+    """An llguidance matcher that cannot roll back (or, with ``consume_fails``, cannot consume): the rest is real."""
+
+    def __init__(self, real: Any, consume_fails: bool = False) -> None:
+        self.real, self.consume_fails = real, consume_fails
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def rollback(self, n: int) -> bool:
+        return False
+
+    def consume_tokens(self, ids: list[int]) -> bool:
+        return not self.consume_fails and bool(self.real.consume_tokens(ids))
+
+    def get_error(self) -> str:
+        return "the parser said no"
+
+
+def test_a_sync_that_llguidance_cannot_roll_back_rebuilds_from_the_kept_ids(byte_model, compiler) -> None:
+    from mechserve.executor.structured import GrammarMatcher
+
+    so = StructuredOutputsParams(json=SCHEMA)
+    tok = byte_model.tokenizer
+    a, b = tok.encode('{"name":"abc"'), tok.encode('{"name":"xy"')
+    grammar = compiler.compile(so)
+    m = GrammarMatcher(grammar, Unrolling(grammar.fresh()), [0])
+    m.sync(a)
+    m.sync(b)  # needs a rollback of 4 ids, which fails: a fresh matcher consumes b
+    assert m.rebuilds == 1 and m.tokens == b
+    bm = new_bitmask(1, compiler.vocab_size)
+    m.fill(bm, 0)
+    assert torch.equal(bm[0], mask_after(compiler, so, b))
+
+
+def test_a_consume_llguidance_fails_after_validating_is_an_error_with_its_words(byte_model, compiler) -> None:
+    from mechserve.executor.structured import GrammarMatcher
+
+    grammar = compiler.compile(StructuredOutputsParams(regex="ab"))
+    m = GrammarMatcher(grammar, Unrolling(grammar.fresh(), consume_fails=True), [0])
+    with pytest.raises(ValueError) as caught:
+        m.sync(byte_model.tokenizer.encode("a"))
+    assert str(caught.value) == "the grammar matcher failed: the parser said no"
