@@ -47,11 +47,12 @@ def drafted(records: list[m.StepRecord], rid: str) -> list[int]:
     )
 )
 def test_m16_n1_without_limits_every_field_summary_and_error_are_m15s(w: dict) -> None:
-    def outcome(module: Any) -> tuple[list[dict], list[dict], str | None]:
+    def outcome(module: Any) -> tuple[list[tuple[dict, list[dict]]], list[dict], str | None]:
         eng = build(module, w, validate=False)
-        records: list[dict] = []
+        # each step's record and its KV events (block hashes chained from the engine's hash seed)
+        records: list[tuple[dict, list[dict]]] = []
         try:
-            eng.run(on_step=lambda rec: records.append(rec.to_json()))
+            eng.run(on_step=lambda rec: records.append((rec.to_json(), [module.event_json(e) for e in rec.kv_events])))
         except Exception as exc:  # compared, not raised
             return records, eng.summary(), type(exc).__name__
         return records, eng.summary(), None
