@@ -12,8 +12,8 @@ to the bench and come last (``-- --prompts 4``).  Writes the report to ``OUT/spe
 (``spec-decode-quick.json``) and the table to ``issue27_table.md`` beside it, and prints the table.
 
 The table, as markdown, one per batch size: per workload, each configuration's output tok/s, its speedup over
-``off`` in the same run, its tok/s over llama.cpp's best GGUF on the same turns (``x llama.cpp``), the kept
-tokens per decode step and the acceptance at each draft position; then llama.cpp's GGUFs.  The targets (the
+``off`` in the same run (with more than one repeat, the lowest and highest repeat's beside it: the run's
+noise), its tok/s over llama.cpp's best GGUF on the same turns (``x llama.cpp``), the kept tokens per decode step and the acceptance at each draft position; then llama.cpp's GGUFs.  The targets (the
 issue's, in fast mode): at batch 1 the best proposer per workload at >= 1.8x ``off`` on chat, agent and
 code-edit, >= 1.3x on summarise, >= 0.97x on novel, and >= 1.5x llama.cpp's best on chat, agent and code-edit;
 the trained head (``eagle``) at >= 2.0 kept tokens per step on novel at batch 1; at batch 8 no adaptive
@@ -82,9 +82,12 @@ def table(report: dict[str, Any], batch: int) -> str:
         theirs = best.get("llama_cpp_tok_s")
         for name, r in cell.items():
             ratio = r["tok_s"] / theirs if theirs else None
-            speedup = 1.0 if name == "off" else r["speedup"]
+            speedup = _num(1.0 if name == "off" else r["speedup"], ".2f")
+            by_repeat = r.get("speedup_by_repeat") or []
+            if len(by_repeat) > 1:  # the run's noise: the lowest and highest repeat
+                speedup += f" ({min(by_repeat):.2f}-{max(by_repeat):.2f})"
             lines.append(
-                f"| {workload} | {name} | {r['tok_s']:.1f} | {_num(speedup, '.2f')} | {_num(ratio, '.2f')} | "
+                f"| {workload} | {name} | {r['tok_s']:.1f} | {speedup} | {_num(ratio, '.2f')} | "
                 f"{_num(r['tokens_per_decode_step'], '.2f')} | {_positions(r)} |"
             )
         for kind, r in side.items():

@@ -71,6 +71,7 @@ class Tally:
     calls: list[list[tuple[list[int], list[int]]]] = field(default_factory=list)  # per call: (prompt ids, output ids)
     drafted_at: list[int] = field(default_factory=list)  # [j]: windows that drafted a guess at position j + 1
     accepted_at: list[int] = field(default_factory=list)  # [j]: windows that accepted it
+    repeats: list[tuple[int, float]] = field(default_factory=list)  # per repeat: (output tokens, seconds)
 
     def report(self, off: Tally | None) -> dict[str, Any]:
         tok_s = self.output_tokens / self.wall_s if self.wall_s else 0.0
@@ -80,6 +81,15 @@ class Tally:
             "output_tokens": self.output_tokens,
             "tok_s": round(tok_s, 2),
             "speedup": round(tok_s / base, 3) if base else None,
+            "speedup_by_repeat": (
+                [
+                    round((n / w) / (n0 / w0), 3)
+                    for (n, w), (n0, w0) in zip(self.repeats, off.repeats)
+                    if w > 0 and w0 > 0 and n0 > 0
+                ]
+                if off is not None
+                else []
+            ),
             "target_forwards": self.forwards,
             "tokens_per_forward": round(self.output_tokens / self.forwards, 3) if self.forwards else None,
             "tokens_per_decode_step": round(self.emitted / self.windows, 3) if self.windows else None,
@@ -123,6 +133,16 @@ def configurations(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"unknown configuration(s) {unknown}; choose from {sorted(every)}")
     return {name: every[name] for name in names}
+
+
+def rotated(names: list[str], repeat: int) -> list[str]:
+    """``names`` starting at ``repeat`` (mod their count): each repeat of a batch runs the configurations in
+    a different order, so none always runs first (after the previous cell's last) or right after the
+    same other one."""
+    if not names:
+        return names
+    r = repeat % len(names)
+    return names[r:] + names[:r]
 
 
 def one_call(llm: Any, conversations: Sequence[list[dict[str, str]]], params: Any, tally: Tally) -> list[str]:
@@ -233,18 +253,21 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             for batch in args.batches:
                 tallies = {name: Tally() for name in llms}
                 peers = {kind: spec_llama_cpp.PeerTally() for kind in peer.kinds} if peer else {}
-                for _ in range(1 if batch == 1 else args.repeats):
+                for repeat in range(1 if batch == 1 else args.repeats):
                     for llm in llms.values():
                         forget_finished(llm)
+                    before = {name: (t.output_tokens, t.wall_s) for name, t in tallies.items()}
                     for start in range(0, len(sessions), batch):
                         done = len(tallies["off"].calls)
-                        for name, llm in llms.items():
-                            run_sessions(llm, sessions[start : start + batch], params, tallies[name])
+                        for name in rotated(list(llms), repeat):
+                            run_sessions(llms[name], sessions[start : start + batch], params, tallies[name])
                         if peer is not None:  # the same turns, right after ours
                             try:
                                 peer.run(batch, tallies["off"].calls[done:], peers, loaded.eos_token_ids)
                             except OSError as exc:
                                 raise SystemExit(f"llama.cpp: {exc}") from None
+                    for name, t in tallies.items():
+                        t.repeats.append((t.output_tokens - before[name][0], t.wall_s - before[name][1]))
                 off = tallies["off"]
                 cell = {name: t.report(None if name == "off" else off) for name, t in tallies.items()}
                 key = f"{set_name}/batch-{batch}"
@@ -299,10 +322,15 @@ def check_llama_cpp_flags(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(args.llama_cpp_modes or DEFAULT_MODES))
 
 
+def spread(speedups: Sequence[float]) -> str:
+    """The lowest and highest of a configuration's speedups by repeat ("0.94-1.03"), "-" with fewer than two."""
+    return f"{min(speedups):.2f}-{max(speedups):.2f}" if len(speedups) > 1 else "-"
+
+
 def table(title: str, cell: dict[str, dict[str, Any]]) -> str:
-    """One cell as a small text table."""
+    """One cell as a small text table (``repeats``: the lowest and highest speedup of one repeat)."""
     head = (
-        f"{'config':<15}{'tok/s':>8}{'speedup':>9}{'tok/fwd':>9}{'tok/step':>10}{'accept':>8}"
+        f"{'config':<15}{'tok/s':>8}{'speedup':>9}{'repeats':>12}{'tok/fwd':>9}{'tok/step':>10}{'accept':>8}"
         f"{'proposed':>10}{'forwards':>10}{'same':>6}  accepted by position"
     )
     lines = [f"== {title}", head]
@@ -312,7 +340,8 @@ def table(title: str, cell: dict[str, dict[str, Any]]) -> str:
             return "-" if v is None else format(v, spec)
 
         lines.append(
-            f"{name:<15}{fmt(r['tok_s'], '.1f'):>8}{fmt(r['speedup'], '.2f'):>9}{fmt(r['tokens_per_forward'], '.2f'):>9}"
+            f"{name:<15}{fmt(r['tok_s'], '.1f'):>8}{fmt(r['speedup'], '.2f'):>9}{spread(r['speedup_by_repeat']):>12}"
+            f"{fmt(r['tokens_per_forward'], '.2f'):>9}"
             f"{fmt(r['tokens_per_decode_step'], '.2f'):>10}{fmt(r['acceptance'], '.2f'):>8}{r['proposed']:>10}"
             f"{r['target_forwards']:>10}{'yes' if r['identical'] else 'NO':>6}  "
             + " ".join(f"{a:.2f}" for a in r["acceptance_by_position"])

@@ -180,52 +180,49 @@ class Governor:
     def rate(self, candidates: Sequence[Candidate], k: int, dropped: frozenset[int] = frozenset()) -> float:
         """Expected tokens per unit of cost at ``spec_len`` ``k`` with the candidates at the indices in
         ``dropped`` limited to 0 (the class docstring)."""
-        top = max((c.cap for c in candidates), default=0)
-        tokens = 0.0
-        rows = 0
-        drafting = 0
-        for i, c in enumerate(candidates):
-            g = 0 if i in dropped else min(k, c.cap, c.available)
-            tokens += sum(c.alpha**j for j in range(g + 1))
-            rows += 1 + g
-            drafting += g > 0
-        cost = self.costs.step(rows) + self.costs.draft(min(k, top), drafting)
-        return tokens / cost if cost > 0 else 0.0
+        return _Pricing(self.costs, candidates).rate(k, dropped)
 
     def rates(self, candidates: Sequence[Candidate], max_k: int, dropped: frozenset[int] = frozenset()) -> list[float]:
         """``rate`` for each ``k`` in ``0..max_k``."""
         return [self.rate(candidates, k, dropped) for k in range(max_k + 1)]
 
-    def _best_k(self, candidates: Sequence[Candidate], max_k: int, dropped: frozenset[int]) -> tuple[int, float]:
+    @staticmethod
+    def _best_k(pricing: _Pricing, max_k: int, dropped: frozenset[int]) -> tuple[int, float]:
         """The ``k`` in ``1..max_k`` with the best rate (ties: the smaller), and that rate."""
-        best, best_rate = 1, self.rate(candidates, 1, dropped)
+        best, best_rate = 1, pricing.rate(1, dropped)
         for k in range(2, max_k + 1):
-            r = self.rate(candidates, k, dropped)
+            r = pricing.rate(k, dropped)
             if r > best_rate * (1.0 + 1e-9):
                 best, best_rate = k, r
         return best, best_rate
 
     def decide(self, candidates: Sequence[Candidate], max_k: int) -> tuple[int, list[int | None]]:
         """The ``spec_len`` in ``0..max_k`` and one draft limit per candidate (None: no limit), by the
-        class docstring's steps; ``(0, [None, ...])`` when speculation does not pay."""
+        class docstring's steps; ``(0, [None, ...])`` when speculation does not pay.
+
+        Asked before every step of an adaptive engine, so it prices cheaply: when no candidate has a guess
+        (``min(cap, available) == 0`` for all), every ``k`` costs and yields what ``k = 0`` does and the
+        answer is ``(0, [None, ...])`` without asking the cost model; otherwise each row count's step cost
+        and each draft call's cost is asked once per call (``_Pricing``)."""
         none: list[int | None] = [None] * len(candidates)
-        if not candidates or max_k <= 0:
+        if not candidates or max_k <= 0 or all(min(c.cap, c.available) <= 0 for c in candidates):
             return 0, none
-        plain = self.rate(candidates, 0)
-        k, _ = self._best_k(candidates, max_k, frozenset())
+        pricing = _Pricing(self.costs, candidates)
+        plain = pricing.rate(0)
+        k, _ = self._best_k(pricing, max_k, frozenset())
         dropped: frozenset[int] = frozenset()
-        current = self.rate(candidates, k, dropped)
+        current = pricing.rate(k, dropped)
         while True:
             drafting = [i for i, c in enumerate(candidates) if i not in dropped and min(k, c.cap, c.available) > 0]
             if not drafting:
                 break
             worst = min(drafting, key=lambda i: (candidates[i].alpha, -i))
             trial = dropped | {worst}
-            r = self.rate(candidates, k, trial)
+            r = pricing.rate(k, trial)
             if r <= current * (1.0 + 1e-9):
                 break
             dropped, current = trial, r
-        k, best = self._best_k(candidates, max_k, dropped)
+        k, best = self._best_k(pricing, max_k, dropped)
         if best <= plain * (1.0 + self.margin) * (1.0 + 1e-9):
             return 0, none
         limits: list[int | None] = []
@@ -241,6 +238,49 @@ class Governor:
     def choose(self, candidates: Sequence[Candidate], max_k: int) -> int:
         """The ``spec_len`` of ``decide`` (0 without candidates)."""
         return self.decide(candidates, max_k)[0]
+
+
+class _Pricing:
+    """``Governor.rate`` for one set of candidates, with what it asks remembered: each candidate's expected
+    tokens ``1 + alpha + ... + alpha ** g`` by ``g`` (summed in that order, so the figures are the ones a
+    fresh sum gives) and the cost model's answer for each step size and draft call asked."""
+
+    __slots__ = ("_drafts", "_steps", "_tokens", "candidates", "costs", "top")
+
+    def __init__(self, costs: CostModel, candidates: Sequence[Candidate]) -> None:
+        self.costs = costs
+        self.candidates = candidates
+        self.top = max((c.cap for c in candidates), default=0)
+        self._tokens: list[list[float]] = []  # by candidate, by g
+        for c in candidates:
+            sums: list[float] = []
+            total = 0.0
+            for j in range(max(0, min(c.cap, c.available)) + 1):
+                total += c.alpha**j
+                sums.append(total)
+            self._tokens.append(sums)
+        self._steps: dict[int, float] = {}
+        self._drafts: dict[tuple[int, int], float] = {}
+
+    def rate(self, k: int, dropped: frozenset[int] = frozenset()) -> float:
+        """Expected tokens per unit of cost at ``spec_len`` ``k`` with ``dropped`` limited to 0."""
+        tokens = 0.0
+        rows = 0
+        drafting = 0
+        for i, c in enumerate(self.candidates):
+            g = 0 if i in dropped else max(0, min(k, c.cap, c.available))
+            tokens += self._tokens[i][g]
+            rows += 1 + g
+            drafting += g > 0
+        step = self._steps.get(rows)
+        if step is None:
+            step = self._steps[rows] = self.costs.step(rows)
+        key = (min(k, self.top), drafting)
+        draft = self._drafts.get(key)
+        if draft is None:
+            draft = self._drafts[key] = self.costs.draft(*key)
+        cost = step + draft
+        return tokens / cost if cost > 0 else 0.0
 
 
 def draft_governor(proposer: object, draft: Model, target: Model, max_k: int) -> Governor:

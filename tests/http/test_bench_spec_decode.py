@@ -60,6 +60,35 @@ def test_every_repeat_starts_with_a_suffix_proposer_that_remembers_no_earlier_an
     assert held == [1, 2, 2]
 
 
+def test_each_repeat_runs_the_configurations_in_a_rotated_order_and_reports_its_own_speedup(
+    capsys, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A configuration that always ran first in a repeat (after the previous cell's last) would carry whatever
+    that position costs in every figure: the order rotates each repeat, and each repeat's speedup is reported
+    (its spread is the run's noise)."""
+    from mechserve.bench import spec_decode
+
+    order: list[Any] = []
+    run = spec_decode.run_sessions
+
+    def spy(llm: Any, sessions: Any, params: Any, tally: Any) -> None:
+        order.append(llm)
+        run(llm, sessions, params, tally)
+
+    monkeypatch.setattr(spec_decode, "run_sessions", spy)
+    argv = ["bench", "spec-decode", "--model", str(tiny_dir), "--prompts", "2", "--max-tokens", "3", "--json"]
+    argv += ["--batches", "2", "--repeats", "4", "--configs", "ngram", "suffix-fixed", "--sets", "novel"]
+    assert main(argv) == 0
+    cell = json.loads(capsys.readouterr().out)["cells"]["novel/batch-2"]
+    names = {id(llm): i for i, llm in enumerate(order[:3])}  # the first repeat: off, ngram, suffix-fixed
+    assert [names[id(llm)] for llm in order] == [0, 1, 2, 1, 2, 0, 2, 0, 1, 0, 1, 2]
+    assert cell["off"]["speedup"] is None and cell["off"]["speedup_by_repeat"] == []
+    for name in ("ngram", "suffix-fixed"):
+        by_repeat = cell[name]["speedup_by_repeat"]
+        assert len(by_repeat) == 4 and all(s > 0 for s in by_repeat)
+        assert min(by_repeat) * 0.99 <= cell[name]["speedup"] <= max(by_repeat) * 1.01
+
+
 def test_bench_spec_decode_costs_times_steps_by_rows(capsys, tiny_dir: Path) -> None:
     """``--costs``: target steps of 1 and 8 windows of 1 .. 8 rows (``executor.costs.step_inputs``), relative to
     one row at batch 1, and the static model's row and jump costs fitted to them."""

@@ -1,0 +1,144 @@
+"""Issue 27 item 4: the governor is asked before every step of an adaptive engine, so its own price must be
+small.  ``Governor.decide`` asks the cost model once per row count and draft call (``_Pricing``), and not at
+all when no request has a guess to make; these tests pin that its answers are the plain definition's (the
+class docstring's formulas, written out below as the oracle), bit for bit, over random candidates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from mechserve.executor.costs import MeasuredCosts, StaticCosts
+from mechserve.executor.governor import Candidate, Governor
+
+
+def oracle_rate(costs: object, candidates: Sequence[Candidate], k: int, dropped: frozenset[int]) -> float:
+    """``rate(k, D)`` as the class docstring writes it, asked afresh every time."""
+    top = max((c.cap for c in candidates), default=0)
+    tokens = 0.0
+    rows = 0
+    drafting = 0
+    for i, c in enumerate(candidates):
+        g = 0 if i in dropped else min(k, c.cap, c.available)
+        tokens += sum(c.alpha**j for j in range(g + 1))
+        rows += 1 + g
+        drafting += g > 0
+    cost = costs.step(rows) + costs.draft(min(k, top), drafting)  # type: ignore[attr-defined]
+    return tokens / cost if cost > 0 else 0.0
+
+
+def oracle_decide(g: Governor, candidates: Sequence[Candidate], max_k: int) -> tuple[int, list[int | None]]:
+    """The class docstring's four steps over ``oracle_rate``, with no shortcut."""
+    none: list[int | None] = [None] * len(candidates)
+    if not candidates or max_k <= 0:
+        return 0, none
+
+    def best(dropped: frozenset[int]) -> tuple[int, float]:
+        k, r = 1, oracle_rate(g.costs, candidates, 1, dropped)
+        for j in range(2, max_k + 1):
+            rj = oracle_rate(g.costs, candidates, j, dropped)
+            if rj > r * (1.0 + 1e-9):
+                k, r = j, rj
+        return k, r
+
+    plain = oracle_rate(g.costs, candidates, 0, frozenset())
+    k, _ = best(frozenset())
+    dropped: frozenset[int] = frozenset()
+    current = oracle_rate(g.costs, candidates, k, dropped)
+    while True:
+        drafting = [i for i, c in enumerate(candidates) if i not in dropped and min(k, c.cap, c.available) > 0]
+        if not drafting:
+            break
+        worst = min(drafting, key=lambda i: (candidates[i].alpha, -i))
+        r = oracle_rate(g.costs, candidates, k, dropped | {worst})
+        if r <= current * (1.0 + 1e-9):
+            break
+        dropped, current = dropped | {worst}, r
+    k, rate = best(dropped)
+    if rate <= plain * (1.0 + g.margin) * (1.0 + 1e-9):
+        return 0, none
+    return k, [
+        0 if i in dropped else (c.available if c.available < min(k, c.cap) else None) for i, c in enumerate(candidates)
+    ]
+
+
+def measured() -> MeasuredCosts:
+    """A measured cost model with a CPU-like curve (a jump at 2 rows, then cheap rows) and draft calls."""
+    costs = MeasuredCosts(StaticCosts(draft_costs=(0.3, 0.4, 0.4, 0.4)))
+    for rows, seconds in [(1, 0.010), (2, 0.0145), (4, 0.0150), (8, 0.0170), (16, 0.0210), (40, 0.0330)]:
+        costs.calibrated(rows, seconds)
+    for rows, seconds in [(8, 0.018), (8, 0.0175), (8, 0.0181), (12, 0.019), (9, 0.0171)]:
+        costs.observe_step(rows, seconds)
+    costs.observe_draft(3, 2, 0.004)
+    costs.observe_draft(1, 4, 0.005)
+    return costs
+
+
+candidate = st.builds(
+    Candidate,
+    cap=st.integers(0, 6),
+    available=st.integers(0, 6),
+    alpha=st.floats(0.0, 1.0, allow_nan=False, width=32),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    candidates=st.lists(candidate, max_size=10),
+    max_k=st.integers(0, 6),
+    measured_costs=st.booleans(),
+    margin=st.sampled_from([0.0, 0.03, 0.2]),
+)
+@example(
+    candidates=[Candidate(4, 4, 0.9), Candidate(4, 2, 0.9), Candidate(4, 0, 0.1)],
+    max_k=4,
+    measured_costs=True,
+    margin=0.03,
+)
+def test_decide_and_rate_are_the_docstrings_definition_bit_for_bit(
+    candidates: list[Candidate], max_k: int, measured_costs: bool, margin: float
+) -> None:
+    g = Governor(costs=measured() if measured_costs else StaticCosts(draft_costs=(0.2, 0.3)), margin=margin)
+    assert g.decide(candidates, max_k) == oracle_decide(g, candidates, max_k)
+    for k in range(max_k + 1):
+        for dropped in (frozenset(), frozenset(range(0, len(candidates), 2))):
+            assert g.rate(candidates, k, dropped) == oracle_rate(g.costs, candidates, k, dropped)
+
+
+class Counting:
+    """A cost model that counts what it is asked (``StaticCosts``' answers)."""
+
+    def __init__(self) -> None:
+        self.inner = StaticCosts(draft_costs=(0.2, 0.3, 0.3, 0.3))
+        self.steps: list[int] = []
+        self.drafts: list[tuple[int, int]] = []
+
+    def step(self, rows: int) -> float:
+        self.steps.append(rows)
+        return self.inner.step(rows)
+
+    def draft(self, rounds: int, windows: int) -> float:
+        self.drafts.append((rounds, windows))
+        return self.inner.draft(rounds, windows)
+
+
+def test_with_no_guess_to_make_the_cost_model_is_not_asked() -> None:
+    costs = Counting()
+    g = Governor(costs=costs)
+    # eight requests whose proposers have nothing (prompt lookup without a match), or whose cap is 0
+    candidates = [Candidate(4, 0, 0.7)] * 7 + [Candidate(0, 3, 0.9)]
+    assert g.decide(candidates, 4) == (0, [None] * 8)
+    assert costs.steps == [] and costs.drafts == []
+
+
+def test_each_step_size_is_priced_once_per_decision() -> None:
+    costs = Counting()
+    g = Governor(costs=costs)
+    candidates = [Candidate(4, 4, 0.8), Candidate(4, 1, 0.3), *[Candidate(4, 0, 0.5)] * 6]
+    k, limits = g.decide(candidates, 4)
+    assert (k, limits) == oracle_decide(Governor(costs=costs.inner), candidates, 4)
+    assert len(costs.steps) == len(set(costs.steps))
+    assert len(costs.drafts) == len(set(costs.drafts))
