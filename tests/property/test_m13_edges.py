@@ -603,3 +603,32 @@ def test_a_stop_keeping_more_than_was_appended_or_less_than_none_is_refused(m: A
     message = f"a: a stop may keep 0..1 of the ids it appended, not {keep}"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         eng.commit(eng.executor.execute(eng.schedule()), lambda rid, ids: keep)
+
+
+@pytest.mark.parametrize("rung", ["m15_routing", "m16_request_draft_lengths"])
+def test_a_request_keeps_the_keys_and_hashes_it_brings_only_when_they_name_its_own_blocks(rung: str) -> None:
+    # m15's add_request: a routed request brings the prompt keys and block hashes the router computed (the
+    # router must hear its own names back in the KV events); keys of another namespace or another page size,
+    # or hashes of another count (a prefix of the chain, or none), are made again here from the engine's
+    # hash seed. Pages of 2; prompts of one and of three blocks.
+    m = importlib.import_module(f"mechserve.spec.{rung}")
+    other_root = m.hash_root("another seed")
+    for tokens in ([1, 2, 3], [1, 2, 3, 4, 5, 6, 7]):
+        own_keys = m.prefix_keys(tokens, 2, "engine")
+        cases = [
+            # (keys, hashes) carried -> (keys, hashes) the engine uses
+            ((own_keys, m.block_hashes(tokens, 2, other_root)), (own_keys, m.block_hashes(tokens, 2, other_root))),
+            ((m.prefix_keys(tokens, 2, "tenant-b"), []), (own_keys, None)),
+            ((m.prefix_keys(tokens, 4, "engine"), m.block_hashes(tokens, 4, other_root)), (own_keys, None)),
+            ((own_keys, m.block_hashes(tokens, 2, other_root)[:-1]), (own_keys, None)),
+            (([], []), (own_keys, None)),
+        ]
+        for (keys, hashes), (want_keys, want_hashes) in cases:
+            eng = m.Engine([], 8, 2, 16)
+            r = m.Request("a", tokens, 1)
+            r.prompt_keys, r.block_hashes = list(keys), list(hashes)
+            assert eng.add_request(r) is None
+            stored = [h for rec in eng.run() for e in rec.kv_events for h in e.block_hashes]
+            assert r.prompt_keys == want_keys and {k.namespace for k in r.prompt_keys} == {"engine"}
+            assert stored == (want_hashes or m.block_hashes(tokens, 2, eng.hash_root)), (tokens, keys, hashes)
+            assert eng.cache.match(own_keys) != []
