@@ -291,3 +291,58 @@ def test_items_of_different_lengths_in_one_bucket_match_the_definition(window) -
     assert [g.q_len for g in batch.groups] == [1, 8]  # one bucket holds both chunks
     got, _ = _attend(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window, False)
     torch.testing.assert_close(got, _naive(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window))
+
+
+def _same_group(moved, group, device: torch.device) -> None:
+    """``moved`` is ``group`` on ``device``: the same sizes, the same index tensors (shapes and dtypes; a meta
+    tensor holds no values) and one mask per sliding window."""
+    assert (moved.batch, moved.q_len, moved.ctx_len) == (group.batch, group.q_len, group.ctx_len)
+    for got, want in ((moved.rows, group.rows), (moved.src, group.src), (moved.dst, group.dst)):
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert (got.device, got.shape, got.dtype) == (device, want.shape, want.dtype)
+    assert (moved.kv_slots.device, moved.kv_slots.shape) == (device, group.kv_slots.shape)
+    assert list(moved.masks) == list(group.masks)
+    for w, mask in group.masks.items():
+        assert (moved.masks[w].device, moved.masks[w].shape, moved.masks[w].dtype) == (device, mask.shape, mask.dtype)
+
+
+def test_a_batch_moved_off_the_cpu_carries_its_native_items_as_sdpa_groups() -> None:
+    """Mutation testing (docs/mutation.md): ``AttentionBatch.to`` had no test off the CPU. On the CPU it is the
+    batch itself; on another device (``meta`` here: tensors without storage, so no accelerator is needed) the
+    kernel's items become SDPA groups ahead of the batch's own, and every index tensor and mask moves with them."""
+    meta = torch.device("meta")
+    # a prefill chunk of 5 (padded in its bucket beside one of 7: rows, src and dst), a decode step, a chunk of 7
+    spans = [Span(0, 0, 5, [0, 1]), Span(5, 6, 1, [2, 3]), Span(6, 2, 7, [4, 5, 6])]
+    slots = [s.page_table[p // 4] * 4 + p % 4 for s in spans for p in range(s.start, s.start + s.num_tokens)]
+    decodes = [Span(i, 9 + i, 1, [i, 3 + i, 6 + i]) for i in range(3)]  # one group, rows 0..2 in order: no rows
+    steps = ((spans, slots), (decodes, [0, 1, 2]))
+    for native_on, (group_spans, group_slots) in ((on, step) for on in (True, False) for step in steps):
+        batch = build_attention_batch(group_spans, group_slots, 4, 2, (None, 3), native=native_on)
+        assert batch.to(torch.device("cpu")) is batch
+        assert (batch.native is not None) == native_on and (batch.groups == ()) == native_on
+        expected = (batch.native_fallback() if native_on else ()) + batch.groups
+        # the kernel's items as SDPA groups are exactly the groups of the torch path, the shortcut included
+        torch_path = build_attention_batch(group_spans, group_slots, 4, 2, (None, 3), native=False).groups
+        for group, want in zip(expected, torch_path, strict=True):
+            _same_group(group, want, torch.device("cpu"))
+            for got_t, want_t in ((group.rows, want.rows), (group.src, want.src), (group.kv_slots, want.kv_slots)):
+                assert got_t is None or torch.equal(got_t, want_t)
+            assert all(torch.equal(group.masks[w], mask) for w, mask in want.masks.items())
+        moved = batch.to(meta)
+        assert moved.native is None and len(moved.groups) == len(expected) > 0
+        assert (moved.num_tokens, moved.page_size, moved.group_size, moved.sliding_windows) == (
+            batch.num_tokens,
+            4,
+            2,
+            (None, 3),
+        )
+        assert (moved.slot_mapping.device, moved.slot_mapping.shape, moved.slot_mapping.dtype) == (
+            meta,
+            (batch.num_tokens,),
+            torch.int64,
+        )
+        for got, group in zip(moved.groups, expected, strict=True):
+            _same_group(got, group, meta)
+    assert any(g.rows is None for g in build_attention_batch(decodes, [0, 1, 2], 4, 2, native=False).groups)
+    assert all(g.rows is not None for g in build_attention_batch(spans, slots, 4, 2, native=False).groups)
