@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -140,3 +141,38 @@ def test_attention_groups_bucket_by_query_length() -> None:
     assert full.shape == (1, 1, 2 * 9, 9)
     assert full[0, 0, 4].tolist() == [True] * 5 + [False] * 4  # query at position 4 sees 0..4
     assert window[0, 0, 4].tolist() == [False, False, True, True, True] + [False] * 4
+
+
+def test_a_pool_of_no_pages_or_empty_pages_is_refused_and_one_page_of_one_slot_is_not() -> None:
+    for pages, size in ((0, 4), (3, 0), (-1, 4), (3, -2)):
+        with pytest.raises(ValueError, match=r"^num_pages and page_size must be > 0$"):
+            PagedKVCache(num_layers=1, num_pages=pages, page_size=size, num_kv_heads=1, head_dim=2)
+    cache = PagedKVCache(num_layers=1, num_pages=1, page_size=1, num_kv_heads=1, head_dim=2)
+    assert (cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim) == (1, 1, 1, 2)
+    assert cache.k.shape == (1, 1, 1, 1, 2)
+
+
+def test_a_pool_is_zeroed_pages_of_its_dtype_on_its_device_the_cpus_on_huge_pages() -> None:
+    """Mutation testing (docs/mutation.md): only float32 pools on the CPU were built in the selection. On the CPU a
+    pool of at least a huge page starts on one (``huge_zeros``: attention streams the pages); on another device
+    (``meta``: no storage, so no accelerator is needed) K, V and what a gather returns are that device's."""
+    from mechserve.native.memory import HUGE_PAGE
+
+    cpu = PagedKVCache(num_layers=2, num_pages=300, page_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    assert cpu.k.nbytes >= HUGE_PAGE
+    for t in (cpu.k, cpu.v):
+        assert (t.device.type, t.dtype, t.shape) == ("cpu", torch.bfloat16, (2, 300, 16, 2, 64)) and not t.any()
+        assert t.data_ptr() % HUGE_PAGE == 0
+    assert cpu.k.data_ptr() != cpu.v.data_ptr()
+    meta = torch.device("meta")
+    pool = PagedKVCache(2, 3, 4, 2, 5, torch.bfloat16, device=meta)
+    for t in (pool.k, pool.v, *pool.flat(1)):
+        assert (t.device, t.dtype) == (meta, torch.bfloat16)
+    assert pool.k.shape == pool.v.shape == (2, 3, 4, 2, 5) and pool.flat(1)[1].shape == (12, 2, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the workspace views have the gather's shape: torch resizes nothing
+        k, v = pool.gather(1, torch.tensor([4, 9, 0], device=meta))
+        assert (k.device, k.dtype, k.shape) == (v.device, v.dtype, v.shape) == (meta, torch.bfloat16, (3, 2, 5))
+        cpu.write(1, torch.tensor([5, 17]), torch.ones(2, 2, 64), torch.full((2, 2, 64), 2.0))
+        k, v = cpu.gather(1, torch.tensor([17, 3]))
+    assert k.shape == v.shape == (2, 2, 64) and k[0].eq(1).all() and v[0].eq(2).all() and not k[1].any()
