@@ -150,12 +150,12 @@ def test_the_step_rows_are_written_with_their_slots_checked() -> None:
         )
 
 
-def _attend(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window, use_native):
+def _attend(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window, use_native, scale=None):
     cache = PagedKVCache(1, pool_k.shape[0], page_size, pool_k.shape[2], pool_k.shape[3], pool_k.dtype)
     cache.k[0].copy_(pool_k)
     cache.v[0].copy_(pool_v)
     batch = build_attention_batch(spans, slots, page_size, group, (None, window), native=use_native)
-    scale = q.shape[-1] ** -0.5
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     return paged_attention(q, k, v, cache, 0, batch, scale, window), cache
 
 
@@ -250,10 +250,12 @@ def test_float16_falls_back_to_sdpa_for_short_items() -> None:
     torch.testing.assert_close(got, ref)
 
 
-def _naive(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window):
+def _naive(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window, scale=None):
     """Attention written out per query from the definition: the pool with this step's K/V written at ``slots``,
-    each query at position p attending to its request's positions <= p (within the window)."""
+    each query at position p attending to its request's positions <= p (within the window); ``scale`` defaults
+    to ``head_dim ** -0.5``."""
     kv, head_dim = pool_k.shape[2], pool_k.shape[3]
+    scale = head_dim**-0.5 if scale is None else scale
     keys, values = pool_k.reshape(-1, kv, head_dim).clone(), pool_v.reshape(-1, kv, head_dim).clone()
     keys[torch.tensor(slots)], values[torch.tensor(slots)] = k, v
     out = torch.zeros(q.shape[0], q.shape[1] * head_dim)
@@ -263,7 +265,7 @@ def _naive(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window):
             seen = [x for x in range(p + 1) if window is None or x > p - window]
             where = torch.tensor([s.page_table[x // page_size] * page_size + x % page_size for x in seen])
             for h in range(q.shape[1]):
-                scores = keys[where, h // group] @ q[s.row + i, h] * head_dim**-0.5
+                scores = keys[where, h // group] @ q[s.row + i, h] * scale
                 out[s.row + i, h * head_dim : (h + 1) * head_dim] = torch.softmax(scores, 0) @ values[where, h // group]
     return out
 
@@ -346,3 +348,96 @@ def test_a_batch_moved_off_the_cpu_carries_its_native_items_as_sdpa_groups() -> 
             _same_group(got, group, meta)
     assert any(g.rows is None for g in build_attention_batch(decodes, [0, 1, 2], 4, 2, native=False).groups)
     assert all(g.rows is not None for g in build_attention_batch(spans, slots, 4, 2, native=False).groups)
+
+
+def _step(seed: int, dtype: torch.dtype = torch.float32):
+    """A step of three items over a pool of 7 pages of 4 slots (2 KV heads, GQA group 2, head size 8): a prefill
+    chunk of 8 from position 2, a decode step at 7 and a chunk of 5 from 0; its spans, slots, q, k, v and pool."""
+    gen = torch.Generator().manual_seed(seed)
+    spans = [Span(0, 2, 8, [3, 0, 5]), Span(8, 7, 1, [1, 6]), Span(9, 0, 5, [2, 4])]
+    slots = [s.page_table[p // 4] * 4 + p % 4 for s in spans for p in range(s.start, s.start + s.num_tokens)]
+    pool_k, pool_v = (torch.randn(7, 4, 2, 8, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(14, 4, 8, generator=gen)
+    k, v = torch.randn(14, 2, 8, generator=gen), torch.randn(14, 2, 8, generator=gen)
+    return spans, slots, q, k, v, pool_k, pool_v
+
+
+def test_the_batch_follows_mechserve_attention_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    spans = [Span(0, 0, 3, [0]), Span(3, 5, 1, [1, 2])]
+    try:
+        for mode, on in (("native", True), ("torch", False)):
+            monkeypatch.setenv("MECHSERVE_ATTENTION", mode)
+            native.enabled.cache_clear()
+            for given, kernel in ((None, on), (not on, not on)):
+                batch = build_attention_batch(spans, [0, 1, 2, 9], 4, 2, native=given)
+                assert (batch.native is not None, batch.groups == ()) == (kernel, kernel)
+    finally:
+        native.enabled.cache_clear()
+
+
+def test_the_kernel_gets_only_the_pages_its_items_reach() -> None:
+    # page tables longer than the step reaches (pages of 4): the first item reaches page 0 of its table, the second
+    # positions 5 and 6, pages 0 and 1 of its table
+    spans = [Span(0, 0, 3, [4, 5, 6]), Span(3, 5, 2, [1, 2, 3, 7])]
+    batch = build_attention_batch(spans, [16, 17, 18, 9, 10], 4, 2, native=True)
+    assert batch.native is not None
+    assert batch.native.items.tolist() == [[0, 0, 3, 0], [3, 5, 2, 1]]
+    assert batch.native.tables.tolist() == [4, 1, 2]
+
+
+def test_float32_and_bfloat16_are_attended_by_the_kernel_and_other_dtypes_by_sdpa() -> None:
+    spans, slots, q, k, v, pool_k, pool_v = _step(3)
+    for q_dtype, kv_dtype, kernel in (
+        (torch.float32, torch.float32, True),
+        (torch.bfloat16, torch.bfloat16, True),
+        (torch.float32, torch.bfloat16, False),  # pages of another dtype than the model's (``kv_dtype``)
+        (torch.float16, torch.float16, False),
+    ):
+        with mock.patch.object(native, "paged_attention", wraps=native.paged_attention) as kernel_call:
+            qq, kk, vv = (t.to(q_dtype) for t in (q, k, v))
+            got, _ = _attend(spans, slots, qq, kk, vv, pool_k.to(kv_dtype), pool_v.to(kv_dtype), 4, 2, None, True)
+        assert kernel_call.call_count == int(kernel) and got.dtype == q_dtype, (q_dtype, kv_dtype)
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_pages_of_another_dtype_store_the_step_converted_and_are_attended_in_the_queries_dtype(use_native) -> None:
+    """float32 queries over bfloat16 pages (``kv_dtype``): the step's K/V are stored as bfloat16 and the context
+    is read back as float32, so the output is the definition's over the rounded pages."""
+    spans, slots, q, k, v, pool_k, pool_v = _step(5, torch.bfloat16)
+    got, cache = _attend(spans, slots, q, k, v, pool_k, pool_v, 4, 2, None, use_native)
+    flat_k, flat_v = cache.flat(0)
+    assert torch.equal(flat_k[slots], k.bfloat16()) and torch.equal(flat_v[slots], v.bfloat16())
+    rounded = (t.bfloat16().float() for t in (k, v, pool_k, pool_v))
+    want = _naive(spans, slots, q, *rounded, 4, 2, None)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_attention_uses_the_scale_it_is_given(use_native) -> None:
+    """A model's own scale (not always ``head_dim ** -0.5``) reaches both paths."""
+    spans, slots, q, k, v, pool_k, pool_v = _step(7)
+    for window in (None, 3):
+        got, _ = _attend(spans, slots, q, k, v, pool_k, pool_v, 4, 2, window, use_native, scale=0.9)
+        torch.testing.assert_close(got, _naive(spans, slots, q, k, v, pool_k, pool_v, 4, 2, window, scale=0.9))
+
+
+def test_attention_off_the_cpu_returns_its_output_on_the_queries_device() -> None:
+    """On another device (``meta``: shapes without storage) the torch path runs with the pool, the batch and the
+    output all there."""
+    meta = torch.device("meta")
+    spans, slots, q, k, v, _, _ = _step(9)
+    cache = PagedKVCache(1, 7, 4, 2, 8, device=meta)
+    batch = build_attention_batch(spans, slots, 4, 2, (None, 3), native=True).to(meta)
+    for window in (None, 3):
+        out = paged_attention(q.to(meta), k.to(meta), v.to(meta), cache, 0, batch, 8**-0.5, window)
+        assert (out.device, out.shape, out.dtype) == (meta, (14, 32), torch.float32)
+
+
+def test_a_step_of_one_prefill_chunk_is_attended_without_a_gather_or_a_scatter() -> None:
+    # the group is exactly rows 0..T-1 in order (AttentionGroup: rows, src and dst None), as a batch of decode steps
+    for spans in ([Span(0, 3, 9, [0, 1, 2])], [Span(i, 5, 1, [i, 3 + i]) for i in range(3)]):
+        (group,) = build_attention_batch(
+            spans, list(range(sum(s.num_tokens for s in spans))), 4, 2, native=False
+        ).groups
+        assert group.rows is None and group.src is None and group.dst is None
