@@ -64,6 +64,8 @@ def _positions(r: dict[str, Any]) -> str:
 
 def table(report: dict[str, Any], batch: int) -> str:
     """The markdown table of one batch size."""
+    from mechserve.bench.spec_decode import spread
+
     peer = report.get("llama_cpp", {}).get("cells", {})
     lines = [
         f"**Batch {batch}** ({report.get('mode', 'exact')} mode, {report['prompts_per_set']} sessions per workload, "
@@ -85,7 +87,7 @@ def table(report: dict[str, Any], batch: int) -> str:
             speedup = _num(1.0 if name == "off" else r["speedup"], ".2f")
             by_repeat = r.get("speedup_by_repeat") or []
             if len(by_repeat) > 1:  # the run's noise: the lowest and highest repeat
-                speedup += f" ({min(by_repeat):.2f}-{max(by_repeat):.2f})"
+                speedup += f" ({spread(by_repeat)})"
             lines.append(
                 f"| {workload} | {name} | {r['tok_s']:.1f} | {speedup} | {_num(ratio, '.2f')} | "
                 f"{_num(r['tokens_per_decode_step'], '.2f')} | {_positions(r)} |"

@@ -136,9 +136,9 @@ def configurations(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def rotated(names: list[str], repeat: int) -> list[str]:
-    """``names`` starting at ``repeat`` (mod their count): each repeat of a batch runs the configurations in
-    a different order, so none always runs first (after the previous cell's last) or right after the
-    same other one."""
+    """``names`` starting at ``repeat`` (mod their count): each repeat of a batch starts with a different
+    configuration, so none always runs first (right after the previous cell or repeat).  The cyclic order
+    stays: each configuration still follows the same other one whenever it is not first."""
     if not names:
         return names
     r = repeat % len(names)
