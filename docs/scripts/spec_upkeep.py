@@ -1,0 +1,84 @@
+"""What an adaptive speculative engine costs at batch 8 when it guesses nothing (issue 27): each proposer's
+upkeep, measured in one process beside its guessing self and two engines without speculation.
+
+    PYTHONPATH=$PWD python docs/scripts/spec_upkeep.py [--mode fast] [--set novel] [--repeats 10] \
+        [--methods ngram suffix eagle]
+
+``LLM``s over one loaded model: ``off`` and ``off2`` (no speculation: ``off2`` shows the noise between two
+identical engines) and, for each method (adaptive, 4 guesses), the engine as built and the same engine
+``-silent``: its governor answers "no guesses" for every request, and an EAGLE engine also stops asking the
+forward for hidden rows.  A silent engine still runs everything else a speculative engine runs each step (the
+proposer kept up to date with every new id: prompt lookup's index, suffix decoding's trees; the windows, the
+settle, the acceptance records), so ``off`` over it is that upkeep, and the silent engine over the guessing
+one is what the guesses themselves cost or gain.  Each repeat runs the set's 8 sessions (128 new ids per
+turn, greedy) through each engine in an order rotated each repeat (``bench.spec_decode.rotated``), after one
+warm-up run each; suffix decoding forgets finished requests before each run, as the bench does.  Prints each
+engine's ids per second, ``off``'s time over its time for the same ids (above 1: faster) with the lowest and
+highest repeat, forwards and guesses drafted.  A measurement, not a test: run it on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--mode", default="fast", choices=["exact", "fast"])
+    ap.add_argument("--set", default="novel")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--methods", nargs="+", default=["ngram", "suffix", "eagle"])
+    args = ap.parse_args()
+
+    from mechserve.api.config import SpeculativeConfig, dtype_name
+    from mechserve.api.params import SamplingParams
+    from mechserve.bench.runners import MODES
+    from mechserve.bench.spec_decode import Tally, forget_finished, rotated, run_sessions, spread
+    from mechserve.bench.spec_workloads import workloads
+    from mechserve.engine.executors import configure_threads
+    from mechserve.entrypoints.llm import LLM
+    from mechserve.executor.governor import Advice
+    from mechserve.model.loader import load_model
+
+    configure_threads()
+    dtype, quantization = MODES[args.mode]
+    loaded = load_model("smollm2", dtype=dtype, quantization=quantization)
+    size = {"dtype": dtype_name(loaded.model.dtype), "quantization": getattr(loaded.model, "quantization", None)}
+    llms = {"off": LLM(loaded, **size), "off2": LLM(loaded, **size)}
+    for method in args.methods:
+        for name in (method, f"{method}-silent"):
+            llms[name] = LLM(
+                loaded, speculative_config=SpeculativeConfig(method=method, num_speculative_tokens=4), **size
+            )
+        silent = llms[f"{method}-silent"].core.executor
+        silent._hidden = False  # no hidden rows asked of the forward (an EAGLE head's), nothing observed
+        silent.advise = lambda caps, max_k: Advice(0, {rid: 0 for rid, _ in caps})
+    params = SamplingParams(temperature=0.0, max_tokens=128)
+    sessions = workloads()[args.set][:8]
+    for llm in llms.values():
+        forget_finished(llm)
+        run_sessions(llm, sessions, params, Tally())
+    tallies = {name: Tally() for name in llms}
+    for repeat in range(args.repeats):
+        for name in rotated(list(llms), repeat):
+            forget_finished(llms[name])
+            t = tallies[name]
+            before = (t.output_tokens, t.wall_s)
+            run_sessions(llms[name], sessions, params, t)
+            t.repeats.append((t.output_tokens - before[0], t.wall_s - before[1]))
+    off = tallies["off"]
+    print(f"{args.set}, batch 8, {args.mode}, {args.repeats} repeats")
+    for name, t in tallies.items():
+        by_repeat = [(o_s / o_n) / (s / n) for (n, s), (o_n, o_s) in zip(t.repeats, off.repeats) if n and s and o_n]
+        speedup = (off.wall_s / off.output_tokens) / (t.wall_s / t.output_tokens)
+        print(
+            f"  {name:14s} {t.output_tokens / t.wall_s:7.1f} ids/s  x{speedup:.3f} ({spread(by_repeat)})"
+            f"  forwards {t.forwards:5d}  drafted {t.drafted:6d}"
+        )
+
+
+if __name__ == "__main__":
+    main()
