@@ -72,10 +72,9 @@ def main() -> None:
     off = tallies["off"]
     print(f"{args.set}, batch 8, {args.mode}, {args.repeats} repeats")
     for name, t in tallies.items():
-        by_repeat = [(o_s / o_n) / (s / n) for (n, s), (o_n, o_s) in zip(t.repeats, off.repeats) if n and s and o_n]
-        speedup = (off.wall_s / off.output_tokens) / (t.wall_s / t.output_tokens)
+        r = t.report(off)  # the bench's figures: speedup = tok/s over off's; by repeat likewise
         print(
-            f"  {name:14s} {t.output_tokens / t.wall_s:7.1f} ids/s  x{speedup:.3f} ({spread(by_repeat)})"
+            f"  {name:14s} {r['tok_s']:7.1f} ids/s  x{r['speedup']:.3f} ({spread(r['speedup_by_repeat'])})"
             f"  forwards {t.forwards:5d}  drafted {t.drafted:6d}"
         )
 
