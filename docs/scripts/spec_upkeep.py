@@ -6,10 +6,11 @@ upkeep, measured in one process beside its guessing self and two engines without
 
 ``LLM``s over one loaded model: ``off`` and ``off2`` (no speculation: ``off2`` shows the noise between two
 identical engines) and, for each method (adaptive, 4 guesses), the engine as built and the same engine
-``-silent``: its governor answers "no guesses" for every request, and an EAGLE engine also stops asking the
-forward for hidden rows.  A silent engine still runs everything else a speculative engine runs each step (the
-proposer kept up to date with every new id: prompt lookup's index, suffix decoding's trees; the windows, the
-settle, the acceptance records), so ``off`` over it is that upkeep, and the silent engine over the guessing
+``-silent``: every step it asks its proposer and prices the guesses exactly as the guessing engine does
+(``advise``: prompt lookup's index and suffix decoding's request tree brought up to date with every new id by
+``available``, the governor's pricing), then drafts nothing (every request limited to 0), and an EAGLE engine
+also stops asking the forward for hidden rows.  The rest of a speculative step runs as well (the proposal,
+which keeps suffix decoding's global tree up to date; the windows, the settle, the acceptance records), so ``off`` over it is that upkeep, and the silent engine over the guessing
 one is what the guesses themselves cost or gain.  Each repeat runs the set's 8 sessions (128 new ids per
 turn, greedy) through each engine in an order rotated each repeat (``bench.spec_decode.rotated``), after one
 warm-up run each; suffix decoding forgets finished requests before each run, as the bench does.  Prints each
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -43,6 +45,16 @@ def main() -> None:
     from mechserve.executor.governor import Advice
     from mechserve.model.loader import load_model
 
+    def answers_none(advise: Callable[[Sequence[tuple[str, int]], int], Advice]) -> Callable[..., Advice]:
+        """``advise`` asked as the guessing engine asks it (the proposer answers ``available``, the governor
+        prices), its answer replaced by "no guesses" for every request."""
+
+        def silent(caps: Sequence[tuple[str, int]], max_k: int) -> Advice:
+            advise(caps, max_k)
+            return Advice(0, {rid: 0 for rid, _ in caps})
+
+        return silent
+
     configure_threads()
     dtype, quantization = MODES[args.mode]
     loaded = load_model("smollm2", dtype=dtype, quantization=quantization)
@@ -55,7 +67,7 @@ def main() -> None:
             )
         silent = llms[f"{method}-silent"].core.executor
         silent._hidden = False  # no hidden rows asked of the forward (an EAGLE head's), nothing observed
-        silent.advise = lambda caps, max_k: Advice(0, {rid: 0 for rid, _ in caps})
+        silent.advise = answers_none(silent.advise)
     params = SamplingParams(temperature=0.0, max_tokens=128)
     sessions = workloads()[args.set][:8]
     for llm in llms.values():

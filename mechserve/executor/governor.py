@@ -50,11 +50,14 @@ from mechserve.model.protocol import Model
 
 @dataclass(slots=True)
 class _Record:
-    """Decayed counts of one request's accepted and rejected guesses; its windows in a row whose guesses were
-    all rejected (``misses``) and the windows it still sits out (``wait``)."""
+    """Decayed counts of one request's accepted and rejected guesses, the same counts over its whole life
+    (``total_*``); its windows in a row whose guesses were all rejected (``misses``) and the windows it still
+    sits out (``wait``)."""
 
     accepted: float = 0.0
     rejected: float = 0.0
+    total_accepted: float = 0.0
+    total_rejected: float = 0.0
     misses: int = 0
     wait: int = 0
 
@@ -62,28 +65,58 @@ class _Record:
 class Acceptance:
     """Per-request acceptance estimates: ``alpha``, the chance that the next guess is accepted, and a back-off.
 
-    ``(accepted + 1) / (accepted + rejected + 2)`` over counts that decay by ``decay`` per decode
-    window (a window's first rejection counts once; guesses after it were never judged).  A window
-    with nothing proposed only decays them, so a request that stopped proposing drifts back to 0.5
-    and is tried again.
+    ``(accepted + w * prior) / (accepted + rejected + w)`` over counts that decay by ``decay`` per decode
+    window (a window's first rejection counts once; guesses after it were never judged), ``w`` =
+    ``PRIOR_WEIGHT`` pseudo-guesses.  ``prior`` is what the requests that left this engine had kept
+    (empirical Bayes): ``(accepted + 1) / (accepted + rejected + 2)`` over their lifetime counts, pooled at
+    ``release`` and decayed by ``pool_decay`` per request released (one with a window observed); 0.5 before any, and always 0.5 with
+    ``pool_decay=None`` (the fixed prior).  A window with nothing proposed only decays a request's counts, so a
+    request that stopped proposing drifts back to the prior and is tried again; a request that never proposed
+    adds nothing when it leaves, so an engine that stopped drafting drifts back to 0.5 as requests leave.
 
-    That estimate never falls below about ``1 - decay`` / 2 (0.14 with the defaults), which at batch > 1,
-    where a guess row costs little, still looks worth a guess, and at batch 1 brings a probe every ~11
-    steps.  So a request whose windows keep failing also backs off exponentially: after ``misses >=
-    GRACE`` windows in a row with every guess rejected it sits out ``2 ** (misses - GRACE + 1)`` windows
-    (at most ``2 ** MAX_BACKOFF``; ``waiting``), and the first accepted guess ends the back-off.
+    Why a prior from past requests: one request's record is a few windows long, and after one lucky window (two
+    guesses of three kept) a fixed prior of 0.5 reads 0.6, two read 0.72: enough for a guess row at batch 8 on
+    text whose guesses are kept a quarter of the time.  And where guesses are kept (a conversation's next turn,
+    copying), a new request on a fixed prior starts at 0.5, which at batch 8 buys no row, so it drafts only after
+    its own luck.  Only requests that left are pooled, so a request's own windows never count twice (at batch 1
+    the running request would otherwise be its own prior), and a pool fed by every window would keep a bad
+    spell's verdict once the governor stopped drafting (measured: a batch-1 engine that met open-ended text first
+    then never drafted on code edits).
+
+    That estimate never falls below about ``w * prior * (1 - decay) / (1 + w * (1 - decay))`` (0.14 with the
+    defaults and a prior of 0.5), which at batch > 1, where a guess row costs little, may still look worth a
+    guess, and at batch 1 brings a probe every ~11 steps.  So a request whose windows keep failing also backs
+    off exponentially: after ``misses >= GRACE`` windows in a row with every guess rejected it sits out ``2 **
+    (misses - GRACE + 1)`` windows (at most ``2 ** MAX_BACKOFF``; ``waiting``), and the first accepted guess
+    ends the back-off.
     """
 
     GRACE = 2
     MAX_BACKOFF = 8
+    PRIOR_WEIGHT = 2.0
 
-    def __init__(self, decay: float = 0.8) -> None:
+    def __init__(self, decay: float = 0.8, pool_decay: float | None = 0.9) -> None:
+        if not 0.0 <= decay < 1.0 or (pool_decay is not None and not 0.0 <= pool_decay < 1.0):
+            raise ValueError(f"decay and pool_decay must be in [0, 1), got {decay!r} and {pool_decay!r}")
         self.decay = decay
+        self.pool_decay = pool_decay
         self._records: dict[str, _Record] = {}
+        self._pool = _Record()  # released requests' lifetime counts, decayed by pool_decay per release
+
+    @property
+    def prior(self) -> float:
+        """The prior mean of every request's estimate: the released requests' pooled acceptance (0.5 before any
+        was released, and with ``pool_decay=None``)."""
+        pool = self._pool
+        return (pool.accepted + 1.0) / (pool.accepted + pool.rejected + 2.0)
 
     def rate(self, request_id: str) -> float:
         r = self._records.get(request_id)
-        return 0.5 if r is None else (r.accepted + 1.0) / (r.accepted + r.rejected + 2.0)
+        prior = self.prior
+        if r is None:
+            return prior
+        w = self.PRIOR_WEIGHT
+        return (r.accepted + w * prior) / (r.accepted + r.rejected + w)
 
     def waiting(self, request_id: str) -> bool:
         """Whether the request sits out the coming window (its guesses kept failing)."""
@@ -93,8 +126,11 @@ class Acceptance:
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         """One decode window's verdict: ``accepted`` of the ``proposed`` guesses."""
         r = self._records.setdefault(request_id, _Record())
+        rejected = 1.0 if accepted < proposed else 0.0
         r.accepted = r.accepted * self.decay + accepted
-        r.rejected = r.rejected * self.decay + (1.0 if accepted < proposed else 0.0)
+        r.rejected = r.rejected * self.decay + rejected
+        r.total_accepted += accepted
+        r.total_rejected += rejected
         if r.wait > 0:
             r.wait -= 1
         if proposed and accepted:
@@ -105,7 +141,12 @@ class Acceptance:
                 r.wait = 2 ** min(r.misses - self.GRACE + 1, self.MAX_BACKOFF)
 
     def release(self, request_id: str) -> None:
-        self._records.pop(request_id, None)
+        """The request left: its record is dropped and its lifetime counts join the pool (``prior``)."""
+        r = self._records.pop(request_id, None)
+        if r is not None and self.pool_decay is not None:
+            pool = self._pool
+            pool.accepted = pool.accepted * self.pool_decay + r.total_accepted
+            pool.rejected = pool.rejected * self.pool_decay + r.total_rejected
 
 
 @dataclass(frozen=True, slots=True)
