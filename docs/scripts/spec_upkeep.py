@@ -6,11 +6,14 @@ upkeep, measured in one process beside its guessing self and two engines without
 
 ``LLM``s over one loaded model: ``off`` and ``off2`` (no speculation: ``off2`` shows the noise between two
 identical engines) and, for each method (adaptive, 4 guesses), the engine as built and the same engine
-``-silent``: every step it asks its proposer and prices the guesses exactly as the guessing engine does
+``-silent``: every step it asks its proposer and prices the guesses by the guessing engine's procedure
 (``advise``: prompt lookup's index and suffix decoding's request tree brought up to date with every new id by
-``available``, the governor's pricing), then drafts nothing (every request limited to 0), and an EAGLE engine
-also stops asking the forward for hidden rows.  The rest of a speculative step runs as well (the proposal,
-which keeps suffix decoding's global tree up to date; the windows, the settle, the acceptance records), so ``off`` over it is that upkeep, and the silent engine over the guessing
+``available``, the governor's pricing; on its own numbers, which differ: its acceptance records never leave the
+prior, since no guess of its is judged, and its measured costs follow its own steps), then drafts nothing
+(every request limited to 0).  An EAGLE engine also stops asking the forward for hidden rows, so its head has
+no state to draft from: ``available`` answers 0 and nothing is priced.  The rest of a speculative step runs as
+well (the proposal, which keeps suffix decoding's global tree up to date; the windows, the settle, the
+acceptance records), so ``off`` over it is that upkeep, and the silent engine over the guessing
 one is what the guesses themselves cost or gain.  Each repeat runs the set's 8 sessions (128 new ids per
 turn, greedy) through each engine in an order rotated each repeat (``bench.spec_decode.rotated``), after one
 warm-up run each; suffix decoding forgets finished requests before each run, as the bench does.  Prints each
@@ -66,7 +69,7 @@ def main() -> None:
                 loaded, speculative_config=SpeculativeConfig(method=method, num_speculative_tokens=4), **size
             )
         silent = llms[f"{method}-silent"].core.executor
-        silent._hidden = False  # no hidden rows asked of the forward (an EAGLE head's), nothing observed
+        silent._hidden = False  # no hidden rows asked of the forward, so an EAGLE head observes none
         silent.advise = answers_none(silent.advise)
     params = SamplingParams(temperature=0.0, max_tokens=128)
     sessions = workloads()[args.set][:8]

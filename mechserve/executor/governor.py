@@ -75,17 +75,19 @@ class Acceptance:
     adds nothing when it leaves, so an engine that stopped drafting drifts back to 0.5 as requests leave.
 
     Why a prior from past requests: one request's record is a few windows long, and after one lucky window (two
-    guesses of three kept) a fixed prior of 0.5 reads 0.6, two read 0.72: enough for a guess row at batch 8 on
+    guesses of three kept) a fixed prior of 0.5 reads 0.6, and after a second with both its guesses kept 0.72:
+    enough for a guess row at batch 8 on
     text whose guesses are kept a quarter of the time.  And where guesses are kept (a conversation's next turn,
     copying), a new request on a fixed prior starts at 0.5, which at batch 8 buys no row, so it drafts only after
     its own luck.  Only requests that left are pooled, so a request's own windows never count twice (at batch 1
     the running request would otherwise be its own prior), and a pool fed by every window would keep a bad
     spell's verdict once the governor stopped drafting (measured: a batch-1 engine that met open-ended text first
-    then never drafted on code edits).
+    then never drafted on code edits).  Lifetime counts weigh a request by its verdicts: one long request
+    counts for more than many short ones, and takes more releases to fade.
 
     That estimate never falls below about ``w * prior * (1 - decay) / (1 + w * (1 - decay))`` (0.14 with the
     defaults and a prior of 0.5), which at batch > 1, where a guess row costs little, may still look worth a
-    guess, and at batch 1 brings a probe every ~11 steps.  So a request whose windows keep failing also backs
+    guess, and at batch 1 brings a probe every ~11 steps (with a prior of 0.5; fewer with a lower one).  So a request whose windows keep failing also backs
     off exponentially: after ``misses >= GRACE`` windows in a row with every guess rejected it sits out ``2 **
     (misses - GRACE + 1)`` windows (at most ``2 ** MAX_BACKOFF``; ``waiting``), and the first accepted guess
     ends the back-off.
@@ -96,8 +98,8 @@ class Acceptance:
     PRIOR_WEIGHT = 2.0
 
     def __init__(self, decay: float = 0.8, pool_decay: float | None = 0.9) -> None:
-        if not 0.0 <= decay < 1.0 or (pool_decay is not None and not 0.0 <= pool_decay < 1.0):
-            raise ValueError(f"decay and pool_decay must be in [0, 1), got {decay!r} and {pool_decay!r}")
+        if not 0.0 <= decay <= 1.0 or (pool_decay is not None and not 0.0 <= pool_decay <= 1.0):
+            raise ValueError(f"decay and pool_decay must be in [0, 1], got {decay!r} and {pool_decay!r}")
         self.decay = decay
         self.pool_decay = pool_decay
         self._records: dict[str, _Record] = {}

@@ -75,10 +75,11 @@ def test_a_running_request_is_never_its_own_prior_and_an_engine_that_stops_draft
     assert 0.49 < pooled.prior <= 0.5
 
 
-@pytest.mark.parametrize("kwargs", [{"decay": 1.0}, {"decay": -0.1}, {"pool_decay": 1.0}, {"pool_decay": -1.0}])
+@pytest.mark.parametrize("kwargs", [{"decay": 1.5}, {"decay": -0.1}, {"pool_decay": 2.0}, {"pool_decay": -1.0}])
 def test_decays_outside_zero_to_one_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="decay"):
         Acceptance(**kwargs)
+    Acceptance(decay=1.0, pool_decay=1.0)  # no decay at all is a setting
 
 
 def test_one_lucky_window_buys_guess_rows_at_batch_8_only_when_the_engine_keeps_guesses() -> None:
