@@ -69,15 +69,14 @@ class Acceptance:
     window (a window's first rejection counts once; guesses after it were never judged), ``w`` =
     ``PRIOR_WEIGHT`` pseudo-guesses.  ``prior`` is what the requests that left this engine had kept
     (empirical Bayes): ``(accepted + 1) / (accepted + rejected + 2)`` over their lifetime counts, pooled at
-    ``release`` and decayed by ``pool_decay`` per request released (one with a window observed); 0.5 before any, and always 0.5 with
-    ``pool_decay=None`` (the fixed prior).  A window with nothing proposed only decays a request's counts, so a
+    ``release`` and decayed by ``pool_decay`` per request released (one with a window observed); 0.5 before
+    any, and always 0.5 with ``pool_decay=None`` (the fixed prior).  A window with nothing proposed only decays a request's counts, so a
     request that stopped proposing drifts back to the prior and is tried again; a request that never proposed
     adds nothing when it leaves, so an engine that stopped drafting drifts back to 0.5 as requests leave.
 
     Why a prior from past requests: one request's record is a few windows long, and after one lucky window (two
     guesses of three kept) a fixed prior of 0.5 reads 0.6, and after a second with both its guesses kept 0.72:
-    enough for a guess row at batch 8 on
-    text whose guesses are kept a quarter of the time.  And where guesses are kept (a conversation's next turn,
+    enough for a guess row at batch 8 on text whose guesses are kept a quarter of the time.  And where guesses are kept (a conversation's next turn,
     copying), a new request on a fixed prior starts at 0.5, which at batch 8 buys no row, so it drafts only after
     its own luck.  Only requests that left are pooled, so a request's own windows never count twice (at batch 1
     the running request would otherwise be its own prior), and a pool fed by every window would keep a bad
@@ -87,10 +86,10 @@ class Acceptance:
 
     That estimate never falls below about ``w * prior * (1 - decay) / (1 + w * (1 - decay))`` (0.14 with the
     defaults and a prior of 0.5), which at batch > 1, where a guess row costs little, may still look worth a
-    guess, and at batch 1 brings a probe every ~11 steps (with a prior of 0.5; fewer with a lower one).  So a request whose windows keep failing also backs
-    off exponentially: after ``misses >= GRACE`` windows in a row with every guess rejected it sits out ``2 **
-    (misses - GRACE + 1)`` windows (at most ``2 ** MAX_BACKOFF``; ``waiting``), and the first accepted guess
-    ends the back-off.
+    guess, and at batch 1 brings a probe every ~11 steps (with a prior of 0.5; fewer with a lower one).  So a
+    request whose windows keep failing also backs off exponentially: after ``misses >= GRACE`` windows in a row
+    with every guess rejected it sits out ``2 ** (misses - GRACE + 1)`` windows (at most ``2 ** MAX_BACKOFF``;
+    ``waiting``), and the first accepted guess ends the back-off.
     """
 
     GRACE = 2
@@ -103,14 +102,14 @@ class Acceptance:
         self.decay = decay
         self.pool_decay = pool_decay
         self._records: dict[str, _Record] = {}
-        self._pool = _Record()  # released requests' lifetime counts, decayed by pool_decay per release
+        # released requests' lifetime counts of accepted and rejected guesses, decayed by pool_decay per release
+        self._pool_accepted = self._pool_rejected = 0.0
 
     @property
     def prior(self) -> float:
         """The prior mean of every request's estimate: the released requests' pooled acceptance (0.5 before any
         was released, and with ``pool_decay=None``)."""
-        pool = self._pool
-        return (pool.accepted + 1.0) / (pool.accepted + pool.rejected + 2.0)
+        return (self._pool_accepted + 1.0) / (self._pool_accepted + self._pool_rejected + 2.0)
 
     def rate(self, request_id: str) -> float:
         r = self._records.get(request_id)
@@ -146,9 +145,8 @@ class Acceptance:
         """The request left: its record is dropped and its lifetime counts join the pool (``prior``)."""
         r = self._records.pop(request_id, None)
         if r is not None and self.pool_decay is not None:
-            pool = self._pool
-            pool.accepted = pool.accepted * self.pool_decay + r.total_accepted
-            pool.rejected = pool.rejected * self.pool_decay + r.total_rejected
+            self._pool_accepted = self._pool_accepted * self.pool_decay + r.total_accepted
+            self._pool_rejected = self._pool_rejected * self.pool_decay + r.total_rejected
 
 
 @dataclass(frozen=True, slots=True)
