@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -183,6 +184,32 @@ def test_builds_loaded_side_by_side_keep_their_own_code() -> None:
             [sys.executable, "-c", script, *order], capture_output=True, text=True, env=env, timeout=600
         )
         assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="AVX2 is an x86-64 instruction set")
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(2, 40),
+    out_features=st.integers(1, 70),
+    in_features=st.sampled_from([5, 8, 17, 64, 100, 576]),
+    seed=st.integers(0, 2**16),
+)
+def test_avx2_bfloat16_rows_do_not_depend_on_the_rows_beside_them(rows, out_features, in_features, seed):
+    """The AVX2 build multiplies bfloat16 weights in tiles at every row count (its few-row count is 0) and
+    sums each output in one order, so a speculative window's rows get, bit for bit, what each row would get
+    alone: a decode step and its verification agree on every product."""
+    dtype = torch.bfloat16
+    arch = "native" if lin.isa() == "avx2" else "x86-64-v3"
+    assert arch in ARCHS, "this x86-64 CPU has no AVX2 build to check"
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    with using(arch) as lib:
+        assert lib.mechserve_few_rows(lin.TYPES[dtype]) == 0
+        together = lin.native_linear(x, w, None, torch.float32)
+        alone = torch.cat([lin.native_linear(x[i : i + 1], w, None, torch.float32) for i in range(rows)])
+        assert torch.equal(together, alone)
+        assert torch.equal(together[1:3], lin.native_linear(x[1:3], w, None, torch.float32))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])

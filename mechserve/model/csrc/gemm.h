@@ -34,6 +34,8 @@ constexpr int64_t L2_ACTIVATIONS = 512 * 1024;  // bytes of activation rows kept
 
 #if defined(__AVX512F__)
 constexpr int MR = 4, NR = 4;  // activation rows x weight rows per micro-kernel
+constexpr bool WIDEN_IN_TILE = false;
+constexpr int WIDE_MR = MR, WIDE_NR = NR;
 
 // The 16 horizontal sums of v[0..16) as one vector (lane i = sum of v[i]'s lanes): pairs of vectors are
 // interleaved and added within 128-bit lanes, then the 128-bit lanes are transposed and added.
@@ -149,15 +151,32 @@ inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-template <int R, int C>
-void tile_f32(const float* x, int64_t ldx, const float* const* w, int64_t K, float* c, int64_t ldc) {
+// Without AVX-512 a bfloat16 weight row is widened to float32 in the micro-kernel as it is read (8 at a
+// time: zero-extend, shift), not converted into a tile buffer first; so bfloat16 weights take the tiles at
+// every row count (DenseBF16's few_rows is 0 here) and each output is summed in one order whatever the row
+// count: 8 lanes along K, their sum, then the tail.  Their tiles are 4 activation rows x 3 weight rows (12
+// accumulators, 3 weight vectors and an activation vector: the 16 ymm registers), which spreads each
+// widening over more rows; measured against 2 x 4, 4 x 2 and 3 x 4 on SmolLM2's shapes read from memory
+// (docs/benchmarks.md, issue 27): level at one row, faster from 2 rows on.  (Float32 weights, with nothing
+// to widen, were faster in 2 x 4 tiles and their few-row loops.)
+constexpr bool WIDEN_IN_TILE = true;
+constexpr int WIDE_MR = 4, WIDE_NR = 3;
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline float widen1(float v) { return v; }
+inline float widen1(uint16_t v) { return bf16_to_float(v); }
+
+template <int R, int C, typename WT = float>
+void tile_f32(const float* x, int64_t ldx, const WT* const* w, int64_t K, float* c, int64_t ldc) {
     __m256 acc[R][NR];
     for (int m = 0; m < R; ++m)
         for (int n = 0; n < C; ++n) acc[m][n] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
         __m256 wv[NR];
-        for (int n = 0; n < C; ++n) wv[n] = _mm256_loadu_ps(w[n] + k);
+        for (int n = 0; n < C; ++n) wv[n] = load8(w[n] + k);
         for (int m = 0; m < R; ++m) {
             const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
             for (int n = 0; n < C; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
@@ -166,12 +185,14 @@ void tile_f32(const float* x, int64_t ldx, const float* const* w, int64_t K, flo
     for (int m = 0; m < R; ++m)
         for (int n = 0; n < C; ++n) {
             float s = hsum8(acc[m][n]);
-            for (int64_t kk = k; kk < K; ++kk) s += x[m * ldx + kk] * w[n][kk];
+            for (int64_t kk = k; kk < K; ++kk) s += x[m * ldx + kk] * widen1(w[n][kk]);
             c[m * ldc + n] = s;
         }
 }
 #else
 constexpr int MR = 2, NR = 4;
+constexpr bool WIDEN_IN_TILE = false;
+constexpr int WIDE_MR = MR, WIDE_NR = NR;
 
 template <int R, int C>
 void tile_f32(const float* x, int64_t ldx, const float* const* w, int64_t K, float* c, int64_t ldc) {
@@ -187,32 +208,37 @@ void tile_f32(const float* x, int64_t ldx, const float* const* w, int64_t K, flo
 }
 #endif
 
-// The micro-kernel for r <= MR rows and c <= NR columns, chosen once from a table of every shape.
-template <typename CT>
-using TileFn = void (*)(const CT*, int64_t, const CT* const*, int64_t, float*, int64_t);
+// The micro-kernel for r <= MR rows and c <= NR columns, chosen once from a table of every shape: activations
+// of the compute type CT against weight rows of type WT (CT, or bfloat16 widened as read: WIDEN_IN_TILE).
+template <typename CT, typename WT = CT>
+using TileFn = void (*)(const CT*, int64_t, const WT* const*, int64_t, float*, int64_t);
 
-template <typename CT, int R, int C>
-constexpr TileFn<CT> tile_fn() {
+template <typename CT, typename WT, int R, int C>
+constexpr TileFn<CT, WT> tile_fn() {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<CT, uint16_t>) return &tile_bf16<R, C>;
     else
 #endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+        return &tile_f32<R, C, WT>;
+#else
         return &tile_f32<R, C>;
+#endif
 }
 
-template <typename CT>
+template <typename CT, typename WT = CT, int TMR = MR, int TNR = NR>
 struct Tiles {
-    TileFn<CT> fn[MR + 1][NR + 1];
+    TileFn<CT, WT> fn[TMR + 1][TNR + 1];
     constexpr Tiles() : fn{} {
         [&]<int... Rs>(std::integer_sequence<int, Rs...>) {
             (
                 [&]<int R>() {
                     [&]<int... Cs>(std::integer_sequence<int, Cs...>) {
-                        ((fn[R + 1][Cs + 1] = tile_fn<CT, R + 1, Cs + 1>()), ...);
-                    }(std::make_integer_sequence<int, NR>{});
+                        ((fn[R + 1][Cs + 1] = tile_fn<CT, WT, R + 1, Cs + 1>()), ...);
+                    }(std::make_integer_sequence<int, TNR>{});
                 }.template operator()<Rs>(),
                 ...);
-        }(std::make_integer_sequence<int, MR>{});
+        }(std::make_integer_sequence<int, TMR>{});
     }
 };
 
@@ -241,13 +267,13 @@ void tile_to_bf16(const void* w, int64_t K, int64_t n, int r, uint16_t* out, int
 }
 
 constexpr int64_t FAR = 4;  // tiles ahead whose weights are prefetched into L2
-// Stored bytes of the tile of weight rows from n (up to NR rows before n1), in `calls` equal shares of lines.
+// Stored bytes of the tile of weight rows from n (up to nr rows before n1), in `calls` equal shares of lines.
 struct Ahead {
     const char* at;
     int64_t lines, per_call;
 };
-inline Ahead ahead(const char* src, int64_t n, int64_t n1, int64_t row_bytes, int64_t calls) {
-    const int64_t bytes = n < n1 ? std::min<int64_t>(NR, n1 - n) * row_bytes : 0, lines = (bytes + 63) / 64;
+inline Ahead ahead(const char* src, int64_t n, int64_t n1, int64_t row_bytes, int64_t calls, int64_t nr = NR) {
+    const int64_t bytes = n < n1 ? std::min<int64_t>(nr, n1 - n) * row_bytes : 0, lines = (bytes + 63) / 64;
     return {src + n * row_bytes, lines, (lines + calls - 1) / calls};
 }
 
@@ -255,8 +281,12 @@ inline Ahead ahead(const char* src, int64_t n, int64_t n1, int64_t row_bytes, in
 template <typename F, typename CT>
 void tiled(const Job& j, int64_t n0, int64_t n1, float* out, int64_t ldo) {
     using B = typename F::Block;
-    static constexpr Tiles<CT> tiles{};
-    constexpr bool direct = F::block == 1 && sizeof(B) == sizeof(CT);  // stored rows are the compute type
+    // stored rows used as they are: the compute type, or (WIDEN_IN_TILE) bfloat16 widened by the micro-kernel
+    constexpr bool widened = WIDEN_IN_TILE && F::block == 1 && std::is_same_v<B, uint16_t> && std::is_same_v<CT, float>;
+    constexpr bool direct = F::block == 1 && (sizeof(B) == sizeof(CT) || widened);
+    using WT = std::conditional_t<widened, uint16_t, CT>;
+    constexpr int TMR = widened ? WIDE_MR : MR, TNR = widened ? WIDE_NR : NR;  // this product's tile shape
+    static constexpr Tiles<CT, WT, TMR, TNR> tiles{};
     thread_local Buffer<CT> tile_buf;
     thread_local Buffer<float> row_buf;
     const int64_t K = j.K, M = j.M;
@@ -264,35 +294,35 @@ void tiled(const Job& j, int64_t n0, int64_t n1, float* out, int64_t ldo) {
     if constexpr (std::is_same_v<CT, float>) x = j.xf;
     else x = j.xb;
     const int64_t ld = (K + 31) / 32 * 32;  // a converted row starts on a 64-byte line
-    CT* tb = direct ? nullptr : grown(tile_buf, static_cast<size_t>(NR * ld));
+    CT* tb = direct ? nullptr : grown(tile_buf, static_cast<size_t>(TNR * ld));
     float* rb = std::is_same_v<CT, float> || direct ? nullptr : grown(row_buf, static_cast<size_t>(K));
     const int64_t row_bytes = K / F::block * static_cast<int64_t>(sizeof(B));
     const char* src = static_cast<const char*>(j.w);
     const int64_t block_rows =
-        std::max<int64_t>(MR, L2_ACTIVATIONS / (K * static_cast<int64_t>(sizeof(CT))) / MR * MR);
+        std::max<int64_t>(TMR, L2_ACTIVATIONS / (K * static_cast<int64_t>(sizeof(CT))) / TMR * TMR);
     for (int64_t mb = 0; mb < M; mb += block_rows) {
         const int64_t me = std::min(M, mb + block_rows);
-        const int64_t calls = (me - mb + MR - 1) / MR;
-        for (int64_t n = n0; n < n1; n += NR) {
-            const int nr = static_cast<int>(std::min<int64_t>(NR, n1 - n));
-            const CT* rows[NR];
+        const int64_t calls = (me - mb + TMR - 1) / TMR;
+        for (int64_t n = n0; n < n1; n += TNR) {
+            const int nr = static_cast<int>(std::min<int64_t>(TNR, n1 - n));
+            const WT* rows[TNR];
             if constexpr (direct) {
-                for (int r = 0; r < NR; ++r) rows[r] = reinterpret_cast<const CT*>(src + (n + std::min(r, nr - 1)) * row_bytes);
+                for (int r = 0; r < TNR; ++r) rows[r] = reinterpret_cast<const WT*>(src + (n + std::min(r, nr - 1)) * row_bytes);
             } else {
                 if constexpr (std::is_same_v<CT, float>) tile_to_f32<F>(j.w, K, n, nr, tb, ld);
                 else tile_to_bf16<F>(j.w, K, n, nr, tb, ld, rb);
-                for (int r = 0; r < NR; ++r) rows[r] = tb + std::min(r, nr - 1) * ld;
+                for (int r = 0; r < TNR; ++r) rows[r] = tb + std::min(r, nr - 1) * ld;
             }
             // the stored bytes of the tiles FAR ahead (into L2) and of the next one (into L1), a share per
             // micro-kernel call, while this tile is in use
-            const Ahead far = ahead(src, n + FAR * NR, n1, row_bytes, calls), near = ahead(src, n + NR, n1, row_bytes, calls);
+            const Ahead far = ahead(src, n + FAR * TNR, n1, row_bytes, calls, TNR), near = ahead(src, n + TNR, n1, row_bytes, calls, TNR);
             int64_t line = 0;
-            for (int64_t m = mb; m < me; m += MR) {
+            for (int64_t m = mb; m < me; m += TMR) {
                 for (int64_t q = 0; q < far.per_call; ++q, ++line) {
                     if (line < far.lines) __builtin_prefetch(far.at + line * 64, 0, 2);
                     if (line < near.lines) __builtin_prefetch(near.at + line * 64, 0, 3);
                 }
-                const int mr = static_cast<int>(std::min<int64_t>(MR, me - m));
+                const int mr = static_cast<int>(std::min<int64_t>(TMR, me - m));
                 tiles.fn[mr][nr](x + m * K, K, rows, K, out + m * ldo + n, ldo);
             }
         }

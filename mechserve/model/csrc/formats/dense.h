@@ -124,6 +124,16 @@ void dense_few(const Job& j, int64_t n0, int64_t n1, float* out, int64_t ldo) {
     }
 }
 
+// Up to how many activation rows DenseBF16's few-row kernel serves.  With AVX2 and no AVX-512 the tiles
+// (gemm.h) read bfloat16 rows as stored at every row count, widening them as they go (WIDEN_IN_TILE): faster
+// here than the one-weight-row loops below from 1 row on, and each output then has one summation order at
+// every row count (docs/benchmarks.md, issue 27).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+constexpr int64_t BF16_FEW_ROWS = 0;
+#else
+constexpr int64_t BF16_FEW_ROWS = 3;
+#endif
+
 struct DenseF32 {
     static constexpr int type = F32;
     static constexpr int64_t block = 1;
@@ -141,7 +151,7 @@ struct DenseBF16 {
     static constexpr int64_t block = 1;
     using Block = uint16_t;
     static constexpr bool has_min = false;
-    static constexpr int64_t few_rows = 3;
+    static constexpr int64_t few_rows = BF16_FEW_ROWS;
     static inline void to_f32(const Block& b, float* out) { *out = bf16_to_float(b); }
     static void few(const Job& j, int64_t n0, int64_t n1, float* out, int64_t ldo) {
         dense_few<uint16_t>(j, n0, n1, out, ldo);
