@@ -27,7 +27,8 @@
 // With AVX-512 and a head dimension of 32, 64 or 128, each block's scores of one query come out of one
 // transposed sum of 16 dot products (bfloat16 ones by VDPBF16PS where the CPU has it), the softmax runs
 // on 16 lanes, and the accumulators of a few queries stay in registers while each V row is loaded once
-// for them; otherwise portable loops the compiler vectorises.
+// for them; with AVX2 + FMA the same on 8 lanes, one query at a time; otherwise portable loops the
+// compiler vectorises.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -36,7 +37,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -172,6 +173,20 @@ void attend_portable(const Context<KT>& c, const Queries& qs, float* s) {
     }
 }
 
+// Loads one value of every cache line of the block's K and V rows (all heads), in address order,
+// before the per-head passes read them with gaps: the gapped order alone ran at a third of the
+// machine's read bandwidth (the prefetcher does not follow it; software prefetches did not help),
+// this first sweep made the fp32 kernel 1.5x faster at batch 8.
+template <typename KT>
+inline void touch_rows(const KT* k, const KT* v, const int64_t* rows, int64_t w, int64_t stride) {
+    constexpr int64_t LINE = 64 / sizeof(KT);
+    float sum = 0.f;
+    for (int64_t t = 0; t < w; ++t)
+        for (int64_t o = 0; o < stride; o += LINE) sum += load(k[rows[t] + o]) + load(v[rows[t] + o]);
+    volatile float sink = sum;  // keeps the loads
+    (void)sink;
+}
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const Bf16* p) {
@@ -210,20 +225,6 @@ inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
-}
-
-// Loads one value of every cache line of the block's K and V rows (all heads), in address order,
-// before the per-head passes read them with gaps: the gapped order alone ran at a third of the
-// machine's read bandwidth (the prefetcher does not follow it; software prefetches did not help),
-// this first sweep made the fp32 kernel 1.5x faster at batch 8.
-template <typename KT>
-inline void touch_rows(const KT* k, const KT* v, const int64_t* rows, int64_t w, int64_t stride) {
-    constexpr int64_t LINE = 64 / sizeof(KT);
-    float sum = 0.f;
-    for (int64_t t = 0; t < w; ++t)
-        for (int64_t o = 0; o < stride; o += LINE) sum += load(k[rows[t] + o]) + load(v[rows[t] + o]);
-    volatile float sink = sum;  // keeps the loads
-    (void)sink;
 }
 
 // Vector path: D = 16 * DV; positions are taken 16 at a time (wherever the pages put them), and for
@@ -328,6 +329,114 @@ void attend_vector(const Context<KT>& c, const Queries& qs) {
         }
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The AVX2 path: the AVX-512 one's shape on 8 lanes.  Positions are taken 8 at a time; each query's 8
+// scores come out of one transposed sum of 8 dot products, its softmax runs on 8 lanes, and its
+// accumulator (8 vectors at a time) stays in registers while the block's V rows are added into it.
+// Each query is computed on its own, so a query's output does not depend on the queries beside it.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const Bf16* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// The 8 horizontal sums of v[0..8) as one vector (lane i = sum of v[i]'s lanes).
+inline __m256 sum8(const __m256 v[8]) {
+    const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp of 8 lanes as exp16 does it, with 2^n built in the exponent bits; x is clamped at -87 so that n
+// stays a normal exponent (exp(-87) is 1.6e-38: a weight that small is 0 beside the block's largest, 1).
+inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// D = 8 * DV.
+template <typename KT, int DV>
+void attend_vector(const Context<KT>& c, const Queries& qs) {
+    constexpr int64_t D = 8 * DV;
+    constexpr int DC = DV < 8 ? DV : 8;  // accumulator vectors held in registers at a time
+    const int64_t stride = c.KV * D;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 neg_inf = _mm256_set1_ps(NEG_INF);
+    alignas(32) float p[8];
+    RowWalk walk(c.table, c.page_size, stride, c.lo);
+    for (int64_t t0 = c.lo; t0 < c.hi; t0 += 8) {
+        const int64_t w = std::min<int64_t>(8, c.hi - t0);
+        int64_t rows[8];
+        for (int64_t t = 0; t < w; ++t) rows[t] = walk.next();
+        for (int64_t t = w; t < 8; ++t) rows[t] = rows[w - 1];
+        touch_rows(c.k, c.v, rows, w, stride);
+        const __m256i tpos = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(t0)), lane);
+        const __m256i inside = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(w)), lane);
+        for (int64_t h = 0; h < c.KV; ++h) {
+            const KT* kb = c.k + h * D;
+            const KT* vb = c.v + h * D;
+            for (int64_t i = 0; i < qs.nq; ++i) {
+                const int64_t pos = qs.pos[i], qi = h * qs.nq + i;
+                __m256i vis = _mm256_and_si256(inside, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(pos + 1)), tpos));
+                if (c.window > 0)
+                    vis = _mm256_and_si256(vis, _mm256_cmpgt_epi32(tpos, _mm256_set1_epi32(static_cast<int>(pos - c.window))));
+                if (_mm256_testz_si256(vis, vis)) continue;  // nothing visible: weight 0, the state unchanged
+                const __m256 visf = _mm256_castsi256_ps(vis);
+                const float* qr = qs.q + qi * D;
+                __m256 prod[8];
+                for (int t = 0; t < 8; ++t) {
+                    const KT* kr = kb + rows[t];
+                    __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qr), load8(kr));
+                    for (int d = 1; d < DV; ++d) x = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * d), load8(kr + 8 * d), x);
+                    prod[t] = x;
+                }
+                const __m256 sc = _mm256_blendv_ps(neg_inf, sum8(prod), visf);
+                float& m = qs.m[qi];
+                const float mnew = std::max(m, hmax8(sc));
+                const float corr = m == NEG_INF ? 0.f : _mm256_cvtss_f32(exp8(_mm256_set1_ps(m - mnew)));
+                const __m256 e = _mm256_and_ps(visf, exp8(_mm256_sub_ps(sc, _mm256_set1_ps(mnew))));
+                _mm256_store_ps(p, e);
+                qs.l[qi] = qs.l[qi] * corr + hsum8(e);
+                m = mnew;
+                float* ar = qs.acc + qi * D;
+                const __m256 cv = _mm256_set1_ps(corr);
+                for (int d0 = 0; d0 < DV; d0 += DC) {
+                    __m256 a[DC];
+                    for (int d = 0; d < DC; ++d) a[d] = _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * (d0 + d)), cv);
+                    for (int64_t t = 0; t < w; ++t) {
+                        const KT* vr = vb + rows[t] + 8 * d0;
+                        const __m256 pt = _mm256_set1_ps(p[t]);
+                        for (int d = 0; d < DC; ++d) a[d] = _mm256_fmadd_ps(pt, load8(vr + 8 * d), a[d]);
+                    }
+                    for (int d = 0; d < DC; ++d) _mm256_storeu_ps(ar + 8 * (d0 + d), a[d]);
+                }
+            }
+        }
+    }
+}
 #endif
 
 template <typename KT>
@@ -336,6 +445,10 @@ void attend(const Context<KT>& c, const Queries& qs, float* s) {
     if (c.D == 64) return attend_vector<KT, 4, 3>(c, qs);
     if (c.D == 128) return attend_vector<KT, 8, 2>(c, qs);
     if (c.D == 32) return attend_vector<KT, 2, 4>(c, qs);
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (c.D == 64) return attend_vector<KT, 8>(c, qs);
+    if (c.D == 128) return attend_vector<KT, 16>(c, qs);
+    if (c.D == 32) return attend_vector<KT, 4>(c, qs);
 #endif
     if (c.D == 64) return attend_portable<KT, 64>(c, qs, s);
     if (c.D == 128) return attend_portable<KT, 128>(c, qs, s);
