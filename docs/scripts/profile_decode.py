@@ -1,10 +1,11 @@
 """Where a decode step's time goes, per mode: the step, the layers' dense blocks (and the GB/s at which
 they read their weights), the LM head, attention, and the rest (embedding, RoPE tables, Python).
 
-    PYTHONPATH=$PWD python docs/scripts/profile_decode.py exact,fast,q4_1,q8_0 [BATCH=1] [CONTEXT=512] [THREADS] [unfused]
+    PYTHONPATH=$PWD python docs/scripts/profile_decode.py exact,fast,q4_1,q8_0 [BATCH=1] [CONTEXT=512] [THREADS] [unfused] [rows=R]
 
 It prefills BATCH sequences of CONTEXT random ids, then times 32 decode steps (after 8 warm-up steps)
-of ``LlamaModel.forward`` with the blocks, ``linear`` and ``paged_attention`` wrapped in timers.  With
+of ``LlamaModel.forward``, each of R rows per sequence (``rows=R``, default 1: R > 1 is a speculative
+window's verification, R positions of one sequence in one step) with the blocks, ``linear`` and ``paged_attention`` wrapped in timers.  With
 the native blocks (model/fused.py) a layer's products and its norms, RoPE, SiLU and residuals are two
 calls, timed together as "layers' blocks"; ``unfused`` runs the torch blocks instead, whose products
 alone are timed ("layers' matmuls") and whose elementwise ops fall in "rest".  The wrappers add a few
@@ -33,6 +34,7 @@ if len(sys.argv) > 4:
     torch.set_num_threads(int(sys.argv[4]))  # as bench run --threads
 if "unfused" in sys.argv[5:]:
     fused.rows_apply = lambda x, w: False
+R = next((int(a.split("=", 1)[1]) for a in sys.argv[5:] if a.startswith("rows=")), 1)
 label = "layers' matmuls" if "unfused" in sys.argv[5:] else "layers' blocks"
 spent = {"linear": 0.0, "lm_head": 0.0, "attention": 0.0}
 read = {"linear": 0, "lm_head": 0}
@@ -79,7 +81,7 @@ for mode in modes:
     dtype, quantization = MODES[mode]
     m = load_model("smollm2", dtype=dtype, quantization=quantization, tokenizer=False).model
     page, g = 16, m.arch.num_heads // m.arch.num_kv_heads
-    per = -(-(ctx + 48) // page)
+    per = -(-(ctx + 40 + R) // page)
     cache = m.new_cache(B * per, page)
     tables = [list(range(b * per, (b + 1) * per)) for b in range(B)]
 
@@ -96,13 +98,14 @@ for mode in modes:
         fused.attention_inputs, fused.attention_outputs = timed_inputs, timed_outputs
         for s in range(40):
             pos = ctx + s
-            spans = [Span(b, pos, 1, tables[b]) for b in range(B)]
-            batch = build_attention_batch(spans, [slot(b, pos) for b in range(B)], page, g, m.distinct_sliding_windows)
+            spans = [Span(b * R, pos, R, tables[b]) for b in range(B)]
+            slots = [slot(b, pos + r) for b in range(B) for r in range(R)]
+            batch = build_attention_batch(spans, slots, page, g, m.distinct_sliding_windows)
             if s == 8:
                 spent.update(dict.fromkeys(spent, 0.0))
                 read.update(dict.fromkeys(read, 0))
             t = time.perf_counter()
-            m.forward(torch.randint(100, 40000, (B,)), torch.full((B,), pos), cache, batch, None)
+            m.forward(torch.randint(100, 40000, (B * R,)), torch.arange(pos, pos + R).repeat(B), cache, batch, None)
             if s >= 8:
                 steps.append(time.perf_counter() - t)
         llama.linear, llama.paged_attention = real_linear, real_attention
@@ -110,7 +113,7 @@ for mode in modes:
     n, total = len(steps), sum(steps)
     lin, head, att = (spent[k] / n for k in ("linear", "lm_head", "attention"))
     print(
-        f"{mode:5s} batch {B} context {ctx}: step p50 {statistics.median(steps) * 1e3:.1f} ms, "
+        f"{mode:5s} batch {B} x {R} rows context {ctx}: step p50 {statistics.median(steps) * 1e3:.1f} ms, "
         f"{label} {lin * 1e3:.1f} ms ({read['linear'] / n / 1e6:.0f} MB at {read['linear'] / n / lin / 1e9:.1f} GB/s), "
         f"LM head {head * 1e3:.1f} ms ({read['lm_head'] / n / 1e6:.0f} MB at {read['lm_head'] / n / head / 1e9:.1f} GB/s), "
         f"attention {att * 1e3:.1f} ms, rest {(total / n - lin - head - att) * 1e3:.1f} ms",

@@ -13,7 +13,8 @@
 //
 // Compute types: with AVX512-BF16 and bfloat16 activations the tiles are bfloat16 and the micro-kernel is
 // VDPBF16PS (32 exact products into 16 float32 lanes); otherwise float32 tiles and FMAs (AVX-512, else
-// AVX2 + FMA, else plain loops the compiler vectorises).  Accumulation is float32 throughout.  So a
+// AVX2 + FMA, else plain loops the compiler vectorises).  With AVX2 and no AVX-512, bfloat16 weights are
+// not converted into a tile: the micro-kernel widens them as it reads them (WIDEN_IN_TILE).  Accumulation is float32 throughout.  So a
 // quantized matrix with bfloat16 activations is multiplied with its weights rounded to bfloat16, as the
 // reference (quantized.dequantize to bfloat16, then torch) does; with float32 activations, exactly.
 //
@@ -152,13 +153,14 @@ inline float hsum8(__m256 v) {
 }
 
 // Without AVX-512 a bfloat16 weight row is widened to float32 in the micro-kernel as it is read (8 at a
-// time: zero-extend, shift), not converted into a tile buffer first; so bfloat16 weights take the tiles at
-// every row count (DenseBF16's few_rows is 0 here) and each output is summed in one order whatever the row
-// count: 8 lanes along K, their sum, then the tail.  Their tiles are 4 activation rows x 3 weight rows (12
-// accumulators, 3 weight vectors and an activation vector: the 16 ymm registers), which spreads each
-// widening over more rows; measured against 2 x 4, 4 x 2 and 3 x 4 on SmolLM2's shapes read from memory
-// (docs/benchmarks.md, issue 27): level at one row, faster from 2 rows on.  (Float32 weights, with nothing
-// to widen, were faster in 2 x 4 tiles and their few-row loops.)
+// time: zero-extend, shift), not converted into a tile buffer first; so bfloat16 weights take the tiles from
+// 2 rows on (DenseBF16's few_rows is 1 here), and each output of a product of 2 or more rows is summed in one
+// order whatever the row count: 8 lanes along K, their sum, then the tail.  Their tiles are 4 activation rows
+// x 3 weight rows (12 accumulators, 3 weight vectors and an activation vector: the 16 ymm registers), which
+// spreads each widening over more rows; measured against 2 x 4, 4 x 2 and 3 x 4 on SmolLM2's shapes read
+// from memory (docs/benchmarks.md, issue 27): faster from 2 rows on.  One row stays in the few-row loop,
+// which streams one weight row at a time: the tiles measured up to 20% slower there.  (Float32 weights, with
+// nothing to widen, were faster in 2 x 4 tiles and their few-row loops.)
 constexpr bool WIDEN_IN_TILE = true;
 constexpr int WIDE_MR = 4, WIDE_NR = 3;
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -170,12 +172,12 @@ inline float widen1(uint16_t v) { return bf16_to_float(v); }
 
 template <int R, int C, typename WT = float>
 void tile_f32(const float* x, int64_t ldx, const WT* const* w, int64_t K, float* c, int64_t ldc) {
-    __m256 acc[R][NR];
+    __m256 acc[R][C];
     for (int m = 0; m < R; ++m)
         for (int n = 0; n < C; ++n) acc[m][n] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
-        __m256 wv[NR];
+        __m256 wv[C];
         for (int n = 0; n < C; ++n) wv[n] = load8(w[n] + k);
         for (int m = 0; m < R; ++m) {
             const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
@@ -277,15 +279,20 @@ inline Ahead ahead(const char* src, int64_t n, int64_t n1, int64_t row_bytes, in
     return {src + n * row_bytes, lines, (lines + calls - 1) / calls};
 }
 
-// Weight rows [n0, n1) against every activation row, in tiles of the compute type CT, into out [M, ldo].
+// Stored rows used as they are by the micro-kernel (WIDEN_IN_TILE): bfloat16 rows, float32 compute.
 template <typename F, typename CT>
-void tiled(const Job& j, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+constexpr bool widened_rows() {
+    return WIDEN_IN_TILE && F::block == 1 && std::is_same_v<typename F::Block, uint16_t> && std::is_same_v<CT, float>;
+}
+
+// Weight rows [n0, n1) against every activation row, in TMR x TNR tiles of the compute type CT, into out [M, ldo].
+template <typename F, typename CT, int TMR, int TNR>
+void tiled_as(const Job& j, int64_t n0, int64_t n1, float* out, int64_t ldo) {
     using B = typename F::Block;
     // stored rows used as they are: the compute type, or (WIDEN_IN_TILE) bfloat16 widened by the micro-kernel
-    constexpr bool widened = WIDEN_IN_TILE && F::block == 1 && std::is_same_v<B, uint16_t> && std::is_same_v<CT, float>;
+    constexpr bool widened = widened_rows<F, CT>();
     constexpr bool direct = F::block == 1 && (sizeof(B) == sizeof(CT) || widened);
     using WT = std::conditional_t<widened, uint16_t, CT>;
-    constexpr int TMR = widened ? WIDE_MR : MR, TNR = widened ? WIDE_NR : NR;  // this product's tile shape
     static constexpr Tiles<CT, WT, TMR, TNR> tiles{};
     thread_local Buffer<CT> tile_buf;
     thread_local Buffer<float> row_buf;
@@ -327,6 +334,14 @@ void tiled(const Job& j, int64_t n0, int64_t n1, float* out, int64_t ldo) {
             }
         }
     }
+}
+
+// Weight rows [n0, n1) against every activation row, into out [M, ldo], in tiles of the compute type's shape
+// (MR x NR), or WIDE_MR x WIDE_NR for bfloat16 rows widened as they are read.
+template <typename F, typename CT>
+void tiled(const Job& j, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+    if constexpr (widened_rows<F, CT>()) return tiled_as<F, CT, WIDE_MR, WIDE_NR>(j, n0, n1, out, ldo);
+    tiled_as<F, CT, MR, NR>(j, n0, n1, out, ldo);
 }
 
 // The activations' per-32-weight-block sums that a format's few-row kernel wants (Q4_1), for the team.

@@ -125,11 +125,11 @@ void dense_few(const Job& j, int64_t n0, int64_t n1, float* out, int64_t ldo) {
 }
 
 // Up to how many activation rows DenseBF16's few-row kernel serves.  With AVX2 and no AVX-512 the tiles
-// (gemm.h) read bfloat16 rows as stored at every row count, widening them as they go (WIDEN_IN_TILE): faster
-// here than the one-weight-row loops below from 1 row on, and each output then has one summation order at
-// every row count (docs/benchmarks.md, issue 27).
+// (gemm.h) read bfloat16 rows as stored from 2 rows on, widening them as they go (WIDEN_IN_TILE): faster
+// here than the one-weight-row loops below at 2 rows and more, and slower at one (docs/benchmarks.md,
+// issue 27).
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-constexpr int64_t BF16_FEW_ROWS = 0;
+constexpr int64_t BF16_FEW_ROWS = 1;
 #else
 constexpr int64_t BF16_FEW_ROWS = 3;
 #endif
