@@ -6,7 +6,7 @@ process, on SmolLM2-135M's shapes read from memory, at several row counts.
 ``REV``'s ``mechserve/model/csrc`` is extracted (``git archive``) into a temporary folder and built there
 (``native.build.Kernel``, the same flags as ``linear.KERNEL``); this tree's is ``linear.library()``.  A
 "step" runs the products of 30 layers of distinct weights (qkv 960x576, o 576x576, gate_up 3072x576,
-down 576x1536: 265 MB in bfloat16, more than the L3 cache, as a decode step reads them) and then the LM
+down 576x1536: 212 MB in bfloat16, more than the L3 cache, as a decode step reads them) and then the LM
 head (49152x576).  Each round times every build at every row count in turn (interleaved, so a noisy
 machine slows them alike); the figure is the minimum over the rounds, in ms, for the layers and the head.
 Used for docs/benchmarks.md (issue 27, "A window's rows on an AVX2 machine").

@@ -207,7 +207,41 @@ def test_kernel_matches_the_sdpa_path_at_large_decode_batches(w) -> None:
     _check_against_sdpa(w)
 
 
-def _check_against_sdpa(w) -> None:
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_scores_match_the_sdpa_path(arch, dtype) -> None:
+    """Scores of magnitude ~100 (queries scaled by 20): the vector paths' exp and the running max's large jumps."""
+    for seed in range(3):
+        _check_against_sdpa((4, 2, 3, 64, [(0, 1), (5, 1), (8, 4), (0, 40)], None, dtype, seed, arch, 2), q_scale=20.0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_a_nan_in_a_masked_position_does_not_reach_the_queries_that_cannot_see_it(arch, dtype, head_dim) -> None:
+    """A window of 4 guesses whose last V row is NaN (a model gone wrong on one row): the 3 queries before it
+    cannot see it and must come out as they would beside a finite row; in every build (the vector paths add
+    a block's V rows for all its positions, and 0 * NaN is NaN, so a zero weight must be skipped)."""
+    gen = torch.Generator().manual_seed(head_dim)
+    page_size, start, n = 4, 8, 4
+    table = [2, 0, 1]
+    slots = [table[p // page_size] * page_size + p % page_size for p in range(start, start + n)]
+    spans = [Span(0, start, n, table)]
+    pool_k = torch.randn(3, page_size, 1, head_dim, generator=gen).to(dtype)
+    pool_v = torch.randn(3, page_size, 1, head_dim, generator=gen).to(dtype)
+    q = torch.randn(n, 2, head_dim, generator=gen).to(dtype)
+    k = torch.randn(n, 1, head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, 1, head_dim, generator=gen).to(dtype)
+    want, _ = _attend(spans, slots, q, k, v, pool_k, pool_v, page_size, 2, None, False)
+    v[n - 1, 0, 5] = float("nan")
+    with using(arch):
+        got, _ = _attend(spans, slots, q, k, v, pool_k, pool_v, page_size, 2, None, True)
+    assert torch.isnan(got[n - 1]).any()  # the last query sees it
+    tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got[: n - 1].float(), want[: n - 1].float(), **tol)
+
+
+def _check_against_sdpa(w, q_scale: float = 1.0) -> None:
     page_size, kv, group, head_dim, items, window, dtype, seed, arch, threads = w
     gen = torch.Generator().manual_seed(seed)
     num_pages = 2 + sum(-(-(s + n) // page_size) for s, n in items)
@@ -225,7 +259,7 @@ def _check_against_sdpa(w) -> None:
         row += n
     pool_k = torch.randn(num_pages, page_size, kv, head_dim, generator=gen).to(dtype)
     pool_v = torch.randn(num_pages, page_size, kv, head_dim, generator=gen).to(dtype)
-    q = torch.randn(row, kv * group, head_dim, generator=gen).to(dtype)
+    q = (torch.randn(row, kv * group, head_dim, generator=gen) * q_scale).to(dtype)
     k = torch.randn(row, kv, head_dim, generator=gen).to(dtype)
     v = torch.randn(row, kv, head_dim, generator=gen).to(dtype)
     ref, ref_cache = _attend(spans, slots, q, k, v, pool_k, pool_v, page_size, group, window, False)

@@ -226,9 +226,11 @@ def test_any_thread_count_gives_the_same_product(threads: int) -> None:
                 torch.set_num_threads(threads)
                 got = lin.native_linear(x, w)
                 q = lin.native_linear(x.bfloat16(), quantize(w, "q4_1"), None, torch.float32)
+                b = lin.native_linear(x.bfloat16(), w.bfloat16(), None, torch.float32)
             finally:
                 torch.set_num_threads(before)
             assert torch.equal(got, lin.native_linear(x, w))  # each output is one thread's sum, in one order
+            assert torch.equal(b, lin.native_linear(x.bfloat16(), w.bfloat16(), None, torch.float32))
             assert torch.equal(q, lin.native_linear(x.bfloat16(), quantize(w, "q4_1"), None, torch.float32))
             close(got, x @ w.T, 1e-5)
 

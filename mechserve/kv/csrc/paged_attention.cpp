@@ -317,6 +317,7 @@ void attend_vector(const Context<KT>& c, const Queries& qs) {
                     for (int d = 0; d < DV; ++d) vv[d] = load16(vr + 16 * d);
                     for (int i = 0; i < QB; ++i) {
                         if (i >= nc) break;
+                        if (p[i][t] == 0.f) continue;  // masked (or nothing visible): its V row may be a NaN
                         const __m512 pt = _mm512_set1_ps(p[i][t]);
                         for (int d = 0; d < DV; ++d) ar[i][d] = _mm512_fmadd_ps(pt, vv[d], ar[i][d]);
                     }
@@ -427,6 +428,7 @@ void attend_vector(const Context<KT>& c, const Queries& qs) {
                     __m256 a[DC];
                     for (int d = 0; d < DC; ++d) a[d] = _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * (d0 + d)), cv);
                     for (int64_t t = 0; t < w; ++t) {
+                        if (p[t] == 0.f) continue;  // masked: its V row may hold anything, even a NaN (0 * NaN)
                         const KT* vr = vb + rows[t] + 8 * d0;
                         const __m256 pt = _mm256_set1_ps(p[t]);
                         for (int d = 0; d < DC; ++d) a[d] = _mm256_fmadd_ps(pt, load8(vr + 8 * d), a[d]);
