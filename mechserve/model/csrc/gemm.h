@@ -274,7 +274,7 @@ struct Ahead {
     const char* at;
     int64_t lines, per_call;
 };
-inline Ahead ahead(const char* src, int64_t n, int64_t n1, int64_t row_bytes, int64_t calls, int64_t nr = NR) {
+inline Ahead ahead(const char* src, int64_t n, int64_t n1, int64_t row_bytes, int64_t calls, int64_t nr) {
     const int64_t bytes = n < n1 ? std::min<int64_t>(nr, n1 - n) * row_bytes : 0, lines = (bytes + 63) / 64;
     return {src + n * row_bytes, lines, (lines + calls - 1) / calls};
 }
