@@ -8,11 +8,12 @@ as long as both use the same one::
     StaticCosts     a fixed model in units of a one-row decode step: ``row_cost``, ``jump_cost`` and
                     ``draft_costs`` per round (a draft model's weight share, an EAGLE head's; the prior)
     MeasuredCosts   seconds measured on the loaded model in its mode (dtype, GGUF blocks, threads, device):
-                    a short calibration when the executor is built (``calibrate``: target steps of 1 .. 8 x
-                    (max_k + 1) rows, the proposer's draft rounds at 1 and 8 windows) and then every decode
-                    step the executor runs (``TorchExecutor`` times its proposal and its target step: the
-                    online estimate: the calibrated curve scaled by the recent steps' ratios to it;
-                    draft calls as the interquartile mean of their last ``WINDOW`` measurements)
+                    a short calibration when the executor is built (``calibrate``: target steps of 1 .. max_k + 1
+                    rows in one window; ``batch`` windows of one row, with 1, 2 and 4 guess rows among them, and
+                    of 2, 3 and max_k + 1 rows each; the proposer's draft rounds at 1 and ``batch`` windows) and
+                    then every decode step the executor runs (``TorchExecutor`` times its proposal and its target
+                    step: the online estimate: the calibrated curve scaled by the recent steps' ratio to it; draft
+                    calls as the interquartile mean of their last ``WINDOW`` measurements)
 
 Limit (measured): under heavy contention (load average ~20 on 2 cores, a niced process) the calibration's
 wall times are dominated by preemption (a 1-row step timed at 3 s, as dear as 24 rows), and process CPU time
@@ -24,12 +25,21 @@ estimate alone only sees the row counts it already chose, so a wrong prior would
 governor that priced a guess row too high would never run one), and it runs in the engine's own mode, so
 bf16, q8_0 and q4_1 are priced as they run; the online estimate then follows what calibration cannot see (the
 requests' real context lengths, the executor's own per-row work around the forward, the machine's load).
-Both are cheap: the calibration is ~40 target forwards and ~40 draft calls on a scratch cache (well under a
-second for SmolLM2 on 2 cores), the online estimate two clock reads per step.  Robustness: the mean of the
+Both are cheap: the calibration is ~60 target forwards and ~40 draft calls on a scratch cache (4.2 s for
+SmolLM2 in bfloat16 on 2 cores), the online estimate two clock reads per step.  Robustness: the mean of the
 middle half of the recent measurements, not of all of them (a step stalled by another process, or by a
 garbage collection, does not move it), over a short window (it follows a lasting change within a few dozen
-steps), a change seen at the row counts being run applied to every row count (the row counts not run lately
-are not left at stale prices), and the step curve is made non-decreasing in rows.
+steps), and the step curve is made non-decreasing in rows.
+
+Why one ratio for every row count, and never one per row count: the recent steps mostly run one or two row counts
+(the batch's, and the batch's plus a few guesses), and a ratio kept per row count would mix times.  Measured (a
+batch-8 run on 2 cores): a stall of a few dozen 7-row steps raised the 7-row price by a third while the 8-row price
+kept its ratio from before the stall, so the non-decreasing curve priced the 8th row at nothing and the governor
+drafted a guess row that cost ~4 ms on text whose guesses were kept a third of the time.  The relative prices of
+row counts, which are all the governor weighs, therefore come from the calibration alone, which times them side by
+side; it times every row count a batch-1 window can have, and the first guess rows beside a batch of ``batch``
+windows, because the rows there do not cost alike (measured in bfloat16 on an AVX2 CPU: 8 -> 9 rows +7 ms, each
+further row to 12 +3.5 ms: the linear kernel's tiles take 4 rows, and a 9th starts a tile).
 
 Estimates between measured points are linear interpolations; beyond the largest measured row count the
 step cost grows with the least-squares slope of the measured multi-row steps (with fewer than two of
@@ -104,32 +114,34 @@ class MeasuredCosts:
     """Seconds per target step by rows and per draft call by (windows, rounds), measured (module docstring).
 
     Target steps: ``calibrated(rows, seconds)`` sets the curve's shape (``shape``: the calibration's seconds
-    by rows); ``observe_step(rows, seconds)`` adds a step the executor ran, as its ratio to the shape (a row
-    count the shape lacks joins it, scaled to it).  A step of ``rows`` rows is the shape's curve times the
-    interquartile mean of the last ``recent`` steps' ratios at that row count (at least ``MIN_SEEN`` of them),
-    else of every row count's: a machine that got busier, or contexts longer than the calibration's, raise
-    every row count at once, and a row count run often gets its own correction; the result never falls
-    with more rows.  Draft calls: the interquartile mean of the key's last ``window`` measurements
-    (``observe_draft``; ``drafts``).  Before any step was measured ``step`` and ``draft`` answer the
-    ``prior``'s numbers (one-row steps), and draft rounds not measured yet are the prior's in units of the
-    measured one-row step.  Raises ``ValueError`` for a ``window`` or ``recent`` below 1.
+    by rows); ``observe_step(rows, seconds)`` adds a step the executor ran, as its ratio to the shape (between
+    two calibrated row counts, to the interpolated curve).  A row count outside the calibrated ones joins the
+    shape, at the step's seconds over the current ratio, and stays refined the same way (the interquartile mean
+    of its last ``window`` such values) until the calibration names it.  A step of
+    ``rows`` rows is the shape's curve times the interquartile mean of the last ``recent`` steps' ratios, whatever
+    their row counts: a machine that got busier, or contexts longer than the calibration's, raise every row count
+    at once, and the relative prices stay the calibration's (the module docstring says why); the result never
+    falls with more rows.  Draft calls: the interquartile mean of the key's last ``window`` measurements
+    (``observe_draft``; ``drafts``).  Before any step was measured ``step`` and ``draft`` answer the ``prior``'s
+    numbers (one-row steps), and draft rounds not measured yet are the prior's in units of the measured one-row
+    step.  Raises ``ValueError`` for a ``window`` or ``recent`` below 1.
     """
 
     WINDOW = 15
     RECENT = 64
-    MIN_SEEN = 3
 
     def __init__(self, prior: StaticCosts | None = None, window: int = WINDOW, recent: int = RECENT) -> None:
         if window < 1 or recent < 1:
             raise ValueError(f"window and recent must be at least 1, got {window!r} and {recent!r}")
         self.prior = prior or StaticCosts()
         self.window = window
-        self.shape: dict[int, float] = {}  # rows -> seconds, as calibrated
+        self.shape: dict[int, float] = {}  # rows -> seconds, as calibrated (or joined online)
         self.drafts: dict[int, dict[int, float]] = {}  # windows -> rounds -> seconds (the estimate)
-        self._recent: deque[tuple[int, float]] = deque(maxlen=recent)  # (rows, seconds / shape) of the last steps
+        self._recent: deque[float] = deque(maxlen=recent)  # seconds / shape of the last steps
         self._seen: dict[tuple[int, int], deque[float]] = {}  # (windows, rounds) -> the last draft calls
-        self._cache: tuple[dict[int, float], float, list[tuple[int, float]]] | None = None
-        # the shape made non-decreasing, by rows (``_base``; rebuilt when a row count joins the shape)
+        self._joined: dict[int, deque[float]] = {}  # rows the calibration lacks -> their last seconds / ratio
+        self._level: float | None = None  # the recent ratio (cached)
+        # the shape made non-decreasing, by rows (``_base``; rebuilt when the shape changes)
         self._curve: dict[int, float] | None = None
 
     def _estimate(self, key: tuple[int, int], seconds: float) -> float:
@@ -144,21 +156,27 @@ class MeasuredCosts:
         """A target step of ``rows`` rows took ``seconds`` in the calibration: the shape of the curve."""
         if rows > 0:
             self.shape[rows] = max(float(seconds), 1e-12)
-            self._cache = self._curve = None
+            self._joined.pop(rows, None)
+            self._curve = None
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A target step of ``rows`` rows took ``seconds`` (online)."""
         if rows <= 0:
             return
         seconds = max(float(seconds), 1e-12)
-        if rows in self.shape:
-            self._recent.append((rows, seconds / self._base(rows)))
-        else:  # joins the shape, in the calibration's terms: at the current ratio
-            overall = self._ratios()[1]
-            self.shape[rows] = seconds / overall
-            self._recent.append((rows, overall))
+        joined = self._joined.get(rows)
+        calibrated = [x for x in self.shape if x not in self._joined]
+        if joined is None and calibrated and min(calibrated) <= rows <= max(calibrated):
+            self._recent.append(seconds / self._base(rows))
+        else:  # outside the calibrated row counts: (re)joins the shape, in the calibration's terms: at the current ratio
+            level = self.level()
+            if joined is None:
+                joined = self._joined[rows] = deque(maxlen=self.window)
+            joined.append(seconds / level)
+            self.shape[rows] = _iq_mean(joined)
+            self._recent.append(level)
             self._curve = None
-        self._cache = None
+        self._level = None
 
     def observe_draft(self, windows: int, rounds: int, seconds: float) -> None:
         """A proposal of ``rounds`` rounds for ``windows`` drafting windows took ``seconds``."""
@@ -175,22 +193,11 @@ class MeasuredCosts:
         """The estimate at every row count measured (calibrated or run), in seconds."""
         return {rows: self.step(rows) for rows in sorted(self.shape)}
 
-    def _ratios(self) -> tuple[dict[int, float], float, list[tuple[int, float]]]:
-        """Per row count seen at least ``MIN_SEEN`` times lately, its ratio; the ratio of every recent step (1
-        without any); the estimates at the shape's row counts, made non-decreasing (cached)."""
-        if self._cache is None:
-            by_rows: dict[int, list[float]] = {}
-            for rows, ratio in self._recent:
-                by_rows.setdefault(rows, []).append(ratio)
-            ratios = {rows: _iq_mean(r) for rows, r in by_rows.items() if len(r) >= self.MIN_SEEN}
-            overall = _iq_mean([r for _, r in self._recent]) if self._recent else 1.0
-            envelope: list[tuple[int, float]] = []
-            top = 0.0
-            for rows in sorted(self.shape):
-                top = max(top, self.shape[rows] * ratios.get(rows, overall))
-                envelope.append((rows, top))
-            self._cache = ratios, overall, envelope
-        return self._cache
+    def level(self) -> float:
+        """The recent steps' ratio to the shape: the interquartile mean of the last ``recent`` (1 without any)."""
+        if self._level is None:
+            self._level = _iq_mean(self._recent) if self._recent else 1.0
+        return self._level
 
     def _base(self, rows: int) -> float:
         """The shape's curve at ``rows``: interpolated between its row counts, made non-decreasing; past the
@@ -219,10 +226,7 @@ class MeasuredCosts:
         """A target step of ``rows`` rows: seconds (the prior's one-row steps before any measurement)."""
         if not self.shape:
             return self.prior.step(rows)
-        ratios, overall, envelope = self._ratios()
-        found = self._base(rows) * ratios.get(rows, overall)
-        below = [top for x, top in envelope if x <= rows]
-        return max(found, below[-1]) if below else found
+        return self._base(rows) * self.level()
 
     def _rounds(self, per_round: Mapping[int, float], rounds: int) -> float:
         """One window count's curve in rounds, through (0, 0), extended by its last segment's slope."""
@@ -269,22 +273,30 @@ def step_inputs(
     model: Any, windows: int, rows_each: int, context: int, page_size: int, kv_dtype: Any = None
 ) -> tuple[Any, ...]:
     """A scratch target step: ``windows`` decode windows of ``rows_each`` rows each after ``context`` cached
-    positions, in a fresh cache of its own.  Returns ``(input_ids [T] int64, positions [T] int64, cache, batch,
-    logit_rows [T] int64)``, ``T = windows * rows_each``, the arguments of ``Model.forward``."""
+    positions, in a fresh cache of its own (``window_inputs`` with ``[rows_each] * windows``)."""
+    return window_inputs(model, [rows_each] * windows, context, page_size, kv_dtype)
+
+
+def window_inputs(
+    model: Any, rows: Sequence[int], context: int, page_size: int, kv_dtype: Any = None
+) -> tuple[Any, ...]:
+    """A scratch target step: one decode window per entry of ``rows``, of that many rows, each after ``context``
+    cached positions, in a fresh cache of its own.  Returns ``(input_ids [T] int64, positions [T] int64, cache,
+    batch, logit_rows [T] int64)``, ``T = sum(rows)``, the arguments of ``Model.forward``."""
     import torch
 
     from mechserve.kv.paged import Span, build_attention_batch
 
-    per = (context + rows_each) // page_size + 1
-    cache = model.new_cache(windows * per, page_size, kv_dtype)
+    per = (context + max(rows)) // page_size + 1
+    cache = model.new_cache(len(rows) * per, page_size, kv_dtype)
     spans: list[Any] = []
     slots: list[int] = []
     ids: list[int] = []
     positions: list[int] = []
-    for i in range(windows):
+    for i, count in enumerate(rows):
         table = tuple(range(i * per, (i + 1) * per))
-        spans.append(Span(len(ids), context, rows_each, table))
-        for j in range(rows_each):
+        spans.append(Span(len(ids), context, count, table))
+        for j in range(count):
             slots.append(table[(context + j) // page_size] * page_size + (context + j) % page_size)
             ids.append((100 + j) % model.arch.vocab_size)
             positions.append(context + j)
@@ -295,11 +307,21 @@ def step_inputs(
     return torch.tensor(ids), torch.tensor(positions), cache, batch, torch.arange(len(ids))
 
 
-def calibration_shapes(max_k: int, batch: int = 8) -> list[tuple[int, int]]:
-    """The (windows, rows each) steps ``calibrate`` times: 1 and ``batch`` windows of 1, 2, 3 and ``max_k + 1``
-    rows."""
-    rows = sorted({1, 2, 3, max_k + 1} - {r for r in (2, 3) if r > max_k + 1})
-    return [(b, m) for b in sorted({1, batch}) for m in rows]
+def calibration_shapes(max_k: int, batch: int = 8) -> list[tuple[int, ...]]:
+    """The steps ``calibrate`` times, as the rows of each window: one window of 1 .. ``max_k + 1`` rows (every
+    window batch 1 can run); ``batch`` windows of one row, then with 1, 2 and 4 guess rows among them (at most
+    ``batch * max_k``), then of 2, 3 and ``max_k + 1`` rows each."""
+    shapes: list[tuple[int, ...]] = [(m,) for m in range(1, max_k + 2)]
+    if batch > 1:
+        shapes.append((1,) * batch)
+        for extra in (1, 2, 4):
+            if extra <= batch * max_k:
+                rows = [1] * batch
+                for i in range(extra):
+                    rows[i % batch] += 1
+                shapes.append(tuple(rows))
+        shapes += [(m,) * batch for m in sorted({2, 3, max_k + 1}) if m <= max_k + 1]
+    return list(dict.fromkeys(shapes))
 
 
 def calibrate(
@@ -319,18 +341,20 @@ def calibrate(
     """Measure ``model``'s target steps (``calibration_shapes``) and ``proposer``'s draft rounds into ``costs``.
 
     Each shape runs once untimed (first-call allocations), then ``repeats`` timed rounds, interleaved; the
-    fastest of each goes to ``costs`` (the shape of the curve, free of other processes' interference: the
-    online ratios then add the load the engine really runs under).  A step is timed up to its argmax's ids
+    median of each goes to ``costs`` (the shape of the curve: the online ratio then adds the load the engine
+    really runs under).  Not the fastest: on a 2-core VM the fastest of 4 (and of 20) strayed by up to a fifth
+    from the typical step, one row count up and the next down, which made guess rows look free or dear at
+    random; the median of interleaved rounds kept the row counts' order.  A step is timed up to its argmax's ids
     on the host (a device step has finished).  ``hidden``: the forward also returns its hidden states (an EAGLE target).  The proposer's
     rounds are timed through its optional ``calibrate(windows, rounds)`` (a representative draft of ``rounds``
     guesses for ``windows`` windows; the EAGLE head has one), for 1 and ``batch`` windows and 1 .. ``max_k``
     rounds; a proposer without one is measured online only.
     """
     shapes = calibration_shapes(max_k, batch)
-    inputs = {s: step_inputs(model, *s, context, page_size, kv_dtype) for s in shapes}
+    inputs = {s: window_inputs(model, s, context, page_size, kv_dtype) for s in shapes}
     probe: Callable[[int, int], None] | None = getattr(proposer, "calibrate", None)
     drafts = [(n, r) for n in sorted({1, batch}) for r in range(1, max_k + 1)] if probe is not None else []
-    step_times: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
+    step_times: dict[tuple[int, ...], list[float]] = {s: [] for s in shapes}
     draft_times: dict[tuple[int, int], list[float]] = {d: [] for d in drafts}
     for timed in [False] + [True] * repeats:
         for s in shapes:
@@ -345,12 +369,14 @@ def calibrate(
             if timed:
                 draft_times[(n, r)].append(clock() - began)
     by_rows: dict[int, list[float]] = {}
-    for (b, m), times in step_times.items():
-        by_rows.setdefault(b * m, []).append(min(times))
-    for rows, fastest in by_rows.items():
-        costs.calibrated(rows, min(fastest))
+    for shape, times in step_times.items():
+        by_rows.setdefault(sum(shape), []).append(statistics.median(times))
+    for rows, typical in by_rows.items():
+        costs.calibrated(rows, min(typical))
     for (n, r), times in draft_times.items():
-        costs.observe_draft(n, r, min(times))
+        costs.observe_draft(n, r, statistics.median(times))
 
 
-__all__ = ["CostModel", "MeasuredCosts", "StaticCosts", "calibrate", "calibration_shapes", "step_inputs"]
+__all__ = [
+    "CostModel", "MeasuredCosts", "StaticCosts", "calibrate", "calibration_shapes", "step_inputs", "window_inputs",
+]  # fmt: skip

@@ -276,6 +276,33 @@ class Governor:
                 limits.append(None)
         return k, limits
 
+    def may_pay(self, candidates: Sequence[Candidate], max_k: int) -> bool:
+        """Whether speculation could pay next step, with each candidate's ``available`` read as an upper bound
+        on what its proposer has (``cap`` where the proposer was not asked yet): False means ``decide`` answers
+        ``k = 0`` for any proposals within those bounds, so the caller need not ask the proposers
+        (``TorchExecutor.advise``: at batch 8 on text whose guesses are seldom kept, asking a suffix proposer
+        cost ~2% of the step).
+
+        The bound: any windows of ``g_i <= b_i = min(cap_i, available_i, max_k)`` guesses, ``E`` in all, expect at
+        most ``n`` plus the ``E`` largest of the ``alpha_i ** j`` (``j <= b_i``: guess ``j`` of a window is kept
+        with chance ``alpha ** j``) and cost at least ``step(n + E)`` (draft rounds cost nothing or more), so
+        ``decide`` speculates only if, for some ``E``, ``(n + top_E) / step(n + E)`` beats ``k = 0`` by the
+        margin."""
+        if not candidates or max_k <= 0:
+            return False
+        gains = sorted(
+            (c.alpha**j for c in candidates for j in range(1, min(c.cap, c.available, max_k) + 1)), reverse=True
+        )
+        n = len(candidates)
+        plain = n / self.costs.step(n)
+        need = plain * (1.0 + self.margin) * (1.0 + 1e-9)
+        tokens = float(n)
+        for extra, gain in enumerate(gains, 1):
+            tokens += gain
+            if tokens / self.costs.step(n + extra) > need:
+                return True
+        return False
+
     def choose(self, candidates: Sequence[Candidate], max_k: int) -> int:
         """The ``spec_len`` of ``decide`` (0 without candidates)."""
         return self.decide(candidates, max_k)[0]

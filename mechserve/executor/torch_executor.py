@@ -477,12 +477,20 @@ class TorchExecutor:
         for rid, cap in caps:
             state = self._requests.get(rid)
             if cap > 0 and state is not None and state.history:
-                waiting = self.acceptance.waiting(rid)  # its guesses kept failing: it sits this one out
-                found = 0 if waiting else self.proposer.available(state.record, state.history, cap)
-                candidates.append(Candidate(cap, found, self.acceptance.rate(rid)))
+                # its guesses kept failing: it sits this one out (no guess to make)
+                available = 0 if self.acceptance.waiting(rid) else cap
+                candidates.append(Candidate(cap, available, self.acceptance.rate(rid)))
                 ids.append(rid)
             else:
                 limits[rid] = 0
+        if not self.governor.may_pay(candidates, max_k):
+            # not even every window full could pay: ``decide`` would say 0 whatever the proposers have
+            limits.update(dict.fromkeys(ids))
+            return Advice(0, limits)
+        for i, (rid, c) in enumerate(zip(ids, candidates)):
+            if c.available:
+                state = self._requests[rid]
+                candidates[i] = Candidate(c.cap, self.proposer.available(state.record, state.history, c.cap), c.alpha)
         spec_len, chosen = self.governor.decide(candidates, max_k)
         limits.update(zip(ids, chosen))
         return Advice(spec_len, limits)

@@ -142,3 +142,36 @@ def test_each_step_size_is_priced_once_per_decision() -> None:
     assert (k, limits) == oracle_decide(Governor(costs=costs.inner), candidates, 4)
     assert len(costs.steps) == len(set(costs.steps))
     assert len(costs.drafts) == len(set(costs.drafts))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    bounds=st.lists(candidate, max_size=10),
+    max_k=st.integers(0, 6),
+    measured_costs=st.booleans(),
+    margin=st.sampled_from([0.0, 0.03, 0.2]),
+    data=st.data(),
+)
+@example(  # batch 8 on open-ended text: guesses kept a fifth of the time never pay their rows here
+    bounds=[Candidate(4, 4, 0.2)] * 8, max_k=4, measured_costs=True, margin=0.03, data=None
+)
+def test_may_pay_false_means_decide_says_zero_whatever_the_proposers_have(
+    bounds: list[Candidate], max_k: int, measured_costs: bool, margin: float, data: st.DataObject | None
+) -> None:
+    """``may_pay`` reads each candidate's ``available`` as a bound (``TorchExecutor.advise`` passes ``cap``
+    before asking the proposers); when it says no, ``decide`` answers ``k = 0`` for every proposal within the
+    bounds, so skipping the proposers changes no decision."""
+    g = Governor(costs=measured() if measured_costs else StaticCosts(draft_costs=(0.2, 0.3)), margin=margin)
+    if g.may_pay(bounds, max_k):
+        return
+    assert g.decide(bounds, max_k)[0] == 0
+    if data is not None:
+        found = [Candidate(c.cap, data.draw(st.integers(0, c.available)), c.alpha) for c in bounds]
+        assert g.decide(found, max_k)[0] == 0
+
+
+def test_may_pay_when_a_window_full_of_likely_guesses_pays() -> None:
+    g = Governor(costs=measured())
+    assert g.may_pay([Candidate(4, 4, 0.9)], 4) and g.decide([Candidate(4, 4, 0.9)], 4)[0] > 0
+    assert not g.may_pay([Candidate(4, 4, 0.9)], 0) and not g.may_pay([], 4)
+    assert not g.may_pay([Candidate(4, 0, 1.0), Candidate(0, 4, 1.0)], 4)  # nothing to guess

@@ -143,6 +143,41 @@ def test_measured_costs_before_and_between_measurements() -> None:
         MeasuredCosts(window=0)
 
 
+def test_a_stall_at_the_rows_being_run_keeps_the_next_rows_price() -> None:
+    """Measured on a batch-8 run: 8-row steps, then a stall while 7 requests decoded (7-row steps 30% slower).
+    A ratio kept per row count priced the 8th row at nothing (the 7-row price rose past the old 8-row one, and the
+    curve never falls), and a guess row was drafted.  One ratio for all: the rows keep the calibration's relative
+    prices through the stall."""
+    costs = MeasuredCosts(recent=64)
+    for rows, ms in ((1, 24.0), (5, 38.0), (8, 47.0), (9, 55.0), (12, 66.0), (16, 83.0)):
+        costs.calibrated(rows, ms / 1e3)
+    for _ in range(40):
+        costs.observe_step(8, 0.047)
+    for _ in range(30):
+        costs.observe_step(7, 1.3 * costs._base(7))
+    assert costs.step(8) - costs.step(7) > 0.002
+    level = costs.level()
+    assert 1.0 < level <= 1.3
+    assert costs.step(8) - costs.step(7) == pytest.approx(level * (0.047 - costs._base(7)))  # 3 ms, not 0
+    assert costs.step(9) - costs.step(8) == pytest.approx(level * 0.008)  # the 9th row: 8 ms
+
+
+def test_only_rows_outside_the_calibrated_ones_join_the_shape() -> None:
+    """A row count between two calibrated ones is priced on the line between them (its steps move the ratio);
+    one past them joins the shape at its seconds over the ratio, refined by later steps (the interquartile mean
+    of the last ``window``), until a calibration names it."""
+    costs = MeasuredCosts(window=4)
+    costs.calibrated(1, 0.010)
+    costs.calibrated(9, 0.030)
+    costs.observe_step(5, 0.040)  # the line says 0.020: the ratio is 2 now
+    assert 5 not in costs.shape and costs.level() == pytest.approx(2.0) and costs.step(9) == pytest.approx(0.060)
+    for seconds in (0.100, 0.140, 0.100, 0.100):
+        costs.observe_step(17, seconds)  # at a ratio of 2: 0.050, 0.070, 0.050, 0.050 in the calibration's terms
+    assert costs.shape[17] == pytest.approx(0.050) and costs.step(17) == pytest.approx(0.100)
+    costs.calibrated(17, 0.040)
+    assert costs.step(17) == pytest.approx(0.080)
+
+
 def test_the_step_curve_never_falls_with_more_rows() -> None:
     costs = MeasuredCosts()
     for rows, s in ((1, 0.010), (8, 0.015), (16, 0.013), (24, 0.020)):
@@ -150,9 +185,16 @@ def test_the_step_curve_never_falls_with_more_rows() -> None:
     assert costs.step(16) == pytest.approx(0.015) and costs.step(12) == pytest.approx(0.015)
 
 
-def test_calibration_shapes_cover_every_row_count_up_to_max_k() -> None:
-    assert calibration_shapes(4) == [(1, 1), (1, 2), (1, 3), (1, 5), (8, 1), (8, 2), (8, 3), (8, 5)]
-    assert calibration_shapes(1) == [(1, 1), (1, 2), (8, 1), (8, 2)]
+def test_calibration_shapes_cover_every_batch_1_window_and_the_first_guess_rows_of_a_batch() -> None:
+    """Batch 1: every window of 1 .. max_k + 1 rows.  Batch 8: one row each, then 1, 2 and 4 guess rows among
+    them (the 9th row starts a tile of the AVX2 kernel and costs twice the next ones), then whole windows."""
+    one = [(m,) for m in range(1, 6)]
+    assert [sum(s) for s in calibration_shapes(4)] == [1, 2, 3, 4, 5, 8, 9, 10, 12, 16, 24, 40]
+    assert calibration_shapes(4)[:6] == [*one, (1,) * 8]
+    assert calibration_shapes(4)[6:9] == [(2,) + (1,) * 7, (2, 2) + (1,) * 6, (2,) * 4 + (1,) * 4]
+    assert [sum(s) for s in calibration_shapes(1)] == [1, 2, 8, 9, 10, 12, 16]
+    assert calibration_shapes(2, batch=1) == [(1,), (2,), (3,)]
+    assert calibration_shapes(1, batch=2) == [(1,), (2,), (1, 1), (2, 1), (2, 2)]  # 4 guesses: more than 2 x 1
 
 
 # The governor on measured costs ------------------------------------------------------------------------------------
@@ -214,7 +256,8 @@ def test_the_calibration_measures_the_loaded_models_steps(cycle: LlamaModel, mon
     timed_forward(cycle, clock, memory_bound, monkeypatch)
     ex = TorchExecutor(cycle, 64, 4, speculative=NGRAM, clock=clock)
     assert isinstance(ex.governor.costs, MeasuredCosts) and ex.costs is ex.governor.costs
-    assert ex.costs.steps == {rows: pytest.approx(memory_bound(rows)) for rows in (1, 2, 3, 5, 8, 16, 24, 40)}
+    calibrated = (1, 2, 3, 4, 5, 8, 9, 10, 12, 16, 24, 40)
+    assert ex.costs.steps == {rows: pytest.approx(memory_bound(rows)) for rows in calibrated}
     assert ex.costs.drafts == {}  # prompt lookup has no rounds to calibrate: measured as it proposes
     fixed = TorchExecutor(cycle, 64, 4, speculative=SpeculativeConfig(adaptive=False), clock=clock)
     uncalibrated = TorchExecutor(cycle, 64, 4, speculative=NGRAM, clock=clock, calibrate=False)
@@ -256,6 +299,30 @@ def test_prompt_lookup_speculates_only_where_the_measured_rows_pay(
     assert got == engine_run(cycle, None, prompts)[0]
     drafted = [d for rec in records for d in rec.drafted.values()]
     assert (max(drafted) == 4) if drafts else (max(drafted, default=0) == 0)
+
+
+@pytest.mark.parametrize("cost, asked", [(memory_bound, True), (compute_bound, False)])
+def test_the_proposer_is_not_asked_where_no_guess_could_pay(
+    cycle: LlamaModel, monkeypatch: pytest.MonkeyPatch, cost: Callable[[int], float], asked: bool
+) -> None:
+    """Rows that cost what they compute: not even a window full of guesses kept every time could pay
+    (``Governor.may_pay``), so ``advise`` answers 0 without asking the proposer what it has; rows almost free:
+    it asks.  Same output either way."""
+    clock = Clock()
+    timed_forward(cycle, clock, cost, monkeypatch)
+    ex = TorchExecutor(cycle, 64, 4, speculative=NGRAM, clock=clock)
+    calls: list[int] = []
+    available = ex.proposer.available
+
+    def counted(*args: Any) -> int:
+        calls.append(1)
+        return available(*args)
+
+    monkeypatch.setattr(ex.proposer, "available", counted)
+    prompts = [PROMPT] * 2
+    got, _ = engine_run(cycle, ex, prompts)
+    assert got == engine_run(cycle, None, prompts)[0]
+    assert bool(calls) == asked and (ex.stats().proposed > 0) == asked
 
 
 def test_a_given_governor_with_measured_costs_is_fed(tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
