@@ -25,8 +25,8 @@ estimate alone only sees the row counts it already chose, so a wrong prior would
 governor that priced a guess row too high would never run one), and it runs in the engine's own mode, so
 bf16, q8_0 and q4_1 are priced as they run; the online estimate then follows what calibration cannot see (the
 requests' real context lengths, the executor's own per-row work around the forward, the machine's load).
-Both are cheap: the calibration is ~60 target forwards and ~40 draft calls on a scratch cache (4.2 s for
-SmolLM2 in bfloat16 on 2 cores), the online estimate two clock reads per step.  Robustness: the mean of the
+Both are cheap: the calibration is ~60 target forwards and ~40 draft calls on scratch caches at ``spec_len`` 4
+(4.2 s for SmolLM2 in bfloat16 on 2 cores; 12 shapes, up to 16 at larger ``spec_len``, the largest dearer), the online estimate two clock reads per step.  Robustness: the mean of the
 middle half of the recent measurements, not of all of them (a step stalled by another process, or by a
 garbage collection, does not move it), over a short window (it follows a lasting change within a few dozen
 steps), and the step curve is made non-decreasing in rows.
@@ -51,6 +51,7 @@ wall-clock time.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import statistics
 from collections import deque
@@ -115,13 +116,15 @@ class MeasuredCosts:
 
     Target steps: ``calibrated(rows, seconds)`` sets the curve's shape (``shape``: the calibration's seconds
     by rows); ``observe_step(rows, seconds)`` adds a step the executor ran, as its ratio to the shape (between
-    two calibrated row counts, to the interpolated curve).  A row count outside the calibrated ones joins the
-    shape, at the step's seconds over the current ratio, and stays refined the same way (the interquartile mean
-    of its last ``window`` such values) until the calibration names it.  A step of
-    ``rows`` rows is the shape's curve times the interquartile mean of the last ``recent`` steps' ratios, whatever
-    their row counts: a machine that got busier, or contexts longer than the calibration's, raise every row count
-    at once, and the relative prices stay the calibration's (the module docstring says why); the result never
-    falls with more rows.  Draft calls: the interquartile mean of the key's last ``window`` measurements
+    two calibrated row counts, to the interpolated curve).  A row count outside the calibrated ones (every row
+    count, without a calibration: tensor-parallel ranks) joins the shape at its first ``window`` steps' seconds
+    over the ratio of their time (their interquartile mean; those steps leave the ratio as it is), and from then
+    on its steps are ratios to the curve like any other.  A step of ``rows`` rows is the shape's curve times the
+    interquartile mean of the last ``recent`` ratios, whatever their row counts: a machine that got busier, or
+    contexts longer than the calibration's, raise every row count at once, and the relative prices stay the
+    calibration's (the module docstring says why); the result never falls with more rows.  Without a calibration
+    the relative prices are the first steps' at each row count, as measured at different times: a row count first
+    run during a stall keeps the stall's price.  Draft calls: the interquartile mean of the key's last ``window`` measurements
     (``observe_draft``; ``drafts``).  Before any step was measured ``step`` and ``draft`` answer the ``prior``'s
     numbers (one-row steps), and draft rounds not measured yet are the prior's in units of the measured one-row
     step.  Raises ``ValueError`` for a ``window`` or ``recent`` below 1.
@@ -139,10 +142,14 @@ class MeasuredCosts:
         self.drafts: dict[int, dict[int, float]] = {}  # windows -> rounds -> seconds (the estimate)
         self._recent: deque[float] = deque(maxlen=recent)  # seconds / shape of the last steps
         self._seen: dict[tuple[int, int], deque[float]] = {}  # (windows, rounds) -> the last draft calls
-        self._joined: dict[int, deque[float]] = {}  # rows the calibration lacks -> their last seconds / ratio
+        self._joined: dict[int, deque[float]] = {}  # rows the calibration lacks -> their first seconds / ratio
+        self._span: tuple[int, int] | None = None  # the smallest and largest calibrated row counts
         self._level: float | None = None  # the recent ratio (cached)
-        # the shape made non-decreasing, by rows (``_base``; rebuilt when the shape changes)
+        # the shape made non-decreasing, by rows, its row counts in order and its slope (``_base``; rebuilt when
+        # the shape changes)
         self._curve: dict[int, float] | None = None
+        self._xs: list[int] = []
+        self._slope: float | None = None
 
     def _estimate(self, key: tuple[int, int], seconds: float) -> float:
         """Add ``seconds`` to the key's last measurements; their interquartile mean."""
@@ -158,6 +165,8 @@ class MeasuredCosts:
             self.shape[rows] = max(float(seconds), 1e-12)
             self._joined.pop(rows, None)
             self._curve = None
+            lo, hi = self._span or (rows, rows)
+            self._span = (min(lo, rows), max(hi, rows))
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A target step of ``rows`` rows took ``seconds`` (online)."""
@@ -165,10 +174,11 @@ class MeasuredCosts:
             return
         seconds = max(float(seconds), 1e-12)
         joined = self._joined.get(rows)
-        calibrated = [x for x in self.shape if x not in self._joined]
-        if joined is None and calibrated and min(calibrated) <= rows <= max(calibrated):
+        span = self._span
+        inside = joined is None and span is not None and span[0] <= rows <= span[1]
+        if inside or (joined is not None and len(joined) >= self.window):  # on the curve: a ratio to it
             self._recent.append(seconds / self._base(rows))
-        else:  # outside the calibrated row counts: (re)joins the shape, in the calibration's terms: at the current ratio
+        else:  # outside the calibrated row counts: joins the shape, in the calibration's terms: at the current ratio
             level = self.level()
             if joined is None:
                 joined = self._joined[rows] = deque(maxlen=self.window)
@@ -202,7 +212,7 @@ class MeasuredCosts:
     def _base(self, rows: int) -> float:
         """The shape's curve at ``rows``: interpolated between its row counts, made non-decreasing; past the
         largest, the least-squares slope of its multi-row counts (the prior's shape with fewer than two);
-        below the smallest, the prior's shape."""
+        below the smallest, the prior's shape; never below a smaller row count's value nor above a larger one's."""
         curve = self._curve
         if curve is None:  # asked several times per step (``Governor.rates``), changed only by a new row count
             curve, top = {}, 0.0
@@ -210,17 +220,30 @@ class MeasuredCosts:
                 top = max(top, self.shape[x])
                 curve[x] = top
             self._curve = curve
-        found = _interpolate(curve, rows)
-        if found is not None:
-            return found
-        xs = sorted(curve)
+            self._xs = list(curve)
+            multi = [x for x in self._xs if x > 1]
+            self._slope = (
+                max(0.0, statistics.linear_regression(multi, [curve[x] for x in multi]).slope)
+                if len(multi) >= 2
+                else None
+            )
+        xs = self._xs
+        if xs[0] <= rows <= xs[-1]:
+            i = bisect.bisect_left(xs, rows)
+            if xs[i] == rows:
+                return curve[rows]
+            lo, hi = xs[i - 1], xs[i]
+            return curve[lo] + (curve[hi] - curve[lo]) * (rows - lo) / (hi - lo)
         if rows < xs[0]:
-            return curve[xs[0]] * self.prior.step(rows) / self.prior.step(xs[0])
-        multi = [x for x in xs if x > 1]
-        if len(multi) < 2:
-            return curve[xs[-1]] * self.prior.step(rows) / self.prior.step(xs[-1])
-        slope = max(0.0, statistics.linear_regression(multi, [curve[x] for x in multi]).slope)
-        return curve[xs[-1]] + slope * (rows - xs[-1])
+            return min(curve[xs[0]], curve[xs[0]] * self._prior_shape(rows) / self._prior_shape(xs[0]))
+        if self._slope is None:
+            return max(curve[xs[-1]], curve[xs[-1]] * self._prior_shape(rows) / self._prior_shape(xs[-1]))
+        return curve[xs[-1]] + self._slope * (rows - xs[-1])
+
+    def _prior_shape(self, rows: int) -> float:
+        """The prior's step at ``rows``, never below its one-row step (a prior fitted with a negative jump would
+        make a second row cheaper than the first)."""
+        return max(self.prior.step(1), self.prior.step(rows))
 
     def step(self, rows: int) -> float:
         """A target step of ``rows`` rows: seconds (the prior's one-row steps before any measurement)."""
@@ -308,10 +331,11 @@ def window_inputs(
 
 
 def calibration_shapes(max_k: int, batch: int = 8) -> list[tuple[int, ...]]:
-    """The steps ``calibrate`` times, as the rows of each window: one window of 1 .. ``max_k + 1`` rows (every
-    window batch 1 can run); ``batch`` windows of one row, then with 1, 2 and 4 guess rows among them (at most
-    ``batch * max_k``), then of 2, 3 and ``max_k + 1`` rows each."""
-    shapes: list[tuple[int, ...]] = [(m,) for m in range(1, max_k + 2)]
+    """The steps ``calibrate`` times, as the rows of each window: one window of 1 .. ``min(max_k + 1, 8)`` rows and
+    of ``max_k + 1`` (every window batch 1 runs at the usual ``spec_len`` of up to 7; two of the AVX2 kernel's
+    4-row tiles); ``batch`` windows of one row, then with 1, 2 and 4 guess rows among them (at most
+    ``batch * max_k``), then of 2, 3 and ``max_k + 1`` rows each.  12 steps at ``max_k = 4``, 16 at 64."""
+    shapes: list[tuple[int, ...]] = [(m,) for m in sorted({*range(1, min(max_k + 1, 8) + 1), max_k + 1})]
     if batch > 1:
         shapes.append((1,) * batch)
         for extra in (1, 2, 4):
@@ -342,7 +366,7 @@ def calibrate(
 
     Each shape runs once untimed (first-call allocations), then ``repeats`` timed rounds, interleaved; the
     median of each goes to ``costs`` (the shape of the curve: the online ratio then adds the load the engine
-    really runs under).  Not the fastest: on a 2-core VM the fastest of 4 (and of 20) strayed by up to a fifth
+    really runs under; where two shapes have as many rows in all, the smaller median).  Not the fastest: on a 2-core VM the fastest of 4 (and of 20) strayed by up to a fifth
     from the typical step, one row count up and the next down, which made guess rows look free or dear at
     random; the median of interleaved rounds kept the row counts' order.  A step is timed up to its argmax's ids
     on the host (a device step has finished).  ``hidden``: the forward also returns its hidden states (an EAGLE target).  The proposer's

@@ -202,6 +202,8 @@ class Governor:
     make (``min(k, cap, available) > 0``).
     """
 
+    SCAN = 64  # may_pay checks at most this many possible guesses (batch 8 at spec_len 8)
+
     def __init__(
         self,
         row_cost: float = 0.05,
@@ -287,19 +289,29 @@ class Governor:
         most ``n`` plus the ``E`` largest of the ``alpha_i ** j`` (``j <= b_i``: guess ``j`` of a window is kept
         with chance ``alpha ** j``) and cost at least ``step(n + E)`` (draft rounds cost nothing or more), so
         ``decide`` speculates only if, for some ``E``, ``(n + top_E) / step(n + E)`` beats ``k = 0`` by the
-        margin."""
+        margin (compared with a relative slack of 1e-9, so a sum rounded in another order does not flip it).
+        True without checking (the proposers are asked) where the check could cost more than it saves or not
+        hold: more than ``SCAN`` possible guesses, a step priced at zero or less, or a subclass with its own
+        ``decide``."""
         if not candidates or max_k <= 0:
             return False
+        if type(self).decide is not Governor.decide:
+            return True
         gains = sorted(
             (c.alpha**j for c in candidates for j in range(1, min(c.cap, c.available, max_k) + 1)), reverse=True
         )
+        if len(gains) > self.SCAN:
+            return True
         n = len(candidates)
-        plain = n / self.costs.step(n)
-        need = plain * (1.0 + self.margin) * (1.0 + 1e-9)
+        base = self.costs.step(n)
+        if base <= 0:
+            return True
+        need = n / base * (1.0 + self.margin) * (1.0 - 1e-9)
         tokens = float(n)
         for extra, gain in enumerate(gains, 1):
             tokens += gain
-            if tokens / self.costs.step(n + extra) > need:
+            cost = self.costs.step(n + extra)
+            if cost <= 0 or tokens / cost > need:
                 return True
         return False
 

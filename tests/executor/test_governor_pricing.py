@@ -144,24 +144,57 @@ def test_each_step_size_is_priced_once_per_decision() -> None:
     assert len(costs.drafts) == len(set(costs.drafts))
 
 
-@settings(max_examples=300, deadline=None)
+@st.composite
+def cost_models(draw: st.DrawFn) -> object:
+    """Static costs with any row cost and jump (negative ones included: the bench once fitted -0.075), or measured
+    costs from a random calibration, not always increasing, with online steps and draft calls."""
+    if draw(st.booleans()):
+        return StaticCosts(
+            draw(st.floats(0.0, 0.5)),
+            draw(st.floats(-0.3, 1.0)),
+            tuple(draw(st.lists(st.floats(0.0, 0.5), max_size=4))),
+        )
+    costs = MeasuredCosts(StaticCosts(draft_costs=(0.3, 0.4)))
+    for rows in draw(st.sets(st.integers(1, 48), min_size=1, max_size=8)):
+        costs.calibrated(rows, draw(st.floats(0.005, 0.05)))
+    for rows, seconds in draw(st.lists(st.tuples(st.integers(1, 60), st.floats(0.005, 0.08)), max_size=30)):
+        costs.observe_step(rows, seconds)
+    for n, r, seconds in draw(
+        st.lists(st.tuples(st.integers(1, 8), st.integers(1, 6), st.floats(0.0, 0.01)), max_size=4)
+    ):
+        costs.observe_draft(n, r, seconds)
+    return costs
+
+
+@settings(max_examples=400, deadline=None)
 @given(
     bounds=st.lists(candidate, max_size=10),
     max_k=st.integers(0, 6),
-    measured_costs=st.booleans(),
+    costs=cost_models(),
     margin=st.sampled_from([0.0, 0.03, 0.2]),
     data=st.data(),
 )
 @example(  # batch 8 on open-ended text: guesses kept a fifth of the time never pay their rows here
-    bounds=[Candidate(4, 4, 0.2)] * 8, max_k=4, measured_costs=True, margin=0.03, data=None
+    bounds=[Candidate(4, 4, 0.2)] * 8, max_k=4, costs=measured(), margin=0.03, data=None
+)
+@example(  # found in review: the bound and decide's rate summed in different orders, on the threshold
+    bounds=[Candidate(1, 1, 0.0938595867742349), Candidate(1, 1, 0.02834747652200631)],
+    max_k=1,
+    costs=None,
+    margin=0.03,
+    data=None,
 )
 def test_may_pay_false_means_decide_says_zero_whatever_the_proposers_have(
-    bounds: list[Candidate], max_k: int, measured_costs: bool, margin: float, data: st.DataObject | None
+    bounds: list[Candidate], max_k: int, costs: object, margin: float, data: st.DataObject | None
 ) -> None:
     """``may_pay`` reads each candidate's ``available`` as a bound (``TorchExecutor.advise`` passes ``cap``
     before asking the proposers); when it says no, ``decide`` answers ``k = 0`` for every proposal within the
     bounds, so skipping the proposers changes no decision."""
-    g = Governor(costs=measured() if measured_costs else StaticCosts(draft_costs=(0.2, 0.3)), margin=margin)
+    if costs is None:
+        costs = MeasuredCosts()
+        for rows, seconds in ((1, 1.0), (2, 1.0), (3, 1.0301976025116668), (4, 1.0301976025116668)):
+            costs.calibrated(rows, seconds)
+    g = Governor(costs=costs, margin=margin)  # type: ignore[arg-type]
     if g.may_pay(bounds, max_k):
         return
     assert g.decide(bounds, max_k)[0] == 0
@@ -175,3 +208,20 @@ def test_may_pay_when_a_window_full_of_likely_guesses_pays() -> None:
     assert g.may_pay([Candidate(4, 4, 0.9)], 4) and g.decide([Candidate(4, 4, 0.9)], 4)[0] > 0
     assert not g.may_pay([Candidate(4, 4, 0.9)], 0) and not g.may_pay([], 4)
     assert not g.may_pay([Candidate(4, 0, 1.0), Candidate(0, 4, 1.0)], 4)  # nothing to guess
+
+
+def test_may_pay_answers_yes_where_checking_could_cost_more_or_not_hold() -> None:
+    """More possible guesses than ``SCAN`` (a large batch at a long spec_len: the scan would cost more than
+    ``decide``), a step priced at zero (found in review: a division by zero), or a subclass with its own
+    ``decide`` (its answers are not the bound's): the proposers are asked."""
+    hopeless = [Candidate(4, 4, 0.0)] * 17  # 68 possible guesses, none ever kept
+    costs = Counting()
+    assert Governor(costs=costs).may_pay(hopeless, 4) and costs.steps == []
+    assert not Governor().may_pay(hopeless[:16], 4)
+    assert Governor(costs=StaticCosts(0.0, -1.0)).may_pay([Candidate(1, 1, 0.5)] * 2, 1)
+
+    class Eager(Governor):
+        def decide(self, candidates: Sequence[Candidate], max_k: int) -> tuple[int, list[int | None]]:
+            return max_k, [None] * len(candidates)
+
+    assert Eager().may_pay(hopeless[:16], 4)

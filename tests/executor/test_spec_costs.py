@@ -178,6 +178,49 @@ def test_only_rows_outside_the_calibrated_ones_join_the_shape() -> None:
     assert costs.step(17) == pytest.approx(0.080)
 
 
+def test_without_a_calibration_a_slower_machine_reprices_every_row_count() -> None:
+    """Tensor-parallel ranks measure online only: each row count joins the curve at its first steps, and later
+    steps at any row count move the one ratio.  Found in review: the ratio stayed at 1 when every row count had
+    joined, so after a slowdown seen at 1 row the 5-row step kept its old price and 4 guesses at 5% looked worth
+    their rows."""
+    costs = MeasuredCosts()
+    for _ in range(20):
+        costs.observe_step(1, 0.020)
+    for _ in range(5):
+        costs.observe_step(5, 0.030)
+    for _ in range(100):
+        costs.observe_step(1, 0.040)
+    assert costs.level() == pytest.approx(2.0)
+    assert costs.step(1) == pytest.approx(0.040) and costs.step(5) == pytest.approx(0.060)
+    assert costs.step(2) == pytest.approx(0.045)  # on the line from 1 to 5 rows, at the new ratio
+    assert Governor(costs=costs).decide([Candidate(4, 4, 0.05)], 4) == (0, [None])
+
+
+def test_a_joined_row_count_is_priced_by_its_first_steps_then_moves_with_the_ratio() -> None:
+    costs = MeasuredCosts(window=3, recent=4)
+    costs.calibrated(8, 0.050)
+    costs.observe_step(16, 0.070)
+    costs.observe_step(16, 0.090)
+    costs.observe_step(16, 0.080)
+    assert costs.shape[16] == pytest.approx(0.080) and costs.level() == 1.0  # the join left the ratio alone
+    for _ in range(4):
+        costs.observe_step(16, 0.160)  # from now on ratios to the curve: 2
+    assert costs.shape[16] == pytest.approx(0.080) and costs.level() == pytest.approx(2.0)
+    assert costs.step(8) == pytest.approx(0.100) and costs.step(16) == pytest.approx(0.160)
+
+
+@pytest.mark.parametrize("prior", [StaticCosts(0.05, -0.075), StaticCosts(0.05, 0.45), StaticCosts(0.0, -0.5)])
+def test_the_step_curve_never_falls_outside_the_measured_row_counts(prior: StaticCosts) -> None:
+    """Below the smallest measured row count and past the largest the prior gives the shape; a prior whose second
+    row is cheaper than the first (a fitted negative jump) must not make the curve fall (found in review)."""
+    for measured in ((1,), (2,), (4,), (3, 9)):
+        costs = MeasuredCosts(prior)
+        for rows in measured:
+            costs.calibrated(rows, 0.010 * rows)
+        prices = [costs.step(rows) for rows in range(1, 24)]
+        assert prices == sorted(prices), (prior, measured)
+
+
 def test_the_step_curve_never_falls_with_more_rows() -> None:
     costs = MeasuredCosts()
     for rows, s in ((1, 0.010), (8, 0.015), (16, 0.013), (24, 0.020)):
@@ -186,8 +229,9 @@ def test_the_step_curve_never_falls_with_more_rows() -> None:
 
 
 def test_calibration_shapes_cover_every_batch_1_window_and_the_first_guess_rows_of_a_batch() -> None:
-    """Batch 1: every window of 1 .. max_k + 1 rows.  Batch 8: one row each, then 1, 2 and 4 guess rows among
-    them (the 9th row starts a tile of the AVX2 kernel and costs twice the next ones), then whole windows."""
+    """Batch 1: every window of 1 .. max_k + 1 rows (up to 8, then max_k + 1 only).  Batch 8: one row each, then
+    1, 2 and 4 guess rows among them (the 9th row starts a tile of the AVX2 kernel and costs twice the next ones),
+    then whole windows."""
     one = [(m,) for m in range(1, 6)]
     assert [sum(s) for s in calibration_shapes(4)] == [1, 2, 3, 4, 5, 8, 9, 10, 12, 16, 24, 40]
     assert calibration_shapes(4)[:6] == [*one, (1,) * 8]
@@ -195,6 +239,7 @@ def test_calibration_shapes_cover_every_batch_1_window_and_the_first_guess_rows_
     assert [sum(s) for s in calibration_shapes(1)] == [1, 2, 8, 9, 10, 12, 16]
     assert calibration_shapes(2, batch=1) == [(1,), (2,), (3,)]
     assert calibration_shapes(1, batch=2) == [(1,), (2,), (1, 1), (2, 1), (2, 2)]  # 4 guesses: more than 2 x 1
+    assert [sum(s) for s in calibration_shapes(64)] == [*range(1, 9), 65, 8, 9, 10, 12, 16, 24, 520]
 
 
 # The governor on measured costs ------------------------------------------------------------------------------------
