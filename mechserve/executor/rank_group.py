@@ -330,9 +330,18 @@ class SpawnGroup(RankGroup):
                     raise self._exited(r, what) from None
                 if status != "ok":
                     # a rank whose peer died fails inside a collective: name the dead rank, the cause.
-                    # A rank that reported its own error exits cleanly (code 0); that is not a death.
-                    wait([p.sentinel for p in self.procs], timeout=1.0)
-                    self._check_alive(what, crashed_only=True)
+                    # A rank that reported its own error exits cleanly (code 0); that is not a death.  The
+                    # peer's socket closes before its process can be reaped, so the report may come first:
+                    # wait (up to 1 s) for the ranks still running, not for any rank (the reporting rank's
+                    # own clean exit ended the wait at once and the dead rank went unnamed).
+                    settle = time.monotonic() + 1.0
+                    while True:
+                        self._check_alive(what, crashed_only=True)
+                        running = [p.sentinel for p in self.procs if p.exitcode is None]
+                        left = settle - time.monotonic()
+                        if not running or left <= 0:
+                            break
+                        wait(running, timeout=left)
                     raise self._fail(str(value).strip())
                 answers[r] = value
                 del waiting[ready]
