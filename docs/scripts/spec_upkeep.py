@@ -19,12 +19,20 @@ turn, greedy) through each engine in an order rotated each repeat (``bench.spec_
 warm-up run each; suffix decoding forgets finished requests before each run, as the bench does.  Prints each
 engine's ids per second, ``off``'s time over its time for the same ids (above 1: faster) with the lowest and
 highest repeat, forwards and guesses drafted.  A measurement, not a test: run it on an idle machine.
+
+The wall clock alone cannot see 1% here: on a 2-core machine the forward's own time drifts by several percent
+between repeats.  So the script also times the model's forward apart from the rest of each engine's run
+(``--split``, on by default: a wrapper around the model class's ``forward``, whose cost is one clock read per
+forward) and prints, per engine, the seconds in the forward, the seconds outside it, and the rest over
+``off``'s rest.  Engines that ran the same forwards (no guess drafted: the same rows in the same steps) can
+only differ by the rest, which is measured to a few milliseconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from collections.abc import Callable, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,6 +44,7 @@ def main() -> None:
     ap.add_argument("--set", default="novel")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--methods", nargs="+", default=["ngram", "suffix", "eagle"])
+    ap.add_argument("--no-split", dest="split", action="store_false", help="do not time the forward apart")
     args = ap.parse_args()
 
     from mechserve.api.config import SpeculativeConfig, dtype_name
@@ -71,6 +80,21 @@ def main() -> None:
         silent = llms[f"{method}-silent"].core.executor
         silent._hidden = False  # no hidden rows asked of the forward, so an EAGLE head observes none
         silent.advise = answers_none(silent.advise)
+    current = ["warm-up"]
+    forward_s: dict[str, float] = {name: 0.0 for name in llms}
+    forward_s["warm-up"] = 0.0
+    if args.split:
+        model_type = type(loaded.model)
+        forward = model_type.forward
+
+        def timed(self: object, *a: object, **k: object) -> object:
+            t0 = time.perf_counter()
+            try:
+                return forward(self, *a, **k)
+            finally:
+                forward_s[current[0]] += time.perf_counter() - t0
+
+        model_type.forward = timed  # type: ignore[method-assign]
     params = SamplingParams(temperature=0.0, max_tokens=128)
     sessions = workloads()[args.set][:8]
     for llm in llms.values():
@@ -80,10 +104,12 @@ def main() -> None:
     for repeat in range(args.repeats):
         for name in rotated(list(llms), repeat):
             forget_finished(llms[name])
+            current[0] = name
             t = tallies[name]
             before = (t.output_tokens, t.wall_s)
             run_sessions(llms[name], sessions, params, t)
             t.repeats.append((t.output_tokens - before[0], t.wall_s - before[1]))
+        current[0] = "warm-up"
     off = tallies["off"]
     print(f"{args.set}, batch 8, {args.mode}, {args.repeats} repeats")
     for name, t in tallies.items():
@@ -92,6 +118,15 @@ def main() -> None:
             f"  {name:14s} {r['tok_s']:7.1f} ids/s  x{r['speedup']:.3f} ({spread(r['speedup_by_repeat'])})"
             f"  forwards {t.forwards:5d}  drafted {t.drafted:6d}"
         )
+    if args.split:
+        rest0 = off.wall_s - forward_s["off"]
+        print("  the forward timed apart (seconds over all repeats):")
+        for name, t in tallies.items():
+            rest = t.wall_s - forward_s[name]
+            print(
+                f"  {name:14s} wall {t.wall_s:8.3f}  forward {forward_s[name]:8.3f}  rest {rest:7.3f}"
+                f"  rest - off's {rest - rest0:+7.3f} ({(rest - rest0) / off.wall_s:+.2%} of off's wall)"
+            )
 
 
 if __name__ == "__main__":
