@@ -52,7 +52,6 @@ wall-clock time.
 from __future__ import annotations
 
 import bisect
-import itertools
 import statistics
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -93,15 +92,17 @@ class StaticCosts:
         return float(sum(self.draft_costs[: max(0, rounds)]))
 
 
-def _interpolate(points: Mapping[int, float], x: float) -> float | None:
-    """The piecewise-linear curve through ``points`` at ``x`` (``min(points) <= x <= max(points)``), else None."""
-    xs = sorted(points)
+def _interpolate(points: Mapping[int, float], x: float, xs: Sequence[int] | None = None) -> float | None:
+    """The piecewise-linear curve through ``points`` at ``x`` (``min(points) <= x <= max(points)``), else None;
+    ``xs``: ``sorted(points)``, for a caller that keeps it (the segment is found by bisection)."""
+    xs = sorted(points) if xs is None else xs
     if not xs or x < xs[0] or x > xs[-1]:
         return None
-    for lo, hi in itertools.pairwise(xs):
-        if lo <= x <= hi:
-            return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
-    return points[xs[0]]
+    i = bisect.bisect_left(xs, x)
+    if xs[i] == x:
+        return points[xs[i]]
+    lo, hi = xs[i - 1], xs[i]
+    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
 
 
 def _iq_mean(values: Sequence[float]) -> float:
@@ -228,12 +229,9 @@ class MeasuredCosts:
                 else None
             )
         xs = self._xs
-        if xs[0] <= rows <= xs[-1]:
-            i = bisect.bisect_left(xs, rows)
-            if xs[i] == rows:
-                return curve[rows]
-            lo, hi = xs[i - 1], xs[i]
-            return curve[lo] + (curve[hi] - curve[lo]) * (rows - lo) / (hi - lo)
+        found = _interpolate(curve, rows, xs)
+        if found is not None:
+            return found
         if rows < xs[0]:
             return min(curve[xs[0]], curve[xs[0]] * self._prior_shape(rows) / self._prior_shape(xs[0]))
         if self._slope is None:

@@ -465,9 +465,12 @@ class TorchExecutor:
         limit (m16), for requests about to draft.
 
         ``caps``: ``(request_id, cap)`` per caught-up request, ``cap`` the guesses the spec allows it
-        (``min(max_k, max_new_tokens - generated - 1)``).  Asks the proposer how many guesses it has
-        for each (from the ids this executor knows) and weighs them with each request's acceptance so
-        far (``Governor.decide``); a request backing off (``Acceptance.waiting``) counts as having none.
+        (``min(max_k, max_new_tokens - generated - 1)``).  First asks the governor whether any guess could
+        pay were every window full (``Governor.may_pay``, exact: else ``decide`` would say 0 whatever the
+        proposer has) and, if none could, answers 0 without asking the proposer; otherwise asks the proposer
+        how many guesses it has for each (from the ids this executor knows) and weighs them with each
+        request's acceptance so far (``Governor.decide``); a request backing off (``Acceptance.waiting``)
+        counts as having none.
         Every request in ``caps`` gets a limit in the answer: the governor's, else 0 for one with no
         guess to make (cap 0, or unknown here).
         """
