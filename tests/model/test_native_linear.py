@@ -22,7 +22,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from native_builds import ARCHS, ISA
 
@@ -194,10 +194,20 @@ def test_builds_loaded_side_by_side_keep_their_own_code() -> None:
     in_features=st.sampled_from([5, 8, 17, 64, 100, 576]),
     seed=st.integers(0, 2**16),
 )
+# every row count that takes 6 x 2 tiles up to 20 (gemm.h, tall_tiles), and ones beside them that take 4 x 3
+@example(rows=5, out_features=70, in_features=576, seed=1)
+@example(rows=6, out_features=33, in_features=100, seed=2)
+@example(rows=9, out_features=70, in_features=17, seed=3)
+@example(rows=10, out_features=64, in_features=576, seed=4)
+@example(rows=17, out_features=7, in_features=64, seed=5)
+@example(rows=18, out_features=70, in_features=576, seed=6)
+@example(rows=11, out_features=70, in_features=576, seed=7)
+@example(rows=4, out_features=70, in_features=576, seed=8)
 def test_avx2_bfloat16_rows_do_not_depend_on_the_rows_beside_them(rows, out_features, in_features, seed):
-    """The AVX2 build multiplies bfloat16 weights in tiles from 2 rows on (its few-row count is 1) and sums
-    each output in one order, so a row of a speculative window gets, bit for bit, what it gets beside any
-    other rows: a window's products do not depend on how many guesses it carries."""
+    """The AVX2 build multiplies bfloat16 weights in tiles from 2 rows on (its few-row count is 1; 4 x 3
+    tiles, or 6 x 2 where a short last tile would widen the weights again) and sums each output in one order,
+    so a row of a speculative window gets, bit for bit, what it gets beside any other rows: a window's
+    products do not depend on how many guesses it carries, nor on the tiles' shape."""
     dtype = torch.bfloat16
     arch = "native" if lin.isa() == "avx2" else "x86-64-v3"
     assert arch in ARCHS, "this x86-64 CPU has no AVX2 build to check"

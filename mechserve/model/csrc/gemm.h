@@ -37,6 +37,7 @@ constexpr int64_t L2_ACTIVATIONS = 512 * 1024;  // bytes of activation rows kept
 constexpr int MR = 4, NR = 4;  // activation rows x weight rows per micro-kernel
 constexpr bool WIDEN_IN_TILE = false;
 constexpr int WIDE_MR = MR, WIDE_NR = NR;
+constexpr int TALL_MR = WIDE_MR, TALL_NR = WIDE_NR;
 
 // The 16 horizontal sums of v[0..16) as one vector (lane i = sum of v[i]'s lanes): pairs of vectors are
 // interleaved and added within 128-bit lanes, then the 128-bit lanes are transposed and added.
@@ -161,8 +162,15 @@ inline float hsum8(__m256 v) {
 // from memory (docs/benchmarks.md, issue 27): faster from 2 rows on.  One row stays in the few-row loop,
 // which streams one weight row at a time: the tiles measured up to 20% slower there.  (Float32 weights, with
 // nothing to widen, were faster in 2 x 4 tiles and their few-row loops.)
+//
+// A row count that leaves a short last tile (5 rows: 4 + 1; 9: 4 + 4 + 1) pays for the widening again on its
+// last rows' tile: 1 x 3 spends 3 loads and 6 widening steps on 3 FMAs.  Such counts take 6 x 2 tiles
+// instead (12 accumulators, 2 weight vectors, an activation vector: 15 registers), in which 5 rows are one
+// tile (`tall_tiles`: where that counts at least 5% fewer instructions).  The products are the same sums in
+// the same order either way, so the result does not change with the tile shape.
 constexpr bool WIDEN_IN_TILE = true;
 constexpr int WIDE_MR = 4, WIDE_NR = 3;
+constexpr int TALL_MR = 6, TALL_NR = 2;
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
@@ -195,6 +203,7 @@ void tile_f32(const float* x, int64_t ldx, const WT* const* w, int64_t K, float*
 constexpr int MR = 2, NR = 4;
 constexpr bool WIDEN_IN_TILE = false;
 constexpr int WIDE_MR = MR, WIDE_NR = NR;
+constexpr int TALL_MR = WIDE_MR, TALL_NR = WIDE_NR;
 
 template <int R, int C>
 void tile_f32(const float* x, int64_t ldx, const float* const* w, int64_t K, float* c, int64_t ldc) {
@@ -336,11 +345,36 @@ void tiled_as(const Job& j, int64_t n0, int64_t n1, float* out, int64_t ldo) {
     }
 }
 
+// Vector instructions per weight row and 8 lanes of K for M activation rows in TMR x TNR tiles of widened
+// bfloat16 rows: a tile of r rows loads and widens its TNR weight vectors once (3 instructions each), loads r
+// activation vectors and runs r x TNR FMAs; counted per WIDE_NR x TALL_NR weight rows, to stay in integers.
+constexpr int64_t widened_work(int64_t M, int TMR, int TNR) {
+    int64_t work = 0;
+    for (int64_t m = 0; m < M; m += TMR) {
+        const int64_t r = std::min<int64_t>(TMR, M - m);
+        work += 3 * TNR + r + r * TNR;
+    }
+    return work * (WIDE_NR * TALL_NR) / TNR;
+}
+
+// Whether M rows of widened bfloat16 take TALL_MR x TALL_NR tiles: where they count at least 5% fewer
+// instructions than WIDE_MR x WIDE_NR, up to 20 rows, where that was measured (with AVX2's shapes: 5, 6, 9, 10,
+// 17 and 18 rows; SmolLM2's layers 10.6%, 7.7%, 11%, 9% and 4% faster at 5, 6, 9, 10 and 17, its LM head
+// 13%, 10%, 14%, 11% and 6%: docs/benchmarks.md, issue 27).
+constexpr bool tall_tiles(int64_t M) {
+    if constexpr (TALL_MR == WIDE_MR && TALL_NR == WIDE_NR) return false;
+    return M <= 20 && widened_work(M, TALL_MR, TALL_NR) * 20 <= widened_work(M, WIDE_MR, WIDE_NR) * 19;
+}
+
 // Weight rows [n0, n1) against every activation row, into out [M, ldo], in tiles of the compute type's shape
-// (MR x NR), or WIDE_MR x WIDE_NR for bfloat16 rows widened as they are read.
+// (MR x NR), or WIDE_MR x WIDE_NR (TALL_MR x TALL_NR where `tall_tiles`) for bfloat16 rows widened as read.
 template <typename F, typename CT>
 void tiled(const Job& j, int64_t n0, int64_t n1, float* out, int64_t ldo) {
-    if constexpr (widened_rows<F, CT>()) return tiled_as<F, CT, WIDE_MR, WIDE_NR>(j, n0, n1, out, ldo);
+    if constexpr (widened_rows<F, CT>()) {
+        if constexpr (TALL_MR != WIDE_MR || TALL_NR != WIDE_NR)
+            if (tall_tiles(j.M)) return tiled_as<F, CT, TALL_MR, TALL_NR>(j, n0, n1, out, ldo);
+        return tiled_as<F, CT, WIDE_MR, WIDE_NR>(j, n0, n1, out, ldo);
+    }
     tiled_as<F, CT, MR, NR>(j, n0, n1, out, ldo);
 }
 
