@@ -417,13 +417,14 @@ class Matcher:
         return nodes, self._fresh + appended
 
 
-# The native trees (issue: the upkeep of growing the trees) ------------------------------------------------------------
+# The native trees (the upkeep of growing the trees, module docstring) ---------------------------------------------------
 
 _INT64_MAX = (1 << 63) - 1
 
 
 def _ids_array(ids: Sequence[int]) -> array[int]:
-    """``ids`` as an int64 array; ids beyond int64 (never in a tree) become -1 (unknown: a miss, a break)."""
+    """``ids`` as an int64 array (``ids`` itself when it is one); ids beyond int64 (never in a tree) become -1
+    (unknown: a miss, a break)."""
     if isinstance(ids, array) and ids.typecode == "q":
         return ids
     try:
@@ -432,7 +433,7 @@ def _ids_array(ids: Sequence[int]) -> array[int]:
         return array("q", (t if -_INT64_MAX - 1 <= t <= _INT64_MAX else -1 for t in ids))
 
 
-def _address(buf: array[int] | array[float]) -> int:
+def _address(buf: array[Any]) -> int:
     return buf.buffer_info()[0]
 
 
@@ -459,31 +460,52 @@ class _Column:
 class NativeSuffixTree:
     """``SuffixTree`` in C++ (``csrc/suffix_tree.cpp``, through ``suffix_native``): the same nodes, node ids,
     counts, most frequent children and drafts (the Python tree is the reference it is tested against), at
-    one foreign call per id appended, per ``remove`` and per ``matches``.
+    one foreign call per id appended (``NativeCursor``), per ``remove``, per ``matches`` and per draft
+    (``native_best_draft``).
 
-    The node fields read as the Python tree's arrays do (``count[n]``, ``out[n]``, ``best[n]``, ``token[n]``:
-    ints, one foreign call each; for tests and inspection, not hot paths).  The native memory (about 90
-    bytes a node: seven int64 fields and a hash map entry of 16 bytes at most half full) is freed when the
+    ``matches`` (and ``NativeCursor.matched``, ``NativeMatcher.matched``) give node ids as an int64
+    ``array`` (a sequence of ints, what ``native_best_draft`` reads without converting).  The node fields
+    read as the Python tree's arrays do (``count[n]``, ``out[n]``, ``best[n]``, ``token[n]``: ints, one
+    foreign call each; for tests and inspection, not hot paths).  The native memory (about 80 bytes a node:
+    eight int64 fields, a byte, and a hash map entry for the children of nodes with many) is freed when the
     object is collected.  Raises ``ValueError`` for ``max_depth < 2``, ``NativeKernelError`` if the library
     cannot be built, ``MemoryError`` when native memory runs out.
     """
 
-    __slots__ = ("__weakref__", "_drafted", "_h", "_lib", "_score", "_scratch", "max_depth", "version")
+    __slots__ = (
+        "__weakref__",
+        "_ask",
+        "_ask_at",
+        "_best_draft",
+        "_follow",
+        "_h",
+        "_lib",
+        "_matches",
+        "_real",
+        "_real_at",
+        "_scratch",
+        "max_depth",
+        "version",
+    )
 
     def __init__(self, max_depth: int) -> None:
         if max_depth < 2:
             raise ValueError(f"max_depth must be >= 2, got {max_depth}")
         self._h: int | None = None
-        self._lib = suffix_native.library()
-        handle = self._lib.mechserve_suffix_tree_new(max_depth)
+        self._lib = lib = suffix_native.library()
+        handle = lib.mechserve_suffix_tree_new(max_depth)
         if not handle:
             raise MemoryError("no memory for a native suffix tree")
         self._h = handle
         self.max_depth = max_depth
         self.version = 0  # bumped by every remove(), as the Python tree's
-        self._scratch = array("q", bytes(8 * (max_depth + 1)))  # node ids out of matches()
-        self._drafted = array("q", bytes(8 * (max_depth + 2)))  # best_draft's match length, then its ids
-        self._score = array("d", (0.0,))
+        self._matches, self._follow = lib.mechserve_suffix_tree_matches, lib.mechserve_suffix_tree_follow
+        self._best_draft = lib.mechserve_suffix_tree_best_draft
+        self._scratch = array("q", bytes(8 * max_depth))  # matches(): how many, then the node ids
+        # best_draft's question and answer: num, the rival's match length, the winner's, its ids (int64) ...
+        self._ask = array("q", bytes(8 * (3 + max_depth)))
+        self._real = array("d", bytes(8 * 4))  # ... max_spec_factor, min_token_prob, the rival's score, the winner's
+        self._ask_at, self._real_at = _address(self._ask), _address(self._real)
 
     def __del__(self) -> None:
         handle, self._h = getattr(self, "_h", None), None
@@ -500,6 +522,15 @@ class NativeSuffixTree:
         """How many nodes the tree holds (the root included)."""
         return int(self._lib.mechserve_suffix_tree_stat(self._h, 0))
 
+    # the node fields, as the Python tree's arrays (one foreign call per entry read)
+    count = property(lambda self: _Column(self, 0), doc="How often each node's substring occurred.")
+    out = property(lambda self: _Column(self, 1), doc="How often an id followed each node.")
+    best = property(lambda self: _Column(self, 2), doc="Each node's most frequent child (-1: none).")
+    token = property(lambda self: _Column(self, 3), doc="The token id on the edge into each node.")
+    _first = property(lambda self: _Column(self, 4))
+    _next = property(lambda self: _Column(self, 5))
+    _prev = property(lambda self: _Column(self, 6))
+
     @property
     def _top(self) -> int:
         return int(self._lib.mechserve_suffix_tree_stat(self._h, 1))
@@ -511,15 +542,6 @@ class NativeSuffixTree:
         buf = array("q", bytes(8 * n))
         self._lib.mechserve_suffix_tree_free_ids(self._h, _address(buf), n)
         return buf.tolist()
-
-    # the node fields, as the Python tree's arrays (one foreign call per entry read)
-    count = property(lambda self: _Column(self, 0), doc="how often each node's substring occurred")
-    out = property(lambda self: _Column(self, 1), doc="how often an id followed each node")
-    best = property(lambda self: _Column(self, 2), doc="each node's most frequent child (-1: none)")
-    token = property(lambda self: _Column(self, 3), doc="the token id on the edge into each node")
-    _first = property(lambda self: _Column(self, 4))
-    _next = property(lambda self: _Column(self, 5))
-    _prev = property(lambda self: _Column(self, 6))
 
     def child(self, node: int, token: int) -> int:
         """The node id of ``node``'s child under ``token``; -1 when it has none."""
@@ -563,13 +585,13 @@ class NativeSuffixTree:
         if done != 0:
             raise ValueError("remove() of ids never added")
 
-    def matches(self, context: Sequence[int]) -> list[int]:
+    def matches(self, context: Sequence[int]) -> array[int]:
         """The node ids of the suffixes of ``context`` the tree holds, by length (``[m - 1]``: the last ``m``
-        ids), at most ``max_depth - 1`` of them, as ``SuffixTree.matches`` (one foreign call)."""
+        ids), at most ``max_depth - 1`` of them, as ``SuffixTree.matches`` (one foreign call); an int64 array."""
         k = min(len(context), self.max_depth - 1)
         tail = _ids_array(context[len(context) - k :] if k > 0 else ())
-        n = self._lib.mechserve_suffix_tree_matches(self._h, _address(tail), len(tail), _address(self._scratch))
-        return self._scratch[:n].tolist()
+        n = self._matches(self._h, _address(tail), len(tail), _address(self._scratch))
+        return self._scratch[1 : n + 1]
 
     def speculate(self, context: Sequence[int], num: int, max_spec_factor: float, min_token_prob: float) -> Match:
         """The best draft of at most ``num`` ids continuing ``context``, as ``SuffixTree.speculate``."""
@@ -586,49 +608,43 @@ def native_best_draft(
 ) -> Match:
     """``best_draft`` on a native tree, in one foreign call: the same draft (ids, score to the last bit, match
     length), ``beat`` (default: no draft) itself when none beats it.  ``matched``: node ids of ``tree``
-    (``NativeCursor.matched``, ``NativeMatcher.matched``, ``NativeSuffixTree.matches``).
+    (``NativeCursor.matched``, ``NativeMatcher.matched``, ``NativeSuffixTree.matches``: int64 arrays, read
+    as they are; any other sequence of ints is converted).
 
     Raises ``ValueError`` for a node id that is not ``tree``'s, or a ``max_spec_factor`` whose product with a
     match length is not finite."""
     best = NO_MATCH if beat is None else beat
     if num <= 0 or not matched:
         return best
-    nodes = _ids_array(matched)
-    out = tree._drafted
-    n = tree._lib.mechserve_suffix_tree_best_draft(
-        tree._h,
-        _address(nodes),
-        len(nodes),
-        min(num, _INT64_MAX),
-        max_spec_factor,
-        min_token_prob,
-        best.score,
-        min(best.length, _INT64_MAX),
-        _address(out) + 8,
-        _address(tree._score),
-        _address(out),
-    )
+    nodes = matched if type(matched) is array else _ids_array(matched)
+    ask, real = tree._ask, tree._real
+    ask[0] = num if num < _INT64_MAX else _INT64_MAX
+    ask[1] = best.length
+    real[0], real[1], real[2] = max_spec_factor, min_token_prob, best.score
+    n = tree._best_draft(tree._h, nodes.buffer_info()[0], len(nodes), tree._ask_at, tree._real_at)
     if n == 0:
         return best
     if n < 0:
         raise ValueError(
             "a matched node id is not in the tree" if n == -2 else f"max_spec_factor {max_spec_factor} is not finite"
         )
-    return Match(tuple(out[1 : n + 1]), tree._score[0], out[0])
+    return Match(tuple(ask[3 : n + 3]), real[3], ask[2])
 
 
 class NativeCursor:
     """``Cursor`` on a ``NativeSuffixTree``: ``ids`` (the sequence, a list of ints), ``append``, ``extend`` and
-    ``matched`` as the Python cursor's; each ``append``/``extend`` is one foreign call.  Its state (how many
-    suffixes, then their node ids: int64) lives in an array the native code updates in place."""
+    ``matched`` as the Python cursor's; each ``append``/``extend`` is one foreign call.  Its state (the tree's
+    handle, how many suffixes, their node ids: int64) lives in an array the native code updates in place."""
 
-    __slots__ = ("_state", "_where", "ids", "tree")
+    __slots__ = ("_append", "_extend", "_state", "_where", "ids", "tree")
 
     def __init__(self, tree: NativeSuffixTree) -> None:
-        self.tree = tree
+        self.tree = tree  # held: the tree outlives its cursors
         self.ids: list[int] = []
-        self._state = array("q", (1, ROOT)) + array("q", bytes(8 * tree.max_depth))
+        self._state = array("q", (tree._h or 0, 1, ROOT)) + array("q", bytes(8 * tree.max_depth))
         self._where = _address(self._state)
+        self._append = tree._lib.mechserve_suffix_tree_append
+        self._extend = tree._lib.mechserve_suffix_tree_extend
 
     def append(self, token: int) -> None:
         """Add ``token`` to the sequence (``Cursor.append``); an id < 0 is kept in ``ids`` but breaks it.
@@ -636,12 +652,11 @@ class NativeCursor:
         Raises ``ValueError`` for a token id above ``MAX_TOKEN_ID`` (then nothing changes)."""
         if token < 0:
             self.ids.append(token)
-            self._state[0] = 1
+            self._state[1] = 1
             return
         if token > MAX_TOKEN_ID:
             raise ValueError(f"token id {token} is above the suffix tree's largest, {MAX_TOKEN_ID}")
-        tree = self.tree
-        if tree._lib.mechserve_suffix_tree_append(tree._h, self._where, token):
+        if self._append(self._where, token):
             raise MemoryError("no memory for the native suffix tree")
         self.ids.append(token)
 
@@ -658,8 +673,7 @@ class NativeCursor:
         n = len(buf)
         if not n:
             return
-        tree = self.tree
-        done = tree._lib.mechserve_suffix_tree_extend(tree._h, self._where, _address(buf), n)
+        done = self._extend(self._where, buf.buffer_info()[0], n)
         if done < 0:
             raise MemoryError("no memory for the native suffix tree")
         if done < n:
@@ -668,51 +682,56 @@ class NativeCursor:
         self.ids.extend(buf.tolist())
 
     @property
-    def matched(self) -> list[int]:
-        """The node ids of the sequence's suffixes of 1 .. ``max_depth - 1`` ids (``Cursor.matched``)."""
-        return self._state[2 : 1 + self._state[0]].tolist()
+    def matched(self) -> array[int]:
+        """The node ids of the sequence's suffixes of 1 .. ``max_depth - 1`` ids (``Cursor.matched``): an int64
+        array."""
+        state = self._state
+        return state[3 : 2 + state[1]]
 
 
 class NativeMatcher:
-    """``Matcher`` on a ``NativeSuffixTree``: the same node ids, found afresh at the same times (every
-    ``REFRESH`` ids, after every ``remove``); extending them by the new ids, or finding them afresh, is one
-    foreign call."""
+    """``Matcher`` on a ``NativeSuffixTree``: the same node ids (int64 arrays), found afresh at the same times
+    (every ``REFRESH`` ids, after every ``remove``); extending them by the new ids, or finding them afresh,
+    is one foreign call."""
 
     REFRESH = Matcher.REFRESH
-    __slots__ = ("_fresh", "_n", "_next", "_now", "_seen", "_version", "tree")
+    __slots__ = ("_fresh", "_new", "_new_at", "_next", "_next_at", "_now", "_now_at", "_seen", "_version", "tree")
 
     def __init__(self, tree: NativeSuffixTree) -> None:
         self.tree = tree
-        self._now = array("q", bytes(8 * tree.max_depth))  # the node ids held: _now[:_n]
-        self._next = array("q", bytes(8 * tree.max_depth))  # the ones being found
-        self._n = 0
+        self._now = array("q", bytes(8 * tree.max_depth))  # how many node ids, then the ids held
+        self._next = array("q", bytes(8 * tree.max_depth))  # the same, being found
+        self._now_at, self._next_at = _address(self._now), _address(self._next)
+        self._new = array("q", (0,))  # one new id (a decode step's): no array made for it
+        self._new_at = _address(self._new)
         self._version = -1
         self._fresh = 0
         self._seen = 0
 
     @property
-    def _nodes(self) -> list[int]:
-        return self._now[: self._n].tolist()
+    def _nodes(self) -> array[int]:
+        now = self._now
+        return now[1 : now[0] + 1]
 
-    def matched(self, ids: Sequence[int]) -> list[int]:
+    def matched(self, ids: Sequence[int]) -> array[int]:
         """The node ids of the suffixes of ``ids`` (known ids only; ``ids`` extends the sequence of the last call)."""
-        n, fresh, found = self._extend(ids)
+        fresh, found = self._extend(ids)
         if found is self._next:
-            self._now, self._next = self._next, self._now
-        self._n, self._fresh, self._seen, self._version = n, fresh, len(ids), self.tree.version
-        return found[:n].tolist()
+            self._now, self._next = found, self._now
+            self._now_at, self._next_at = self._next_at, self._now_at
+        self._fresh, self._seen, self._version = fresh, len(ids), self.tree.version
+        return found[1 : found[0] + 1]
 
-    def peek(self, ids: Sequence[int]) -> list[int]:
+    def peek(self, ids: Sequence[int]) -> array[int]:
         """What ``matched(ids)`` would return now, leaving the matcher as it is (the governor's question)."""
-        n, _, found = self._extend(ids)
-        return found[:n].tolist()
+        found = self._extend(ids)[1]
+        return found[1 : found[0] + 1]
 
-    def _extend(self, ids: Sequence[int]) -> tuple[int, int, array[int]]:
-        """How many node ids after ``ids``, the ids extended since they were last found afresh (0: found now),
-        and the array holding them (``_now`` when nothing changed, else ``_next``)."""
+    def _extend(self, ids: Sequence[int]) -> tuple[int, array[int]]:
+        """The ids extended since the node ids after ``ids`` were last found afresh (0: found now), and the
+        buffer holding them (``_now`` when nothing changed, else ``_next``)."""
         tree = self.tree
         appended = len(ids) - self._seen
-        lib, out = tree._lib, self._next
         if (
             appended < 0
             or self._version != tree.version
@@ -720,15 +739,18 @@ class NativeMatcher:
             or appended > tree.max_depth
         ):
             tail = _ids_array(_known_tail(ids, tree.max_depth - 1))
-            n = lib.mechserve_suffix_tree_matches(tree._h, _address(tail), len(tail), _address(out))
-            return n, 0, out
+            tree._matches(tree._h, tail.buffer_info()[0], len(tail), self._next_at)
+            return 0, self._next
         if not appended:
-            return self._n, self._fresh, self._now
-        new = _ids_array(ids[len(ids) - appended :])
-        n = lib.mechserve_suffix_tree_follow(
-            tree._h, _address(self._now), self._n, _address(new), appended, _address(out)
-        )
-        return n, self._fresh + appended, out
+            return self._fresh, self._now
+        if appended == 1:
+            t = ids[-1]
+            self._new[0] = t if t <= MAX_TOKEN_ID else -1  # not in the tree: a miss from the root, as an unknown id
+            tree._follow(tree._h, self._now_at, self._new_at, 1, self._next_at)
+        else:
+            new = _ids_array(ids[len(ids) - appended :])
+            tree._follow(tree._h, self._now_at, new.buffer_info()[0], appended, self._next_at)
+        return self._fresh + appended, self._next
 
 
 AnyTree = SuffixTree | NativeSuffixTree

@@ -26,11 +26,11 @@ from mechserve.api.env import suffix_tree_mode
 from mechserve.native.build import Kernel, usable
 
 SOURCE = Path(__file__).with_name("csrc") / "suffix_tree.cpp"
-ABI = 1
+ABI = 2
 # no fused multiply-adds: a draft's score must round as Python's does (csrc/suffix_tree.cpp)
 KERNEL = Kernel(SOURCE, "mechserve_suffix_tree_abi", ABI, extra=("-ffp-contract=off",))
 
-_P, _L, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+_P, _L = ctypes.c_void_p, ctypes.c_int64
 # every function's argument types and result type (csrc/suffix_tree.cpp says what each does)
 SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "mechserve_suffix_tree_new": ([_L], _P),
@@ -41,12 +41,12 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "mechserve_suffix_tree_free_ids": ([_P, _P, _L], _L),
     "mechserve_suffix_tree_child": ([_P, _L, _L], _L),
     "mechserve_suffix_tree_children": ([_P, _L, _P, _P, _L], _L),
-    "mechserve_suffix_tree_append": ([_P, _P, _L], _L),
-    "mechserve_suffix_tree_extend": ([_P, _P, _P, _L], _L),
+    "mechserve_suffix_tree_append": ([_P, _L], _L),
+    "mechserve_suffix_tree_extend": ([_P, _P, _L], _L),
     "mechserve_suffix_tree_remove": ([_P, _P, _L], _L),
     "mechserve_suffix_tree_matches": ([_P, _P, _L, _P], _L),
-    "mechserve_suffix_tree_follow": ([_P, _P, _L, _P, _L, _P], _L),
-    "mechserve_suffix_tree_best_draft": ([_P, _P, _L, _L, _D, _D, _D, _L, _P, _P, _P], _L),
+    "mechserve_suffix_tree_follow": ([_P, _P, _P, _L, _P], _L),
+    "mechserve_suffix_tree_best_draft": ([_P, _P, _L, _P, _P], _L),
 }
 
 

@@ -72,7 +72,9 @@ def same_trees(py: SuffixTree, nat: NativeSuffixTree) -> None:
     assert nat._top == py._top and nat._free == list(py._free)
 
 
-alphabet = st.sampled_from([0, 1, 2, 3, 3, 2, -1, MAX_TOKEN_ID])
+# few ids, so that text repeats; sometimes more, so that nodes pass the native tree's 8 children, from where
+# its hash map finds them (and come back down to 4, where their chain does again)
+alphabet = st.one_of(st.sampled_from([0, 1, 2, 3, 3, 2, -1, MAX_TOKEN_ID]), st.integers(4, 16))
 ids_of = st.lists(alphabet, max_size=12)
 params = st.tuples(
     st.integers(0, 7),  # num
@@ -130,7 +132,7 @@ def test_the_native_tree_is_the_python_tree_step_for_step(ops: list[tuple[Any, .
             for t in op[2]:
                 pc.append(t)
             seq += op[2]
-            assert nc.ids == pc.ids == seq and nc.matched == pc.matched
+            assert nc.ids == pc.ids == seq and list(nc.matched) == pc.matched
         elif op[0] == "remove":
             if held:
                 gone = held.pop(op[1] % len(held))
@@ -142,12 +144,12 @@ def test_the_native_tree_is_the_python_tree_step_for_step(ops: list[tuple[Any, .
             pm, nm, history = matchers[op[1]]
             del history[len(history) - min(op[2], len(history)) :]
             history += [max(t, 0) for t in op[3]] if op[4] else op[3]
-            assert nm.peek(history) == pm.peek(history)
+            assert list(nm.peek(history)) == pm.peek(history)
             pn, nn = pm.matched(history), nm.matched(history)
-            assert nn == pn and nm._nodes == pm._nodes
+            assert list(nn) == pn and list(nm._nodes) == pm._nodes
             same_draft(py, nat, pn, nn, op[5])
         elif op[0] == "draft":
-            assert nat.matches(op[1]) == py.matches(op[1])
+            assert list(nat.matches(op[1])) == py.matches(op[1])
             num, factor, min_prob, _ = op[2]
             assert nat.speculate(op[1], num, factor, min_prob) == py.speculate(op[1], num, factor, min_prob)
             same_draft(py, nat, py.matches(op[1]), nat.matches(op[1]), op[2])
@@ -161,10 +163,10 @@ def test_the_native_tree_is_the_python_tree_step_for_step(ops: list[tuple[Any, .
             assert nc.ids == pc.ids == seq
         same_trees(py, nat)
         for pc, nc, _ in cursors.values():
-            assert nc.matched == pc.matched
+            assert list(nc.matched) == pc.matched
             same_draft(py, nat, pc.matched, nc.matched, (4, 1.0, 0.0, None))
         for seq in held:
-            assert nat.matches(seq) == py.matches(seq)
+            assert list(nat.matches(seq)) == py.matches(seq)
 
 
 def test_extend_is_append_one_at_a_time_and_stops_at_a_refused_id() -> None:
@@ -186,12 +188,33 @@ def test_extend_is_append_one_at_a_time_and_stops_at_a_refused_id() -> None:
         c2.extend([4, 1 << 64])  # beyond int64: one at a time, the same error
     assert c2.ids == [*ids, 1, 2, 4]
     ref_cursor.extend([1, 2, 4])
-    assert c2.matched == ref_cursor.matched
+    assert list(c2.matched) == ref_cursor.matched
     same_trees(reference, bulk)
     reference.remove(c2.ids)
     bulk.remove(c2.ids)
     same_trees(reference, bulk)
     assert bulk.nodes == 1
+
+
+def test_nodes_with_many_children_then_few_again() -> None:
+    """A node's children move into the native tree's hash map past 8 and out again at 4 (a lookup either way)."""
+    py, nat = SuffixTree(3), NativeSuffixTree(3)
+    runs = [[7, t, 7, t + 1] for t in range(20)]  # the root and 7 get up to 21 children
+    for run in runs:
+        py.add(run)
+        nat.add(run)
+        same_trees(py, nat)
+    for run in reversed(runs[3:]):
+        py.remove(run)
+        nat.remove(run)
+        same_trees(py, nat)
+        assert list(nat.matches([7, 3])) == py.matches([7, 3]) and nat.child(ROOT, 7) == py.child(ROOT, 7)
+    for run in runs[3:]:
+        py.add(run)
+        nat.add(run)
+    same_trees(py, nat)
+    for t in range(25):
+        assert nat.speculate([7, t], 3, 2.0, 0.0) == py.speculate([7, t], 3, 2.0, 0.0)
 
 
 def test_bad_arguments_are_refused_like_the_python_tree() -> None:
