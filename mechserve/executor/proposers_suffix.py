@@ -48,6 +48,17 @@ and ``agent``, 2 sessions each; wall time, load ~5-7) 0.28 ms per decode step ag
 an array entry is slower to read and write than an attribute (CPython 3.11 does not specialise it), so with
 the collector off the tree work alone takes 1.3x (a prompt: 19.0 against 14.4 ms) to 2x (text that repeats
 itself: 13.1 against 6.4 ms) what it took (1.5x and 2x in an earlier run).
+
+The trees are native by default (``NativeSuffixTree``, ``NativeCursor``, ``NativeMatcher``,
+``native_best_draft``: ``csrc/suffix_tree.cpp`` through ctypes, ``suffix_native``).  Growing the trees in
+Python was still ~50 us per ``Cursor.append`` (up to ``max_tree_depth`` array and dict updates per id per
+tree), 2% of the engine's wall time at batch 8 on text where nothing is ever drafted; natively an id
+appended, a cursor's bulk ``extend`` (a prompt), a matcher's step and a whole draft search are one foreign
+call each.  The native trees are the same algorithm step for step (node ids, free-id reuse, ties, the score
+summed in double in the same order): proposals are identical, and the pure-Python trees stay as their
+reference (the tests compare the two side by side) and their fallback.  ``MECHSERVE_SUFFIX_TREE``
+(``mechserve.api.env``), read once per proposer: ``auto`` (native when it builds, else Python with one
+warning), ``native`` (``NativeKernelError`` if it cannot be built) or ``python``.
 """
 
 from __future__ import annotations
@@ -466,9 +477,10 @@ class NativeSuffixTree:
     ``matches`` (and ``NativeCursor.matched``, ``NativeMatcher.matched``) give node ids as an int64
     ``array`` (a sequence of ints, what ``native_best_draft`` reads without converting).  The node fields
     read as the Python tree's arrays do (``count[n]``, ``out[n]``, ``best[n]``, ``token[n]``: ints, one
-    foreign call each; for tests and inspection, not hot paths).  The native memory (about 80 bytes a node:
-    eight int64 fields, a byte, and a hash map entry for the children of nodes with many) is freed when the
-    object is collected.  Raises ``ValueError`` for ``max_depth < 2``, ``NativeKernelError`` if the library
+    foreign call each; for tests and inspection, not hot paths).  The native memory (64 bytes a node: eight
+    int64 fields, plus a hash map entry of 16 bytes, at most half full, for each child of a node with more
+    than 8) is freed when the object is collected; it is bounded as the Python tree's is (freed node ids are
+    reused before new ones).  Raises ``ValueError`` for ``max_depth < 2``, ``NativeKernelError`` if the library
     cannot be built, ``MemoryError`` when native memory runs out.
     """
 
