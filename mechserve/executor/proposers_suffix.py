@@ -524,6 +524,10 @@ class NativeSuffixTree:
         if handle:
             self._lib.mechserve_suffix_tree_destroy(handle)
 
+    def __reduce_ex__(self, protocol: object) -> Any:
+        """Refused (``TypeError``): a copy would share the native memory, and each would free it."""
+        raise TypeError("a NativeSuffixTree cannot be copied or pickled: its nodes are native memory")
+
     @property
     def root(self) -> int:
         """The root's node id (``ROOT``)."""
@@ -788,7 +792,9 @@ class SuffixProposer:
     ``max_cached_requests``: how many requests' outputs the global tree holds (0: no global tree);
     ``max_spec_factor``: a match of m ids drafts at most ``floor(max_spec_factor * m)`` ids;
     ``min_token_prob``: a guess whose path probability falls below it ends the draft.  vLLM's
-    ``suffix_decoding_*`` options of the same names.
+    ``suffix_decoding_*`` options of the same names.  ``native``: whether its trees are the native ones
+    (``MECHSERVE_SUFFIX_TREE``, read when it is made; module docstring); raises ``ValueError`` for a bad
+    value and ``NativeKernelError`` under ``native`` when they cannot be built.
 
     The next turn of a conversation (multi-turn chat, an agent loop) is a new request whose prompt repeats
     the last one's prompt and answer: the trees of the last ``FINISHED_KEPT`` requests to leave are kept, and a

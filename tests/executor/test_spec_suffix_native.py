@@ -9,8 +9,10 @@ test_spec_suffix.py runs every suffix test on both implementations as well.
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
+import pickle
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -230,6 +232,9 @@ def test_bad_arguments_are_refused_like_the_python_tree() -> None:
         native_best_draft(tree, [10_000], 2, 1.0, 0.0)
     with pytest.raises(IndexError):
         tree.children(1 << 40)
+    for copy_of in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled"):
+            copy_of(tree)  # a copy would free the same native memory twice
 
 
 def req(rid: str, prompt: list[int]) -> ExecutorRequest:
