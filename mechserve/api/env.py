@@ -4,6 +4,8 @@
 ``MECHSERVE_CACHE``         where converted models and built kernels live (default ``~/.cache/mechserve``)
 ``MECHSERVE_ATTENTION``     ``auto`` (default), ``native`` or ``torch``: attention, decode and prefill
 ``MECHSERVE_LINEAR``        ``auto`` (default), ``native`` or ``torch``: the matrix products, fused blocks
+``MECHSERVE_SUFFIX_TREE``   ``auto`` (default), ``native`` or ``python``: suffix decoding's trees (C++ or the
+                            pure-Python reference, ``executor.proposers_suffix``)
 ``MECHSERVE_RANK_TIMEOUT``  seconds a tensor-parallel rank may take to answer one step (default 300)
 ``MECHSERVE_TRACEBACK``     set: a rank's full traceback on its stderr (the driver reports one line)
 ``MECHSERVE_SPEC_COSTS``    ``measured`` (default) or ``static``: what adaptive speculation's governor prices
@@ -25,6 +27,8 @@ ATTENTION_ENV = "MECHSERVE_ATTENTION"
 ATTENTION_MODES = ("auto", "native", "torch")
 LINEAR_ENV = "MECHSERVE_LINEAR"
 RANK_TIMEOUT_ENV = "MECHSERVE_RANK_TIMEOUT"
+SUFFIX_TREE_ENV = "MECHSERVE_SUFFIX_TREE"
+SUFFIX_TREE_MODES = ("auto", "native", "python")
 SPEC_COSTS_ENV = "MECHSERVE_SPEC_COSTS"
 SPEC_COSTS_MODES = ("measured", "static")
 DEFAULT_RANK_TIMEOUT_S = 300.0
@@ -53,6 +57,14 @@ def linear_mode() -> str:
     value = os.environ.get(LINEAR_ENV, "auto").strip().lower() or "auto"
     if value not in ATTENTION_MODES:
         raise ValueError(f"{LINEAR_ENV} must be one of {', '.join(ATTENTION_MODES)}, got {value!r}")
+    return value
+
+
+def suffix_tree_mode() -> str:
+    """``MECHSERVE_SUFFIX_TREE`` (``auto``/``native``/``python``, default ``auto``); ``ValueError`` otherwise."""
+    value = os.environ.get(SUFFIX_TREE_ENV, "auto").strip().lower() or "auto"
+    if value not in SUFFIX_TREE_MODES:
+        raise ValueError(f"{SUFFIX_TREE_ENV} must be one of {', '.join(SUFFIX_TREE_MODES)}, got {value!r}")
     return value
 
 
@@ -87,10 +99,13 @@ __all__ = [
     "LINEAR_ENV",
     "SPEC_COSTS_ENV",
     "SPEC_COSTS_MODES",
+    "SUFFIX_TREE_ENV",
+    "SUFFIX_TREE_MODES",
     "attention_mode",
     "cache_dir",
     "linear_mode",
     "rank_timeout",
     "spec_costs_mode",
+    "suffix_tree_mode",
     "traceback_wanted",
 ]

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from mechserve import __version__
-from mechserve.api.env import attention_mode, linear_mode, spec_costs_mode
+from mechserve.api.env import attention_mode, linear_mode, spec_costs_mode, suffix_tree_mode
 from mechserve.api.errors import ModelLoadError
 from mechserve.cli import bench, conform, demo, diff, lazy, mechs, router, run, serve, train_draft, viz
 from mechserve.cli.errors import CliError, report
@@ -75,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 attention_mode()  # a bad MECHSERVE_ATTENTION or MECHSERVE_LINEAR is a usage error, caught before any work
                 linear_mode()
                 spec_costs_mode()  # and MECHSERVE_SPEC_COSTS
+                suffix_tree_mode()  # and MECHSERVE_SUFFIX_TREE
             except ValueError as exc:
                 raise CliError(str(exc)) from None
         return int(args.handler(args) or 0)

@@ -48,16 +48,28 @@ and ``agent``, 2 sessions each; wall time, load ~5-7) 0.28 ms per decode step ag
 an array entry is slower to read and write than an attribute (CPython 3.11 does not specialise it), so with
 the collector off the tree work alone takes 1.3x (a prompt: 19.0 against 14.4 ms) to 2x (text that repeats
 itself: 13.1 against 6.4 ms) what it took (1.5x and 2x in an earlier run).
+
+The trees are native by default (``NativeSuffixTree``, ``NativeCursor``, ``NativeMatcher``,
+``native_best_draft``: ``csrc/suffix_tree.cpp`` through ctypes, ``suffix_native``).  Growing the trees in
+Python was still ~50 us per ``Cursor.append`` (up to ``max_tree_depth`` array and dict updates per id per
+tree), 2% of the engine's wall time at batch 8 on text where nothing is ever drafted; natively an id
+appended, a cursor's bulk ``extend`` (a prompt), a matcher's step and a whole draft search are one foreign
+call each.  The native trees are the same algorithm step for step (node ids, free-id reuse, ties, the score
+summed in double in the same order): proposals are identical, and the pure-Python trees stay as their
+reference (the tests compare the two side by side) and their fallback.  ``MECHSERVE_SUFFIX_TREE``
+(``mechserve.api.env``), read once per proposer: ``auto`` (native when it builds, else Python with one
+warning), ``native`` (``NativeKernelError`` if it cannot be built) or ``python``.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from mechserve.executor import suffix_native
 from mechserve.executor.proposers import NO_DRAFT, Draft, Window
 
 if TYPE_CHECKING:
@@ -348,6 +360,11 @@ class Cursor:
             del active[tree.max_depth]
         self._active = active
 
+    def extend(self, ids: Sequence[int]) -> None:
+        """``append`` each of ``ids`` (as ints) in turn; ``NativeCursor.extend`` does it in one foreign call."""
+        for t in ids:
+            self.append(int(t))
+
     @property
     def matched(self) -> list[int]:
         """The node ids of the sequence's suffixes of 1 .. ``max_depth - 1`` ids (its own tree holds them all), as
@@ -411,14 +428,360 @@ class Matcher:
         return nodes, self._fresh + appended
 
 
+# The native trees (the upkeep of growing the trees, module docstring) ---------------------------------------------------
+
+_INT64_MAX = (1 << 63) - 1
+
+
+def _ids_array(ids: Sequence[int]) -> array[int]:
+    """``ids`` as an int64 array (``ids`` itself when it is one); ids beyond int64 (never in a tree) become -1
+    (unknown: a miss, a break)."""
+    if isinstance(ids, array) and ids.typecode == "q":
+        return ids
+    try:
+        return array("q", ids)
+    except OverflowError:
+        return array("q", (t if -_INT64_MAX - 1 <= t <= _INT64_MAX else -1 for t in ids))
+
+
+def _address(buf: array[Any]) -> int:
+    return buf.buffer_info()[0]
+
+
+class _Column:
+    """One of a native tree's node fields read like the Python tree's arrays: ``column[node]`` (an int;
+    ``IndexError`` outside the tree's node vectors) and ``len(column)`` (how many node ids have room)."""
+
+    __slots__ = ("_field", "_tree")
+
+    def __init__(self, tree: NativeSuffixTree, field: int) -> None:
+        self._tree, self._field = tree, field
+
+    def __getitem__(self, node: int) -> int:
+        ok = array("q", (0,))
+        value = self._tree._lib.mechserve_suffix_tree_field(self._tree._h, self._field, node, _address(ok))
+        if not ok[0]:
+            raise IndexError(f"node id {node} is out of the tree's range")
+        return int(value)
+
+    def __len__(self) -> int:
+        return int(self._tree._lib.mechserve_suffix_tree_stat(self._tree._h, 2))
+
+
+class NativeSuffixTree:
+    """``SuffixTree`` in C++ (``csrc/suffix_tree.cpp``, through ``suffix_native``): the same nodes, node ids,
+    counts, most frequent children and drafts (the Python tree is the reference it is tested against), at
+    one foreign call per id appended (``NativeCursor``), per ``remove``, per ``matches`` and per draft
+    (``native_best_draft``).
+
+    ``matches`` (and ``NativeCursor.matched``, ``NativeMatcher.matched``) give node ids as an int64
+    ``array`` (a sequence of ints, what ``native_best_draft`` reads without converting).  The node fields
+    read as the Python tree's arrays do (``count[n]``, ``out[n]``, ``best[n]``, ``token[n]``: ints, one
+    foreign call each; for tests and inspection, not hot paths).  The native memory (64 bytes a node: eight
+    int64 fields, plus a hash map entry of 16 bytes, at most half full, for each child of a node with more
+    than 8) is freed when the object is collected; it is bounded as the Python tree's is (freed node ids are
+    reused before new ones).  Raises ``ValueError`` for ``max_depth < 2``, ``NativeKernelError`` if the library
+    cannot be built, ``MemoryError`` when native memory runs out.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_ask",
+        "_ask_at",
+        "_best_draft",
+        "_follow",
+        "_h",
+        "_lib",
+        "_matches",
+        "_real",
+        "_real_at",
+        "_scratch",
+        "max_depth",
+        "version",
+    )
+
+    def __init__(self, max_depth: int) -> None:
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {max_depth}")
+        self._h: int | None = None
+        self._lib = lib = suffix_native.library()
+        handle = lib.mechserve_suffix_tree_new(max_depth)
+        if not handle:
+            raise MemoryError("no memory for a native suffix tree")
+        self._h = handle
+        self.max_depth = max_depth
+        self.version = 0  # bumped by every remove(), as the Python tree's
+        self._matches, self._follow = lib.mechserve_suffix_tree_matches, lib.mechserve_suffix_tree_follow
+        self._best_draft = lib.mechserve_suffix_tree_best_draft
+        self._scratch = array("q", bytes(8 * max_depth))  # matches(): how many, then the node ids
+        # best_draft's question and answer: num, the rival's match length, the winner's, its ids (int64) ...
+        self._ask = array("q", bytes(8 * (3 + max_depth)))
+        self._real = array("d", bytes(8 * 4))  # ... max_spec_factor, min_token_prob, the rival's score, the winner's
+        self._ask_at, self._real_at = _address(self._ask), _address(self._real)
+
+    def __del__(self) -> None:
+        handle, self._h = getattr(self, "_h", None), None
+        if handle:
+            self._lib.mechserve_suffix_tree_destroy(handle)
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        """Refused (``TypeError``): a copy would share the native memory, and each would free it."""
+        raise TypeError("a NativeSuffixTree cannot be copied or pickled: its nodes are native memory")
+
+    @property
+    def root(self) -> int:
+        """The root's node id (``ROOT``)."""
+        return ROOT
+
+    @property
+    def nodes(self) -> int:
+        """How many nodes the tree holds (the root included)."""
+        return int(self._lib.mechserve_suffix_tree_stat(self._h, 0))
+
+    # the node fields, as the Python tree's arrays (one foreign call per entry read)
+    count = property(lambda self: _Column(self, 0), doc="How often each node's substring occurred.")
+    out = property(lambda self: _Column(self, 1), doc="How often an id followed each node.")
+    best = property(lambda self: _Column(self, 2), doc="Each node's most frequent child (-1: none).")
+    token = property(lambda self: _Column(self, 3), doc="The token id on the edge into each node.")
+    _first = property(lambda self: _Column(self, 4))
+    _next = property(lambda self: _Column(self, 5))
+    _prev = property(lambda self: _Column(self, 6))
+
+    @property
+    def _top(self) -> int:
+        return int(self._lib.mechserve_suffix_tree_stat(self._h, 1))
+
+    @property
+    def _free(self) -> list[int]:
+        """The ids of dropped nodes, to reuse (the next one last), as the Python tree's ``_free``."""
+        n = self._lib.mechserve_suffix_tree_stat(self._h, 3)
+        buf = array("q", bytes(8 * n))
+        self._lib.mechserve_suffix_tree_free_ids(self._h, _address(buf), n)
+        return buf.tolist()
+
+    def child(self, node: int, token: int) -> int:
+        """The node id of ``node``'s child under ``token``; -1 when it has none."""
+        if not 0 <= token <= MAX_TOKEN_ID or not 0 <= node <= _INT64_MAX:
+            return -1
+        return int(self._lib.mechserve_suffix_tree_child(self._h, node, token))
+
+    def children(self, node: int) -> dict[int, int]:
+        """``node``'s children: token id -> node id, by token id.  ``IndexError`` for a node id out of range."""
+        cap = 16
+        while True:
+            tokens, kids = array("q", bytes(8 * cap)), array("q", bytes(8 * cap))
+            n = self._lib.mechserve_suffix_tree_children(self._h, node, _address(tokens), _address(kids), cap)
+            if n < 0:
+                raise IndexError(f"node id {node} is out of the tree's range")
+            if n <= cap:
+                return dict(sorted(zip(tokens[:n].tolist(), kids[:n].tolist())))
+            cap = n
+
+    def cursor(self) -> NativeCursor:
+        """An empty sequence in this tree, to be grown id by id."""
+        return NativeCursor(self)
+
+    def add(self, ids: Sequence[int]) -> None:
+        """Add every substring of ``ids`` of at most ``max_depth`` ids (one foreign call).
+
+        Raises ``ValueError`` at an id above ``MAX_TOKEN_ID`` (the ids before it added)."""
+        self.cursor().extend(ids)
+
+    def remove(self, ids: Sequence[int]) -> None:
+        """Take out what ``add(ids)`` put in, as ``SuffixTree.remove`` (ids < 0 break the sequence; nodes left
+        with a zero count dropped, their ids freed for reuse; ``version`` bumped).
+
+        Raises ``ValueError`` when ``ids`` were never added (the tree is then partly updated: a caller's bug,
+        where the Python tree fails its assertion)."""
+        self.version += 1
+        buf = _ids_array(ids)
+        done = self._lib.mechserve_suffix_tree_remove(self._h, _address(buf), len(buf))
+        if done == -2:
+            raise MemoryError("no memory for the native suffix tree")
+        if done != 0:
+            raise ValueError("remove() of ids never added")
+
+    def matches(self, context: Sequence[int]) -> array[int]:
+        """The node ids of the suffixes of ``context`` the tree holds, by length (``[m - 1]``: the last ``m``
+        ids), at most ``max_depth - 1`` of them, as ``SuffixTree.matches`` (one foreign call); an int64 array."""
+        k = min(len(context), self.max_depth - 1)
+        tail = _ids_array(context[len(context) - k :] if k > 0 else ())
+        n = self._matches(self._h, _address(tail), len(tail), _address(self._scratch))
+        return self._scratch[1 : n + 1]
+
+    def speculate(self, context: Sequence[int], num: int, max_spec_factor: float, min_token_prob: float) -> Match:
+        """The best draft of at most ``num`` ids continuing ``context``, as ``SuffixTree.speculate``."""
+        return native_best_draft(self, self.matches(context), num, max_spec_factor, min_token_prob)
+
+
+def native_best_draft(
+    tree: NativeSuffixTree,
+    matched: Sequence[int],
+    num: int,
+    max_spec_factor: float,
+    min_token_prob: float,
+    beat: Match | None = None,
+) -> Match:
+    """``best_draft`` on a native tree, in one foreign call: the same draft (ids, score to the last bit, match
+    length), ``beat`` (default: no draft) itself when none beats it.  ``matched``: node ids of ``tree``
+    (``NativeCursor.matched``, ``NativeMatcher.matched``, ``NativeSuffixTree.matches``: int64 arrays, read
+    as they are; any other sequence of ints is converted).
+
+    Raises ``ValueError`` for a node id that is not ``tree``'s, or a ``max_spec_factor`` whose product with a
+    match length is not finite."""
+    best = NO_MATCH if beat is None else beat
+    if num <= 0 or not matched:
+        return best
+    nodes = matched if type(matched) is array else _ids_array(matched)
+    ask, real = tree._ask, tree._real
+    ask[0] = num if num < _INT64_MAX else _INT64_MAX
+    ask[1] = best.length
+    real[0], real[1], real[2] = max_spec_factor, min_token_prob, best.score
+    n = tree._best_draft(tree._h, nodes.buffer_info()[0], len(nodes), tree._ask_at, tree._real_at)
+    if n == 0:
+        return best
+    if n < 0:
+        raise ValueError(
+            "a matched node id is not in the tree" if n == -2 else f"max_spec_factor {max_spec_factor} is not finite"
+        )
+    return Match(tuple(ask[3 : n + 3]), real[3], ask[2])
+
+
+class NativeCursor:
+    """``Cursor`` on a ``NativeSuffixTree``: ``ids`` (the sequence, a list of ints), ``append``, ``extend`` and
+    ``matched`` as the Python cursor's; each ``append``/``extend`` is one foreign call.  Its state (the tree's
+    handle, how many suffixes, their node ids: int64) lives in an array the native code updates in place."""
+
+    __slots__ = ("_append", "_extend", "_state", "_where", "ids", "tree")
+
+    def __init__(self, tree: NativeSuffixTree) -> None:
+        self.tree = tree  # held: the tree outlives its cursors
+        self.ids: list[int] = []
+        self._state = array("q", (tree._h or 0, 1, ROOT)) + array("q", bytes(8 * tree.max_depth))
+        self._where = _address(self._state)
+        self._append = tree._lib.mechserve_suffix_tree_append
+        self._extend = tree._lib.mechserve_suffix_tree_extend
+
+    def append(self, token: int) -> None:
+        """Add ``token`` to the sequence (``Cursor.append``); an id < 0 is kept in ``ids`` but breaks it.
+
+        Raises ``ValueError`` for a token id above ``MAX_TOKEN_ID`` (then nothing changes)."""
+        if token < 0:
+            self.ids.append(token)
+            self._state[1] = 1
+            return
+        if token > MAX_TOKEN_ID:
+            raise ValueError(f"token id {token} is above the suffix tree's largest, {MAX_TOKEN_ID}")
+        if self._append(self._where, token):
+            raise MemoryError("no memory for the native suffix tree")
+        self.ids.append(token)
+
+    def extend(self, ids: Sequence[int]) -> None:
+        """``append`` each of ``ids`` in turn, in one foreign call (what a prompt or a step's new ids take).
+
+        Raises ``ValueError`` at an id above ``MAX_TOKEN_ID`` (the ids before it added, it and the rest not)."""
+        try:
+            buf = array("q", ids)
+        except OverflowError:  # an id beyond int64: one at a time, to raise where the Python cursor does
+            for t in ids:
+                self.append(int(t))
+            return
+        n = len(buf)
+        if not n:
+            return
+        done = self._extend(self._where, buf.buffer_info()[0], n)
+        if done < 0:
+            raise MemoryError("no memory for the native suffix tree")
+        if done < n:
+            self.ids.extend(buf[:done].tolist())
+            raise ValueError(f"token id {buf[done]} is above the suffix tree's largest, {MAX_TOKEN_ID}")
+        self.ids.extend(buf.tolist())
+
+    @property
+    def matched(self) -> array[int]:
+        """The node ids of the sequence's suffixes of 1 .. ``max_depth - 1`` ids (``Cursor.matched``): an int64
+        array."""
+        state = self._state
+        return state[3 : 2 + state[1]]
+
+
+class NativeMatcher:
+    """``Matcher`` on a ``NativeSuffixTree``: the same node ids (int64 arrays), found afresh at the same times
+    (every ``REFRESH`` ids, after every ``remove``); extending them by the new ids, or finding them afresh,
+    is one foreign call."""
+
+    REFRESH = Matcher.REFRESH
+    __slots__ = ("_fresh", "_new", "_new_at", "_next", "_next_at", "_now", "_now_at", "_seen", "_version", "tree")
+
+    def __init__(self, tree: NativeSuffixTree) -> None:
+        self.tree = tree
+        self._now = array("q", bytes(8 * tree.max_depth))  # how many node ids, then the ids held
+        self._next = array("q", bytes(8 * tree.max_depth))  # the same, being found
+        self._now_at, self._next_at = _address(self._now), _address(self._next)
+        self._new = array("q", (0,))  # one new id (a decode step's): no array made for it
+        self._new_at = _address(self._new)
+        self._version = -1
+        self._fresh = 0
+        self._seen = 0
+
+    @property
+    def _nodes(self) -> array[int]:
+        now = self._now
+        return now[1 : now[0] + 1]
+
+    def matched(self, ids: Sequence[int]) -> array[int]:
+        """The node ids of the suffixes of ``ids`` (known ids only; ``ids`` extends the sequence of the last call)."""
+        fresh, found = self._extend(ids)
+        if found is self._next:
+            self._now, self._next = found, self._now
+            self._now_at, self._next_at = self._next_at, self._now_at
+        self._fresh, self._seen, self._version = fresh, len(ids), self.tree.version
+        return found[1 : found[0] + 1]
+
+    def peek(self, ids: Sequence[int]) -> array[int]:
+        """What ``matched(ids)`` would return now, leaving the matcher as it is (the governor's question)."""
+        found = self._extend(ids)[1]
+        return found[1 : found[0] + 1]
+
+    def _extend(self, ids: Sequence[int]) -> tuple[int, array[int]]:
+        """The ids extended since the node ids after ``ids`` were last found afresh (0: found now), and the
+        buffer holding them (``_now`` when nothing changed, else ``_next``)."""
+        tree = self.tree
+        appended = len(ids) - self._seen
+        if (
+            appended < 0
+            or self._version != tree.version
+            or self._fresh + appended > self.REFRESH
+            or appended > tree.max_depth
+        ):
+            tail = _ids_array(_known_tail(ids, tree.max_depth - 1))
+            tree._matches(tree._h, tail.buffer_info()[0], len(tail), self._next_at)
+            return 0, self._next
+        if not appended:
+            return self._fresh, self._now
+        if appended == 1:
+            t = ids[-1]
+            self._new[0] = t if t <= MAX_TOKEN_ID else -1  # not in the tree: a miss from the root, as an unknown id
+            tree._follow(tree._h, self._now_at, self._new_at, 1, self._next_at)
+        else:
+            new = _ids_array(ids[len(ids) - appended :])
+            tree._follow(tree._h, self._now_at, new.buffer_info()[0], appended, self._next_at)
+        return self._fresh + appended, self._next
+
+
+AnyTree = SuffixTree | NativeSuffixTree
+AnyCursor = Cursor | NativeCursor
+AnyMatcher = Matcher | NativeMatcher
+
+
 @dataclass(slots=True)
 class _Local:
     """One request's own tree (prompt and output so far) and how much of its output the global tree has."""
 
-    tree: SuffixTree
-    cursor: Cursor
+    tree: AnyTree
+    cursor: AnyCursor
     prompt_len: int
-    matcher: Matcher  # its suffixes in the global tree
+    matcher: AnyMatcher  # its suffixes in the global tree
     in_global: bool = False  # its output went into the global tree (and stays out once evicted)
 
 
@@ -429,7 +792,9 @@ class SuffixProposer:
     ``max_cached_requests``: how many requests' outputs the global tree holds (0: no global tree);
     ``max_spec_factor``: a match of m ids drafts at most ``floor(max_spec_factor * m)`` ids;
     ``min_token_prob``: a guess whose path probability falls below it ends the draft.  vLLM's
-    ``suffix_decoding_*`` options of the same names.
+    ``suffix_decoding_*`` options of the same names.  ``native``: whether its trees are the native ones
+    (``MECHSERVE_SUFFIX_TREE``, read when it is made; module docstring); raises ``ValueError`` for a bad
+    value and ``NativeKernelError`` under ``native`` when they cannot be built.
 
     The next turn of a conversation (multi-turn chat, an agent loop) is a new request whose prompt repeats
     the last one's prompt and answer: the trees of the last ``FINISHED_KEPT`` requests to leave are kept, and a
@@ -452,12 +817,17 @@ class SuffixProposer:
         self.max_cached_requests = max_cached_requests
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
-        self.global_tree = SuffixTree(max_tree_depth)
+        # the trees' implementation, once per proposer (MECHSERVE_SUFFIX_TREE: module docstring)
+        self.native = suffix_native.enabled()
+        self._tree: Callable[[int], AnyTree] = NativeSuffixTree if self.native else SuffixTree
+        self._matcher: Callable[[Any], AnyMatcher] = NativeMatcher if self.native else Matcher
+        self._best_draft: Callable[..., Match] = native_best_draft if self.native else best_draft
+        self.global_tree = self._tree(max_tree_depth)
         # request id -> its cursor in the global tree, oldest first (running and finished requests)
-        self._cached: OrderedDict[str, Cursor] = OrderedDict()
+        self._cached: OrderedDict[str, AnyCursor] = OrderedDict()
         self._local: dict[str, _Local] = {}
         # request id -> the tree and cursor of a request that left, newest last (FINISHED_KEPT of them)
-        self._finished: OrderedDict[str, tuple[SuffixTree, Cursor]] = OrderedDict()
+        self._finished: OrderedDict[str, tuple[AnyTree, AnyCursor]] = OrderedDict()
 
     @classmethod
     def build(cls, ctx: ProposerContext) -> SuffixProposer:
@@ -507,8 +877,8 @@ class SuffixProposer:
         Raises ``RuntimeError`` while a request is registered: its output is growing in the global tree."""
         if self._local:
             raise RuntimeError(f"forget_finished() with {len(self._local)} request(s) still registered")
-        self.global_tree = SuffixTree(self.max_tree_depth)
-        self._cached.clear()
+        self._cached.clear()  # the old global tree's cursors: the tree (and its native memory) goes with them
+        self.global_tree = self._tree(self.max_tree_depth)
         self._finished.clear()
 
     # Trees -------------------------------------------------------------------------------------------------------------
@@ -527,9 +897,9 @@ class SuffixProposer:
     def _draft(self, local: _Local, history: Sequence[int], num: int, in_global: Sequence[int]) -> Match:
         """The better of the request tree's draft and the global tree's (``in_global``: the matched nodes there)."""
         args = (num, self.max_spec_factor, self.min_token_prob)
-        found = best_draft(local.tree, local.cursor.matched, *args)
+        found = self._best_draft(local.tree, local.cursor.matched, *args)
         if self.max_cached_requests > 0:  # the global tree's wins with a higher score, or as high from a longer match
-            found = best_draft(self.global_tree, in_global, *args, beat=found)
+            found = self._best_draft(self.global_tree, in_global, *args, beat=found)
         return found
 
     def _sync(self, request: ExecutorRequest, history: Sequence[int], *, own: bool) -> _Local:
@@ -542,18 +912,18 @@ class SuffixProposer:
             local = None
         if local is None:
             tree, cursor = self._adopt(history)
-            local = _Local(tree, cursor, request.prompt_len, Matcher(self.global_tree))
+            local = _Local(tree, cursor, request.prompt_len, self._matcher(self.global_tree))
             local.in_global = self._local.pop(rid, None) is not None and rid not in self._cached
             self._local[rid] = local
         cursor = local.cursor
-        for t in history[len(cursor.ids) :]:
-            cursor.append(int(t))
+        if len(history) > len(cursor.ids):
+            cursor.extend(history[len(cursor.ids) :])
         if not own and self.max_cached_requests > 0:
             self._sync_global(rid, local.in_global, history, local.prompt_len)
             local.in_global = True
         return local
 
-    def _adopt(self, history: Sequence[int]) -> tuple[SuffixTree, Cursor]:
+    def _adopt(self, history: Sequence[int]) -> tuple[AnyTree, AnyCursor]:
         """The tree and cursor of the finished request holding the longest prefix of ``history`` (taken out of
         the kept ones), else a new tree's."""
         found, longest = None, 0
@@ -564,7 +934,7 @@ class SuffixProposer:
                 found, longest = key, n
         if found is not None:
             return self._finished.pop(found)
-        tree = SuffixTree(self.max_tree_depth)
+        tree = self._tree(self.max_tree_depth)
         return tree, tree.cursor()
 
     def _sync_global(self, rid: str, added: bool, ids: Sequence[int], start: int) -> None:
@@ -583,8 +953,8 @@ class SuffixProposer:
             while len(self._cached) > self.max_cached_requests:
                 _, oldest = self._cached.popitem(last=False)
                 self.global_tree.remove(oldest.ids)
-        for t in ids[start + len(cursor.ids) :]:
-            cursor.append(int(t))
+        if len(ids) > start + len(cursor.ids):
+            cursor.extend(ids[start + len(cursor.ids) :])
 
 
 def _extends(ids: Sequence[int], start: int, held: list[int], depth: int) -> bool:
@@ -611,4 +981,17 @@ def _known_tail(history: Sequence[int], num: int) -> list[int]:
     return tail
 
 
-__all__ = ["MAX_TOKEN_ID", "ROOT", "Cursor", "Match", "Matcher", "SuffixProposer", "SuffixTree", "best_draft"]
+__all__ = [
+    "MAX_TOKEN_ID",
+    "ROOT",
+    "Cursor",
+    "Match",
+    "Matcher",
+    "NativeCursor",
+    "NativeMatcher",
+    "NativeSuffixTree",
+    "SuffixProposer",
+    "SuffixTree",
+    "best_draft",
+    "native_best_draft",
+]

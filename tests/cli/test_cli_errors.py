@@ -505,6 +505,17 @@ def test_bad_spec_costs_mode_is_a_usage_error(cli, monkeypatch) -> None:
     )
 
 
+def test_bad_suffix_tree_mode_is_a_usage_error(cli, monkeypatch) -> None:
+    """``MECHSERVE_SUFFIX_TREE`` (suffix decoding's trees) is checked as the kernel modes are: before any work,
+    whatever the speculation method."""
+    monkeypatch.setenv("MECHSERVE_SUFFIX_TREE", "rust")
+    assert_one_error_line(
+        cli("generate", "hi", "--max-tokens", "2"),
+        "MECHSERVE_SUFFIX_TREE must be one of auto, native, python",
+        "'rust'",
+    )
+
+
 @pytest.mark.parametrize("env", ["MECHSERVE_ATTENTION", "MECHSERVE_LINEAR"])
 def test_bad_kernel_mode_fails_the_engine_at_construction(monkeypatch, env: str) -> None:
     from mechserve.api.config import EngineConfig

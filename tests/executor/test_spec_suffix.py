@@ -7,11 +7,15 @@ other requests' outputs bounded by ``max_cached_requests``.  The engine: greedy 
 and output caching across the turns of a conversation, and the global tree's guesses accepted on a request
 that repeats an earlier one.  Exactness under every other mechanism is in test_spec_decode.py,
 test_spec_sampling.py (chi-square), structured/test_constrained_engine.py and engine/test_penalties_engine.py.
+
+Every test runs twice, on the pure-Python trees and on the native ones (``MECHSERVE_SUFFIX_TREE=python`` and
+``native``: the ``implementation`` fixture); test_spec_suffix_native.py compares the two directly.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,14 +30,46 @@ from tiny_checkpoints import Tiny, random_prompts
 from mechserve.api.config import EngineConfig, SpeculativeConfig
 from mechserve.api.params import SamplingParams
 from mechserve.engine.core import EngineCore
+from mechserve.executor import proposers_suffix as suffix
 from mechserve.executor.proposers import Window
-from mechserve.executor.proposers_suffix import MAX_TOKEN_ID, ROOT, Match, SuffixProposer, SuffixTree, best_draft
+from mechserve.executor.proposers_suffix import MAX_TOKEN_ID, ROOT, Match, SuffixProposer
 from mechserve.executor.request import ExecutorRequest
 from mechserve.executor.sampling import Row
 from mechserve.model.loader import LoadedModel
 
+MODE = ["python"]  # the trees' implementation the module's tests run on now (the ``implementation`` fixture)
 
-def shape(tree: SuffixTree, node: int = ROOT) -> Any:
+
+@pytest.fixture(scope="module", autouse=True, params=["python", "native"])
+def implementation(request: pytest.FixtureRequest) -> Any:
+    """``MECHSERVE_SUFFIX_TREE`` for the module's proposers and the class ``SuffixTree``/``best_draft`` stand
+    for.  Module-scoped: hypothesis refuses function-scoped fixtures."""
+    before = os.environ.get("MECHSERVE_SUFFIX_TREE")
+    os.environ["MECHSERVE_SUFFIX_TREE"] = MODE[0] = request.param
+    yield request.param
+    MODE[0] = "python"
+    if before is None:
+        del os.environ["MECHSERVE_SUFFIX_TREE"]
+    else:
+        os.environ["MECHSERVE_SUFFIX_TREE"] = before
+
+
+def SuffixTree(depth: int) -> Any:
+    """A new tree of the implementation under test."""
+    return (suffix.NativeSuffixTree if MODE[0] == "native" else suffix.SuffixTree)(depth)
+
+
+def best_draft(tree: Any, *args: Any, **kwargs: Any) -> Match:
+    """``best_draft`` of the implementation under test."""
+    return (suffix.native_best_draft if MODE[0] == "native" else suffix.best_draft)(tree, *args, **kwargs)
+
+
+def test_proposers_use_the_implementation_under_test() -> None:
+    tree = SuffixTree(4)
+    assert SuffixProposer().native == isinstance(tree, suffix.NativeSuffixTree) == (MODE[0] == "native")
+
+
+def shape(tree: Any, node: int = ROOT) -> Any:
     """A tree as nested (count, out, {id: child}) tuples, for comparing two trees."""
     kids = tree.children(node)
     return tree.count[node], tree.out[node], {t: shape(tree, c) for t, c in sorted(kids.items())}
@@ -49,7 +85,7 @@ def substrings(seqs: Sequence[Sequence[int]], depth: int) -> dict[tuple[int, ...
     return found
 
 
-def counts(tree: SuffixTree) -> dict[tuple[int, ...], int]:
+def counts(tree: Any) -> dict[tuple[int, ...], int]:
     found: dict[tuple[int, ...], int] = {}
     stack: list[tuple[tuple[int, ...], int]] = [((), tree.root)]
     while stack:
@@ -270,7 +306,7 @@ def test_proposals_do_not_depend_on_which_requests_available_was_asked_about() -
 # The incremental state (issue 27: the proposer's cost) ---------------------------------------------------------------
 
 
-def forward_draft(tree: SuffixTree, matched: Sequence[int], num: int, factor: float, min_prob: float) -> Match:
+def forward_draft(tree: Any, matched: Sequence[int], num: int, factor: float, min_prob: float) -> Match:
     """The draft rule as first written: every match length tried, shortest first, ties to the longer match."""
     best = Match()
     if num <= 0:
@@ -297,7 +333,7 @@ def known_tail(history: Sequence[int], depth: int) -> list[int]:
     return tail[max((j + 1 for j, t in enumerate(tail) if t < 0), default=0) :]
 
 
-def tree_of(seqs: Sequence[Sequence[int]], depth: int) -> SuffixTree:
+def tree_of(seqs: Sequence[Sequence[int]], depth: int) -> Any:
     tree = SuffixTree(depth)
     for s in seqs:
         tree.add(s)
@@ -501,7 +537,7 @@ def reference_draft(
     return best
 
 
-def free_nodes_are_blank(tree: SuffixTree) -> None:
+def free_nodes_are_blank(tree: Any) -> None:
     """Every freed or never used node id has a new node's fields (what ``Cursor.append`` relies on) and is not in
     the tree; every id below ``_top`` is in the tree or free."""
     live = {ROOT}
