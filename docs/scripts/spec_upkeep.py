@@ -25,7 +25,8 @@ between repeats.  So the script also times the model's forward apart from the re
 (``--split``, on by default: a wrapper around the model class's ``forward``, whose cost is one clock read per
 forward) and prints, per engine, the seconds in the forward, the seconds outside it, and the rest over
 ``off``'s rest.  Engines that ran the same forwards (no guess drafted: the same rows in the same steps) can
-only differ by the rest, which is measured to a few milliseconds.
+only differ by the rest.  The rest is also printed as the calling thread's CPU time outside the forward
+(``time.thread_time``): the Python work itself, which waiting on a busy machine does not inflate.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--methods", nargs="+", default=["ngram", "suffix", "eagle"])
     ap.add_argument("--no-split", dest="split", action="store_false", help="do not time the forward apart")
+    ap.add_argument(
+        "--python-tree", action="store_true", help="also suffix decoding on the Python suffix tree (suffix-python)"
+    )
     args = ap.parse_args()
 
     from mechserve.api.config import SpeculativeConfig, dtype_name
@@ -80,19 +84,27 @@ def main() -> None:
         silent = llms[f"{method}-silent"].core.executor
         silent._hidden = False  # no hidden rows asked of the forward, so an EAGLE head observes none
         silent.advise = answers_none(silent.advise)
+    if args.python_tree and "suffix" in args.methods:
+        os.environ["MECHSERVE_SUFFIX_TREE"] = "python"  # read when the proposer is built
+        llms["suffix-python"] = LLM(
+            loaded, speculative_config=SpeculativeConfig(method="suffix", num_speculative_tokens=4), **size
+        )
+        del os.environ["MECHSERVE_SUFFIX_TREE"]
     current = ["warm-up"]
-    forward_s: dict[str, float] = {name: 0.0 for name in llms}
-    forward_s["warm-up"] = 0.0
+    forward_s: dict[str, float] = dict.fromkeys([*llms, "warm-up"], 0.0)
+    forward_cpu: dict[str, float] = dict.fromkeys([*llms, "warm-up"], 0.0)
+    cpu_s: dict[str, float] = dict.fromkeys(llms, 0.0)
     if args.split:
         model_type = type(loaded.model)
         forward = model_type.forward
 
         def timed(self: object, *a: object, **k: object) -> object:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return forward(self, *a, **k)
             finally:
                 forward_s[current[0]] += time.perf_counter() - t0
+                forward_cpu[current[0]] += time.thread_time() - c0
 
         model_type.forward = timed  # type: ignore[method-assign]
     params = SamplingParams(temperature=0.0, max_tokens=128)
@@ -107,7 +119,9 @@ def main() -> None:
             current[0] = name
             t = tallies[name]
             before = (t.output_tokens, t.wall_s)
+            c0 = time.thread_time()
             run_sessions(llms[name], sessions, params, t)
+            cpu_s[name] += time.thread_time() - c0
             t.repeats.append((t.output_tokens - before[0], t.wall_s - before[1]))
         current[0] = "warm-up"
     off = tallies["off"]
@@ -120,12 +134,15 @@ def main() -> None:
         )
     if args.split:
         rest0 = off.wall_s - forward_s["off"]
-        print("  the forward timed apart (seconds over all repeats):")
+        cpu0 = cpu_s["off"] - forward_cpu["off"]
+        print("  the forward timed apart (seconds over all repeats; cpu: the calling thread's CPU time outside it):")
         for name, t in tallies.items():
             rest = t.wall_s - forward_s[name]
+            cpu = cpu_s[name] - forward_cpu[name]
             print(
                 f"  {name:14s} wall {t.wall_s:8.3f}  forward {forward_s[name]:8.3f}  rest {rest:7.3f}"
                 f"  rest - off's {rest - rest0:+7.3f} ({(rest - rest0) / off.wall_s:+.2%} of off's wall)"
+                f"  cpu {cpu:7.3f} - off's {cpu - cpu0:+7.3f} ({(cpu - cpu0) / off.wall_s:+.2%})"
             )
 
 
