@@ -35,6 +35,7 @@ import argparse
 import os
 import time
 from collections.abc import Callable, Sequence
+from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -50,6 +51,8 @@ def main() -> None:
         "--python-tree", action="store_true", help="also suffix decoding on the Python suffix tree (suffix-python)"
     )
     args = ap.parse_args()
+    if args.python_tree and "suffix" not in args.methods:
+        ap.error("--python-tree adds suffix decoding on the Python trees beside --methods suffix; add suffix")
 
     from mechserve.api.config import SpeculativeConfig, dtype_name
     from mechserve.api.params import SamplingParams
@@ -84,12 +87,11 @@ def main() -> None:
         silent = llms[f"{method}-silent"].core.executor
         silent._hidden = False  # no hidden rows asked of the forward, so an EAGLE head observes none
         silent.advise = answers_none(silent.advise)
-    if args.python_tree and "suffix" in args.methods:
-        os.environ["MECHSERVE_SUFFIX_TREE"] = "python"  # read when the proposer is built
-        llms["suffix-python"] = LLM(
-            loaded, speculative_config=SpeculativeConfig(method="suffix", num_speculative_tokens=4), **size
-        )
-        del os.environ["MECHSERVE_SUFFIX_TREE"]
+    if args.python_tree:
+        with mock.patch.dict(os.environ, {"MECHSERVE_SUFFIX_TREE": "python"}):  # read when the proposer is built
+            llms["suffix-python"] = LLM(
+                loaded, speculative_config=SpeculativeConfig(method="suffix", num_speculative_tokens=4), **size
+            )
     current = ["warm-up"]
     forward_s: dict[str, float] = dict.fromkeys([*llms, "warm-up"], 0.0)
     forward_cpu: dict[str, float] = dict.fromkeys([*llms, "warm-up"], 0.0)

@@ -91,6 +91,8 @@ NO_MATCH = Match()
 ROOT = 0  # the root's node id in every tree: the empty substring
 _SHIFT = 32  # an edge's key in ``SuffixTree.edges``: (parent id << _SHIFT) | token id
 MAX_TOKEN_ID = (1 << _SHIFT) - 1  # the largest token id a tree takes
+NATIVE_MAX_DEPTH = 1 << 16  # the deepest native tree (the options allow 256: MAX_SUFFIX_TREE_DEPTH)
+_NO_MEMORY = "no memory for the native suffix tree (a tree that ran out refuses every later change)"
 
 
 class SuffixTree:
@@ -480,8 +482,10 @@ class NativeSuffixTree:
     foreign call each; for tests and inspection, not hot paths).  The native memory (64 bytes a node: eight
     int64 fields, plus a hash map entry of 16 bytes, at most half full, for each child of a node with more
     than 8) is freed when the object is collected; it is bounded as the Python tree's is (freed node ids are
-    reused before new ones).  Raises ``ValueError`` for ``max_depth < 2``, ``NativeKernelError`` if the library
-    cannot be built, ``MemoryError`` when native memory runs out.
+    reused before new ones).  Raises ``ValueError`` for ``max_depth`` outside 2 .. ``NATIVE_MAX_DEPTH``,
+    ``NativeKernelError`` if the library cannot be built, ``MemoryError`` when native memory runs out: a change
+    that ran out may have been half made, so from then on the tree refuses every change (``MemoryError`` again)
+    and answers every question with nothing (no child, no match, no draft), never reading a half-made node.
     """
 
     __slots__ = (
@@ -503,6 +507,8 @@ class NativeSuffixTree:
     def __init__(self, max_depth: int) -> None:
         if max_depth < 2:
             raise ValueError(f"max_depth must be >= 2, got {max_depth}")
+        if max_depth > NATIVE_MAX_DEPTH:  # each cursor and matcher holds max_depth node ids
+            raise ValueError(f"max_depth must be <= {NATIVE_MAX_DEPTH} for the native suffix tree, got {max_depth}")
         self._h: int | None = None
         self._lib = lib = suffix_native.library()
         handle = lib.mechserve_suffix_tree_new(max_depth)
@@ -591,13 +597,13 @@ class NativeSuffixTree:
         """Take out what ``add(ids)`` put in, as ``SuffixTree.remove`` (ids < 0 break the sequence; nodes left
         with a zero count dropped, their ids freed for reuse; ``version`` bumped).
 
-        Raises ``ValueError`` when ``ids`` were never added (the tree is then partly updated: a caller's bug,
-        where the Python tree fails its assertion)."""
+        Raises ``ValueError`` when ``ids`` were never added (checked first: the tree is then unchanged; the
+        Python tree fails its assertion part way), ``MemoryError`` when the tree ran out of memory before."""
         self.version += 1
         buf = _ids_array(ids)
         done = self._lib.mechserve_suffix_tree_remove(self._h, _address(buf), len(buf))
         if done == -2:
-            raise MemoryError("no memory for the native suffix tree")
+            raise MemoryError(_NO_MEMORY)
         if done != 0:
             raise ValueError("remove() of ids never added")
 
@@ -673,7 +679,7 @@ class NativeCursor:
         if token > MAX_TOKEN_ID:
             raise ValueError(f"token id {token} is above the suffix tree's largest, {MAX_TOKEN_ID}")
         if self._append(self._where, token):
-            raise MemoryError("no memory for the native suffix tree")
+            raise MemoryError(_NO_MEMORY)
         self.ids.append(token)
 
     def extend(self, ids: Sequence[int]) -> None:
@@ -691,7 +697,7 @@ class NativeCursor:
             return
         done = self._extend(self._where, buf.buffer_info()[0], n)
         if done < 0:
-            raise MemoryError("no memory for the native suffix tree")
+            raise MemoryError(_NO_MEMORY)
         if done < n:
             self.ids.extend(buf[:done].tolist())
             raise ValueError(f"token id {buf[done]} is above the suffix tree's largest, {MAX_TOKEN_ID}")
@@ -761,7 +767,8 @@ class NativeMatcher:
             return self._fresh, self._now
         if appended == 1:
             t = ids[-1]
-            self._new[0] = t if t <= MAX_TOKEN_ID else -1  # not in the tree: a miss from the root, as an unknown id
+            # outside the tree's ids: a break (t < 0) or a miss from the root, as an unknown id (int64 either way)
+            self._new[0] = t if 0 <= t <= MAX_TOKEN_ID else -1
             tree._follow(tree._h, self._now_at, self._new_at, 1, self._next_at)
         else:
             new = _ids_array(ids[len(ids) - appended :])

@@ -471,8 +471,9 @@ class TorchExecutor:
         how many guesses it has for each (from the ids this executor knows) and weighs them with each
         request's acceptance so far (``Governor.decide``); a request backing off (``Acceptance.waiting``)
         counts as having none.
-        Every request in ``caps`` gets a limit in the answer: the governor's, else 0 for one with no
-        guess to make (cap 0, or unknown here).
+        Every request in ``caps`` gets a limit in the answer: the governor's (``None`` where ``may_pay``
+        answered for it: no limit of its own, the step's ``spec_len`` being 0), else 0 for one with no guess
+        to make (cap 0, or unknown here).
         """
         candidates = []
         ids = []

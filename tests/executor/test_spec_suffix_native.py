@@ -13,6 +13,8 @@ import copy
 import gc
 import os
 import pickle
+import subprocess
+import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +31,7 @@ from mechserve.executor import suffix_native
 from mechserve.executor.proposers import Window
 from mechserve.executor.proposers_suffix import (
     MAX_TOKEN_ID,
+    NATIVE_MAX_DEPTH,
     ROOT,
     Match,
     Matcher,
@@ -375,3 +378,87 @@ def test_native_memory_is_given_back_with_the_tree() -> None:
     assert old() is None and live() == held - 1
     del p
     assert live() == before
+
+
+def _state(tree: NativeSuffixTree, tokens: range) -> tuple[Any, ...]:
+    """What a tree answers: its nodes, every node's children and fields, and a long draft from the root."""
+    nodes = [(n, tree.children(n), tree.count[n], tree.out[n], tree.best[n]) for n in range(tree._top)]
+    root_draft = native_best_draft(tree, [ROOT], 1000, 1000.0, 0.0)
+    return tree.nodes, nodes, root_draft, [tree.matches([t]).tolist() for t in tokens]
+
+
+def test_a_refused_remove_changes_nothing() -> None:
+    """Ids never added (or added fewer times than removed) are refused before any count moves: a half-made
+    remove left chains below a node longer than ``max_depth``, and a draft then wrote past its buffers (found
+    by review: this sequence, the refused removes ignored, drafted 5 ids with room for 3)."""
+    tree = NativeSuffixTree(3)
+    ops: list[tuple[str, list[int]]] = [
+        ("remove", [1, 1, 1]), ("add", [1, 0]), ("add", [2, 0]), ("remove", [2]), ("remove", [2]),
+        ("add", [1, 2, 2, 1]), ("add", [2, 3, 2, 0]), ("remove", [3, 1, 3]), ("add", [1, 2, 1, 1]),
+    ]  # fmt: skip
+    python = SuffixTree(3)
+    for op, ids in ops:
+        if op == "add":
+            tree.add(ids)
+            python.add(ids)
+            continue
+        before = _state(tree, range(5))
+        try:
+            tree.remove(ids)
+        except ValueError:
+            assert _state(tree, range(5)) == before
+        else:
+            python.remove(ids)
+    # every remove refused left it as the Python tree that never saw them
+    assert native_best_draft(tree, [ROOT], 1000, 1000.0, 0.0) == best_draft(python, [ROOT], 1000, 1000.0, 0.0)
+    assert tree.nodes == python.nodes
+    for node in range(1, 20):  # no draft from any node runs past max_depth ids
+        found = native_best_draft(tree, [node], 1000, 1000.0, 0.0) if node < tree._top else Match()
+        assert len(found.ids) <= tree.max_depth
+
+
+def test_a_tree_that_ran_out_of_memory_refuses_every_later_call_without_crashing() -> None:
+    """The allocation of a node block fails (the address space limited in a child process): the append that
+    ran out raises ``MemoryError``, and so does every later change, with memory back; questions answer
+    nothing.  Before, the node counter had moved past the storage, and the next append wrote outside it."""
+    code = """
+import resource
+from mechserve.executor.proposers_suffix import NativeSuffixTree
+tree = NativeSuffixTree(2)
+cursor = tree.cursor()
+cursor.extend(range(32768))  # the first block full
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 20), hard))
+try:
+    cursor.append(40000)
+except MemoryError as e:
+    first = str(e)
+else:
+    raise SystemExit("no MemoryError with the address space limited")
+resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+for change in (lambda: cursor.append(40001), lambda: cursor.extend([1, 2]), lambda: tree.remove([5])):
+    try:
+        change()
+    except MemoryError:
+        pass
+    else:
+        raise SystemExit("a change of a tree that ran out was not refused")
+assert len(tree.matches([1])) == 0 and tree.child(0, 1) == -1 and tree.speculate([1], 4, 1.0, 0.0).ids == ()
+print("ok", first)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("ok no memory for the native suffix tree"), done.stdout
+
+
+def test_depths_past_the_native_bound_and_odd_ids_are_refused_or_missed() -> None:
+    for depth in (NATIVE_MAX_DEPTH + 1, 1 << 60, 1 << 64):
+        with pytest.raises(ValueError, match=f"max_depth must be <= {NATIVE_MAX_DEPTH}"):
+            NativeSuffixTree(depth)
+    tree = NativeSuffixTree(4)
+    tree.add([1, 2, 3])
+    matcher = NativeMatcher(tree)
+    assert list(matcher.matched([1, 2])) == list(tree.matches([1, 2]))
+    assert list(matcher.matched([1, 2, -(1 << 64)])) == []  # an unknown id beyond int64 breaks the sequence
+    assert list(matcher.matched([1, 2, -(1 << 64), 1 << 40])) == []  # one past the tree's ids: a miss

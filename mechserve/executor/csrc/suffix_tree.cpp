@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__linux__)
@@ -201,6 +202,9 @@ struct Tree {
     std::vector<int64_t> free_ids;  // dropped ids to reuse, the next one last
     int64_t top = 1;                // ids from here on were never used
     int64_t nodes = 1;
+    // an allocation failed inside a change: the tree may be half changed, so every later call is refused
+    // (changes answer "out of memory" again, questions answer "nothing": no child, no match, no draft)
+    bool broken = false;
     std::vector<int64_t> scratch;  // a cursor's new suffixes, a matcher's grown nodes
 
     explicit Tree(int64_t depth) : max_depth(depth), scratch(static_cast<size_t>(depth) + 1) {}
@@ -287,8 +291,9 @@ struct Tree {
                     c = free_ids.back();
                     free_ids.pop_back();
                 } else {
-                    c = top++;
-                    if (c == nd.size()) nd.grow();
+                    c = top;
+                    if (c == nd.size()) nd.grow();  // may throw: top is moved only once the room is there
+                    ++top;
                 }
                 nd[c].count = held = 1;
                 nd[c].token = tok;
@@ -316,8 +321,10 @@ struct Tree {
         state[0] = n_grown;
     }
 
-    // SuffixTree.remove; false when an id's node is missing (ids never added), the tree then partly updated.
-    bool remove(const int64_t* ids, int64_t n) {
+    // Whether remove(ids) would find every node it takes a count from, each with the counts it takes (ids
+    // that were added): checked before anything changes, so a refused remove leaves the tree as it was.
+    bool removable(const int64_t* ids, int64_t n) const {
+        std::unordered_map<int64_t, int64_t> taken;  // node id -> counts remove() would take from it
         for (int64_t i = 0; i < n; ++i) {
             int64_t node = 0;
             int64_t end = i + max_depth < n ? i + max_depth : n;
@@ -326,7 +333,24 @@ struct Tree {
                 if (tok < 0) break;
                 if (tok > kMaxToken) return false;
                 int64_t c = find(node, tok);
-                if (c < 0) return false;
+                if (c < 0 || ++taken[c] > nd[c].count) return false;
+                node = c;
+            }
+        }
+        return true;
+    }
+
+    // SuffixTree.remove; false (nothing changed) when ids were never added (``removable``).
+    bool remove(const int64_t* ids, int64_t n) {
+        if (!removable(ids, n)) return false;
+        for (int64_t i = 0; i < n; ++i) {
+            int64_t node = 0;
+            int64_t end = i + max_depth < n ? i + max_depth : n;
+            for (int64_t j = i; j < end; ++j) {
+                int64_t tok = ids[j];
+                if (tok < 0) break;
+                if (tok > kMaxToken) return false;
+                int64_t c = find(node, tok);
                 --nd[node].out;
                 int64_t left = --nd[c].count;
                 if (left == 0) {  // drop it: out of the edges and of its parent's chain of children
@@ -355,7 +379,7 @@ void* mechserve_suffix_tree_new(int64_t max_depth) {
         Tree* made = new Tree(max_depth);
         ++live_trees;
         return made;
-    } catch (const std::bad_alloc&) {
+    } catch (...) {  // no C++ exception may leave through ctypes (it would end the process)
         return nullptr;
     }
 }
@@ -403,7 +427,8 @@ int64_t mechserve_suffix_tree_free_ids(void* handle, int64_t* out, int64_t cap) 
 
 // node's child under token, -1 when none (or token outside 0 .. 2**32 - 1).
 int64_t mechserve_suffix_tree_child(void* handle, int64_t node, int64_t token) {
-    return static_cast<const Tree*>(handle)->child(node, token);
+    const Tree* t = static_cast<const Tree*>(handle);
+    return t->broken ? -1 : t->child(node, token);
 }
 
 // node's children in chain order: their tokens and node ids into tokens/nodes (room for cap each); returns
@@ -411,6 +436,7 @@ int64_t mechserve_suffix_tree_child(void* handle, int64_t node, int64_t token) {
 int64_t mechserve_suffix_tree_children(void* handle, int64_t node, int64_t* tokens, int64_t* nodes, int64_t cap) {
     const Tree* t = static_cast<const Tree*>(handle);
     if (node < 0 || node >= t->nd.size()) return -1;
+    if (t->broken) return 0;
     int64_t n = 0;
     for (int64_t c = t->nd[node].first; c >= 0; c = t->nd[c].next, ++n) {
         if (n < cap) {
@@ -430,6 +456,7 @@ int64_t mechserve_suffix_tree_children(void* handle, int64_t node, int64_t* toke
 int64_t mechserve_suffix_tree_extend(int64_t* cursor, const int64_t* ids, int64_t n) {
     Tree* t = reinterpret_cast<Tree*>(cursor[0]);
     int64_t* state = cursor + 1;
+    if (t->broken) return -1;
     try {
         for (int64_t i = 0; i < n; ++i) {
             int64_t tok = ids[i];
@@ -442,7 +469,8 @@ int64_t mechserve_suffix_tree_extend(int64_t* cursor, const int64_t* ids, int64_
                 t->append(state, tok);
             }
         }
-    } catch (const std::bad_alloc&) {
+    } catch (...) {
+        t->broken = true;
         return -1;
     }
     return n;
@@ -450,9 +478,12 @@ int64_t mechserve_suffix_tree_extend(int64_t* cursor, const int64_t* ids, int64_
 
 // Cursor.append of one id (0 <= token <= 2**32 - 1: the caller checks): 0, or -1 out of memory.
 int64_t mechserve_suffix_tree_append(int64_t* cursor, int64_t token) {
+    Tree* t = reinterpret_cast<Tree*>(cursor[0]);
+    if (t->broken) return -1;
     try {
-        reinterpret_cast<Tree*>(cursor[0])->append(cursor + 1, token);
-    } catch (const std::bad_alloc&) {
+        t->append(cursor + 1, token);
+    } catch (...) {
+        t->broken = true;
         return -1;
     }
     return 0;
@@ -460,9 +491,11 @@ int64_t mechserve_suffix_tree_append(int64_t* cursor, int64_t token) {
 
 // SuffixTree.remove(ids[0 .. n)): 0, -1 when some id's node is missing (ids never added), -2 out of memory.
 int64_t mechserve_suffix_tree_remove(void* handle, const int64_t* ids, int64_t n) {
+    Tree* t = static_cast<Tree*>(handle);
+    if (t->broken) return -2;
     try {
-        return static_cast<Tree*>(handle)->remove(ids, n) ? 0 : -1;
-    } catch (const std::bad_alloc&) {
+        return t->remove(ids, n) ? 0 : -1;
+    } catch (...) {  // in removable(): nothing changed yet; in remove() proper nothing allocates
         return -2;
     }
 }
@@ -474,7 +507,7 @@ int64_t mechserve_suffix_tree_remove(void* handle, const int64_t* ids, int64_t n
 // returns how many.
 int64_t mechserve_suffix_tree_matches(void* handle, const int64_t* context, int64_t n, int64_t* out) {
     const Tree* t = static_cast<const Tree*>(handle);
-    int64_t longest = n < t->max_depth - 1 ? n : t->max_depth - 1;
+    int64_t longest = t->broken ? 0 : n < t->max_depth - 1 ? n : t->max_depth - 1;
     int64_t found = 0;
     for (int64_t m = 1; m <= longest; ++m) {
         int64_t node = 0;
@@ -495,6 +528,10 @@ int64_t mechserve_suffix_tree_matches(void* handle, const int64_t* context, int6
 // to it, into the buffer to (which may be from); returns how many.
 int64_t mechserve_suffix_tree_follow(void* handle, const int64_t* from, const int64_t* ids, int64_t n, int64_t* to) {
     Tree* t = static_cast<Tree*>(handle);
+    if (t->broken) {
+        to[0] = 0;
+        return 0;
+    }
     int64_t longest = t->max_depth - 2;
     int64_t* grown = t->scratch.data();
     int64_t k = from[0];
@@ -527,6 +564,7 @@ int64_t mechserve_suffix_tree_follow(void* handle, const int64_t* from, const in
 // the rival; -2 for a node id not in the tree; -3 when max_spec_factor * m is not a finite number.
 int64_t mechserve_suffix_tree_best_draft(void* handle, const int64_t* matched, int64_t n, int64_t* ask, double* real) {
     Tree* t = static_cast<Tree*>(handle);
+    if (t->broken) return 0;
     for (int64_t i = 0; i < n; ++i)
         if (matched[i] < 0 || matched[i] >= t->top) return -2;
     const int64_t num = ask[0];
@@ -556,7 +594,9 @@ int64_t mechserve_suffix_tree_best_draft(void* handle, const int64_t* matched, i
         int64_t drafted = 0;
         double prob = 1.0, sum = 0.0;
         int64_t c = nd[node].best;
-        while (drafted < budget && c >= 0) {
+        // a path below a match is shorter than max_depth in a tree built by these functions; the bound keeps
+        // the buffers (max_depth + 1 and max_depth ids) whatever the tree holds
+        while (drafted < budget && drafted < t->max_depth && c >= 0) {
             prob *= static_cast<double>(nd[c].count) / static_cast<double>(nd[node].out);
             if (prob < min_token_prob) break;
             draft[drafted++] = nd[c].token;

@@ -360,7 +360,7 @@ constexpr int64_t widened_work(int64_t M, int TMR, int TNR) {
 // Whether M rows of widened bfloat16 take TALL_MR x TALL_NR tiles: where they count at least 5% fewer
 // instructions than WIDE_MR x WIDE_NR, up to 20 rows, where that was measured (with AVX2's shapes: 5, 6, 9, 10,
 // 17 and 18 rows; SmolLM2's layers 10.6%, 7.7%, 11%, 9% and 4% faster at 5, 6, 9, 10 and 17, its LM head
-// 13%, 10%, 14%, 11% and 6%: docs/benchmarks.md, issue 27).
+// 13%, 10%, 14%, 11% and 6%, 18 rows not measured: docs/benchmarks.md, issue 27, "Short last tiles").
 constexpr bool tall_tiles(int64_t M) {
     if constexpr (TALL_MR == WIDE_MR && TALL_NR == WIDE_NR) return false;
     return M <= 20 && widened_work(M, TALL_MR, TALL_NR) * 20 <= widened_work(M, WIDE_MR, WIDE_NR) * 19;
