@@ -22,7 +22,7 @@ import ctypes
 from functools import cache
 from pathlib import Path
 
-from mechserve.api.env import suffix_tree_mode
+from mechserve.api.env import SUFFIX_TREE_ENV, suffix_tree_mode
 from mechserve.native.build import Kernel, usable
 
 SOURCE = Path(__file__).with_name("csrc") / "suffix_tree.cpp"
@@ -77,7 +77,7 @@ def library() -> ctypes.CDLL:
 
 @cache
 def _usable(mode: str) -> bool:
-    return usable(mode, library, "native suffix tree", fallback="the Python suffix tree")
+    return usable(mode, library, "native suffix tree", fallback="the Python suffix tree", variable=SUFFIX_TREE_ENV)
 
 
 def enabled() -> bool:

@@ -21,7 +21,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mechserve.api.env import attention_mode
+from mechserve.api.env import ATTENTION_ENV, attention_mode
 from mechserve.native.build import Kernel, usable
 
 if TYPE_CHECKING:  # torch is imported where it is used, so the CLI can check the mode without it
@@ -69,7 +69,7 @@ def enabled() -> bool:
 
     Raises ``NativeKernelError`` in ``native`` mode when the kernel cannot be built.
     """
-    return usable(attention_mode(), _load, "native paged attention")
+    return usable(attention_mode(), _load, "native paged attention", variable=ATTENTION_ENV)
 
 
 def supports(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:

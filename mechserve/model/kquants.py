@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mechserve.api.env import linear_mode
+from mechserve.api.env import LINEAR_ENV, linear_mode
 from mechserve.native.build import Kernel, usable
 
 
@@ -296,7 +296,7 @@ def library() -> ctypes.CDLL:
 @cache
 def enabled() -> bool:
     """Whether the K-quant kernel is used (``MECHSERVE_LINEAR``, as the linear kernel; built on the first call)."""
-    return usable(linear_mode(), library, "native K-quant kernel")
+    return usable(linear_mode(), library, "native K-quant kernel", variable=LINEAR_ENV)
 
 
 def product_function() -> int:

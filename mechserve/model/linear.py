@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mechserve.api.env import linear_mode
+from mechserve.api.env import LINEAR_ENV, linear_mode
 from mechserve.model import kquants
 from mechserve.model.quantized import QuantizedMatrix, dequantize
 from mechserve.native.build import Kernel, usable
@@ -125,7 +125,7 @@ def enabled() -> bool:
 
     Raises ``NativeKernelError`` in ``native`` mode when the kernel cannot be built.
     """
-    return usable(linear_mode(), library, "native linear kernel")
+    return usable(linear_mode(), library, "native linear kernel", variable=LINEAR_ENV)
 
 
 def native_linear(

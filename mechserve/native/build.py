@@ -177,18 +177,21 @@ class Kernel:
 __all__ = ["FLAGS", "Kernel", "NativeKernelError", "compiler"]
 
 
-def usable(mode: str, load: Callable[[], object], what: str, fallback: str = "torch's path") -> bool:
-    """Whether a kernel is used under its mode setting (``MECHSERVE_ATTENTION``, ``MECHSERVE_LINEAR``,
-    ``MECHSERVE_SUFFIX_TREE``): ``torch`` (or ``python``) never; ``native`` always, raising
-    ``NativeKernelError`` if ``load()`` cannot build or open it; ``auto`` when it loads, else the
-    ``fallback`` path with one line on stderr naming ``what`` and saying why."""
+def usable(
+    mode: str, load: Callable[[], object], what: str, fallback: str = "torch's path", variable: str = ""
+) -> bool:
+    """Whether a kernel is used under its mode setting (``variable``: ``MECHSERVE_ATTENTION``,
+    ``MECHSERVE_LINEAR``, ``MECHSERVE_SUFFIX_TREE``): ``torch`` (or ``python``) never; ``native`` always,
+    raising ``NativeKernelError`` naming ``what`` and the setting if ``load()`` cannot build or open it;
+    ``auto`` when it loads, else the ``fallback`` path with one line on stderr naming ``what`` and saying why."""
     if mode in ("torch", "python"):
         return False
     try:
         load()
     except (NativeKernelError, OSError, subprocess.SubprocessError) as exc:
         if mode == "native":
-            raise NativeKernelError(str(exc)) from exc
+            setting = f" ({variable}=native)" if variable else ""
+            raise NativeKernelError(f"{what} unavailable{setting}: {exc}") from exc
         print(f"mechserve: {what} unavailable, using {fallback}: {exc}", file=sys.stderr)
         return False
     return True
